@@ -1,0 +1,350 @@
+"""Pseudo-log-likelihood (PLL) scoring with masked language models.
+
+PLL(W) = sum_t log P(w_t | W with w_t replaced by [MASK])      (Salazar et al. 2020, §2, Eq. 2)
+
+Two variants:
+- ``original``: exactly one token masked per copy (Salazar et al. 2020).
+- ``within_word_l2r``: when scoring sub-token t of a word, also mask the sub-tokens of the same word
+  to the right of t (Kauf & Ivanova 2023, "A Better Way to Do Masked Language Model Scoring", §3),
+  which removes the inflation of multi-token words whose later pieces give the answer away.
+
+Speed and memory, compared with one full masked-LM forward per sentence batch:
+- the masked copies of many sentences are packed into batches under a token budget (B * T padded
+  tokens), sentences sorted by length so that a batch holds similar lengths (little padding);
+  a long sentence's copies are split over several batches, so memory is bounded on long inputs;
+- the vocabulary head is applied at the single masked position of each copy only, (B, d) -> (B, V),
+  instead of (B, T, V) logits for every position;
+- identical sentences are scored once.
+
+Any model works through the tiny `MaskedScorer` protocol; HF masked LMs get an adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, overload, runtime_checkable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from mlsm.errors import UserError
+
+Variant = Literal["original", "within_word_l2r"]
+VARIANTS: tuple[str, ...] = ("original", "within_word_l2r")
+
+
+@runtime_checkable
+class MaskedScorer(Protocol):
+    """Anything that can predict the vocabulary at chosen positions of a (partly masked) batch.
+
+    `input_ids`, `attention_mask`: (B, T) long; `select`: (B, T) bool. Returns logits (N, |V|) with
+    N = select.sum(), rows in row-major order of `select` (what `hidden[select]` gives). Logits need
+    not be normalised: PLL applies log-softmax itself. MLSM models implement this through their
+    linear probe; HF masked LMs through `HFMaskedLMScorer`.
+    """
+
+    def logits_at(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class HFMaskedLMScorer:
+    """`MaskedScorer` adapter for an HF ``AutoModelForMaskedLM`` model.
+
+    Runs the base model, gathers the selected positions and applies the family's own MLM head there
+    only (`mlsm.models.heads.mlm_head_fn`). Families without a sparse head fall back to the model's
+    full forward, (B, T, V) logits, then select: correct, just slower.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from mlsm.models.heads import mlm_head_fn
+
+        self.model = model
+        try:
+            self._head = mlm_head_fn(model)
+        except ValueError:
+            self._head = None
+
+    def logits_at(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+    ) -> torch.Tensor:
+        if self._head is None:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return logits[select]  # (B, T, V) -> (N, V)
+        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = out.last_hidden_state  # (B, T, d)
+        return self._head(hidden[select])  # (N, d) -> (N, V)
+
+
+def as_scorer(model: Any) -> MaskedScorer:
+    """Return `model` itself if it implements `MaskedScorer`, else wrap an HF masked LM."""
+    if callable(getattr(model, "logits_at", None)):
+        return model
+    config = getattr(model, "config", None)
+    if isinstance(model, torch.nn.Module) and config is not None and hasattr(model, "base_model"):
+        return HFMaskedLMScorer(model)
+    raise UserError(
+        f"cannot score with a {type(model).__name__}: pass an HF AutoModelForMaskedLM "
+        "or an object with logits_at(input_ids, attention_mask, select)"
+    )
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Per-token PLL terms of one sentence; `log_probs[j]` scores `tokens[j]` at `positions[j]`."""
+
+    sentence: str
+    tokens: list[str]
+    token_ids: list[int]
+    positions: list[int]
+    log_probs: list[float]
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.log_probs))
+
+
+@dataclass
+class _Item:
+    """One distinct tokenised sentence: ids (L,), scored positions (n,), word index per token (L,)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    words: torch.Tensor
+
+
+def _word_index(word_ids: list[int | None]) -> torch.Tensor:
+    # Special tokens (None) get -1; they are never targets, so they never join a target's word.
+    return torch.tensor([-1 if w is None else w for w in word_ids], dtype=torch.long)
+
+
+def _encode(
+    tokenizer: Any, sentences: Sequence[str], variant: str, max_len: int | None
+) -> tuple[list[_Item], list[int]]:
+    """Tokenise with special tokens; return distinct items and, per sentence, its item index."""
+    if variant == "within_word_l2r" and not getattr(tokenizer, "is_fast", False):
+        raise UserError("variant within_word_l2r needs word boundaries: load a fast tokenizer")
+    enc = tokenizer(list(sentences), add_special_tokens=True, return_special_tokens_mask=True)
+    items: list[_Item] = []
+    seen: dict[tuple, int] = {}
+    which: list[int] = []
+    for i, ids in enumerate(enc["input_ids"]):
+        if max_len is not None and len(ids) > max_len:
+            raise UserError(
+                f"sentence {i} has {len(ids)} tokens, more than the model's {max_len}: split it"
+            )
+        words = _word_index(enc.word_ids(i)) if variant == "within_word_l2r" else None
+        key = (tuple(ids), None if words is None else tuple(words.tolist()))
+        if key not in seen:
+            special = torch.tensor(enc["special_tokens_mask"][i], dtype=torch.bool)
+            targets = torch.nonzero(~special).flatten()  # (n,) positions to score
+            ids_t = torch.tensor(ids, dtype=torch.long)
+            seen[key] = len(items)
+            items.append(_Item(ids_t, targets, words if words is not None else ids_t.new_empty(0)))
+        which.append(seen[key])
+    return items, which
+
+
+def _plan(
+    items: Sequence[_Item], token_budget: int, max_rows: int
+) -> list[list[tuple[int, int, int]]]:
+    """Group the masked copies into batches of (item, first copy, end copy) segments.
+
+    Items are visited longest first, so each batch holds similar lengths and the largest batch
+    comes first (an out-of-memory shows at once). A batch keeps rows * width <= token_budget
+    (at least one row) and rows <= max_rows, which bounds the (rows, |V|) logits too.
+    """
+    order = sorted(range(len(items)), key=lambda k: -len(items[k].ids))
+    batches: list[list[tuple[int, int, int]]] = []
+    batch: list[tuple[int, int, int]] = []
+    rows = width = 0
+    for k in order:
+        n, length = len(items[k].targets), len(items[k].ids)
+        start = 0
+        while start < n:
+            w = max(width, length)
+            room = min(max_rows, max(1, token_budget // w)) - rows
+            if room <= 0:
+                batches.append(batch)
+                batch, rows, width = [], 0, 0
+                continue
+            take = min(room, n - start)
+            batch.append((k, start, start + take))
+            rows, width, start = rows + take, w, start + take
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _mask_rows(item: _Item, targets: torch.Tensor, variant: str) -> torch.Tensor:
+    """Which tokens each copy hides: (n, L) bool, one row per target position."""
+    length = len(item.ids)
+    if variant == "original":
+        hide = torch.zeros(len(targets), length, dtype=torch.bool)
+        hide[torch.arange(len(targets)), targets] = True
+        return hide
+    # within_word_l2r (Kauf & Ivanova 2023): same word as the target and at or right of it.
+    same_word = item.words[None, :] == item.words[targets][:, None]  # (n, L)
+    right = torch.arange(length)[None, :] >= targets[:, None]  # (n, L)
+    return same_word & right
+
+
+def _build_batch(
+    items: Sequence[_Item], segments: list[tuple[int, int, int]], variant: str, mask_id: int,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded masked copies: input_ids, attention_mask, select (B, T) and true ids (B,)."""
+    n_rows = sum(end - start for _, start, end in segments)
+    width = max(len(items[k].ids) for k, _, _ in segments)
+    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n_rows, width), dtype=torch.long)
+    select = torch.zeros((n_rows, width), dtype=torch.bool)
+    truth = torch.empty(n_rows, dtype=torch.long)
+    row = 0
+    for k, start, end in segments:
+        item, n = items[k], end - start
+        targets = item.targets[start:end]  # (n,)
+        length = len(item.ids)
+        block = input_ids[row : row + n, :length]  # a view: writes land in input_ids
+        block[:] = item.ids
+        block[_mask_rows(item, targets, variant)] = mask_id
+        attention[row : row + n, :length] = 1
+        select[torch.arange(row, row + n), targets] = True
+        truth[row : row + n] = item.ids[targets]
+        row += n
+    return input_ids, attention, select, truth
+
+
+def _device_of(model: Any, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    module = model.model if isinstance(model, HFMaskedLMScorer) else model
+    if isinstance(module, torch.nn.Module):
+        param = next(module.parameters(), None)
+        if param is not None:
+            return param.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """Dropout off while scoring; the caller's train/eval flag is restored afterwards."""
+    module = model.model if isinstance(model, HFMaskedLMScorer) else model
+    if not isinstance(module, torch.nn.Module):
+        yield
+        return
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def _special_ids(tokenizer: Any) -> tuple[int, int]:
+    mask_id = getattr(tokenizer, "mask_token_id", None)
+    if mask_id is None:
+        raise UserError("the tokenizer has no mask token: PLL needs a masked-LM tokenizer")
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    return mask_id, pad_id if pad_id is not None else mask_id
+
+
+def _model_max_len(tokenizer: Any, scorer: Any) -> int | None:
+    module = scorer.model if isinstance(scorer, HFMaskedLMScorer) else scorer
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if tok_limit is not None and tok_limit < 1_000_000:
+        limit = tok_limit if limit is None else min(limit, tok_limit)
+    return limit
+
+
+def _score_items(
+    scorer: MaskedScorer, items: Sequence[_Item], variant: str, mask_id: int, pad_id: int,
+    token_budget: int, max_rows: int, device: torch.device, progress: bool | None,
+) -> list[np.ndarray]:
+    """log P(true token) at every target of every item: one float64 array (n,) per item."""
+    out = [np.zeros(len(it.targets), dtype=np.float64) for it in items]
+    batches = _plan(items, token_budget, max_rows)
+    total = sum(len(it.targets) for it in items)
+    bar = tqdm(total=total, desc="PLL", unit="copy", disable=None if progress is None else not progress)
+    for segments in batches:
+        ids, attention, select, truth = _build_batch(items, segments, variant, mask_id, pad_id)
+        logits = scorer.logits_at(ids.to(device), attention.to(device), select.to(device))
+        logits = logits.float()  # (B, V); log-softmax in fp32 even for half models
+        truth = truth.to(logits.device)
+        # log p(true) = z_true - logsumexp(z): no (B, V) log-softmax tensor is materialised.
+        logp = logits.gather(1, truth[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        logp = logp.double().cpu().numpy()
+        row = 0
+        for k, start, end in segments:
+            out[k][start:end] = logp[row : row + end - start]
+            row += end - start
+        bar.update(len(truth))
+    bar.close()
+    return out
+
+
+@overload
+def score_pll(
+    model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,
+    token_budget: int = ..., max_rows: int = ..., device: str | torch.device | None = ...,
+    per_token: Literal[False] = ..., progress: bool | None = ...,
+) -> list[float]: ...
+@overload
+def score_pll(
+    model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,
+    token_budget: int = ..., max_rows: int = ..., device: str | torch.device | None = ...,
+    per_token: Literal[True], progress: bool | None = ...,
+) -> list[TokenScores]: ...
+def score_pll(
+    model: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    *,
+    variant: Variant = "original",
+    token_budget: int = 8192,
+    max_rows: int = 512,
+    device: str | torch.device | None = None,
+    per_token: bool = False,
+    progress: bool | None = False,
+) -> list[float] | list[TokenScores]:
+    """Pseudo-log-likelihood (natural log) of each sentence, in input order.
+
+    model: an HF ``AutoModelForMaskedLM`` or any `MaskedScorer`. tokenizer: the model's tokenizer
+    (special tokens are added and never scored). token_budget: padded tokens per forward pass
+    (rows * longest row); max_rows: cap on masked copies per pass (bounds the (rows, |V|) logits).
+    device: where inputs go; default the model's. per_token: return `TokenScores` per sentence
+    instead of floats. progress: tqdm bar (None = only on a TTY).
+    """
+    if variant not in VARIANTS:
+        raise UserError(f"unknown PLL variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    if token_budget < 1 or max_rows < 1:
+        raise UserError("token_budget and max_rows must be positive integers")
+    if isinstance(sentences, str):
+        sentences = [sentences]
+    scorer = as_scorer(model)
+    mask_id, pad_id = _special_ids(tokenizer)
+    items, which = _encode(tokenizer, sentences, variant, _model_max_len(tokenizer, scorer))
+    dev = _device_of(scorer, device)
+    with _eval_mode(scorer), torch.inference_mode():
+        terms = _score_items(
+            scorer, items, variant, mask_id, pad_id, token_budget, max_rows, dev, progress
+        )
+    if not per_token:
+        return [float(terms[k].sum()) for k in which]
+    result = []
+    for sentence, k in zip(sentences, which, strict=True):
+        ids = items[k].ids[items[k].targets].tolist()
+        result.append(
+            TokenScores(
+                sentence=sentence,
+                tokens=tokenizer.convert_ids_to_tokens(ids),
+                token_ids=ids,
+                positions=items[k].targets.tolist(),
+                log_probs=terms[k].tolist(),
+            )
+        )
+    return result

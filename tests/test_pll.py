@@ -1,0 +1,250 @@
+"""PLL scoring: parity with a brute-force loop (one full HF forward per masked copy)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AlbertConfig,
+    AlbertForMaskedLM,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    DistilBertConfig,
+    DistilBertForMaskedLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
+
+from mlsm.errors import UserError
+from mlsm.evaluate.pll import MaskedScorer, TokenScores, as_scorer, score_pll
+
+VOCAB = [
+    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "fox", "run", "walk",
+    "jump", "quick", "brown", "lazy", "over", "is", "are", "was", "who", "he", "she", "they", "it",
+    "##s", "##ing", "##ed", "##ly", "##er", "un", "##believ", "##able", ".", ",", "?", "!", "'",
+]
+
+SENTENCES = [
+    "the quick brown fox jumped over the lazy dog.",
+    "cats run.",
+    "unbelievable!",
+    "she walks quickly, he runs slowly?",
+    "the dogs are walking",
+    "it",
+    "they jumped over the quick brown foxes who was running, unbelievably.",
+    "cats run.",  # duplicate: scored once, reported twice
+]
+
+
+def make_tokenizer(folder: Path):
+    """A real fast WordPiece tokenizer from a tiny vocabulary (offline, no hub)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 64}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tiny_bert(seed: int = 0, vocab_size: int = len(VOCAB)) -> BertForMaskedLM:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )
+    return BertForMaskedLM(config).eval()
+
+
+def word_starts(tokens: list[str]) -> list[bool]:
+    # WordPiece marks continuation pieces with "##": an independent source of word boundaries.
+    return [not t.startswith("##") for t in tokens]
+
+
+def brute_force_pll(model, tokenizer, sentence: str, variant: str) -> list[float]:
+    """Reference: one full forward per masked copy, logits from model(...).logits, log_softmax."""
+    ids = tokenizer(sentence)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    starts = word_starts(tokens)
+    scores = []
+    for t in range(1, len(ids) - 1):  # [CLS] ... [SEP]: never scored
+        copy = list(ids)
+        copy[t] = tokenizer.mask_token_id
+        if variant == "within_word_l2r":
+            j = t + 1
+            while j < len(ids) - 1 and not starts[j]:
+                copy[j] = tokenizer.mask_token_id
+                j += 1
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([copy])).logits[0, t]
+        scores.append(torch.log_softmax(logits.double(), -1)[ids[t]].item())
+    return scores
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: one thread is ~10x faster than two on a busy 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return tiny_bert()
+
+
+@pytest.fixture(scope="module")
+def reference(bert, tok):
+    return {
+        v: [sum(brute_force_pll(bert, tok, s, v)) for s in SENTENCES]
+        for v in ("original", "within_word_l2r")
+    }
+
+
+@pytest.mark.parametrize("variant", ["original", "within_word_l2r"])
+@pytest.mark.parametrize("budget,max_rows", [(8192, 512), (1, 512), (37, 3), (100, 512)])
+def test_pll_equals_brute_force(bert, tok, reference, variant, budget, max_rows):
+    got = score_pll(bert, tok, SENTENCES, variant=variant, token_budget=budget, max_rows=max_rows)
+    want = reference[variant]
+    assert len(got) == len(SENTENCES)
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, abs=1e-4)
+
+
+def test_variants_differ_only_on_multi_piece_words(bert, tok):
+    single = ["the cat is over the dog"]  # every word one piece: both variants mask the same
+    multi = ["unbelievable"]
+    a = score_pll(bert, tok, single + multi, variant="original")
+    b = score_pll(bert, tok, single + multi, variant="within_word_l2r")
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    assert abs(a[1] - b[1]) > 1e-6
+
+
+def test_per_token_scores(bert, tok):
+    rows = score_pll(bert, tok, SENTENCES[:3], variant="within_word_l2r", per_token=True)
+    totals = score_pll(bert, tok, SENTENCES[:3], variant="within_word_l2r")
+    for row, total, sentence in zip(rows, totals, SENTENCES[:3], strict=True):
+        assert isinstance(row, TokenScores)
+        assert row.sentence == sentence
+        assert row.total == pytest.approx(total, abs=1e-9)
+        assert row.tokens == tok.tokenize(sentence)  # special tokens are not scored
+        ref = brute_force_pll(bert, tok, sentence, "within_word_l2r")
+        assert row.log_probs == pytest.approx(ref, abs=1e-4)
+        assert all(lp <= 0 for lp in row.log_probs)
+
+
+def _other_families(vocab_size: int, pad_id: int):
+    torch.manual_seed(1)
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    roberta = RobertaForMaskedLM(
+        RobertaConfig(vocab_size=vocab_size, max_position_embeddings=80, pad_token_id=pad_id, **small)
+    )
+    distil = DistilBertForMaskedLM(
+        DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                         max_position_embeddings=64, pad_token_id=pad_id)
+    )
+    # ALBERT has no sparse head in mlsm.models.heads: exercises the full-logits fallback.
+    albert = AlbertForMaskedLM(
+        AlbertConfig(vocab_size=vocab_size, embedding_size=16, max_position_embeddings=64,
+                     pad_token_id=pad_id, **small)
+    )
+    return {"roberta": roberta, "distilbert": distil, "albert": albert}
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert", "albert"])
+def test_other_hf_families(tok, family):
+    model = _other_families(len(VOCAB), tok.pad_token_id)[family].eval()
+    got = score_pll(model, tok, SENTENCES[:5], token_budget=40)
+    want = [sum(brute_force_pll(model, tok, s, "original")) for s in SENTENCES[:5]]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+class PositionalScorer:
+    """A non-HF scorer: p(token | position) from a fixed table, context ignored.
+
+    PLL then has a closed form, sum_t log_softmax(table[t])[w_t], which checks that rows come back
+    in the order of `select` and that the protocol path needs nothing from HF. It also records
+    what it was shown, to check the masking pattern.
+    """
+
+    def __init__(self, vocab_size: int, max_len: int = 64):
+        gen = torch.Generator().manual_seed(3)
+        self.table = torch.randn(max_len, vocab_size, generator=gen)  # (T_max, V)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def logits_at(self, input_ids, attention_mask, select):
+        self.seen.append((input_ids.clone(), select.clone()))
+        positions = select.nonzero()[:, 1]  # (N,) row-major, one per row here
+        return self.table[positions]  # (N, V)
+
+
+def test_protocol_scorer_closed_form(tok):
+    scorer = PositionalScorer(len(VOCAB))
+    assert isinstance(scorer, MaskedScorer) and as_scorer(scorer) is scorer
+    got = score_pll(scorer, tok, SENTENCES, token_budget=30)
+    logp = torch.log_softmax(scorer.table.double(), -1)
+    for sentence, g in zip(SENTENCES, got, strict=True):
+        ids = tok(sentence)["input_ids"]
+        want = sum(logp[t, ids[t]].item() for t in range(1, len(ids) - 1))
+        assert g == pytest.approx(want, abs=1e-5)
+
+
+def test_protocol_scorer_sees_the_right_masks(tok):
+    scorer = PositionalScorer(len(VOCAB))
+    sentence = "unbelievable cats"  # un ##believ ##able cat ##s
+    score_pll(scorer, tok, [sentence], variant="within_word_l2r")
+    (input_ids, select), = scorer.seen
+    mask = input_ids == tok.mask_token_id  # (n, T)
+    targets = select.nonzero()[:, 1].tolist()
+    assert targets == [1, 2, 3, 4, 5]
+    # row for "un" hides the whole word; "##believ" hides itself and "##able"; "cat" hides "cat ##s"
+    expected = [[1, 2, 3], [2, 3], [3], [4, 5], [5]]
+    assert [row.nonzero().flatten().tolist() for row in mask] == expected
+
+
+def test_long_input_is_split_and_bounded(bert, tok):
+    long = " ".join(["the quick brown fox jumped over the lazy dog."] * 5)  # ~55 tokens
+    scorer = as_scorer(bert)
+    shapes = []
+
+    class Spy:
+        def logits_at(self, input_ids, attention_mask, select):
+            shapes.append(tuple(input_ids.shape))
+            return scorer.logits_at(input_ids, attention_mask, select)
+
+    got = score_pll(Spy(), tok, [long], token_budget=200)
+    assert all(b * t <= 200 for b, t in shapes) and len(shapes) > 1
+    assert got[0] == pytest.approx(score_pll(bert, tok, [long])[0], abs=1e-4)
+
+
+def test_duplicates_and_order(bert, tok):
+    got = score_pll(bert, tok, SENTENCES)
+    assert got[1] == got[-1]
+    rev = score_pll(bert, tok, SENTENCES[::-1])
+    assert rev[::-1] == pytest.approx(got, abs=1e-5)
+    assert all(math.isfinite(x) and x < 0 for x in got)
+
+
+def test_training_flag_restored(tok):
+    model = tiny_bert().train()
+    score_pll(model, tok, ["the cat"])
+    assert model.training
+
+
+def test_bad_input(bert, tok):
+    with pytest.raises(UserError, match="variant"):
+        score_pll(bert, tok, ["the cat"], variant="l2r")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="logits_at"):
+        score_pll(object(), tok, ["the cat"])
+    with pytest.raises(UserError, match="split"):
+        score_pll(bert, tok, [" ".join(["cat"] * 100)])
