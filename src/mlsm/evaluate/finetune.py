@@ -1,0 +1,330 @@
+"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (seed paper 000 §4.2).
+
+Protocol: AdamW, linear schedule (no warmup unless asked), batch 32, 3 epochs, lr 2e-5, the dev
+metric after the last epoch, 5 seeds. What makes the runs *paired* across models:
+
+- the task head is ours (not ``AutoModelForSequenceClassification``) and for seed s it is drawn
+  from a ``torch.Generator`` seeded by (s, task, hidden size) only, on CPU, so two backbones with
+  the same hidden size start from bit-identical heads;
+- the training order for seed s comes from a generator seeded by (s, task) only.
+
+Any HF encoder folder works (``AutoModel`` + ``AutoTokenizer``). Our checkpoints may carry a
+``checkpoint.json`` beside ``config.json`` with {"step", "readiness", "objective", "run"}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from mlsm.errors import UserError
+from mlsm.evaluate.stats import append_results, read_results
+from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model folder and what ``checkpoint.json`` says about it (None when absent)."""
+
+    name: str
+    path: str
+    step: int | None = None
+    readiness: float | None = None
+    objective: str | None = None
+    run: str | None = None
+
+
+def resolve_model(spec: str | Path) -> ModelRef:
+    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``run@step`` if known, else the folder name."""
+    name, _, path = str(spec).rpartition("=") if "=" in str(spec) else ("", "", str(spec))
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: not an HF model folder (no config.json); pass a save_pretrained folder")
+    meta: dict[str, Any] = {}
+    if (folder / "checkpoint.json").is_file():
+        meta = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+    step = meta.get("step")
+    run = meta.get("run")
+    if not name:
+        name = f"{run}@{step}" if run is not None and step is not None else folder.resolve().name
+    readiness = meta.get("readiness")
+    return ModelRef(name, str(folder), None if step is None else int(step),
+                    None if readiness is None else float(readiness), meta.get("objective"), run)
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from its parts, the same in every process (Python's hash() is salted)."""
+    digest = hashlib.sha256("|".join(map(str, parts)).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class TaskHead(nn.Module):
+    """Head on the backbone output: first token → dense+tanh → linear (cls/reg), or per-token linear.
+
+    The dense+tanh layer plays the role of BERT's pooler, built by us so that it is the same for
+    every backbone (some have no pooler, others a pretrained one).
+    """
+
+    def __init__(self, d: int, n_out: int, per_token: bool, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.per_token = per_token
+        self.drop = nn.Dropout(dropout)
+        self.dense = None if per_token else nn.Linear(d, d)
+        self.out = nn.Linear(d, n_out)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: (B, T, d) -> logits (B, T, n_out) per token, or (B, n_out) from position 0
+        x = hidden if self.per_token else hidden[:, 0]
+        if self.dense is not None:
+            x = torch.tanh(self.dense(self.drop(x)))
+        return self.out(self.drop(x))
+
+
+def build_head(spec: TaskSpec, d: int, seed: int) -> TaskHead:
+    """The head for (task, seed): weights ~ N(0, 0.02²), biases 0, drawn on CPU from a generator
+    seeded by (seed, task, d) alone — identical for every backbone with hidden size d."""
+    head = TaskHead(d, spec.num_outputs, per_token=spec.kind == "token")
+    gen = torch.Generator().manual_seed(stable_seed("head", seed, spec.name, d))
+    with torch.no_grad():
+        for module in (head.dense, head.out):
+            if module is not None:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
+                module.bias.zero_()
+    return head
+
+
+def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]:
+    """One permutation of range(n) per epoch, from (seed, task) only — the same for every model."""
+    gen = torch.Generator().manual_seed(stable_seed("order", seed, task))
+    return [torch.randperm(n, generator=gen).tolist() for _ in range(epochs)]
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def load_tokenizer(path: str, spec: TaskSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    if spec.kind != "token":
+        return AutoTokenizer.from_pretrained(path)
+    # Pre-split words need add_prefix_space for byte-level BPE tokenizers (RoBERTa, GPT-2);
+    # WordPiece tokenizers ignore it.
+    tok = AutoTokenizer.from_pretrained(path, add_prefix_space=True)
+    if not tok.is_fast:
+        raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) for word alignment")
+    return tok
+
+
+def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example], max_len: int) -> list[dict[str, Any]]:
+    """Tokenised features: {"inputs": tokenizer fields, "label": ..., "words": word index per labelled token}.
+
+    Token tasks label the first sub-token of each word and put -100 on every other position.
+    """
+    feats = []
+    for ex in examples:
+        if spec.kind != "token":
+            enc = tokenizer(ex.text, ex.text_pair, truncation=True, max_length=max_len)
+            feats.append({"inputs": dict(enc), "label": ex.label, "words": None})
+            continue
+        enc = tokenizer(ex.text, is_split_into_words=True, truncation=True, max_length=max_len)
+        labels, words, prev = [], [], None
+        for w in enc.word_ids():
+            first = w is not None and w != prev
+            labels.append(ex.label[w] if first else -100)
+            if first:
+                words.append(w)
+            prev = w
+        feats.append({"inputs": dict(enc), "label": labels, "words": words})
+    return feats
+
+
+def collate(tokenizer: Any, spec: TaskSpec, feats: Sequence[dict[str, Any]], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Pad a batch: model inputs (B, T) and labels (B,) or (B, T) with -100 padding."""
+    batch = tokenizer.pad([f["inputs"] for f in feats], return_tensors="pt")
+    if spec.kind == "token":
+        width = batch["input_ids"].shape[1]
+        labels = torch.tensor([f["label"] + [-100] * (width - len(f["label"])) for f in feats])
+    else:
+        labels = torch.tensor([f["label"] for f in feats], dtype=torch.float32 if spec.kind == "reg" else torch.long)
+    return {k: v.to(device) for k, v in batch.items()}, labels.to(device)
+
+
+# ----------------------------------------------------------------------------- train / eval
+
+
+def _loss(spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if spec.kind == "reg":
+        return nn.functional.mse_loss(logits.squeeze(-1), labels)
+    # (B, C) vs (B,) or (B, T, C) vs (B, T); -100 marks non-first sub-tokens and padding
+    return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # No decay on biases and LayerNorm weights (1-D tensors), as in BERT fine-tuning.
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=lr)
+
+
+def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
+               seed: int, cfg: dict[str, Any], device: torch.device) -> None:
+    """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs."""
+    torch.manual_seed(seed)  # dropout masks; the data order has its own generator
+    order = training_order(len(feats), seed, spec.name, cfg["epochs"])
+    bs = cfg["batch_size"]
+    total = cfg["epochs"] * math.ceil(len(feats) / bs)
+    warm = int(cfg["warmup_ratio"] * total)
+    opt = _optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+    backbone.train()
+    head.train()
+    for perm in order:
+        for i in range(0, len(perm), bs):
+            inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
+            loss = _loss(spec, head(backbone(**inputs).last_hidden_state), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([*backbone.parameters(), *head.parameters()], 1.0)
+            opt.step()
+            sched.step()
+
+
+@torch.no_grad()
+def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
+            examples: Sequence[Example], device: torch.device, batch_size: int = 64) -> list[Any]:
+    """Predictions per example: class ids, floats, or one tag name per word (truncated words → "O")."""
+    backbone.eval()
+    head.eval()
+    preds: list[Any] = []
+    for i in range(0, len(feats), batch_size):
+        chunk = feats[i:i + batch_size]
+        inputs, _ = collate(tokenizer, spec, chunk, device)
+        out = head(backbone(**inputs).last_hidden_state).float().cpu()
+        if spec.kind == "reg":
+            preds += out.squeeze(-1).tolist()
+        elif spec.kind == "cls":
+            preds += out.argmax(-1).tolist()
+        else:
+            for row, f, ex in zip(out.argmax(-1), chunk, examples[i:i + batch_size], strict=True):
+                tags = ["O"] * len(ex.text)
+                positions = [t for t, lab in enumerate(f["label"]) if lab != -100]
+                for t, w in zip(positions, f["words"], strict=True):
+                    tags[w] = spec.labels[int(row[t])]
+                preds.append(tags)
+    return preds
+
+
+def score(spec: TaskSpec, preds: list[Any], examples: Sequence[Example]) -> dict[str, float]:
+    """The task metric(s) of predictions against the examples' gold labels."""
+    if spec.kind == "token":
+        gold = [[spec.labels[t] for t in ex.label] for ex in examples]
+        return spec.metric(preds, gold)
+    return spec.metric(preds, [ex.label for ex in examples])
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def pick_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["model"], row["task"], row["seed"], float(row["lr"]), row["epochs"],
+            row["batch_size"], row["max_len"], row["n_train"])
+
+
+def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None) -> tuple[list[Example], dict[str, list[Example]]]:
+    train = load_task(spec.name, spec.train_split, data_dir, max_train)
+    evals = {suffix: load_task(spec.name, split, data_dir) for suffix, split in spec.eval_splits.items()}
+    return train, evals
+
+
+def run_cell(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
+             seed: int, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """One fine-tuning run (model, task, seed, lr) → one result row per metric."""
+    from transformers import AutoModel
+
+    start = time.time()
+    tokenizer = load_tokenizer(model.path, spec)
+    backbone = AutoModel.from_pretrained(model.path, dtype=torch.float32).to(device)
+    d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
+    head = build_head(spec, d, seed).to(device)
+    train_cell(backbone, head, tokenizer, spec, encode(tokenizer, spec, train, cfg["max_len"]), seed, cfg, device)
+    rows = []
+    for suffix, examples in evals.items():
+        feats = encode(tokenizer, spec, examples, cfg["max_len"])
+        metrics = score(spec, predict(backbone, head, tokenizer, spec, feats, examples, device), examples)
+        for metric, value in metrics.items():
+            rows.append({
+                "model": model.name, "path": model.path, "step": model.step, "readiness": model.readiness,
+                "objective": model.objective, "run": model.run, "task": spec.name,
+                "metric": f"{metric}_{suffix}" if suffix else metric, "value": value, "seed": seed,
+                "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
+                "max_len": cfg["max_len"], "n_train": len(train), "n_eval": len(examples),
+                "seconds": round(time.time() - start, 2),
+            })
+    return rows
+
+
+def finetune(
+    models: Sequence[str | Path],
+    tasks: Sequence[str],
+    seeds: Sequence[int] = (0, 1, 2, 3, 4),
+    lrs: Sequence[float] = (2e-5,),
+    epochs: int = 3,
+    batch_size: int = 32,
+    max_len: int = 128,
+    data_dir: str | Path | None = None,
+    results: str | Path = "results.jsonl",
+    max_train_examples: int | None = None,
+    device: str | torch.device = "auto",
+    warmup_ratio: float = 0.0,
+    weight_decay: float = 0.01,
+) -> Path:
+    """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
+
+    ``models``: HF folders, optionally ``"name=path"``. ``data_dir``: folder holding the task
+    folders (``CoLA/``, ``SST-2/``, ``WiC/``, ``conll2003/``...); None loads HF ``datasets``.
+    Cells already in ``results`` (same model, task, seed, lr, epochs, batch, max_len, n_train)
+    are skipped, so an interrupted grid resumes. Returns the results path.
+    """
+    if not models or not tasks or not seeds or not lrs:
+        raise UserError("finetune needs at least one model, task, seed and learning rate")
+    refs = [resolve_model(m) for m in models]
+    if len({r.name for r in refs}) != len(refs):
+        raise UserError("two models share a name; pass them as name=path to tell them apart")
+    specs = [get_task(t) for t in tasks]
+    dev = pick_device(device)
+    path = Path(results)
+    done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
+    bar = tqdm(total=len(refs) * len(specs) * len(seeds) * len(lrs), desc="finetune", disable=None)
+    for spec in specs:
+        train, evals = _task_data(spec, data_dir, max_train_examples)
+        for ref in refs:
+            for lr in lrs:
+                cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size, "max_len": max_len,
+                       "warmup_ratio": warmup_ratio, "weight_decay": weight_decay}
+                for seed in seeds:
+                    key = (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train))
+                    if key not in done:
+                        bar.set_postfix_str(f"{ref.name} {spec.name} seed={seed} lr={lr:g}")
+                        append_results(path, run_cell(ref, spec, train, evals, seed, cfg, dev))
+                    bar.update(1)
+    bar.close()
+    return path

@@ -1,0 +1,136 @@
+"""Figures and a Markdown report from a fine-tuning results file (seed paper 000, Figs. 2b, 4, 7).
+
+Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas directly, so no
+pyplot state or global backend is touched (safe inside notebooks and other programs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mlsm.evaluate.stats import SIGNIFICANCE, Comparison, compare_runs
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)  # attach the Agg canvas: PNG output without pyplot
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path
+
+
+def _avg(cmp: Comparison, i: int) -> float:
+    """Mean over all (task, metric) columns of model i's per-column means (the Table 1 "avg")."""
+    have = cmp.count[i] > 0
+    return float(cmp.mean[i][have].mean()) if have.any() else math.nan
+
+
+def plot_readiness(cmp: Comparison, path: Path) -> Path:
+    """Fig. 4: average dev score vs pre-training readiness, one line per run (or objective).
+
+    Models without a readiness (e.g. public checkpoints) are drawn as dashed horizontal lines.
+    """
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    series: dict[str, list[tuple[float, float]]] = {}
+    for i, model in enumerate(cmp.models):
+        info = cmp.info.get(model, {})
+        if info.get("readiness") is None:
+            ax.axhline(100 * _avg(cmp, i), linestyle="--", linewidth=1, label=model, color=f"C{(9 - i) % 10}")
+            continue
+        label = info.get("run") or info.get("objective") or model
+        series.setdefault(str(label), []).append((float(info["readiness"]), 100 * _avg(cmp, i)))
+    for k, (label, pts) in enumerate(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=f"C{k}")
+    ax.set_xlabel("readiness (fraction of pre-training steps)")
+    ax.set_ylabel("average dev score (×100)")
+    ax.set_title("Fine-tuning score vs readiness")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_wilcoxon(cmp: Comparison, path: Path) -> Path:
+    """Fig. 2b/2c: p-value heatmap (colour = -log10 p, * at p < 0.01) beside the win fractions."""
+    m = len(cmp.models)
+    fig = Figure(figsize=(4 + 1.6 * m, 1.5 + 0.7 * m))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = -np.log10(cmp.pvalues)
+        frac = np.where(cmp.n_pairs > 0, cmp.wins / np.maximum(cmp.n_pairs, 1), np.nan)
+    text = cmp.pvalue_table()
+    panels = [(logp, "-log10 p (Wilcoxon)", "viridis", text),
+              (frac, "win fraction (row beats column)", "RdBu", None)]
+    for k, (values, title, cmap, labels) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, k + 1)
+        im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0 if k else None, vmax=1 if k else None)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+        for i in range(m):
+            for j in range(m):
+                if i != j:
+                    s = labels[i][j] if labels else f"{int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])}"
+                    ax.text(j, i, s, ha="center", va="center", fontsize=8, color="black",
+                            bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})
+        ax.set_xticks(range(m), cmp.models, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(m), cmp.models, fontsize=8)
+        ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def plot_paired(cmp: Comparison, task: str, path: Path, baseline: str | None = None) -> Path | None:
+    """Fig. 7: per-run scores of each model (y) against the baseline's paired run (x) for one task.
+
+    Points above the diagonal are runs where the model beats the baseline with the same seed.
+    Returns None when fewer than two models have runs of this task.
+    """
+    models = [mod for mod in cmp.models if any(k[0] == task for k in cmp.scores[mod])]
+    base = baseline if baseline in models else (models[0] if models else None)
+    if base is None or len(models) < 2:
+        return None
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    ref = {k: v for k, v in cmp.scores[base].items() if k[0] == task}
+    for c, mod in enumerate(m for m in models if m != base):
+        common = [k for k in cmp.scores[mod] if k in ref]
+        ax.scatter([100 * ref[k] for k in common], [100 * cmp.scores[mod][k] for k in common],
+                   label=mod, color=f"C{c}", alpha=0.8)
+    lo, hi = ax.get_xlim()
+    lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+    ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1, linestyle=":")
+    ax.set_xlabel(f"{base} (×100)")
+    ax.set_ylabel("other model (×100)")
+    ax.set_title(f"{task}: paired runs (same seed, all metrics)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
+    """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
+
+    ``baseline``: the model on the x axis of the paired scatters (default: the first model).
+    Returns the path of ``report.md``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cmp = compare_runs(results_path, out)
+    figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
+               (f"Wilcoxon p-values (* p < {SIGNIFICANCE}) and win fractions (Fig. 2b/2c)",
+                plot_wilcoxon(cmp, out / "wilcoxon.png"))]
+    for task in dict.fromkeys(t for t, _ in cmp.columns):
+        png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)
+        if png is not None:
+            figures.append((f"{task}: paired runs (Fig. 7)", png))
+    parts = [f"# Fine-tuning report\n\nResults: `{results_path}`; models: {', '.join(cmp.models)}.\n"]
+    parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
+    parts.append(cmp.to_markdown())
+    path = out / "report.md"
+    tmp = out / "report.md.tmp"
+    tmp.write_text("\n".join(parts), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

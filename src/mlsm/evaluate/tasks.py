@@ -1,0 +1,348 @@
+"""Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets, metrics.
+
+The task list and metrics follow the evaluation protocol of seed paper 000 §4.2 (GLUE + WiC +
+CoNLL-2003). Local files are read in their *original distributed* formats:
+
+- GLUE TSVs (``glue_data/<TASK>/``): tab separated, ``csv.QUOTE_NONE`` because sentences contain
+  bare quote characters; CoLA train/dev have no header, every other file has one.
+- WiC (Pilehvar & Camacho-Collados 2019): ``<split>.data.txt`` + ``<split>.gold.txt``.
+- CoNLL-2003 (Tjong Kim Sang & De Meulder 2003): one ``token POS chunk NER`` line per token.
+
+GLUE test sets are unlabeled, so every task is scored on its dev split(s).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import stats as sps
+from seqeval.metrics import f1_score as seqeval_f1
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+from mlsm.errors import UserError
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example. ``text`` is a string, or a list of words for token tasks (CoNLL).
+
+    ``label`` is a class id (classification), a float (regression) or one tag id per word.
+    """
+
+    text: str | list[str]
+    text_pair: str | None
+    label: int | float | list[int]
+
+
+Reader = Callable[[Path, str], list[Example]]  # (task folder, split) -> examples
+
+
+# ----------------------------------------------------------------------------- metrics
+# Each takes predictions and gold labels and returns {metric name: value}; values are fractions.
+
+
+def metric_mcc(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
+    """Matthews correlation (CoLA)."""
+    return {"mcc": float(matthews_corrcoef(labels, preds))}
+
+
+def metric_acc(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
+    """Accuracy."""
+    return {"acc": float(accuracy_score(labels, preds))}
+
+
+def metric_acc_f1(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
+    """Accuracy and F1 of the positive class 1 (MRPC, QQP: "paraphrase"/"duplicate")."""
+    f1 = f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0)
+    return {"acc": float(accuracy_score(labels, preds)), "f1": float(f1)}
+
+
+def metric_pearson_spearman(preds: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
+    """Pearson and Spearman correlations (STS-B). A constant prediction scores 0, not NaN."""
+    p, l_ = np.asarray(preds, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    if np.ptp(p) == 0 or np.ptp(l_) == 0:
+        return {"pearson": 0.0, "spearman": 0.0}
+    return {
+        "pearson": float(sps.pearsonr(p, l_)[0]),
+        "spearman": float(sps.spearmanr(p, l_)[0]),
+    }
+
+
+def metric_entity_f1(preds: Sequence[Sequence[str]], labels: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Entity-level micro F1 over tag sequences (seqeval, CoNLL-2003 convention)."""
+    return {"f1": float(seqeval_f1([list(x) for x in labels], [list(x) for x in preds]))}
+
+
+# ----------------------------------------------------------------------------- file readers
+
+
+def read_tsv(path: Path) -> list[list[str]]:
+    """All rows of a GLUE TSV (BOM stripped; quotes are literal characters)."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def _find(folder: Path, names: Sequence[str], what: str) -> Path:
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    raise UserError(f"{folder}: no {' or '.join(names)} found; expected {what}")
+
+
+def _label_id(value: str, labels: tuple[str, ...], path: Path) -> int:
+    if value not in labels:
+        raise UserError(f"{path}: label {value!r} is not one of {list(labels)}; is this the right task folder?")
+    return labels.index(value)
+
+
+def _glue_reader(
+    files: dict[str, tuple[str, ...]], a: str, b: str | None, y: str, labels: tuple[str, ...]
+) -> Reader:
+    """Reader for a GLUE TSV with a header: columns named ``a``, ``b`` (optional), label ``y``."""
+
+    def read(folder: Path, split: str) -> list[Example]:
+        path = _find(folder, files[split], f"a GLUE TSV with header columns {[a, b, y]}")
+        rows = read_tsv(path)
+        head = rows[0] if rows else []
+        missing = [c for c in (a, b, y) if c is not None and c not in head]
+        if missing:
+            raise UserError(f"{path}: header lacks columns {missing}; expected GLUE TSV columns {[a, b, y]}")
+        ia, iy = head.index(a), head.index(y)
+        ib = head.index(b) if b is not None else None
+        out = []
+        for row in rows[1:]:
+            if len(row) != len(head):
+                raise UserError(f"{path}: a row has {len(row)} fields, header has {len(head)}; expected the original GLUE TSV")
+            lab = float(row[iy]) if not labels else _label_id(row[iy], labels, path)
+            out.append(Example(row[ia], row[ib] if ib is not None else None, lab))
+        return out
+
+    return read
+
+
+def _read_cola(folder: Path, split: str) -> list[Example]:
+    """CoLA train/dev: no header; columns source, label, original mark, sentence."""
+    path = _find(folder, (f"{split}.tsv",), "CoLA TSVs without header: source, label, mark, sentence")
+    out = []
+    for row in read_tsv(path):
+        if len(row) != 4 or row[1] not in ("0", "1"):
+            raise UserError(f"{path}: expected 4 tab-separated columns (source, label 0/1, mark, sentence) and no header")
+        out.append(Example(row[3], None, int(row[1])))
+    return out
+
+
+def _mrpc_rows(path: Path) -> list[list[str]]:
+    rows = read_tsv(path)
+    if not rows or rows[0][:3] != ["Quality", "#1 ID", "#2 ID"] or any(len(r) != 5 for r in rows):
+        raise UserError(f"{path}: expected MRPC columns Quality, #1 ID, #2 ID, #1 String, #2 String")
+    return rows[1:]
+
+
+def _read_mrpc(folder: Path, split: str) -> list[Example]:
+    """MRPC from GLUE's train.tsv/dev.tsv, else rebuilt from ``msr_paraphrase_*.txt``.
+
+    GLUE's dev is the part of msr_paraphrase_train.txt whose id pair is in dev_ids.tsv (the GLUE
+    download script does the same split); without dev_ids.tsv, msr_paraphrase_test.txt is dev.
+    """
+    glue = folder / f"{split}.tsv"
+    if glue.is_file():
+        rows = _mrpc_rows(glue)
+    else:
+        src = next((d for d in (folder, folder / "original") if (d / "msr_paraphrase_train.txt").is_file()), None)
+        if src is None:
+            raise UserError(f"{folder}: expected MRPC train.tsv/dev.tsv or original/msr_paraphrase_train.txt (+ dev_ids.tsv)")
+        if (src / "dev_ids.tsv").is_file():
+            dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
+            rows = [r for r in _mrpc_rows(src / "msr_paraphrase_train.txt") if (tuple(r[1:3]) in dev) == (split == "dev")]
+        else:
+            name = "msr_paraphrase_train.txt" if split == "train" else "msr_paraphrase_test.txt"
+            rows = _mrpc_rows(_find(src, (name,), "MRPC msr_paraphrase_train.txt / msr_paraphrase_test.txt"))
+    return [Example(r[3], r[4], _label_id(r[0], ("0", "1"), glue)) for r in rows]
+
+
+def _wic_text(word: str, s1: str) -> str:
+    # WiC as sentence-pair classification with the target lemma prefixed, so the head on the
+    # first token sees which word is asked about (the same for every backbone).
+    return f"{word} : {s1}"
+
+
+def _read_wic(folder: Path, split: str) -> list[Example]:
+    """WiC: ``<split>.data.txt`` (lemma, N/V, "i-j", sentence 1, sentence 2) + ``<split>.gold.txt`` (T/F)."""
+    what = f"WiC files {split}.data.txt and {split}.gold.txt"
+    base = folder / split if (folder / split / f"{split}.data.txt").is_file() else folder
+    data = _find(base, (f"{split}.data.txt",), what)
+    gold = _find(base, (f"{split}.gold.txt",), what)
+    rows = read_tsv(data)
+    golds = [g.strip() for g in gold.read_text(encoding="utf-8").splitlines() if g.strip()]
+    if len(rows) != len(golds) or any(len(r) != 5 or r[1] not in ("N", "V") for r in rows):
+        raise UserError(f"{data}: expected 5 tab-separated WiC columns (lemma, N/V, i-j, s1, s2), one T/F gold line per row")
+    return [Example(_wic_text(r[0], r[3]), r[4], _label_id(g, ("F", "T"), gold)) for r, g in zip(rows, golds, strict=True)]
+
+
+CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")  # HF order
+
+
+def _conll_lines(path: Path) -> list[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def _read_conll(folder: Path, split: str) -> list[Example]:
+    """CoNLL-2003: ``token POS chunk NER`` per line, -DOCSTART- lines, blank line between sentences."""
+    names = {"train": ("train",), "valid": ("valid", "dev", "testa"), "test": ("test", "testb")}[split]
+    path = _find(folder, [f"{n}{ext}" for n in names for ext in (".txt", ".txt.gz", "")], "CoNLL-2003 files train/valid/test(.txt|.txt.gz)")
+    out: list[Example] = []
+    words: list[str] = []
+    tags: list[int] = []
+    for line in [*_conll_lines(path), ""]:
+        cols = line.split()
+        if cols and cols[0] != "-DOCSTART-":
+            if len(cols) != 4:
+                raise UserError(f"{path}: expected 4 space-separated columns (token POS chunk NER) per line, got {line!r}")
+            words.append(cols[0])
+            tags.append(_label_id(cols[3], CONLL_TAGS, path))
+        elif words:
+            out.append(Example(words, None, tags))
+            words, tags = [], []
+    return out
+
+
+# ----------------------------------------------------------------------------- HF converters
+
+
+def _hf_pair(a: str, b: str | None) -> Callable[[dict[str, Any]], Example]:
+    return lambda r: Example(r[a], r[b] if b else None, r["label"])
+
+
+def _hf_wic(r: dict[str, Any]) -> Example:
+    return Example(_wic_text(r["word"], r["sentence1"]), r["sentence2"], int(r["label"]))
+
+
+def _hf_conll(r: dict[str, Any]) -> Example:
+    return Example(list(r["tokens"]), None, [int(t) for t in r["ner_tags"]])
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything task-specific; the fine-tuning code reads only these fields."""
+
+    name: str
+    kind: str  # "cls" (first-token classification), "reg" (regression), "token" (per-word tags)
+    labels: tuple[str, ...]  # label names by id; empty for regression
+    metric: Callable[..., dict[str, float]]
+    folders: tuple[str, ...]  # folder names tried under data_dir
+    read: Reader
+    hf: tuple[str, str | None]  # HF datasets (path, config)
+    from_hf: Callable[[dict[str, Any]], Example]
+    hf_splits: dict[str, str]  # our split -> HF split
+    eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})  # metric suffix -> split
+    train_split: str = "train"
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.kind == "reg" else len(self.labels)
+
+
+_B = ("0", "1")
+_NLI2 = ("entailment", "not_entailment")
+_GLUE_SPLITS = {"train": "train", "dev": "validation"}
+_GT = {"train": ("train.tsv",), "dev": ("dev.tsv",)}
+
+TASKS: dict[str, TaskSpec] = {
+    "cola": TaskSpec("cola", "cls", _B, metric_mcc, ("CoLA", "cola"), _read_cola,
+                     ("glue", "cola"), _hf_pair("sentence", None), _GLUE_SPLITS),
+    "sst2": TaskSpec("sst2", "cls", _B, metric_acc, ("SST-2", "sst2", "sst-2"),
+                     _glue_reader(_GT, "sentence", None, "label", _B),
+                     ("glue", "sst2"), _hf_pair("sentence", None), _GLUE_SPLITS),
+    "mrpc": TaskSpec("mrpc", "cls", _B, metric_acc_f1, ("MRPC", "mrpc"), _read_mrpc,
+                     ("glue", "mrpc"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+    "stsb": TaskSpec("stsb", "reg", (), metric_pearson_spearman, ("STS-B", "stsb", "sts-b"),
+                     _glue_reader(_GT, "sentence1", "sentence2", "score", ()),
+                     ("glue", "stsb"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+    "rte": TaskSpec("rte", "cls", _NLI2, metric_acc, ("RTE", "rte"),
+                    _glue_reader(_GT, "sentence1", "sentence2", "label", _NLI2),
+                    ("glue", "rte"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+    "qnli": TaskSpec("qnli", "cls", _NLI2, metric_acc, ("QNLI", "qnli"),
+                     _glue_reader(_GT, "question", "sentence", "label", _NLI2),
+                     ("glue", "qnli"), _hf_pair("question", "sentence"), _GLUE_SPLITS),
+    "mnli": TaskSpec("mnli", "cls", ("entailment", "neutral", "contradiction"), metric_acc, ("MNLI", "mnli"),
+                     _glue_reader({"train": ("train.tsv",), "dev_matched": ("dev_matched.tsv",),
+                                   "dev_mismatched": ("dev_mismatched.tsv",)},
+                                  "sentence1", "sentence2", "gold_label", ("entailment", "neutral", "contradiction")),
+                     ("glue", "mnli"), _hf_pair("premise", "hypothesis"),
+                     {"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
+                     eval_splits={"m": "dev_matched", "mm": "dev_mismatched"}),
+    "qqp": TaskSpec("qqp", "cls", _B, metric_acc_f1, ("QQP", "qqp"),
+                    _glue_reader(_GT, "question1", "question2", "is_duplicate", _B),
+                    ("glue", "qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
+    "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, ("WiC", "wic", "WiC_dataset"), _read_wic,
+                    ("super_glue", "wic"), _hf_wic, _GLUE_SPLITS),
+    "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
+                          _read_conll, ("conll2003", None), _hf_conll,
+                          {"train": "train", "valid": "validation"}, eval_splits={"": "valid"}),
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The registry entry for ``name`` (case-insensitive; "sst-2" and "sts-b" work too)."""
+    key = name.lower().replace("-", "")
+    if key not in TASKS:
+        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+    return TASKS[key]
+
+
+def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
+    """The folder holding ``spec``'s files: ``data_dir/<TASK>`` or ``data_dir`` itself."""
+    root = Path(data_dir)
+    for name in spec.folders:
+        if (root / name).is_dir():
+            return root / name
+    if root.is_dir() and root.name in spec.folders:
+        return root
+    raise UserError(f"{root}: no folder {' or '.join(spec.folders)} for task {spec.name}; point --data-dir at the folder that holds it")
+
+
+def _load_hf(spec: TaskSpec, split: str) -> list[Example]:
+    import datasets  # imported lazily: only needed when no local files are given
+
+    try:
+        ds = datasets.load_dataset(spec.hf[0], spec.hf[1], split=spec.hf_splits[split])
+    except Exception as exc:  # offline, renamed dataset, missing script: one readable line
+        raise UserError(
+            f"could not load HF dataset {spec.hf} ({type(exc).__name__}); pass --data-dir with a "
+            f"{spec.folders[0]}/ folder in the original format"
+        ) from exc
+    return [spec.from_hf(r) for r in ds]
+
+
+def load_task(
+    name: str, split: str, data_dir: str | Path | None = None, max_examples: int | None = None
+) -> list[Example]:
+    """Examples of one split: from local files under ``data_dir``, else from HF ``datasets``.
+
+    ``max_examples`` keeps a random subset of n examples in file order, drawn with a fixed seed
+    so that every model and every fine-tuning seed sees the same subset (use it for training sets).
+    """
+    spec = get_task(name)
+    if split not in spec.hf_splits:
+        raise UserError(f"task {spec.name} has splits {list(spec.hf_splits)}, not {split!r}")
+    if data_dir is None:
+        examples = _load_hf(spec, split)
+    else:
+        examples = spec.read(task_folder(spec, data_dir), split)
+    if not examples:
+        raise UserError(f"task {spec.name}: split {split!r} is empty; check the data files")
+    if max_examples is None or max_examples >= len(examples):
+        return examples
+    keep = np.sort(np.random.default_rng(0).choice(len(examples), size=max_examples, replace=False))
+    return [examples[i] for i in keep]
