@@ -1,0 +1,125 @@
+"""compare_runs against an exact Wilcoxon by enumeration and known win counts; report PNGs."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from mlsm.evaluate.report import make_report
+from mlsm.evaluate.stats import append_results, compare_runs, read_results, wilcoxon_p
+
+CELLS = [(task, metric, seed) for task, metric in (("sst2", "acc"), ("mrpc", "acc"), ("mrpc", "f1"))
+         for seed in range(3)]  # 9 paired cells
+BASE = np.array([0.80, 0.81, 0.79, 0.70, 0.72, 0.71, 0.75, 0.77, 0.74])
+UP = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * 1e-3  # A beats B everywhere
+MIXED = np.array([15, 18, -16, -9, 7, -24, 17, 3, 20]) * 1e-3  # C beats B in 6 of 9; no tied |d|
+
+
+def exact_wilcoxon_p(d: np.ndarray) -> float:
+    """Two-sided exact signed-rank p-value by enumerating all 2^n sign patterns (no ties, no zeros)."""
+    ranks = np.argsort(np.argsort(np.abs(d))) + 1
+    t_obs = ranks[d > 0].sum()
+    dist = np.array([sum(r for r, s in zip(ranks, signs, strict=True) if s)
+                     for signs in itertools.product([0, 1], repeat=len(d))])
+    tail = min(np.mean(dist <= t_obs), np.mean(dist >= t_obs))
+    return min(1.0, 2 * tail)
+
+
+def _row(model: str, cell: tuple[str, str, int], value: float, **extra: object) -> dict:
+    task, metric, seed = cell
+    row = {"model": model, "task": task, "metric": metric, "seed": seed, "value": float(value), "lr": 2e-5,
+           "epochs": 3, "batch_size": 32, "max_len": 128, "n_train": 100, "step": None, "readiness": None,
+           "objective": None, "run": None}
+    row.update(extra)
+    return row
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    path = tmp_path / "results.jsonl"
+    rows = [_row("B", c, v, run="r", readiness=0.5, step=50) for c, v in zip(CELLS, BASE, strict=True)]
+    rows += [_row("A", c, v, run="r", readiness=1.0, step=100) for c, v in zip(CELLS, BASE + UP, strict=True)]
+    rows += [_row("C", c, v) for c, v in zip(CELLS, BASE + MIXED, strict=True)]
+    rows.append(_row("A", CELLS[0], 0.99, lr=1e-4))  # no partner at this lr: must not be paired
+    append_results(path, rows[:10])
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"model": "A", "task": "ss')  # a writer killed mid-line
+    append_results(path, rows[10:])
+    return path
+
+
+def test_exact_enumeration_matches_known_values() -> None:
+    # n = 3, all positive: T+ = 6 is the single most extreme of 8 patterns -> p = 2/8
+    assert exact_wilcoxon_p(np.array([1.0, 2.0, 3.0])) == pytest.approx(0.25)
+    assert exact_wilcoxon_p(UP) == pytest.approx(2 / 2**9)
+
+
+def test_compare_pvalues_and_wins(results: Path) -> None:
+    rows = read_results(results)
+    assert len(rows) == 28  # the torn line is skipped
+    cmp = compare_runs(results)
+    a, b, c = (cmp.models.index(m) for m in "ABC")
+    assert cmp.pvalues[a, b] == pytest.approx(exact_wilcoxon_p(UP))
+    assert cmp.pvalues[c, b] == pytest.approx(exact_wilcoxon_p(MIXED))
+    assert cmp.pvalues[b, c] == pytest.approx(cmp.pvalues[c, b])  # two-sided: symmetric
+    assert cmp.pvalues[a, c] == pytest.approx(exact_wilcoxon_p(UP - MIXED))
+    assert math.isnan(cmp.pvalues[a, a])
+    assert (cmp.wins[a, b], cmp.wins[b, a]) == (9, 0)
+    assert (cmp.wins[c, b], cmp.wins[b, c]) == (6, 3)
+    assert cmp.n_pairs[a, b] == 9 and cmp.n_pairs[a, c] == 9
+
+
+def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
+    cmp = compare_runs(results, tmp_path / "out")
+    b = cmp.models.index("B")
+    col = cmp.columns.index(("mrpc", "f1"))
+    assert cmp.mean[b, col] == pytest.approx(np.mean(BASE[6:9]))
+    assert cmp.std[b, col] == pytest.approx(np.std(BASE[6:9], ddof=1))
+    assert cmp.count[cmp.models.index("A"), cmp.columns.index(("sst2", "acc"))] == 4  # + the other-lr run
+    md = (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
+    assert f"{2 / 2**9:.3g}*" in md  # A vs B significant at p < 0.01
+    assert f"{exact_wilcoxon_p(MIXED):.3g} " in md or f"{exact_wilcoxon_p(MIXED):.3g} |" in md
+    assert "9/9" in md and "6/9" in md and "3/9" in md
+    assert f"{100 * np.mean(BASE[6:9]):.2f} ± {100 * np.std(BASE[6:9], ddof=1):.2f}" in md
+    with open(tmp_path / "out" / "wins.csv", encoding="utf-8") as f:
+        wins = {r["model"]: r for r in csv.DictReader(f)}
+    assert wins["A"]["B"] == "9" and wins["C"]["B"] == "6"
+    assert (tmp_path / "out" / "pvalues.csv").is_file() and (tmp_path / "out" / "means.csv").is_file()
+
+
+def test_wilcoxon_edge_cases() -> None:
+    x = np.array([0.5, 0.6, 0.7])
+    assert wilcoxon_p(x, x) == 1.0
+    assert math.isnan(wilcoxon_p(np.array([]), np.array([])))
+
+
+def test_append_is_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "r.jsonl"
+    append_results(path, [_row("A", CELLS[0], 0.5)])
+    append_results(path, [])
+    append_results(path, [_row("B", CELLS[0], 0.6), _row("B", CELLS[1], 0.7)])
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(x)["model"] for x in lines] == ["A", "B", "B"]
+
+
+def test_report_writes_valid_pngs(results: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    md_path = make_report(results, out)
+    text = md_path.read_text(encoding="utf-8")
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["paired_mrpc.png", "paired_sst2.png", "readiness.png", "wilcoxon.png"]
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        img = imread(out / name)
+        assert img.ndim == 3 and img.shape[0] > 50 and img.shape[1] > 50
+        assert f"]({name})" in text
+    assert "Wilcoxon" in text and "9/9" in text
+    assert not list(out.glob("*.tmp*"))
