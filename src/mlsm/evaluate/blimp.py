@@ -1,0 +1,271 @@
+"""BLiMP: zero-shot grammatical knowledge from minimal pairs, scored by PLL.
+
+BLiMP (Warstadt et al. 2020, TACL 8) has 67 paradigms ("phenomena", column `UID`) of 1000 minimal
+pairs each; each paradigm has a `field` (morphology, syntax, semantics, syntax_semantics) and a
+`linguistics_term` (the paper's 12-13 phenomenon groups). A pair counts as correct when the model
+prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); a tie counts
+as wrong. Reported: accuracy per phenomenon, per field (mean over the field's phenomena), per
+`linguistics_term` (the paper's phenomenon groups) and overall (mean over phenomena, as in
+seed 000 §4.3.1 and the BLiMP paper).
+
+Data: a folder of `<UID>.jsonl` / `<UID>.jsonl.gz` files (the layout of ../shared/data/blimp and of
+the BLiMP repository), a single such file, or the HF dataset (`blimp` / `nyu-mll/blimp`, one
+config per UID) when the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlsm.errors import UserError
+from mlsm.evaluate.pll import Variant, score_pll
+
+HF_NAMES = ("blimp", "nyu-mll/blimp")
+_FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
+
+
+@dataclass(frozen=True)
+class BlimpPair:
+    """One minimal pair: the grammatical and the ungrammatical sentence of one paradigm."""
+
+    uid: str
+    field: str
+    good: str
+    bad: str
+    pair_id: str = ""
+    term: str = ""  # `linguistics_term`: the 12-13 phenomenon groups of the BLiMP paper
+
+
+def _field(row: dict) -> str:
+    # One paradigm file of the release spells the field "syntax/semantics", the others
+    # "syntax_semantics": normalise so that the field table has the paper's four fields.
+    return str(row.get("field") or "unknown").replace("/", "_")
+
+
+def _pair(row: dict, uid: str, index: int) -> BlimpPair:
+    return BlimpPair(
+        uid=str(row.get("UID") or uid), field=_field(row), good=row["sentence_good"],
+        bad=row["sentence_bad"], pair_id=str(row.get("pairID", row.get("pair_id", index))),
+        term=str(row.get("linguistics_term") or ""),
+    )
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".jsonl.gz", ".jsonl"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def _read_file(path: Path) -> list[BlimpPair]:
+    """Parse one paradigm file; every bad line is a UserError naming file and line."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    pairs = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or "sentence_good" not in row or "sentence_bad" not in row:
+                    raise UserError(
+                        f"{path}:{number} is not a BLiMP row: each JSON line needs "
+                        f"sentence_good and sentence_bad; {_FIX_DATA}"
+                    )
+                pairs.append(_pair(row, _stem(path), number - 1))
+    except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
+        raise UserError(f"{path} is not JSON lines ({type(err).__name__}): {_FIX_DATA}") from None
+    return pairs
+
+
+def _local_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
+        if not files:
+            raise UserError(f"no *.jsonl or *.jsonl.gz files in {path}: {_FIX_DATA}")
+        return files
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return [path]
+    raise UserError(f"{path} is not a .jsonl(.gz) file: {_FIX_DATA}")
+
+
+def _looks_like_hub_name(data: str) -> bool:
+    return data in HF_NAMES or (
+        data.count("/") == 1 and not data.startswith((".", "/", "~")) and "." not in data
+    )
+
+
+def _load_hub(name: str, phenomena: Sequence[str] | None) -> list[BlimpPair]:
+    """BLiMP from the HF hub: one config (and one 'train' split) per paradigm."""
+    try:
+        import datasets
+
+        configs = list(phenomena) if phenomena else datasets.get_dataset_config_names(name)
+        pairs = []
+        for uid in configs:
+            rows = datasets.load_dataset(name, uid, split="train")
+            pairs += [_pair(row, uid, i) for i, row in enumerate(rows)]
+        return pairs
+    except Exception as err:  # offline, unknown name or config: all need the same fix
+        raise UserError(
+            f"cannot load BLiMP {name!r} from the HF hub ({type(err).__name__}): {_FIX_DATA}"
+        ) from None
+
+
+def load_blimp(
+    data: str | os.PathLike,
+    phenomena: Sequence[str] | None = None,
+    limit_per_phenomenon: int | None = None,
+) -> dict[str, list[BlimpPair]]:
+    """Read BLiMP pairs grouped by phenomenon (UID), UIDs sorted, pairs in file order.
+
+    data: folder of `*.jsonl(.gz)`, one such file, or an HF dataset name. phenomena: keep only
+    these UIDs (unknown ones are an error). limit_per_phenomenon: keep the first N pairs of each.
+    """
+    if limit_per_phenomenon is not None and limit_per_phenomenon < 1:
+        raise UserError("limit_per_phenomenon must be a positive integer (or None for all pairs)")
+    path = Path(os.path.expanduser(str(data)))
+    if path.exists():
+        pairs = [p for f in _local_files(path) for p in _read_file(f)]
+    elif _looks_like_hub_name(str(data)):
+        pairs = _load_hub(str(data), phenomena)
+    else:
+        raise UserError(f"BLiMP data {str(data)!r} not found: {_FIX_DATA}")
+    grouped: dict[str, list[BlimpPair]] = {}
+    for pair in pairs:
+        grouped.setdefault(pair.uid, []).append(pair)
+    if phenomena:
+        unknown = sorted(set(phenomena) - set(grouped))
+        if unknown:
+            raise UserError(
+                f"unknown BLiMP phenomena {', '.join(unknown)}: use UIDs such as "
+                f"{', '.join(sorted(grouped)[:3])} (file names without .jsonl.gz)"
+            )
+        grouped = {uid: grouped[uid] for uid in phenomena}
+    if not grouped:
+        raise UserError(f"no BLiMP pairs in {data}: {_FIX_DATA}")
+    return {uid: grouped[uid][:limit_per_phenomenon] for uid in sorted(grouped)}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def _summarise(
+    grouped: dict[str, list[BlimpPair]], good: Sequence[float], bad: Sequence[float]
+) -> dict[str, Any]:
+    """Accuracies per phenomenon, per field and overall from PLLs in `grouped` order."""
+    phenomena: dict[str, dict[str, Any]] = {}
+    i = 0
+    for uid, pairs in grouped.items():
+        n = len(pairs)
+        correct = sum(good[j] > bad[j] for j in range(i, i + n))
+        phenomena[uid] = {"field": pairs[0].field, "term": pairs[0].term,
+                          "accuracy": correct / n, "correct": int(correct), "n": n}
+        i += n
+    return {
+        "overall": _mean([row["accuracy"] for row in phenomena.values()]),
+        "n_pairs": i,
+        "n_phenomena": len(phenomena),
+        "fields": _group(phenomena, "field"),
+        "terms": _group(phenomena, "term"),
+        "phenomena": phenomena,
+    }
+
+
+def _group(phenomena: dict[str, dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    """Mean accuracy over the phenomena sharing `key` (each phenomenon weighs the same)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for uid, row in phenomena.items():
+        entry = groups.setdefault(row[key] or "unknown", {"phenomena": [], "n": 0})
+        entry["phenomena"].append(uid)
+        entry["n"] += row["n"]
+    for entry in groups.values():
+        entry["accuracy"] = _mean([phenomena[u]["accuracy"] for u in entry["phenomena"]])
+    return dict(sorted(groups.items()))
+
+
+def evaluate_blimp(
+    model: Any,
+    tokenizer: Any,
+    data: str | os.PathLike,
+    phenomena: Sequence[str] | None = None,
+    limit_per_phenomenon: int | None = None,
+    *,
+    variant: Variant = "original",
+    token_budget: int = 8192,
+    device: str | None = None,
+    keep_scores: bool = False,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """BLiMP accuracy of a masked LM (or any `MaskedScorer`) by PLL.
+
+    Returns {"overall", "n_pairs", "n_phenomena", "fields": {field: {"accuracy", "n",
+    "phenomena"}}, "terms": {linguistics_term: same}, "phenomena": {UID: {"field", "term",
+    "accuracy", "correct", "n"}}, "variant", "data"}
+    and, with keep_scores, "pairs": [{"uid", "pair_id", "good", "bad"}] (the PLLs).
+    """
+    grouped = load_blimp(data, phenomena, limit_per_phenomenon)
+    pairs = [p for group in grouped.values() for p in group]
+    # One call for all sentences: the best length bucketing, and repeated sentences scored once.
+    scores = score_pll(model, tokenizer, [p.good for p in pairs] + [p.bad for p in pairs],
+                       variant=variant, token_budget=token_budget, device=device, progress=progress)
+    good, bad = scores[: len(pairs)], scores[len(pairs) :]
+    result = {"variant": variant, "data": str(data), **_summarise(grouped, good, bad)}
+    if keep_scores:
+        result["pairs"] = [{"uid": p.uid, "pair_id": p.pair_id, "good": g, "bad": b}
+                           for p, g, b in zip(pairs, good, bad, strict=True)]
+    return result
+
+
+def blimp_markdown(result: dict[str, Any]) -> str:
+    """A human-readable report: overall, per field, per phenomenon (accuracies in %)."""
+    lines = [
+        "# BLiMP (PLL)",
+        "",
+        f"variant: `{result.get('variant', '?')}` · data: `{result.get('data', '?')}` · "
+        f"{result['n_pairs']} pairs in {result['n_phenomena']} phenomena",
+        "",
+        f"**Overall (mean over phenomena): {100 * result['overall']:.1f}%**",
+        "",
+        "| field | phenomena | pairs | accuracy (%) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for field, row in result["fields"].items():
+        lines.append(f"| {field} | {len(row['phenomena'])} | {row['n']} | {100 * row['accuracy']:.1f} |")
+    lines += ["", "| linguistics term | phenomena | pairs | accuracy (%) |", "| --- | ---: | ---: | ---: |"]
+    for term, row in result.get("terms", {}).items():
+        lines.append(f"| {term} | {len(row['phenomena'])} | {row['n']} | {100 * row['accuracy']:.1f} |")
+    lines += ["", "| phenomenon (UID) | field | pairs | accuracy (%) |", "| --- | --- | ---: | ---: |"]
+    for uid, row in sorted(result["phenomena"].items(), key=lambda kv: (kv[1]["field"], kv[0])):
+        lines.append(f"| {uid} | {row['field']} | {row['n']} | {100 * row['accuracy']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_blimp_report(result: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write `blimp.json` (everything in `result`) and `blimp.md` into out_dir; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "blimp.json", "markdown": out / "blimp.md"}
+    _write_atomic(paths["json"], json.dumps(result, indent=2) + "\n")
+    _write_atomic(paths["markdown"], blimp_markdown(result))
+    return paths
