@@ -165,7 +165,7 @@ def test_token_alignment_and_truncation(tiny: Path) -> None:
 def test_finetune_beats_chance_pairs_and_resumes(tiny: Path, tmp_path: Path) -> None:
     data = _keyword_sst2(tmp_path / "data")
     results = tmp_path / "results.jsonl"
-    kwargs = {"seeds": (0,), "lrs": (3e-3,), "epochs": 3, "batch_size": 8, "data_dir": data,
+    kwargs = {"seeds": (0,), "lrs": (2e-3,), "epochs": 4, "batch_size": 8, "data_dir": data,
               "results": results, "device": "cpu"}
     finetune([f"a={tiny}", f"b={tiny}"], ["sst2"], **kwargs)
     rows = read_results(results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
@@ -235,3 +236,20 @@ def test_real_mrpc_rebuilt_from_msr_matches_glue(tmp_path: Path) -> None:
         (orig / name).write_bytes((GLUE / "MRPC" / "original" / name).read_bytes())
     for split in ("train", "dev"):
         assert load_task("mrpc", split, tmp_path) == load_task("mrpc", split, GLUE)
+
+
+def test_hf_record_converters() -> None:
+    wic = get_task("wic").from_hf({"word": "bank", "sentence1": "A bank .", "sentence2": "The bank .", "label": 1,
+                                   "start1": 2, "end1": 6})
+    assert (wic.text, wic.text_pair, wic.label) == ("bank : A bank .", "The bank .", 1)
+    mnli = get_task("mnli").from_hf({"premise": "P", "hypothesis": "H", "label": 2, "idx": 0})
+    assert (mnli.text, mnli.text_pair, mnli.label) == ("P", "H", 2)
+    ner = get_task("conll2003").from_hf({"tokens": ["EU", "rejects"], "ner_tags": [3, 0], "pos_tags": [1, 2]})
+    assert (ner.text, ner.label) == (["EU", "rejects"], [3, 0])
+    assert get_task("cola").from_hf({"sentence": "S", "label": 0}).text_pair is None
+
+
+@pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1 to fail fast")
+def test_unreachable_hub_gives_user_error() -> None:
+    with pytest.raises(UserError, match="--data-dir"):
+        load_task("rte", "dev")

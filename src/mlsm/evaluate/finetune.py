@@ -46,7 +46,8 @@ class ModelRef:
 
 def resolve_model(spec: str | Path) -> ModelRef:
     """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``run@step`` if known, else the folder name."""
-    name, _, path = str(spec).rpartition("=") if "=" in str(spec) else ("", "", str(spec))
+    text = str(spec)
+    name, _, path = ("", "", text) if "=" not in text or Path(text).is_dir() else text.partition("=")
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder}: not an HF model folder (no config.json); pass a save_pretrained folder")

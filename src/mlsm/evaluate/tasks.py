@@ -242,7 +242,7 @@ class TaskSpec:
     metric: Callable[..., dict[str, float]]
     folders: tuple[str, ...]  # folder names tried under data_dir
     read: Reader
-    hf: tuple[str, str | None]  # HF datasets (path, config)
+    hf: tuple[tuple[str, str | None], ...]  # HF datasets (path, config) candidates, tried in order
     from_hf: Callable[[dict[str, Any]], Example]
     hf_splits: dict[str, str]  # our split -> HF split
     eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})  # metric suffix -> split
@@ -258,37 +258,43 @@ _NLI2 = ("entailment", "not_entailment")
 _GLUE_SPLITS = {"train": "train", "dev": "validation"}
 _GT = {"train": ("train.tsv",), "dev": ("dev.tsv",)}
 
+
+def _glue(config: str) -> tuple[tuple[str, str | None], ...]:
+    # The Hub's parquet copy first; the old script name works with older `datasets` versions.
+    return (("nyu-mll/glue", config), ("glue", config))
+
+
 TASKS: dict[str, TaskSpec] = {
     "cola": TaskSpec("cola", "cls", _B, metric_mcc, ("CoLA", "cola"), _read_cola,
-                     ("glue", "cola"), _hf_pair("sentence", None), _GLUE_SPLITS),
+                     _glue("cola"), _hf_pair("sentence", None), _GLUE_SPLITS),
     "sst2": TaskSpec("sst2", "cls", _B, metric_acc, ("SST-2", "sst2", "sst-2"),
                      _glue_reader(_GT, "sentence", None, "label", _B),
-                     ("glue", "sst2"), _hf_pair("sentence", None), _GLUE_SPLITS),
+                     _glue("sst2"), _hf_pair("sentence", None), _GLUE_SPLITS),
     "mrpc": TaskSpec("mrpc", "cls", _B, metric_acc_f1, ("MRPC", "mrpc"), _read_mrpc,
-                     ("glue", "mrpc"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+                     _glue("mrpc"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
     "stsb": TaskSpec("stsb", "reg", (), metric_pearson_spearman, ("STS-B", "stsb", "sts-b"),
                      _glue_reader(_GT, "sentence1", "sentence2", "score", ()),
-                     ("glue", "stsb"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+                     _glue("stsb"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
     "rte": TaskSpec("rte", "cls", _NLI2, metric_acc, ("RTE", "rte"),
                     _glue_reader(_GT, "sentence1", "sentence2", "label", _NLI2),
-                    ("glue", "rte"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
+                    _glue("rte"), _hf_pair("sentence1", "sentence2"), _GLUE_SPLITS),
     "qnli": TaskSpec("qnli", "cls", _NLI2, metric_acc, ("QNLI", "qnli"),
                      _glue_reader(_GT, "question", "sentence", "label", _NLI2),
-                     ("glue", "qnli"), _hf_pair("question", "sentence"), _GLUE_SPLITS),
+                     _glue("qnli"), _hf_pair("question", "sentence"), _GLUE_SPLITS),
     "mnli": TaskSpec("mnli", "cls", ("entailment", "neutral", "contradiction"), metric_acc, ("MNLI", "mnli"),
                      _glue_reader({"train": ("train.tsv",), "dev_matched": ("dev_matched.tsv",),
                                    "dev_mismatched": ("dev_mismatched.tsv",)},
                                   "sentence1", "sentence2", "gold_label", ("entailment", "neutral", "contradiction")),
-                     ("glue", "mnli"), _hf_pair("premise", "hypothesis"),
+                     _glue("mnli"), _hf_pair("premise", "hypothesis"),
                      {"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
                      eval_splits={"m": "dev_matched", "mm": "dev_mismatched"}),
     "qqp": TaskSpec("qqp", "cls", _B, metric_acc_f1, ("QQP", "qqp"),
                     _glue_reader(_GT, "question1", "question2", "is_duplicate", _B),
-                    ("glue", "qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
+                    _glue("qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
     "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, ("WiC", "wic", "WiC_dataset"), _read_wic,
-                    ("super_glue", "wic"), _hf_wic, _GLUE_SPLITS),
+                    (("aps/super_glue", "wic"), ("super_glue", "wic")), _hf_wic, _GLUE_SPLITS),
     "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
-                          _read_conll, ("conll2003", None), _hf_conll,
+                          _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
                           {"train": "train", "valid": "validation"}, eval_splits={"": "valid"}),
 }
 
@@ -315,14 +321,18 @@ def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
 def _load_hf(spec: TaskSpec, split: str) -> list[Example]:
     import datasets  # imported lazily: only needed when no local files are given
 
-    try:
-        ds = datasets.load_dataset(spec.hf[0], spec.hf[1], split=spec.hf_splits[split])
-    except Exception as exc:  # offline, renamed dataset, missing script: one readable line
-        raise UserError(
-            f"could not load HF dataset {spec.hf} ({type(exc).__name__}); pass --data-dir with a "
-            f"{spec.folders[0]}/ folder in the original format"
-        ) from exc
-    return [spec.from_hf(r) for r in ds]
+    errors = []
+    for path, config in spec.hf:
+        try:
+            ds = datasets.load_dataset(path, config, split=spec.hf_splits[split])
+        except Exception as exc:  # offline, moved dataset, unsupported script: try the next name
+            errors.append(f"{path}: {type(exc).__name__}")
+            continue
+        return [spec.from_hf(r) for r in ds]
+    raise UserError(
+        f"could not load task {spec.name} from HF datasets ({'; '.join(errors)}); pass --data-dir "
+        f"with a {spec.folders[0]}/ folder in the original format"
+    )
 
 
 def load_task(
