@@ -1,0 +1,5 @@
+import sys
+
+from mlsm.cli import main
+
+sys.exit(main())

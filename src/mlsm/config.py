@@ -1,0 +1,220 @@
+"""Run configuration as documented data.
+
+A run is described by five groups of plain dataclasses (data, model, objective, optim, train).
+Recipes are YAML files in `configs/`; command-line overrides are `group.key=value` pairs whose
+values are parsed as YAML. Every field has a docstring right below it. The objective group is
+special: `objective.name` picks an entry of `mlsm.objectives.OBJECTIVES`, and the remaining keys
+are validated against that objective's own `Config` dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlsm.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    store: str = ""
+    """Token store directory written by `mlsm prepare`."""
+    max_len: int = 128
+    """Sequence length in tokens, special tokens included."""
+    seed: int = 0
+    """Data seed: sequence order and selected positions depend on it and the step only."""
+    mask_rate: float = 0.15
+    """Fraction of (non-special) tokens selected for prediction."""
+    mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
+    """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
+    exact_count: bool = False
+    """Select exactly round(mask_rate * n_tokens) positions per sequence (static shapes)."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "bert"
+    """HF model_type of a from-scratch student (bert, roberta, deberta-v2, modernbert, ...)."""
+    config: str = ""
+    """Optional HF config: a config.json file or a model folder; overrides `arch` when set."""
+    init_from: str = ""
+    """Model folder to continue pre-training from (weights loaded); empty = from scratch."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields to override, e.g. {hidden_size: 256, num_hidden_layers: 4}."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay; not applied to biases and LayerNorm weights."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-6
+    """AdamW epsilon."""
+    schedule: str = "linear"
+    """`linear` (warmup then linear decay to min_lr) or `wsd` (warmup, stable, linear decay)."""
+    warmup: float = 0.02
+    """Warmup length: a fraction of train.steps when < 1, else a number of steps."""
+    decay: float = 0.2
+    """WSD only: length of the final decay phase (fraction of steps when < 1, else steps)."""
+    min_lr_ratio: float = 0.0
+    """Learning rate at the end of the schedule, as a fraction of lr."""
+    clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Number of optimizer steps."""
+    batch_size: int = 32
+    """Global batch size in sequences per optimizer step (all ranks, all accumulation steps)."""
+    micro_batch_size: int = 0
+    """Sequences per forward pass on one rank; 0 = batch_size / world size (no accumulation)."""
+    precision: str = "auto"
+    """fp32, bf16 or fp16 autocast; auto = bf16 on CUDA that supports it, else fp32."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    out: str = "runs/run"
+    """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
+    readiness: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
+    """Fractions of train.steps at which a checkpoint is kept (seed 000 compares at these)."""
+    save_every: int = 0
+    """Also write a checkpoint every N steps (0 = only at readiness levels)."""
+    keep_last: int = 2
+    """How many of the periodic (non-readiness) checkpoints to keep."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every N steps."""
+    seed: int = 0
+    """Model-init and dropout seed (the data order has its own, data.seed)."""
+    threads: int = 0
+    """torch CPU threads (0 = torch's default)."""
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: dict[str, Any] = field(default_factory=lambda: {"name": "mlm"})
+    """Objective name plus that objective's own options (see `mlsm.objectives`)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+_GROUPS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _check_type(where: str, value: Any, hint: Any) -> Any:
+    """Coerce a YAML value to a field's annotated type, or fail with a one-line message."""
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (types.UnionType, typing.Union):
+        return value
+    if origin is Any or isinstance(value, origin):
+        if origin is int and isinstance(value, bool):
+            raise UserError(f"{where} must be an integer, got {value!r}")
+        return value
+    raise UserError(f"{where} must be of type {getattr(origin, '__name__', origin)}, got {value!r}")
+
+
+def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones."""
+    if not isinstance(values, dict):
+        raise UserError(f"{where} must be a mapping of keys to values, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in values if k not in names]
+    if unknown:
+        raise UserError(
+            f"unknown key {where}.{unknown[0]}; valid keys of {where}: {', '.join(names)}"
+        )
+    kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from nested dicts (a parsed YAML recipe), validating every key."""
+    raw = dict(raw or {})
+    valid = [*_GROUPS, "objective"]
+    for key in raw:
+        if key not in valid:
+            raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
+    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name) for name, cls in _GROUPS.items()}
+    objective = dict(raw.get("objective") or {"name": "mlm"})
+    return RunConfig(objective=objective, **groups)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """Turn ["optim.lr=3e-4", "train.steps=200"] into a nested dict."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {pair!r} is not key=value; write e.g. optim.lr=3e-4")
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(text) if text else ""
+    return out
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; values of `extra` win."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe (optional) and apply `group.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file {p} not found; pass an existing YAML recipe (see configs/)")
+        raw = yaml.safe_load(p.read_text()) or {}
+    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    """Write the resolved config as YAML (atomically)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+
+
+def git_revision() -> str:
+    """The git revision of the mlsm source tree, or 'unknown' outside a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here, capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if out.returncode != 0:
+        return "unknown"
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

@@ -1,0 +1,1 @@
+"""Corpus preparation, batches and masking."""

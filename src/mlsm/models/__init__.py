@@ -1,0 +1,1 @@
+"""Students and heads: HF encoders from AutoConfig, heads computed at target positions only."""

@@ -1,0 +1,107 @@
+"""The student: any HF encoder built from an AutoConfig (or loaded for continued pre-training),
+plus the heads that objectives attach to it.
+
+The student always wraps an `AutoModelForMaskedLM`, so an MLM-family checkpoint is a folder that
+`AutoModelForMaskedLM.from_pretrained` loads with exactly our head. Objectives that predict
+something else (MLSM's latent head, MAE-LM's decoder) add modules to `student.heads`; those are
+saved beside the HF files in `heads.safetensors`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
+
+from mlsm.config import ModelConfig
+from mlsm.errors import UserError
+from mlsm.models.heads import mlm_head_fn
+
+
+class Student(nn.Module):
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf  # an HF *ForMaskedLM: backbone + vocabulary head
+        self.heads = nn.ModuleDict()  # objective-specific heads, saved to heads.safetensors
+        self.head_meta: dict[str, Any] = {}  # how to rebuild them (JSON, saved with the heads)
+        self.exports_vocab_head = False  # set by objectives that train the vocabulary head
+        self._vocab_head = mlm_head_fn(hf)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.hf.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf.config.hidden_size)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.hf.base_model
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """Last hidden states (B, T, d)."""
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
+
+    def forward(self, objective: Any, batch: Any) -> Any:
+        """Run an objective on this student; lets DDP wrap the student and still see the forward."""
+        return objective(self, batch)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(N, d) hidden states at target positions -> (N, |V|) logits of the HF MLM head."""
+        return self._vocab_head(h)
+
+
+def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int) -> PretrainedConfig:
+    def make(**kw: Any) -> PretrainedConfig:
+        # kwargs at construction, not setattr afterwards: some configs derive fields from others
+        # (e.g. ModernBERT's layer_types from num_hidden_layers)
+        return AutoConfig.from_pretrained(cfg.config, **kw) if cfg.config else AutoConfig.for_model(cfg.arch, **kw)
+
+    try:
+        default = make()
+    except (ValueError, OSError) as exc:
+        raise UserError(f"cannot build a model config from model.arch={cfg.arch!r} / model.config={cfg.config!r}: {str(exc).splitlines()[0]}") from None
+    for key in cfg.overrides:
+        if not hasattr(default, key):
+            raise UserError(f"model.overrides.{key} is not a field of {type(default).__name__}; check the spelling")
+    # The vocabulary and special ids come from the tokenizer the data was prepared with.
+    kw: dict[str, Any] = {**cfg.overrides, "vocab_size": len(tok)}
+    for name in ("pad", "bos", "eos", "cls", "sep", "mask"):
+        tid = getattr(tok, f"{name}_token_id", None)
+        if tid is not None and hasattr(default, f"{name}_token_id"):
+            kw[f"{name}_token_id"] = tid
+    positions = kw.get("max_position_embeddings", getattr(default, "max_position_embeddings", max_len + 2))
+    kw["max_position_embeddings"] = max(positions, max_len + 2)  # roberta offsets positions by pad + 1
+    return make(**kw)
+
+
+def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, seed: int) -> Student:
+    """A from-scratch student (seeded init) or one loaded from `cfg.init_from`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if cfg.init_from:
+            if not Path(cfg.init_from).is_dir():
+                raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a checkpoint or HF model folder")
+            hf = AutoModelForMaskedLM.from_pretrained(cfg.init_from)
+            if hf.config.vocab_size != len(tok):
+                raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the token store's tokenizer has {len(tok)}; prepare the corpus with that model's tokenizer")
+        else:
+            hf = AutoModelForMaskedLM.from_config(_from_scratch_config(cfg, tok, max_len))
+    return Student(hf)
+
+
+def load_student_weights(student: Student, folder: Path) -> None:
+    """Load weights written by `save_student` (exact: used for resume)."""
+    state = load_file(folder / "model.safetensors")
+    target = student.hf if student.exports_vocab_head else student.backbone
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith(("decoder.weight", "decoder.bias"))}
+    if unexpected or set(missing) - tied:
+        raise UserError(f"checkpoint {folder} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume with the config the run was started with")
+    if len(student.heads):
+        student.heads.load_state_dict(load_file(folder / "heads.safetensors"))

@@ -1,0 +1,65 @@
+"""Heads evaluated only where there is something to predict (sparse prediction).
+
+The HF masked-LM classes compute vocabulary logits at every position, (B, T, |V|); with 15 %
+masking that wastes ~85 % of the largest matmul. Here the backbone output is gathered at the
+selected positions first, (N, d), and the head runs on those rows only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+# model_type -> how that family's AutoModelForMaskedLM maps hidden states (N, d) to logits (N, V).
+# One line per family; the functions call the HF modules themselves, so the weights (and any
+# tying) are exactly those that `AutoModelForMaskedLM.from_pretrained` restores.
+_MLM_HEADS: dict[str, Callable[[PreTrainedModel, torch.Tensor], torch.Tensor]] = {
+    "bert": lambda m, h: m.cls(h),
+    "roberta": lambda m, h: m.lm_head(h),
+    "xlm-roberta": lambda m, h: m.lm_head(h),
+    "distilbert": lambda m, h: m.vocab_projector(
+        m.vocab_layer_norm(m.activation(m.vocab_transform(h)))
+    ),
+    "deberta-v2": lambda m, h: m.cls(h) if hasattr(m, "cls") else m.lm_predictions(h, m.deberta.embeddings.word_embeddings),
+    "modernbert": lambda m, h: m.decoder(m.head(h)),
+    "electra": lambda m, h: m.generator_lm_head(m.generator_predictions(h)),
+}
+
+
+def mlm_head_fn(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return f(h) -> logits for an HF masked-LM model; h is (N, d), the result (N, |V|)."""
+    kind = model.config.model_type
+    if kind not in _MLM_HEADS:
+        known = ", ".join(sorted(_MLM_HEADS))
+        raise ValueError(f"no sparse MLM head for model_type {kind!r}; supported: {known}")
+    fn = _MLM_HEADS[kind]
+    return lambda h: fn(model, h)
+
+
+def mlm_logits_at(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+) -> torch.Tensor:
+    """Vocabulary logits of an HF masked-LM model at the selected positions only.
+
+    input_ids, attention_mask, select: (B, T); select is bool. Returns (N, |V|), N = select.sum(),
+    rows in row-major order of `select`.
+    """
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return mlm_head_fn(model)(hidden[select])  # (N, d) -> (N, V)
+
+
+class LatentHead(nn.Module):
+    """MLSM's output layer: transform + d x k projection (Berend 2023, §3), no vocabulary."""
+
+    def __init__(self, d: int, k: int, eps: float = 1e-12):
+        super().__init__()
+        self.dense = nn.Linear(d, d)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(d, eps=eps)
+        self.proj = nn.Linear(d, k)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, d) -> (N, k)
+        return self.proj(self.norm(self.act(self.dense(h))))

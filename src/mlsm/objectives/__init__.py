@@ -1,0 +1,26 @@
+"""Objectives behind one literal registry. Adding one = one module + one line here + its test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlsm.config import build_dataclass
+from mlsm.errors import UserError
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput, options_of
+from mlsm.objectives.mlm import MLM
+
+OBJECTIVES: dict[str, type] = {
+    "mlm": MLM,
+}
+
+
+def build_objective(spec: dict[str, Any], ctx: Context) -> Objective:
+    """Instantiate `spec['name']` with the rest of `spec` as its validated options."""
+    name = spec.get("name", "mlm")
+    if name not in OBJECTIVES:
+        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(OBJECTIVES)}")
+    cls = OBJECTIVES[name]
+    return cls(build_dataclass(cls.Config, options_of(spec), "objective"), ctx)
+
+
+__all__ = ["OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "build_objective"]

@@ -1,0 +1,45 @@
+"""Process-group helpers for torchrun/DDP (gloo on CPU, nccl on CUDA); no-ops in one process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_pref: str) -> DistInfo:
+    """Join the process group torchrun describes in the environment, if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return DistInfo()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device_pref != "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(local)
+    return DistInfo(rank=rank, world=world, local_rank=local)
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world > 1:
+        dist.barrier()

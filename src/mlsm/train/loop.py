@@ -1,0 +1,235 @@
+"""Pre-training: one function, `pretrain`, readable top to bottom.
+
+The loop knows objectives only through their contract (`mlsm.objectives.base`): each micro-batch
+returns a loss *sum* and a target count; gradients of the sums are accumulated and divided by the
+global number of targets once per step, so gradient accumulation and DDP give exactly the gradient
+of the mean loss over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from mlsm.config import RunConfig, config_to_dict, git_revision, save_config
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore, require_mask_token
+from mlsm.errors import UserError
+from mlsm.models.backbone import Student, build_student
+from mlsm.objectives import Context, build_objective
+from mlsm.train import checkpoint as ckpt
+from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from mlsm.train.schedule import lr_factor
+
+
+def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
+    """Pre-train a student as `cfg` says; returns the run directory.
+
+    resume: None (fresh run), "auto" (newest complete checkpoint of cfg.train.out, fresh if none)
+    or a checkpoint folder. A resumed run continues exactly: same batches, RNG, optimizer, schedule.
+    """
+    dist_info = init_distributed(cfg.train.device)
+    device = _device(cfg.train.device, dist_info)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    store = TokenStore.open(_require(cfg.data.store, "data.store"))
+    tokenizer = store.load_tokenizer()
+    require_mask_token(tokenizer, f"the tokenizer of {store.path}")
+    ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len)
+    objective = build_objective(cfg.objective, ctx)
+    student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
+    objective.attach(student)
+    student.to(device)
+    optimizer = _optimizer(student, cfg)
+    source = BatchSource(store, cfg.data, tokenizer)
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
+    run_dir = Path(cfg.train.out)
+    start = _start_run(run_dir, cfg, resume, student, optimizer, dist_info)
+    model = _wrap_ddp(student, dist_info, device)
+    save_steps = _save_steps(cfg)
+    autocast = _autocast(cfg.train.precision, device)
+    tokens_per_step = cfg.train.batch_size * cfg.data.max_len
+    bar = tqdm(total=cfg.train.steps, initial=start, desc="pretrain", disable=None if dist_info.is_main else True)
+    t_last, s_last = time.perf_counter(), start
+    for step in range(start, cfg.train.steps):
+        lr = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # float64 holds the digest (a sum of < 2^32 CRCs) exactly up to ~2^21 sequences per step
+        totals: dict[str, torch.Tensor] = {"batch_digest": torch.zeros((), dtype=torch.float64)}
+        batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
+        for i, batch in enumerate(batches):
+            sync = model.no_sync() if dist_info.world > 1 and i < len(batches) - 1 else nullcontext()
+            with sync:
+                with autocast:
+                    out = model(objective, batch.to(device))  # = objective(student, batch)
+                out.loss_sum.backward()
+            _accumulate(totals, out)
+            totals["batch_digest"] += batch.digest()
+        totals = {k: all_reduce_sum(v.to(device), dist_info) for k, v in totals.items()}
+        n_targets = totals["n_targets"].clamp(min=1)
+        grad_norm = _finish_gradients(student, n_targets, dist_info, cfg.optim.clip)
+        loss = (totals["loss_sum"] / n_targets).item()
+        if not math.isfinite(loss):
+            raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.update(1)
+        done = step + 1
+        if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
+            now = time.perf_counter()
+            tps = tokens_per_step * (done - s_last) / max(now - t_last, 1e-9)
+            t_last, s_last = now, done
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+            _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step)
+        if done in save_steps:
+            _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+    bar.close()
+    barrier(dist_info)
+    return run_dir
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _require(value: str, key: str) -> str:
+    if not value:
+        raise UserError(f"{key} is not set; pass {key}=PATH (make one with `mlsm prepare`)")
+    return value
+
+
+def _device(pref: str, info: DistInfo) -> torch.device:
+    if pref == "auto":
+        pref = "cuda" if torch.cuda.is_available() else "cpu"
+    if pref == "cuda" and info.world > 1:
+        pref = f"cuda:{info.local_rank}"
+    if pref.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    return torch.device(pref)
+
+
+def _autocast(precision: str, device: torch.device) -> Any:
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if bf16 else "fp32"
+    if precision == "fp32":
+        return nullcontext()
+    if precision == "fp16" and device.type != "cuda":
+        raise UserError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in dtypes:
+        raise UserError(f"train.precision={precision!r} is unknown; use auto, fp32, bf16 or fp16")
+    return torch.autocast(device.type, dtype=dtypes[precision])
+
+
+def _optimizer(student: Student, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as in BERT."""
+    params = [p for p in student.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
+def _wrap_ddp(student: Student, info: DistInfo, device: torch.device) -> torch.nn.Module:
+    if info.world == 1:
+        return student
+    ids = [device.index] if device.type == "cuda" else None
+    # The objective runs inside Student.forward, so DDP sees a normal forward/backward pair.
+    return torch.nn.parallel.DistributedDataParallel(student, device_ids=ids, find_unused_parameters=True)
+
+
+def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
+    parts = {"loss_sum": out.loss_sum.detach().float(), "n_targets": out.n_targets.float(), **{k: v.detach().float() for k, v in out.metrics.items()}}
+    for key, value in parts.items():
+        totals[key] = totals[key] + value if key in totals else value
+
+
+def _finish_gradients(student: Student, n_targets: torch.Tensor, info: DistInfo, clip: float) -> float:
+    """Turn accumulated gradients of loss sums into the gradient of the global mean; clip."""
+    scale = info.world / n_targets  # DDP already averaged over ranks: undo that, divide by N
+    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, scale.to(grads[0].device))
+    if clip > 0:
+        return float(torch.nn.utils.clip_grad_norm_(student.parameters(), clip))
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def _save_steps(cfg: RunConfig) -> set[int]:
+    total = cfg.train.steps
+    steps = {max(1, round(r * total)) for r in cfg.train.readiness}
+    if cfg.train.save_every:
+        steps |= set(range(cfg.train.save_every, total + 1, cfg.train.save_every))
+    return steps | {total}
+
+
+def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Student,
+               optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
+    """Create or re-open the run directory; on resume restore state and return the next step."""
+    folder = None
+    if resume == "auto":
+        found = ckpt.list_checkpoints(run_dir)
+        folder = found[-1][1] if found else None
+    elif resume:
+        folder = Path(resume)
+        if not (folder / ckpt.COMPLETE).is_file():
+            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a checkpoints/step-* folder")
+    if folder is None and (run_dir / "metrics.jsonl").exists() and not resume:
+        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        info_path = run_dir / "run.json"
+        if not info_path.exists():
+            info_path.write_text(json.dumps({"git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
+    if folder is None:
+        # dropout draws from the global generators; seeding them makes a fresh run reproducible
+        torch.manual_seed(cfg.train.seed * 65_537 + info.rank)
+        return 0
+    state = ckpt.load_training_state(folder, student)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_cpu"])
+    if torch.cuda.is_available() and "rng_cuda" in state:
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return int(state["step"])
+
+
+def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, student: Student, tokenizer: Any,
+                optimizer: torch.optim.Optimizer, save_steps: set[int], info: DistInfo) -> None:
+    if info.is_main:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state_all()
+        readiness = step / cfg.train.steps
+        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.get("name"), "run": str(run_dir),
+                "tokens": step * cfg.train.batch_size * cfg.data.max_len, "config": config_to_dict(cfg)}
+        ckpt.save_checkpoint(run_dir / "checkpoints" / f"step-{step:07d}", student, tokenizer, state, meta)
+        _prune(run_dir, cfg)
+    barrier(info)
+
+
+def _prune(run_dir: Path, cfg: RunConfig) -> None:
+    """Keep readiness checkpoints and the last `keep_last` periodic ones."""
+    keep = {max(1, round(r * cfg.train.steps)) for r in cfg.train.readiness} | {cfg.train.steps}
+    periodic = [(s, f) for s, f in ckpt.list_checkpoints(run_dir) if s not in keep]
+    for _, folder in periodic[: max(0, len(periodic) - cfg.train.keep_last)]:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps: float,
+         totals: dict[str, torch.Tensor], tokens_per_step: int) -> None:
+    n = totals["n_targets"].clamp(min=1)
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+              "tokens": step * tokens_per_step, "n_targets": int(totals["n_targets"]),
+              "batch_digest": int(totals["batch_digest"])}
+    record.update({k: (v / n).item() for k, v in totals.items() if k not in ("loss_sum", "n_targets", "batch_digest")})
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")

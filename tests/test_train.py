@@ -1,0 +1,120 @@
+"""The training loop: exact resume, HF round trip, accumulation exactness, identical batches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForMaskedLM
+
+from mlsm.config import load_config
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.models.heads import mlm_logits_at
+from mlsm.train.loop import pretrain
+
+from .conftest import overfit_losses, tiny_overrides
+
+
+def _run(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
+    return pretrain(load_config(None, tiny_overrides(store, out, **extra)), resume=resume)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_dir_is_self_describing(store_dir: Path, tmp_path: Path) -> None:
+    run = _run(store_dir, tmp_path / "r")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["train"]["steps"] == 6 and cfg["data"]["store"] == str(store_dir)
+    assert "git_revision" in json.loads((run / "run.json").read_text())
+    steps = [m["step"] for m in _metrics(run)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    # readiness 10/25/50/100 % of 6 steps -> steps 1, 2 (1.5 rounds to 2), 3, 6
+    assert ckpts == ["step-0000001", "step-0000002", "step-0000003", "step-0000006"]
+    info = json.loads((run / "checkpoints" / "step-0000003" / "checkpoint.json").read_text())
+    assert info["readiness"] == 0.5 and info["objective"] == "mlm"
+    with pytest.raises(UserError, match="--resume"):
+        _run(store_dir, tmp_path / "r")  # never silently overwrite a run
+
+
+def test_resume_is_exact(store_dir: Path, tmp_path: Path) -> None:
+    # dropout stays on (BERT default 0.1): the RNG state must be restored too
+    full = _run(store_dir, tmp_path / "full")
+    part = tmp_path / "part"
+    _run(store_dir, part)
+    shutil.rmtree(part / "checkpoints" / "step-0000006")
+    _run(store_dir, part, resume=str(part / "checkpoints" / "step-0000003"))
+    a = _weights(full / "checkpoints" / "step-0000006")
+    b = _weights(part / "checkpoints" / "step-0000006")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # the resumed steps saw the same batches
+    digests = {m["step"]: m["batch_digest"] for m in _metrics(full)}
+    assert all(digests[m["step"]] == m["batch_digest"] for m in _metrics(part))
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "deberta-v2", "modernbert"])
+def test_checkpoint_loads_in_hf_with_same_logits(arch: str, store_dir: Path, tmp_path: Path) -> None:
+    run = _run(store_dir, tmp_path / arch, **{"model.arch": arch, "train.steps": 2})
+    folder = run / "checkpoints" / "step-0000002"
+    hf = AutoModelForMaskedLM.from_pretrained(folder).eval()
+    store = TokenStore.open(store_dir)
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path))
+    batch = BatchSource(store, cfg.data, store.load_tokenizer()).batch(torch.arange(4).numpy(), 0)
+    with torch.no_grad():
+        full = hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask).logits[batch.selected]
+        sparse = mlm_logits_at(hf, batch.corrupted_ids, batch.attention_mask, batch.selected)
+    torch.testing.assert_close(sparse, full, rtol=1e-5, atol=1e-5)
+    # and the weights are those the run trained (not a fresh init)
+    assert _metrics(run)[-1]["loss"] < 6.0
+
+
+def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> None:
+    nodrop = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+    one = _run(store_dir, tmp_path / "one", **{"model.overrides": nodrop, "train.steps": 3})
+    acc = _run(store_dir, tmp_path / "acc", **{"model.overrides": nodrop, "train.steps": 3, "train.micro_batch_size": 2})
+    a, b = _weights(one / "checkpoints" / "step-0000003"), _weights(acc / "checkpoints" / "step-0000003")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+    assert [m["batch_digest"] for m in _metrics(one)] == [m["batch_digest"] for m in _metrics(acc)]
+
+
+def test_batches_do_not_depend_on_model_or_train_seed(store_dir: Path, tmp_path: Path) -> None:
+    a = _run(store_dir, tmp_path / "a", **{"train.steps": 3})
+    b = _run(store_dir, tmp_path / "b", **{"train.steps": 3, "model.arch": "roberta", "train.seed": 5})
+    c = _run(store_dir, tmp_path / "c", **{"train.steps": 3, "data.seed": 1})
+    da, db, dc = ([m["batch_digest"] for m in _metrics(r)] for r in (a, b, c))
+    assert da == db and da != dc
+    assert [m["n_targets"] for m in _metrics(a)] == [m["n_targets"] for m in _metrics(b)]
+
+
+def test_mlm_loss_falls_when_overfitting_one_batch(store_dir: Path) -> None:
+    losses = overfit_losses({"name": "mlm"}, store_dir, steps=30)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_config_errors_are_one_line(store_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="valid keys of optim: lr"):
+        load_config(None, ["optim.lrr=3e-4"])
+    with pytest.raises(UserError, match="valid groups"):
+        load_config(None, ["trian.steps=3"])
+    with pytest.raises(UserError, match="train.steps must be of type int"):
+        load_config(None, ["train.steps=ten"])
+    with pytest.raises(UserError, match="not a field of BertConfig"):
+        _run(store_dir, tmp_path / "x", **{"model.overrides": "{hiden_size: 8}"})
+    with pytest.raises(UserError, match="unknown objective.name"):
+        _run(store_dir, tmp_path / "y", **{"objective.name": "mlmm"})
