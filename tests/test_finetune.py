@@ -210,3 +210,17 @@ def test_regression_and_token_tasks_run(tiny: Path, tmp_path: Path) -> None:
     assert rows[0]["n_eval"] == 12 and rows[2]["n_eval"] == 6  # evaluation sets stay complete
     assert all(-1.0 <= r["value"] <= 1.0 for r in rows)
     assert len(load_task("stsb", "dev", data)) == 12
+
+
+def test_predict_keeps_order_and_ignores_padding(tiny: Path) -> None:
+    spec = get_task("stsb")  # regression: raw floats make order or padding mistakes visible
+    tok = load_tokenizer(str(tiny), spec)
+    texts = ["great", "the movie was a film with actors and plot", "awful plot", "it had some scenes it had"]
+    examples = [Example(t, "the film", 0.0) for t in texts]
+    feats = encode(tok, spec, examples, max_len=64)
+    backbone = BertModel.from_pretrained(tiny)
+    head = build_head(spec, 32, seed=0)
+    together = predict(backbone, head, tok, spec, feats, examples, torch.device("cpu"), batch_size=4)
+    alone = [predict(backbone, head, tok, spec, [f], [e], torch.device("cpu"))[0] for f, e in zip(feats, examples, strict=True)]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(together)) == len(texts)

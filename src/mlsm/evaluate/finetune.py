@@ -205,26 +205,33 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
 @torch.no_grad()
 def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
             examples: Sequence[Example], device: torch.device, batch_size: int = 64) -> list[Any]:
-    """Predictions per example: class ids, floats, or one tag name per word (truncated words → "O")."""
+    """Predictions per example: class ids, floats, or one tag name per word (truncated words → "O").
+
+    Batches are formed from length-sorted examples (less padding); results come back in input order.
+    """
     backbone.eval()
     head.eval()
-    preds: list[Any] = []
-    for i in range(0, len(feats), batch_size):
-        chunk = feats[i:i + batch_size]
-        inputs, _ = collate(tokenizer, spec, chunk, device)
-        out = head(backbone(**inputs).last_hidden_state).float().cpu()
-        if spec.kind == "reg":
-            preds += out.squeeze(-1).tolist()
-        elif spec.kind == "cls":
-            preds += out.argmax(-1).tolist()
-        else:
-            for row, f, ex in zip(out.argmax(-1), chunk, examples[i:i + batch_size], strict=True):
-                tags = ["O"] * len(ex.text)
-                positions = [t for t, lab in enumerate(f["label"]) if lab != -100]
-                for t, w in zip(positions, f["words"], strict=True):
-                    tags[w] = spec.labels[int(row[t])]
-                preds.append(tags)
+    order = sorted(range(len(feats)), key=lambda k: len(feats[k]["inputs"]["input_ids"]))
+    preds: list[Any] = [None] * len(feats)
+    for i in range(0, len(order), batch_size):
+        idx = order[i:i + batch_size]
+        inputs, _ = collate(tokenizer, spec, [feats[k] for k in idx], device)
+        out = head(backbone(**inputs).last_hidden_state).float().cpu()  # (B, C) or (B, T, C)
+        for row, k in zip(out, idx, strict=True):
+            preds[k] = _decode(spec, row, feats[k], examples[k])
     return preds
+
+
+def _decode(spec: TaskSpec, row: torch.Tensor, feat: dict[str, Any], ex: Example) -> Any:
+    if spec.kind == "reg":
+        return float(row[0])
+    if spec.kind == "cls":
+        return int(row.argmax())
+    tags = ["O"] * len(ex.text)
+    positions = [t for t, lab in enumerate(feat["label"]) if lab != -100]
+    for t, w in zip(positions, feat["words"], strict=True):
+        tags[w] = spec.labels[int(row[t].argmax())]
+    return tags
 
 
 def score(spec: TaskSpec, preds: list[Any], examples: Sequence[Example]) -> dict[str, float]:
