@@ -248,3 +248,16 @@ def test_bad_input(bert, tok):
         score_pll(object(), tok, ["the cat"])
     with pytest.raises(UserError, match="split"):
         score_pll(bert, tok, [" ".join(["cat"] * 100)])
+
+
+def test_load_masked_lm(bert, tok, tmp_path):
+    from mlsm.evaluate.pll import load_masked_lm
+
+    bert.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    model, tokenizer = load_masked_lm(str(tmp_path / "ckpt"))
+    assert not model.training
+    assert score_pll(model, tokenizer, SENTENCES[:2]) == pytest.approx(
+        score_pll(bert, tok, SENTENCES[:2]), abs=1e-5)
+    with pytest.raises(UserError, match="cannot load a masked LM"):
+        load_masked_lm(str(tmp_path / "missing"))

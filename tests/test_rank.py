@@ -142,3 +142,15 @@ def test_report_files(encoder, tok, tmp_path):
     text = tmp_path / "s.txt"
     text.write_text("the cat\n\n  a dog  \n")
     assert read_sentences(text) == ["the cat", "a dog"]
+
+
+def test_load_encoder(encoder, tok, tmp_path):
+    from mlsm.evaluate.rank import load_encoder
+
+    encoder.save_pretrained(tmp_path / "enc")
+    tok.save_pretrained(tmp_path / "enc")
+    model, tokenizer = load_encoder(str(tmp_path / "enc"))
+    a = layerwise_effective_rank(model, tokenizer, SENTENCES, seed=3)
+    assert a.ranks == layerwise_effective_rank(encoder, tok, SENTENCES, seed=3).ranks
+    with pytest.raises(UserError, match="cannot load an encoder"):
+        load_encoder(str(tmp_path / "missing"))

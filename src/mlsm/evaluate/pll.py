@@ -92,6 +92,21 @@ def as_scorer(model: Any) -> MaskedScorer:
     )
 
 
+def load_masked_lm(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of an HF masked-LM folder, in eval mode; UserError if it cannot load."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    try:
+        model = AutoModelForMaskedLM.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(
+            f"cannot load a masked LM from {path} ({type(err).__name__}): pass a checkpoint folder "
+            "with config.json, weights and tokenizer that AutoModelForMaskedLM can read"
+        ) from None
+    return (model.to(device) if device is not None else model).eval(), tokenizer
+
+
 @dataclass(frozen=True)
 class TokenScores:
     """Per-token PLL terms of one sentence; `log_probs[j]` scores `tokens[j]` at `positions[j]`."""
@@ -226,7 +241,7 @@ def _device_of(model: Any, device: str | torch.device | None) -> torch.device:
         param = next(module.parameters(), None)
         if param is not None:
             return param.device
-    return torch.device("cpu")
+    return torch.device(getattr(module, "device", None) or "cpu")
 
 
 @contextlib.contextmanager

@@ -219,6 +219,21 @@ def layerwise_effective_rank(
     )
 
 
+def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) of an HF encoder folder (AutoModel), eval mode; UserError if unreadable."""
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        model = AutoModel.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(
+            f"cannot load an encoder from {path} ({type(err).__name__}): pass a checkpoint folder "
+            "with config.json, weights and tokenizer that AutoModel can read"
+        ) from None
+    return (model.to(device) if device is not None else model).eval(), tokenizer
+
+
 def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[str]:
     """Non-empty lines of a .txt or .txt.gz file (one sentence or short text per line)."""
     p = Path(path)
