@@ -15,6 +15,7 @@ Any HF encoder folder works (``AutoModel`` + ``AutoTokenizer``). Our checkpoints
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -263,28 +264,43 @@ def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | Non
     return train, evals
 
 
-def run_cell(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
-             seed: int, cfg: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+@dataclass
+class Prepared:
+    """One model's tokenisation of one task, shared by all its seeds and learning rates."""
+
+    tokenizer: Any
+    train: list[dict[str, Any]]  # features of the training set
+    evals: dict[str, tuple[list[Example], list[dict[str, Any]]]]  # metric suffix -> (examples, features)
+
+
+def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
+            max_len: int) -> Prepared:
+    """Tokenise the task's training and evaluation sets with the model's tokenizer."""
+    tok = load_tokenizer(model.path, spec)
+    return Prepared(tok, encode(tok, spec, train, max_len),
+                    {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()})
+
+
+def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],
+             device: torch.device) -> list[dict[str, Any]]:
     """One fine-tuning run (model, task, seed, lr) → one result row per metric."""
     from transformers import AutoModel
 
     start = time.time()
-    tokenizer = load_tokenizer(model.path, spec)
     backbone = AutoModel.from_pretrained(model.path, dtype=torch.float32).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
     head = build_head(spec, d, seed).to(device)
-    train_cell(backbone, head, tokenizer, spec, encode(tokenizer, spec, train, cfg["max_len"]), seed, cfg, device)
+    train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device)
     rows = []
-    for suffix, examples in evals.items():
-        feats = encode(tokenizer, spec, examples, cfg["max_len"])
-        metrics = score(spec, predict(backbone, head, tokenizer, spec, feats, examples, device), examples)
-        for metric, value in metrics.items():
+    for suffix, (examples, feats) in data.evals.items():
+        preds = predict(backbone, head, data.tokenizer, spec, feats, examples, device)
+        for metric, value in score(spec, preds, examples).items():
             rows.append({
                 "model": model.name, "path": model.path, "step": model.step, "readiness": model.readiness,
                 "objective": model.objective, "run": model.run, "task": spec.name,
                 "metric": f"{metric}_{suffix}" if suffix else metric, "value": value, "seed": seed,
                 "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
-                "max_len": cfg["max_len"], "n_train": len(train), "n_eval": len(examples),
+                "max_len": cfg["max_len"], "n_train": len(data.train), "n_eval": len(examples),
                 "seconds": round(time.time() - start, 2),
             })
     return rows
@@ -325,14 +341,14 @@ def finetune(
     for spec in specs:
         train, evals = _task_data(spec, data_dir, max_train_examples)
         for ref in refs:
-            for lr in lrs:
+            data = None  # tokenised on first use: a finished model costs nothing on resume
+            for lr, seed in itertools.product(lrs, seeds):
                 cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size, "max_len": max_len,
                        "warmup_ratio": warmup_ratio, "weight_decay": weight_decay}
-                for seed in seeds:
-                    key = (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train))
-                    if key not in done:
-                        bar.set_postfix_str(f"{ref.name} {spec.name} seed={seed} lr={lr:g}")
-                        append_results(path, run_cell(ref, spec, train, evals, seed, cfg, dev))
-                    bar.update(1)
+                if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train)) not in done:
+                    bar.set_postfix_str(f"{ref.name} {spec.name} seed={seed} lr={lr:g}")
+                    data = data or prepare(ref, spec, train, evals, max_len)
+                    append_results(path, run_cell(ref, spec, data, seed, cfg, dev))
+                bar.update(1)
     bar.close()
     return path

@@ -144,26 +144,28 @@ def _mrpc_rows(path: Path) -> list[list[str]]:
     return rows[1:]
 
 
+def _mrpc_source(folder: Path, split: str) -> tuple[Path, Callable[[list[str]], bool]]:
+    """The file holding ``split`` and a filter on its rows (GLUE TSV, else msr_paraphrase_*.txt)."""
+    if (folder / f"{split}.tsv").is_file():
+        return folder / f"{split}.tsv", lambda r: True
+    src = next((d for d in (folder, folder / "original") if (d / "msr_paraphrase_train.txt").is_file()), None)
+    if src is None:
+        raise UserError(f"{folder}: expected MRPC train.tsv/dev.tsv or original/msr_paraphrase_train.txt (+ dev_ids.tsv)")
+    if (src / "dev_ids.tsv").is_file():
+        dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
+        return src / "msr_paraphrase_train.txt", lambda r: (tuple(r[1:3]) in dev) == (split == "dev")
+    name = "msr_paraphrase_train.txt" if split == "train" else "msr_paraphrase_test.txt"
+    return _find(src, (name,), "MRPC msr_paraphrase_train.txt / msr_paraphrase_test.txt"), lambda r: True
+
+
 def _read_mrpc(folder: Path, split: str) -> list[Example]:
     """MRPC from GLUE's train.tsv/dev.tsv, else rebuilt from ``msr_paraphrase_*.txt``.
 
     GLUE's dev is the part of msr_paraphrase_train.txt whose id pair is in dev_ids.tsv (the GLUE
     download script does the same split); without dev_ids.tsv, msr_paraphrase_test.txt is dev.
     """
-    glue = folder / f"{split}.tsv"
-    if glue.is_file():
-        rows = _mrpc_rows(glue)
-    else:
-        src = next((d for d in (folder, folder / "original") if (d / "msr_paraphrase_train.txt").is_file()), None)
-        if src is None:
-            raise UserError(f"{folder}: expected MRPC train.tsv/dev.tsv or original/msr_paraphrase_train.txt (+ dev_ids.tsv)")
-        if (src / "dev_ids.tsv").is_file():
-            dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
-            rows = [r for r in _mrpc_rows(src / "msr_paraphrase_train.txt") if (tuple(r[1:3]) in dev) == (split == "dev")]
-        else:
-            name = "msr_paraphrase_train.txt" if split == "train" else "msr_paraphrase_test.txt"
-            rows = _mrpc_rows(_find(src, (name,), "MRPC msr_paraphrase_train.txt / msr_paraphrase_test.txt"))
-    return [Example(r[3], r[4], _label_id(r[0], ("0", "1"), glue)) for r in rows]
+    path, keep = _mrpc_source(folder, split)
+    return [Example(r[3], r[4], _label_id(r[0], _B, path)) for r in _mrpc_rows(path) if keep(r)]
 
 
 def _wic_text(word: str, s1: str) -> str:
