@@ -103,3 +103,28 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, a
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store."""
+    from mlsm.config import load_config
+    from mlsm.train.loop import pretrain
+
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    cfg = load_config(None, tiny_overrides(store_dir, out, **{"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}))
+    pretrain(cfg)
+    return out / "checkpoints" / "step-0000030"
+
+
+@pytest.fixture(scope="session")
+def dictionary_path(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A k=64 dictionary on layer 1 of the tiny teacher."""
+    from mlsm.data.corpus import TokenStore
+    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.teacher import load_teacher
+
+    out = tmp_path_factory.mktemp("dict") / "dict.safetensors"
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    learn_dictionary(TokenStore.open(store_dir), teacher, k=64, lam=0.05, n_vectors=3000, max_len=32, out=out)
+    return out

@@ -39,6 +39,7 @@ class Batch:
     selected: torch.Tensor  # bool: positions to predict (data.mask_rate)
     corrupted_ids: torch.Tensor  # input_ids with selected positions corrupted per data.mask_split
     samples: torch.Tensor  # (B,) global sample indices
+    chunks: torch.Tensor  # (B,) which packed chunk of the store each row is (fixed contents)
     step: int  # optimizer step this batch belongs to
 
     def digest(self) -> int:
@@ -94,23 +95,32 @@ class BatchSource:
             self._perm, self._perm_epoch = rng.permutation(self.n_sequences), epoch
         return self._perm
 
-    def sequence_ids(self, samples: np.ndarray) -> np.ndarray:
-        """Token ids (B, max_len) of the given global sample indices."""
+    def chunk_ids(self, samples: np.ndarray) -> np.ndarray:
+        """Which packed chunk each global sample index reads, (B,)."""
         chunks = np.empty(len(samples), dtype=np.int64)
         for epoch in np.unique(samples // self.n_sequences):  # usually one epoch per batch
             here = samples // self.n_sequences == epoch
             chunks[here] = self._permutation(int(epoch))[samples[here] % self.n_sequences]
+        return chunks
+
+    def sequence_ids(self, samples: np.ndarray) -> np.ndarray:
+        """Token ids (B, max_len) of the given global sample indices."""
+        return self.chunk_tokens(self.chunk_ids(samples))
+
+    def chunk_tokens(self, chunks: np.ndarray) -> np.ndarray:
+        """Token ids (B, max_len) of packed chunks: [CLS] + max_len - 2 stream tokens + [SEP]."""
         vpos = chunks[:, None] * self.chunk + np.arange(self.chunk)[None, :]  # (B, C)
         doc = np.searchsorted(self.vstart, vpos, side="right") - 1
         real = vpos - doc  # position in the token array, if not a separator
         is_sep = real >= self.store.offsets[doc + 1]
         body = np.where(is_sep, self.sep_id, self.store.tokens[np.minimum(real, self.store.n_tokens - 1)])
-        ids = np.empty((len(samples), self.cfg.max_len), dtype=np.int64)
+        ids = np.empty((len(chunks), self.cfg.max_len), dtype=np.int64)
         ids[:, 0], ids[:, -1], ids[:, 1:-1] = self.cls_id, self.sep_id, body
         return ids
 
     def batch(self, samples: np.ndarray, step: int) -> Batch:
-        ids = self.sequence_ids(samples)
+        chunks = self.chunk_ids(samples)
+        ids = self.chunk_tokens(chunks)
         special = (ids == self.cls_id) | (ids == self.sep_id) | (ids == self.pad_id)
         cfg = self.cfg
         selected = masking.select_positions(cfg.seed, samples, special, cfg.mask_rate, cfg.exact_count)
@@ -124,6 +134,7 @@ class BatchSource:
             selected=torch.from_numpy(selected),
             corrupted_ids=torch.from_numpy(corrupted),
             samples=torch.from_numpy(samples.astype(np.int64)),
+            chunks=torch.from_numpy(chunks),
             step=step,
         )
 

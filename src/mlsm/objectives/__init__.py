@@ -8,9 +8,11 @@ from mlsm.config import build_dataclass
 from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, options_of
 from mlsm.objectives.mlm import MLM
+from mlsm.objectives.mlsm import MLSM
 
 OBJECTIVES: dict[str, type] = {
     "mlm": MLM,
+    "mlsm": MLSM,
 }
 
 

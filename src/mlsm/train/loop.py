@@ -47,7 +47,7 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     objective = build_objective(cfg.objective, ctx)
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
     objective.attach(student)
-    student.to(device)
+    student.to(device).train()  # from_pretrained returns eval mode: dropout must be on
     optimizer = _optimizer(student, cfg)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world

@@ -1,0 +1,107 @@
+"""Masked Latent Semantic Modeling (Berend 2023, "Masked Latent Semantic Modeling: an Efficient
+Pre-training Alternative to Masked Language Modeling", §3).
+
+For every selected position i the target is a distribution over k latent semantic properties:
+the frozen teacher reads the *unmasked* sequence, its layer-l state h_i is ℓ2-normalised and
+sparse-coded against the dictionary D (non-negative LASSO, λ), and p_i = α_i / ‖α_i‖₁. The student
+predicts z_i = latent_head(student(masked input)_i) ∈ R^k and the loss is KL(p_i ‖ softmax(z_i)).
+The output layer is d × k; no vocabulary logits are ever computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mlsm.data.batches import Batch
+from mlsm.data.corpus import tokenizer_hash
+from mlsm.errors import UserError
+from mlsm.models.backbone import Student
+from mlsm.models.heads import LatentHead
+from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.teacher.dictionary import load_dictionary
+from mlsm.teacher.sparse_coding import sparse_encode
+from mlsm.teacher.teacher import load_teacher
+
+
+@dataclass
+class MLSMConfig:
+    dictionary: str = ""
+    """Dictionary file from `mlsm dictionary` (PATH.safetensors + PATH.json)."""
+    teacher: str = ""
+    """Teacher model folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
+    layer: int = -1
+    """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
+    lam: float = 0.0
+    """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
+
+
+class TargetCoder:
+    """Teacher (early exit at layer l) + dictionary: unmasked batch -> target distributions."""
+
+    def __init__(self, cfg: MLSMConfig, ctx: Context):
+        if not cfg.dictionary:
+            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
+        self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
+        layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)
+        self.dictionary.check_teacher(self.teacher)
+        if tokenizer_hash(self.teacher.tokenizer) != tokenizer_hash(ctx.tokenizer):
+            raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+        self.lam = cfg.lam or self.dictionary.lam
+        self.atoms = self.dictionary.atoms.float()  # (d, k)
+        self.gram = self.atoms.T @ self.atoms  # (k, k), reused by every call
+        self.k = self.dictionary.k
+
+    @torch.no_grad()
+    def codes(self, batch: Batch) -> torch.Tensor:
+        """Non-negative codes (N, k) of the teacher's states at the selected positions."""
+        with torch.autocast(batch.input_ids.device.type, enabled=False):
+            h = self.teacher.hidden_states(batch.input_ids, batch.attention_mask)  # (B, T, d)
+        x = F.normalize(h[batch.selected].float(), dim=-1)  # (N, d), as the dictionary was learned
+        return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
+
+
+def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor) -> ObjectiveOutput:
+    """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).
+
+    hidden: (N, d) student states at the selected positions; codes: (N, k). Positions whose code
+    is all zero carry no target and are dropped (counted in the `dropped` metric).
+    """
+    mass = codes.sum(1)  # (N,)
+    keep = mass > 0
+    p = codes[keep] / mass[keep, None]  # (M, k)
+    z = student.heads["latent"](hidden[keep]).float()  # (M, k)
+    log_q = F.log_softmax(z, dim=-1)
+    kl = (torch.xlogy(p, p) - p * log_q).sum(1)  # (M,): p log p - p log q, with 0 log 0 = 0
+    with torch.no_grad():
+        metrics = {
+            "kl": kl.sum().detach(),
+            "target_entropy": -torch.xlogy(p, p).sum(),
+            "nnz": (p > 0).sum().float(),
+            "top1_agreement": (z.argmax(1) == p.argmax(1)).sum().float(),
+            "dropped": (~keep).sum().float(),
+        }
+    return ObjectiveOutput(kl.sum(), keep.sum(), metrics)
+
+
+def attach_latent_head(student: Student, k: int) -> None:
+    student.heads["latent"] = LatentHead(student.hidden_size, k)
+    student.head_meta["latent"] = {"class": "LatentHead", "d": student.hidden_size, "k": k}
+
+
+class MLSM:
+    Config = MLSMConfig
+
+    def __init__(self, cfg: MLSMConfig, ctx: Context):
+        self.coder = TargetCoder(cfg, ctx)
+
+    def attach(self, student: Student) -> None:
+        attach_latent_head(student, self.coder.k)
+
+    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
+        codes = self.coder.codes(batch)  # (N, k)
+        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
+        return latent_kl(student, hidden[batch.selected], codes)
