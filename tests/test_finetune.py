@@ -224,3 +224,12 @@ def test_predict_keeps_order_and_ignores_padding(tiny: Path) -> None:
     alone = [predict(backbone, head, tok, spec, [f], [e], torch.device("cpu"))[0] for f, e in zip(feats, examples, strict=True)]
     assert together == pytest.approx(alone, abs=1e-5)
     assert len(set(together)) == len(texts)
+
+
+def test_checkpoint_json_from_a_run_and_bad_json(tmp_path: Path) -> None:
+    folder = _bert(tmp_path / "runs" / "mlsm-a" / "checkpoints" / "step-0000050",
+                   meta={"step": 50, "readiness": 0.25, "objective": "mlsm", "run": str(tmp_path / "runs" / "mlsm-a")})
+    assert resolve_model(folder).name == "mlsm-a@50"
+    (folder / "checkpoint.json").write_text("{step: 50", encoding="utf-8")
+    with pytest.raises(UserError, match="checkpoint.json"):
+        resolve_model(folder)

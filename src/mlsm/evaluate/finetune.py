@@ -46,7 +46,7 @@ class ModelRef:
 
 
 def resolve_model(spec: str | Path) -> ModelRef:
-    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``run@step`` if known, else the folder name."""
+    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``<run>@<step>`` if known, else the folder name."""
     text = str(spec)
     name, _, path = ("", "", text) if "=" not in text or Path(text).is_dir() else text.partition("=")
     folder = Path(path)
@@ -54,11 +54,14 @@ def resolve_model(spec: str | Path) -> ModelRef:
         raise UserError(f"{folder}: not an HF model folder (no config.json); pass a save_pretrained folder")
     meta: dict[str, Any] = {}
     if (folder / "checkpoint.json").is_file():
-        meta = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        try:
+            meta = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{folder}/checkpoint.json is not valid JSON ({exc.msg}); fix or remove it") from exc
     step = meta.get("step")
     run = meta.get("run")
-    if not name:
-        name = f"{run}@{step}" if run is not None and step is not None else folder.resolve().name
+    if not name:  # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
+        name = f"{Path(str(run)).name}@{step}" if run is not None and step is not None else folder.resolve().name
     readiness = meta.get("readiness")
     return ModelRef(name, str(folder), None if step is None else int(step),
                     None if readiness is None else float(readiness), meta.get("objective"), run)
@@ -281,13 +284,27 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
                     {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()})
 
 
+def _load_backbone(path: str) -> nn.Module:
+    """``AutoModel`` in float32; the "unused MLM head weights" load report is silenced (expected)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per cell would drown our own bar
+    try:
+        return AutoModel.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(before)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],
              device: torch.device) -> list[dict[str, Any]]:
     """One fine-tuning run (model, task, seed, lr) → one result row per metric."""
-    from transformers import AutoModel
-
     start = time.time()
-    backbone = AutoModel.from_pretrained(model.path, dtype=torch.float32).to(device)
+    backbone = _load_backbone(model.path).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
     head = build_head(spec, d, seed).to(device)
     train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device)

@@ -44,7 +44,7 @@ def plot_readiness(cmp: Comparison, path: Path) -> Path:
         if info.get("readiness") is None:
             ax.axhline(100 * _avg(cmp, i), linestyle="--", linewidth=1, label=model, color=f"C{(9 - i) % 10}")
             continue
-        label = info.get("run") or info.get("objective") or model
+        label = Path(str(info["run"])).name if info.get("run") else info.get("objective") or model
         series.setdefault(str(label), []).append((float(info["readiness"]), 100 * _avg(cmp, i)))
     for k, (label, pts) in enumerate(series.items()):
         pts.sort()
