@@ -122,6 +122,15 @@ def test_glue_header_loaders(tmp_path: Path, task: str, folder: str, header: lis
         assert len(ex) == 2 and (ex[0].text, ex[0].text_pair, ex[0].label) == expect
 
 
+def test_wrong_labels_are_user_errors(tmp_path: Path) -> None:
+    _write(tmp_path / "STS-B" / "dev.tsv", [_t("sentence1", "sentence2", "score"), _t("a", "b", "high")])
+    with pytest.raises(UserError, match="not a number"):
+        load_task("stsb", "dev", tmp_path)
+    _write(tmp_path / "RTE" / "dev.tsv", [_t("index", "sentence1", "sentence2", "label"), _t("0", "a", "b", "yes")])
+    with pytest.raises(UserError, match="not_entailment"):
+        load_task("rte", "dev", tmp_path)
+
+
 def test_mnli_loader_matched_mismatched(tmp_path: Path) -> None:
     header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
               "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]

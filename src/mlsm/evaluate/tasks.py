@@ -101,6 +101,13 @@ def _label_id(value: str, labels: tuple[str, ...], path: Path) -> int:
     return labels.index(value)
 
 
+def _score(value: str, path: Path) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"{path}: score {value!r} is not a number; expected the STS-B score column (0-5)") from None
+
+
 def _glue_reader(
     files: dict[str, tuple[str, ...]], a: str, b: str | None, y: str, labels: tuple[str, ...]
 ) -> Reader:
@@ -119,7 +126,7 @@ def _glue_reader(
         for row in rows[1:]:
             if len(row) != len(head):
                 raise UserError(f"{path}: a row has {len(row)} fields, header has {len(head)}; expected the original GLUE TSV")
-            lab = float(row[iy]) if not labels else _label_id(row[iy], labels, path)
+            lab = _score(row[iy], path) if not labels else _label_id(row[iy], labels, path)
             out.append(Example(row[ia], row[ib] if ib is not None else None, lab))
         return out
 
