@@ -112,6 +112,9 @@ def test_config_errors_are_one_line(store_dir: Path, tmp_path: Path) -> None:
         load_config(None, ["optim.lrr=3e-4"])
     with pytest.raises(UserError, match="valid groups"):
         load_config(None, ["trian.steps=3"])
+    assert load_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 reads this as a string
+    with pytest.raises(UserError, match="optim.lr must be of type float"):
+        load_config(None, ["optim.lr=fast"])
     with pytest.raises(UserError, match="train.steps must be of type int"):
         load_config(None, ["train.steps=ten"])
     with pytest.raises(UserError, match="not a field of BertConfig"):

@@ -118,6 +118,11 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint) or hint
     if origin is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if origin is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if origin in (types.UnionType, typing.Union):
         return value
     if origin is Any or isinstance(value, origin):

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from mlsm.errors import UserError
 from mlsm.models.backbone import Student, load_student_weights
 
 COMPLETE = "checkpoint.json"
@@ -80,10 +81,28 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(folder)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write checkpoint {folder.name} ({exc.strerror or exc}); older checkpoints are intact — free space and rerun with --resume auto") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint so that a crash midway never leaves a folder that looks complete:
+    rename it out of the step-* namespace first (atomic), then delete."""
+    trash = folder.with_name(f".{folder.name}.del-{os.getpid()}")
+    folder.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale(run_dir: Path) -> None:
+    """Remove temporary folders a killed process left in checkpoints/ (names start with '.')."""
+    root = Path(run_dir) / "checkpoints"
+    for folder in root.glob(".*") if root.is_dir() else []:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -28,6 +28,7 @@ from mlsm.objectives import Context, build_objective
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
+from mlsm.train.signals import StopOnSignal
 
 
 def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
@@ -59,42 +60,58 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     tokens_per_step = cfg.train.batch_size * cfg.data.max_len
     bar = tqdm(total=cfg.train.steps, initial=start, desc="pretrain", disable=None if dist_info.is_main else True)
     t_last, s_last = time.perf_counter(), start
-    for step in range(start, cfg.train.steps):
-        lr = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # float64 holds the digest (a sum of < 2^32 CRCs) exactly up to ~2^21 sequences per step
-        totals: dict[str, torch.Tensor] = {"batch_digest": torch.zeros((), dtype=torch.float64)}
-        batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
-        for i, batch in enumerate(batches):
-            sync = model.no_sync() if dist_info.world > 1 and i < len(batches) - 1 else nullcontext()
-            with sync:
-                with autocast:
-                    out = model(objective, batch.to(device))  # = objective(student, batch)
-                out.loss_sum.backward()
-            _accumulate(totals, out)
-            totals["batch_digest"] += batch.digest()
-        totals = {k: all_reduce_sum(v.to(device), dist_info) for k, v in totals.items()}
-        n_targets = totals["n_targets"].clamp(min=1)
-        grad_norm = _finish_gradients(student, n_targets, dist_info, cfg.optim.clip)
-        loss = (totals["loss_sum"] / n_targets).item()
-        if not math.isfinite(loss):
-            raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        done = step + 1
-        if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
-            now = time.perf_counter()
-            tps = tokens_per_step * (done - s_last) / max(now - t_last, 1e-9)
-            t_last, s_last = now, done
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-            _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step)
-        if done in save_steps:
-            _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+    stopper = StopOnSignal()
+    with stopper:
+        for step in range(start, cfg.train.steps):
+            torch.manual_seed(_step_seed(cfg.train.seed, step, dist_info.rank))  # dropout
+            lr = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
+            loss, grad_norm, totals = _train_step(model, objective, batches, autocast, device, dist_info, cfg.optim.clip)
+            if not math.isfinite(loss):
+                raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+            done = step + 1
+            if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
+                now = time.perf_counter()
+                tps = tokens_per_step * (done - s_last) / max(now - t_last, 1e-9)
+                t_last, s_last = now, done
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step)
+            if done in save_steps:
+                _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+            if stopper.requested(dist_info, device):
+                if done not in save_steps:
+                    _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+                print(f"stopped by signal after step {done}; continue with --resume auto", flush=True)
+                break
     bar.close()
     barrier(dist_info)
     return run_dir
+
+
+def _train_step(model: torch.nn.Module, objective: Any, batches: list, autocast: Any,
+                device: torch.device, info: DistInfo, clip: float) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """Forward/backward every micro-batch, then turn the summed gradients into the gradient of
+    the global mean loss. Returns (loss, grad norm, globally summed totals)."""
+    student = model.module if info.world > 1 else model
+    # float64 holds the digest (a sum of < 2^32 CRCs) exactly up to ~2^21 sequences per step
+    totals: dict[str, torch.Tensor] = {"batch_digest": torch.zeros((), dtype=torch.float64)}
+    for i, batch in enumerate(batches):
+        sync = model.no_sync() if info.world > 1 and i < len(batches) - 1 else nullcontext()
+        with sync:
+            with autocast:
+                out = model(objective, batch.to(device))  # = objective(student, batch)
+            out.loss_sum.backward()
+        _accumulate(totals, out)
+        totals["batch_digest"] += batch.digest()
+    totals = {k: all_reduce_sum(v.to(device), info) for k, v in totals.items()}
+    n_targets = totals["n_targets"].clamp(min=1)
+    grad_norm = _finish_gradients(student, n_targets, info, clip)
+    return (totals["loss_sum"] / n_targets).item(), grad_norm, totals
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -186,28 +203,47 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
         raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale(run_dir)
         save_config(cfg, run_dir / "config.yaml")
         info_path = run_dir / "run.json"
         if not info_path.exists():
             info_path.write_text(json.dumps({"git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
     if folder is None:
-        # dropout draws from the global generators; seeding them makes a fresh run reproducible
-        torch.manual_seed(cfg.train.seed * 65_537 + info.rank)
         return 0
     state = ckpt.load_training_state(folder, student)
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng_cpu"])
-    if torch.cuda.is_available() and "rng_cuda" in state:
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
-    return int(state["step"])
+    step = int(state["step"])
+    if info.is_main:
+        _truncate_metrics(run_dir / "metrics.jsonl", step)
+    return step
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint we resume from (they will be logged again)."""
+    if path.exists():
+        lines = [ln for ln in path.read_text().splitlines() if _logged_step(ln) <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in lines))
+        tmp.replace(path)
+
+
+def _logged_step(line: str) -> float:
+    """Step of a metrics line; a line torn by a crash counts as after every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    """Dropout seed of one step on one rank: a fresh, resumable stream with no saved RNG state."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, student: Student, tokenizer: Any,
                 optimizer: torch.optim.Optimizer, save_steps: set[int], info: DistInfo) -> None:
     if info.is_main:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["rng_cuda"] = torch.cuda.get_rng_state_all()
+        state = {"step": step, "optimizer": optimizer.state_dict()}
         readiness = step / cfg.train.steps
         meta = {"step": step, "readiness": readiness, "objective": cfg.objective.get("name"), "run": str(run_dir),
                 "tokens": step * cfg.train.batch_size * cfg.data.max_len, "config": config_to_dict(cfg)}
@@ -221,7 +257,7 @@ def _prune(run_dir: Path, cfg: RunConfig) -> None:
     keep = {max(1, round(r * cfg.train.steps)) for r in cfg.train.readiness} | {cfg.train.steps}
     periodic = [(s, f) for s, f in ckpt.list_checkpoints(run_dir) if s not in keep]
     for _, folder in periodic[: max(0, len(periodic) - cfg.train.keep_last)]:
-        shutil.rmtree(folder, ignore_errors=True)
+        ckpt.remove_checkpoint(folder)
 
 
 def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps: float,

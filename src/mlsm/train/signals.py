@@ -1,0 +1,36 @@
+"""Graceful stop: SIGTERM (what schedulers and torchrun send) ends the run after the current
+step, with a checkpoint, instead of killing it mid-step."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import torch
+
+from mlsm.train.distributed import DistInfo, all_reduce_sum
+
+
+class StopOnSignal:
+    """Context manager; `requested(info, device)` is True on every rank once any rank got SIGTERM."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+        self.signals, self.flag, self._old = signals, False, {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.flag = True
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():  # handlers only work there
+            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def requested(self, info: DistInfo, device: torch.device) -> bool:
+        if info.world == 1:
+            return self.flag
+        return bool(all_reduce_sum(torch.tensor(float(self.flag), device=device), info) > 0)

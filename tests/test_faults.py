@@ -1,0 +1,116 @@
+"""Crash safety: SIGKILL at random moments, SIGTERM, non-finite loss, failed writes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mlsm.config import load_config
+from mlsm.errors import UserError
+from mlsm.train import checkpoint as ckpt
+from mlsm.train.loop import pretrain
+
+from .conftest import tiny_overrides
+
+STEPS = 10
+
+
+def _overrides(store: Path, out: Path, **extra: object) -> list[str]:
+    # one thread so the subprocess and in-process runs do identical float arithmetic
+    return tiny_overrides(store, out, **{"train.steps": STEPS, "train.save_every": 1, "train.threads": 1, **extra})
+
+
+def _cli(store: Path, out: Path, **extra: object) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto", *_overrides(store, out, **extra)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step-{STEPS:07d}" / "model.safetensors")
+
+
+def _wait_for_progress(run: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    start = time.time()
+    while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() - start < timeout:
+        time.sleep(0.05)
+
+
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(store_dir: Path, tmp_path: Path) -> None:
+    reference = pretrain(load_config(None, _overrides(store_dir, tmp_path / "ref")))
+    run, rng, kills = tmp_path / "killed", random.Random(0), 0
+    for _ in range(12):
+        proc = _cli(store_dir, run)
+        if kills < 4:
+            _wait_for_progress(run, proc)
+            time.sleep(rng.uniform(0.0, 1.5))  # somewhere in a step, a checkpoint write or a prune
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, out
+    assert kills >= 2 and proc.returncode == 0
+    a, b = _final(reference), _final(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))  # lines after a crash were truncated, not duplicated
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_sigterm_saves_and_exits_cleanly(store_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "term"
+    proc = _cli(store_dir, run, **{"train.save_every": 0, "train.steps": 400, "train.readiness": "[1.0]"})
+    _wait_for_progress(run, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "stopped by signal" in out
+    found = ckpt.list_checkpoints(run)
+    assert found and 0 < found[-1][0] < 400
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(store_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, _overrides(store_dir, tmp_path / "nan", **{"optim.lr": 1e30, "optim.clip": 0, "optim.warmup": 0}))
+    with pytest.raises(UserError, match="non-finite loss at step") as info:
+        pretrain(cfg)
+    assert "\n" not in str(info.value)
+    found = ckpt.list_checkpoints(tmp_path / "nan")
+    assert found, "at least the first step's checkpoint was written before the blow-up"
+    state = load_file(found[-1][1] / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_failed_write_leaves_previous_checkpoint_intact(store_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    real_save, calls = torch.save, {"n": 0}
+
+    def disk_full_on_third(obj, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", disk_full_on_third)
+    run = tmp_path / "full"
+    with pytest.raises(UserError, match="No space left on device"):
+        pretrain(load_config(None, _overrides(store_dir, run)))
+    found = ckpt.list_checkpoints(run)
+    assert [s for s, _ in found] == [1, 2]
+    for _, folder in found:
+        assert all(torch.isfinite(v).all() for v in load_file(folder / "model.safetensors").values())
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    pretrain(load_config(None, _overrides(store_dir, run)), resume="auto")  # and the run continues
+    assert ckpt.list_checkpoints(run)[-1][0] == STEPS
