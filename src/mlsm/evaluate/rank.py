@@ -156,6 +156,33 @@ def _hidden_states(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tu
     return out.hidden_states  # (L + 1) x (B, T, d)
 
 
+def _accumulate(
+    model: Any, tokenizer: Any, sentences: Sequence[str], mask_rate: float, seed: int,
+    batch_size: int, max_length: int, dev: torch.device,
+) -> _GramAccumulator:
+    """Run the sentences unmasked and masked; add each condition's token vectors per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    acc: _GramAccumulator | None = None
+    for start in range(0, len(sentences), batch_size):
+        enc = tokenizer(list(sentences[start : start + batch_size]), padding=True, truncation=True,
+                        max_length=max_length, return_special_tokens_mask=True, return_tensors="pt")
+        ids, attention = enc["input_ids"], enc["attention_mask"]
+        special = enc["special_tokens_mask"].bool() | (attention == 0)  # (B, T) never counted
+        states = _hidden_states(model, ids.to(dev), attention.to(dev))  # (L + 1) x (B, T, d)
+        if acc is None:
+            acc = _GramAccumulator(len(states), states[0].shape[-1])
+        acc.add("unmasked", states, ~special)
+        if mask_rate > 0:
+            masked = _choose_masks(special, mask_rate, gen)  # (B, T)
+            masked_ids = ids.masked_fill(masked, tokenizer.mask_token_id)
+            states = _hidden_states(model, masked_ids.to(dev), attention.to(dev))
+            acc.add("masked_all", states, ~special)
+            acc.add("masked_mask", states, masked)
+            acc.add("masked_real", states, ~special & ~masked)
+    assert acc is not None  # sentences is non-empty
+    return acc
+
+
 def layerwise_effective_rank(
     model: Any,
     tokenizer: Any,
@@ -182,33 +209,13 @@ def layerwise_effective_rank(
     if mask_rate > 0 and getattr(tokenizer, "mask_token_id", None) is None:
         raise UserError("the tokenizer has no [MASK] token: use mask_rate=0 or a masked-LM tokenizer")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
-    acc: _GramAccumulator | None = None
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            for start in range(0, len(sentences), batch_size):
-                enc = tokenizer(list(sentences[start : start + batch_size]), padding=True,
-                                truncation=True, max_length=max_length,
-                                return_special_tokens_mask=True, return_tensors="pt")
-                ids, attention = enc["input_ids"], enc["attention_mask"]
-                special = enc["special_tokens_mask"].bool() | (attention == 0)  # (B, T)
-                states = _hidden_states(model, ids.to(dev), attention.to(dev))
-                if acc is None:
-                    acc = _GramAccumulator(len(states), states[0].shape[-1])
-                acc.add("unmasked", states, ~special)
-                if mask_rate > 0:
-                    masked = _choose_masks(special, mask_rate, gen)
-                    states = _hidden_states(
-                        model, ids.masked_fill(masked, tokenizer.mask_token_id).to(dev),
-                        attention.to(dev))
-                    acc.add("masked_all", states, ~special)
-                    acc.add("masked_mask", states, masked)
-                    acc.add("masked_real", states, ~special & ~masked)
+            acc = _accumulate(model, tokenizer, sentences, mask_rate, seed, batch_size, max_length, dev)
     finally:
         model.train(was_training)
-    assert acc is not None
     conds = CONDITIONS if mask_rate > 0 else ("unmasked",)
     return RankTable(
         tau=tau, mask_rate=mask_rate, hidden_size=acc.gram["unmasked"].shape[-1],
@@ -272,10 +279,11 @@ def plot_rank(table: RankTable, path: str | os.PathLike) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for cond, ranks in table.ranks.items():
         ax.plot(table.layers, ranks, marker="o", label=cond)
-    ax.axhline(table.hidden_size, color="grey", linestyle="--", linewidth=1, label="d")
+    ax.axhline(table.hidden_size, color="grey", linestyle="--", linewidth=1,
+               label=f"d = {table.hidden_size}")
     ax.set(xlabel="layer (0 = embeddings)", ylabel=f"{table.tau}-effective rank",
            title=f"Effective rank of token representations ({table.mask_rate:.0%} [MASK])")
-    ax.legend()
+    ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
     os.close(fd)
