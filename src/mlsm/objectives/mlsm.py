@@ -23,6 +23,7 @@ from mlsm.models.heads import LatentHead
 from mlsm.objectives.base import Context, ObjectiveOutput
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode
+from mlsm.teacher.targets import StoredTargets
 from mlsm.teacher.teacher import load_teacher
 
 
@@ -36,6 +37,8 @@ class MLSMConfig:
     """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
     lam: float = 0.0
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
+    targets: str = ""
+    """Target store from `mlsm targets`; when set, codes are read from it and no teacher is loaded."""
 
 
 class TargetCoder:
@@ -96,7 +99,8 @@ class MLSM:
     Config = MLSMConfig
 
     def __init__(self, cfg: MLSMConfig, ctx: Context):
-        self.coder = TargetCoder(cfg, ctx)
+        # Same targets either way: stored codes were computed by the same teacher + solver.
+        self.coder = StoredTargets(cfg, ctx) if cfg.targets else TargetCoder(cfg, ctx)
 
     def attach(self, student: Student) -> None:
         attach_latent_head(student, self.coder.k)

@@ -1,0 +1,110 @@
+"""MLSM as the official implementation does it — kept as the comparison point for speed.
+
+Same targets and loss as `mlsm` (Berend 2023, Eq. 2), computed the straightforward way:
+- the teacher is loaded whole (AutoModelForMaskedLM when its checkpoint has an MLM head, else
+  AutoModel) and runs every layer, its vocabulary logits included, with output_hidden_states;
+  layer l is then picked out of the tuple (no early exit);
+- codes come from FISTA with a fixed iteration count (100), not an exact solver;
+- the student's output layer is one linear map d → |V| + k applied at *every* position; the last k
+  outputs at the selected positions are the latent logits (the first |V| are computed and unused).
+Use `mlsm` for real runs; this objective exists for benchmarks/bench_step_time.py and `mlsm flops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
+
+from mlsm.data.batches import Batch
+from mlsm.data.corpus import tokenizer_hash
+from mlsm.errors import UserError
+from mlsm.models.backbone import Student
+from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.kd import has_mlm_head
+from mlsm.teacher.dictionary import load_dictionary
+from mlsm.teacher.sparse_coding import fista
+from mlsm.teacher.teacher import default_teacher_path
+
+
+@dataclass
+class MLSMNaiveConfig:
+    dictionary: str = ""
+    """Dictionary file from `mlsm dictionary` (PATH.safetensors + PATH.json)."""
+    teacher: str = ""
+    """Teacher model folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
+    layer: int = -1
+    """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
+    lam: float = 0.0
+    """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
+    fista_iters: int = 100
+    """FISTA iterations per batch (the official code uses 100)."""
+
+
+def load_full_teacher(path: str) -> tuple[nn.Module, object]:
+    """(model, tokenizer) of the whole teacher, with its MLM head when the checkpoint has one."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        cls = AutoModelForMaskedLM if has_mlm_head(path) else AutoModel
+        model = cls.from_pretrained(path)
+    except Exception as exc:  # HF raises OSError, ValueError, HTTP errors, ...
+        raise UserError(f"cannot load teacher {path!r} ({type(exc).__name__}); pass a local HF model folder") from None
+    return model.eval().requires_grad_(False), tokenizer
+
+
+class MLSMNaive:
+    Config = MLSMNaiveConfig
+
+    def __init__(self, cfg: MLSMNaiveConfig, ctx: Context):
+        if not cfg.dictionary:
+            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
+        if cfg.fista_iters < 1:
+            raise UserError(f"objective.fista_iters must be >= 1 (got {cfg.fista_iters}); the official code uses 100")
+        self.cfg = cfg
+        self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
+        self.layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        model, tokenizer = load_full_teacher(cfg.teacher or str(default_teacher_path()))
+        if tokenizer_hash(tokenizer) != tokenizer_hash(ctx.tokenizer):
+            raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+        n_layers = int(model.config.num_hidden_layers)
+        if not 0 <= self.layer <= n_layers:
+            raise UserError(f"teacher layer {self.layer} does not exist: the teacher has layers 0..{n_layers}; set objective.layer")
+        if self.dictionary.d != model.config.hidden_size:
+            raise UserError(f"the dictionary has d={self.dictionary.d} but the teacher's hidden size is {model.config.hidden_size}; learn a dictionary with this teacher")
+        dict_layer = self.dictionary.meta.get("layer")
+        if dict_layer is not None and int(dict_layer) != self.layer:
+            raise UserError(f"the dictionary was learned on layer {dict_layer} but objective.layer={self.layer}; use layer={dict_layer} or learn a new dictionary")
+        self.teacher = model.to(ctx.device)
+        self.lam = cfg.lam or self.dictionary.lam
+        self.atoms = self.dictionary.atoms.float()  # (d, k)
+        self.k = self.dictionary.k
+        self.vocab = len(ctx.tokenizer)
+
+    def attach(self, student: Student) -> None:
+        d = student.hidden_size
+        student.heads["naive"] = nn.Linear(d, self.vocab + self.k)  # d → |V| + k, as the official code
+        student.head_meta["naive"] = {"class": "Linear", "d": d, "out": self.vocab + self.k, "latent": "last k"}
+
+    @torch.no_grad()
+    def codes(self, batch: Batch) -> torch.Tensor:
+        """FISTA codes (N, k) of the full teacher's layer-l states at the selected positions."""
+        with torch.autocast(batch.input_ids.device.type, enabled=False):
+            out = self.teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               output_hidden_states=True)  # all L layers (+ (B, T, |V|) logits)
+            x = F.normalize(out.hidden_states[self.layer][batch.selected].float(), dim=-1)  # (N, d)
+            return fista(x, self.atoms, self.lam, n_iter=self.cfg.fista_iters)
+
+    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
+        codes = self.codes(batch)  # (N, k)
+        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
+        z_all = student.heads["naive"](hidden)  # (B, T, |V| + k): every position, as HF heads do
+        z = z_all[batch.selected][:, -self.k :].float()  # (N, k): the latent part
+        mass = codes.sum(1)  # (N,)
+        keep = mass > 0  # all-zero codes carry no target
+        p = codes[keep] / mass[keep, None]  # (M, k)
+        kl = (torch.xlogy(p, p) - p * F.log_softmax(z[keep], dim=-1)).sum(1)  # (M,) KL(p ‖ q)
+        metrics = {"kl": kl.sum().detach(), "dropped": (~keep).sum().float()}
+        return ObjectiveOutput(kl.sum(), keep.sum(), metrics)

@@ -1,0 +1,102 @@
+"""Target store: stored codes equal online codes; resume; mismatch errors; training from it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mlsm.config import DataConfig
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore, prepare_corpus
+from mlsm.errors import UserError
+from mlsm.objectives import Context, build_objective
+from mlsm.teacher.dictionary import load_dictionary, save_dictionary
+from mlsm.teacher.targets import TargetStore, build_target_store
+from mlsm.teacher.teacher import load_teacher
+
+from .conftest import make_text, overfit_losses
+
+
+@pytest.fixture(scope="module")
+def target_dir(store_dir, teacher_dir, dictionary_path, tmp_path_factory) -> Path:
+    """Codes of every position, nnz = k = 64 so nothing is truncated."""
+    out = tmp_path_factory.mktemp("targets") / "t"
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    return build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
+
+
+def _objective(store_dir: Path, spec: dict, max_len: int = 32):
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    obj = build_objective(spec, Context(tok, torch.device("cpu"), 10, str(store_dir), max_len))
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32, seed=3), tok)
+    return obj, source
+
+
+def test_stored_codes_equal_online_codes(store_dir, teacher_dir, dictionary_path, target_dir) -> None:
+    meta = TargetStore.open(target_dir).meta
+    assert meta["truncated"] == 0 and meta["nnz"] == 64 and meta["layer"] == 1
+    stored, source = _objective(store_dir, {"name": "mlsm", "targets": str(target_dir)})
+    online, _ = _objective(store_dir, {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)})
+    assert not hasattr(stored.coder, "teacher")  # the teacher is never loaded
+    for step in (0, 5):  # a shuffled data order: rows come from arbitrary chunks
+        batch = source.batch(np.arange(step * 8, step * 8 + 8), step)
+        a, b = stored.coder.codes(batch), online.coder.codes(batch)  # (N, k)
+        assert a.shape == b.shape == (int(batch.selected.sum()), 64)
+        # fp16 storage: ~5e-4 relative error; the solver's own tolerance is 1e-5
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-5)
+        keep = a.sum(1) > 0
+        torch.testing.assert_close((a[keep] / a[keep].sum(1, keepdim=True)).sum(1), torch.ones(int(keep.sum())))
+
+
+def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, target_dir, tmp_path) -> None:
+    out = tmp_path / "t"
+    shutil.copytree(target_dir, out)
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    # simulate a build killed after 16 chunks: no completion marker, later rows garbage
+    (out / "meta.json").unlink()
+    (out / "progress.json").write_text(json.dumps({"done": 16, "truncated": 0}))
+    values = np.memmap(out / "values.bin", dtype=np.float16, mode="r+")
+    values[values.size // 2 :] = 7.0
+    values.flush()
+    del values
+    with pytest.raises(UserError, match="not a complete target store"):
+        TargetStore.open(out)
+    build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
+    a, b = TargetStore.open(out), TargetStore.open(target_dir)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_allclose(a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5)
+    with pytest.raises(UserError, match="other settings"):  # same folder, other nnz
+        build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=16)
+
+
+def test_mismatches_are_one_line_errors(store_dir, corpus_dir, tokenizer_dir, dictionary_path, target_dir, tmp_path) -> None:
+    spec = {"name": "mlsm", "targets": str(target_dir)}
+    with pytest.raises(UserError, match="max_len=32 but data.max_len=64"):
+        _objective(store_dir, spec, max_len=64)
+    other_dict = load_dictionary(dictionary_path)
+    other_dict.atoms = other_dict.atoms.flip(1)
+    save_dictionary(other_dict, tmp_path / "other.safetensors")
+    with pytest.raises(UserError, match="another dictionary"):
+        _objective(store_dir, {**spec, "dictionary": str(tmp_path / "other.safetensors")})
+    _objective(store_dir, {**spec, "dictionary": str(dictionary_path), "layer": 1})  # consistent: fine
+    with pytest.raises(UserError, match="layer-1 codes"):
+        _objective(store_dir, {**spec, "layer": 2})
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x.txt").write_text("\n\n".join(make_text(5, seed=9)) + "\n")
+    other_store = prepare_corpus(str(tmp_path / "c"), str(tokenizer_dir), tmp_path / "store")
+    with pytest.raises(UserError, match="another token store") as err:
+        _objective(other_store.path, spec)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="not a complete target store"):
+        _objective(store_dir, {"name": "mlsm", "targets": str(tmp_path)})
+
+
+def test_mlsm_trains_from_the_store(store_dir, target_dir) -> None:
+    losses = overfit_losses({"name": "mlsm", "targets": str(target_dir)}, store_dir, steps=25)
+    assert losses[-1] < 0.6 * losses[0]
