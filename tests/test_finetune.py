@@ -196,19 +196,27 @@ def _small_fixtures(root: Path) -> Path:
            "Peter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n\n"
     for split in ("train", "valid"):
         (conll / f"{split}.txt").write_text(text * 3, encoding="utf-8")
+    mnli = root / "MNLI"
+    mnli.mkdir()
+    pairs = [("the film was great", "it was great", "entailment"), ("the plot was boring", "it was lovely", "contradiction"),
+             ("the actors had scenes", "the movie was long", "neutral")]
+    for name, n in (("train", 3), ("dev_matched", 2), ("dev_mismatched", 1)):
+        lines = ["index\tsentence1\tsentence2\tgold_label"] + [f"{i}\t{a}\t{b}\t{y}" for i, (a, b, y) in enumerate(pairs[:n])]
+        (mnli / f"{name}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return root
 
 
 def test_regression_and_token_tasks_run(tiny: Path, tmp_path: Path) -> None:
     data = _small_fixtures(tmp_path / "data")
     results = tmp_path / "r.jsonl"
-    finetune([tiny], ["stsb", "conll2003"], seeds=(0,), epochs=1, batch_size=4, data_dir=data,
+    finetune([tiny], ["stsb", "conll2003", "mnli"], seeds=(0,), epochs=1, batch_size=4, data_dir=data,
              results=results, device="cpu", max_train_examples=8)
     rows = read_results(results)
-    assert [(r["task"], r["metric"], r["n_train"]) for r in rows] == [
-        ("stsb", "pearson", 8), ("stsb", "spearman", 8), ("conll2003", "f1", 6)]
-    assert rows[0]["n_eval"] == 12 and rows[2]["n_eval"] == 6  # evaluation sets stay complete
+    assert [(r["task"], r["metric"], r["n_train"], r["n_eval"]) for r in rows] == [
+        ("stsb", "pearson", 8, 12), ("stsb", "spearman", 8, 12), ("conll2003", "f1", 6, 6),
+        ("mnli", "acc_m", 3, 2), ("mnli", "acc_mm", 3, 1)]  # evaluation sets stay complete
     assert all(-1.0 <= r["value"] <= 1.0 for r in rows)
+    assert rows[4]["value"] in (0.0, 1.0)
     assert len(load_task("stsb", "dev", data)) == 12
 
 
