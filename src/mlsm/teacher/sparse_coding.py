@@ -34,6 +34,8 @@ import torch
 
 from mlsm.errors import UserError
 
+MAX_ADD = 8  # atoms a row may add to its free set per active-set step
+
 
 @dataclass
 class SparseCodes:
@@ -149,31 +151,28 @@ def sparse_encode_topk(X: torch.Tensor, D: torch.Tensor, lam: float, nnz: int | 
 
 def _encode_batch(X: torch.Tensor, D: torch.Tensor, G: torch.Tensor, lam: float, tol: float,
                   m: int) -> torch.Tensor:
-    """Screen → active set on W → full KKT check → grow W for failing rows → full fallback."""
+    """Screen → active set on W → full KKT check → re-screen failing rows → full fallback."""
     n, k = X.shape[0], D.shape[1]
     c = X @ D  # (n, k) = Dᵀx, computed once
     codes = X.new_zeros(n, k)
     todo = torch.arange(n, device=X.device)
-    score = c  # (n, k) rank used to choose W; later the KKT gradient
-    support = torch.zeros(n, k, dtype=torch.bool, device=X.device)
-    for _ in range(3):
+    score = c  # (r, k) screening score of the rows in todo: c, later the KKT gradient g
+    for _ in range(4):
         if todo.numel() == 0:
             return codes
-        mm = min(m, k)
-        # Atoms already in the support must stay in W: rank them first.
-        rank = torch.where(support[todo], torch.full_like(score[todo], float("inf")), score[todo])
-        W = rank.topk(mm, dim=1).indices  # (r, m)
-        codes[todo] = _solve_on_working_set(c[todo], G, W, lam, tol, max_add=8)
-        g = (X[todo] - codes[todo] @ D.T) @ D - lam  # (r, k) KKT gradient, full dictionary
-        bad = _violation_from_grad(g, codes[todo]) > tol
-        score = score.clone()
-        score[todo] = g
-        support[todo] = codes[todo] > 0
-        todo = todo[bad]
-        m *= 4
-    for chunk in todo.split(32):  # (32, k, k) Gram blocks at most
+        cur = codes[todo]  # (r, k) warm start (zero in round 1)
+        n_sup = int((cur > 0).sum(1).max().item())
+        mm = min(k, max(m, n_sup + 32))
+        # The support stays in W and comes first; then the atoms that violate KKT the most.
+        W = torch.where(cur > 0, torch.full_like(score, float("inf")), score).topk(mm, dim=1).indices
+        cur = _solve_on_working_set(c[todo], G, W, cur.gather(1, W), n_sup, lam, tol)
+        codes[todo] = cur
+        g = (X[todo] - cur @ D.T) @ D - lam  # (r, k) KKT gradient on the full dictionary
+        bad = _violation_from_grad(g, cur) > tol
+        todo, score = todo[bad], g[bad]
+    for chunk in todo.split(32):  # last resort, W = all atoms: (32, k, k) Gram blocks at most
         full = torch.arange(k, device=X.device).expand(chunk.numel(), k)
-        codes[chunk] = _solve_on_working_set(c[chunk], G, full, lam, tol, max_add=1, max_iter=4 * k)
+        codes[chunk] = _solve_on_working_set(c[chunk], G, full, codes[chunk], 0, lam, tol, 4 * k)
     return codes
 
 
@@ -182,33 +181,37 @@ def _violation_from_grad(g: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes > 0, g.abs(), g.clamp(min=0)).amax(1)
 
 
-def _solve_on_working_set(c: torch.Tensor, G: torch.Tensor, W: torch.Tensor, lam: float,
-                          tol: float, max_add: int, max_iter: int = 500) -> torch.Tensor:
+def _solve_on_working_set(c: torch.Tensor, G: torch.Tensor, W: torch.Tensor, warm: torch.Tensor,
+                          n_warm: int, lam: float, tol: float, max_iter: int = 500,
+                          max_add: int | None = None) -> torch.Tensor:
     """Active-set solve of min ½αᵀGα − (c−λ)ᵀα, α ≥ 0, with α restricted to atoms W (r, m).
 
-    Returns dense codes (r, k). Rows are dropped from the batch as soon as they satisfy the
-    KKT conditions on W, so late iterations only touch the few rows with large supports.
+    warm (r, m): a feasible start on W whose non-zeros are within its first n_warm slots.
+    Returns dense codes (r, k). Rows that satisfy the KKT conditions on W leave the batch, so
+    late iterations only touch the few rows with large supports.
     """
     r, m = W.shape
-    k = c.shape[1]
-    HW = G[W[:, :, None], W[:, None, :]]  # (r, m, m) Gram block of the working set
+    HW = G.take(W[:, :, None] * G.shape[1] + W[:, None, :])  # (r, m, m) Gram block of W
     b = c.gather(1, W) - lam  # (r, m) linear term on W
-    st = _State.empty(r, b.device, b.dtype, max_add)
+    max_add = MAX_ADD if max_add is None else max_add
+    st = _State.start(warm[:, :n_warm], max_add)
     alpha_W = b.new_zeros(r, m)  # (r, m) result, positions of W
     rows = torch.arange(r, device=b.device)
+    live = torch.ones(r, dtype=torch.bool, device=b.device)
     for _ in range(max_iter):
-        if rows.numel() == 0:
-            break
-        done = st.step(HW[rows], b[rows], tol)
+        done = st.step(HW, b, tol, max_add) & live
         if bool(done.any()):
-            fin = done.nonzero().squeeze(1)
-            alpha_W[rows[fin]] = st.dense(fin, m)
-            keep = (~done).nonzero().squeeze(1)
-            st = st.select(keep)
-            rows = rows[keep]
-    if rows.numel():  # iteration cap: keep the best feasible iterate; the caller re-checks KKT
-        alpha_W[rows] = st.dense(torch.arange(rows.numel(), device=b.device), m)
-    return b.new_zeros(r, k).scatter_(1, W, alpha_W.clamp(min=0))
+            alpha_W[rows[done]] = st.dense(done.nonzero().squeeze(1), m)
+            live &= ~done
+        if not bool(live.any()):
+            break
+        if int(live.sum()) < 0.75 * live.numel():  # shrink the batch only now and then
+            keep = live.nonzero().squeeze(1)
+            st, HW, b = st.select(keep), HW.index_select(0, keep), b.index_select(0, keep)
+            rows, live = rows[keep], live[keep]
+    if bool(live.any()):  # iteration cap: keep the feasible iterate; the caller re-checks KKT
+        alpha_W[rows[live]] = st.dense(live.nonzero().squeeze(1), m)
+    return b.new_zeros(r, c.shape[1]).scatter_(1, W, alpha_W.clamp(min=0))
 
 
 @dataclass
@@ -221,9 +224,12 @@ class _State:
     q: torch.Tensor  # (r,) how many atoms a row may add per step (1 after a stall)
 
     @staticmethod
-    def empty(r: int, device: torch.device, dtype: torch.dtype, max_add: int) -> _State:
-        z = torch.zeros(r, 0, dtype=torch.long, device=device)
-        return _State(z, z.bool(), z.to(dtype), torch.full((r,), max_add, device=device))
+    def start(warm: torch.Tensor, max_add: int) -> _State:
+        """Free set = support of a feasible warm start (r, s) held in slots 0..s-1 of W."""
+        r, s = warm.shape
+        pos = torch.arange(s, device=warm.device).expand(r, s).clone()
+        q = torch.full((r,), max_add, device=warm.device)
+        return _State(pos, warm > 0, warm.clamp(min=0), q)
 
     def select(self, idx: torch.Tensor) -> _State:
         return _State(self.pos[idx], self.ok[idx], self.a[idx], self.q[idx])
@@ -232,34 +238,52 @@ class _State:
         a = torch.where(self.ok[idx], self.a[idx], torch.zeros_like(self.a[idx]))
         return a.new_zeros(idx.numel(), m).scatter_add_(1, self.pos[idx], a)
 
-    def step(self, H: torch.Tensor, b: torch.Tensor, tol: float) -> torch.Tensor:
-        """One Lawson–Hanson step for every row; returns (r,) bool 'KKT holds on W'."""
+    def step(self, H: torch.Tensor, b: torch.Tensor, tol: float, max_add: int) -> torch.Tensor:
+        """One Lawson–Hanson step for every row; returns (r,) bool 'KKT holds on W'.
+
+        Several atoms may enter at once; entering atoms (α = 0) whose unconstrained optimum is
+        ≤ 0 are sent back before the step, so α stays feasible and the objective never rises.
+        A row whose entering atoms were all sent back adds one atom next time, which the
+        Lawson–Hanson theory guarantees to enter with z > 0.
+        """
         r, m = b.shape
-        HWI = H.gather(2, self.pos[:, None, :].expand(r, m, self.pos.shape[1]))  # (r, m, s)
-        HWI = HWI * self.ok[:, None, :]
+        entering = self.ok & (self.a <= 0)  # (r, s), atoms added by the previous step
+        HWI, z = self._solve(H, b)  # (r, m, s), (r, s)
+        for _ in range(4):
+            bounce = entering & self.ok & (z <= 0)
+            if not bool(bounce.any()):
+                break
+            self.ok = self.ok & ~bounce
+            # Re-solve only the rows that sent atoms back.
+            rows = bounce.any(1).nonzero().squeeze(1)
+            HWI[rows] = HWI[rows] * self.ok[rows, None, :]
+            z[rows] = _solve_free(HWI[rows], b[rows], self.pos[rows], self.ok[rows])
+        stalled = entering.any(1) & ~(entering & self.ok).any(1)
+        self.q = torch.where(stalled, torch.ones_like(self.q), (2 * self.q).clamp(max=max_add))
         a = torch.where(self.ok, self.a, torch.zeros_like(self.a))
-        z = _solve_free(HWI, b, self.pos, self.ok)  # (r, s) unconstrained optimum on I
         neg = self.ok & (z <= 0)
         has_neg = neg.any(1)
         # Feasibility step (rows with neg): α ← α + t(z − α), t = min_j α_j/(α_j − z_j) over neg.
         ratio = torch.where(neg, a / (a - z).clamp(min=1e-30), torch.full_like(a, 2.0))
         t = torch.cat([ratio, ratio.new_ones(r, 1)], 1).amin(1, keepdim=True)  # (r, 1), ≤ 1
-        stepped = a + t * (z - a)
-        drop = neg & (ratio <= t)  # the blocking variables reach 0 and leave I
-        self.q = torch.where(has_neg & (t.squeeze(1) <= 0), torch.ones_like(self.q), self.q)
-        new_a = torch.where(has_neg[:, None], stepped.clamp(min=0), z)
-        new_ok = self.ok & ~(drop & has_neg[:, None])
-        # Rows where z was feasible: α = z; now look for violators on W (w evaluated at z).
-        w_z = b - (HWI @ torch.where(new_ok, new_a, torch.zeros_like(new_a)).unsqueeze(2)).squeeze(2)
-        in_I = torch.zeros(r, m, dtype=torch.bool, device=b.device)
-        in_I.scatter_(1, self.pos, new_ok)
-        viol = torch.where(in_I, torch.full_like(w_z, -1.0), w_z)  # (r, m) > 0: violates
-        free_ok = ~has_neg
-        done = free_ok & (viol.amax(1) <= tol)
-        self.a, self.ok = new_a, new_ok
-        self._add(viol, free_ok & ~done, tol)
+        drop = neg & (ratio <= t)  # the blocking atoms reach 0 and leave I
+        self.a = torch.where(has_neg[:, None], (a + t * (z - a)).clamp(min=0), z)
+        self.ok = self.ok & ~drop
+        # Rows where z was feasible: α = z; look for violators on W: w = b − G_WI α_I > tol.
+        w = b - (HWI @ torch.where(self.ok, self.a, torch.zeros_like(self.a)).unsqueeze(2)).squeeze(2)
+        in_I = torch.zeros(r, m, dtype=torch.bool, device=b.device).scatter_(1, self.pos, self.ok)
+        viol = torch.where(in_I, torch.full_like(w, -1.0), w)  # (r, m) > tol: violates
+        done = ~has_neg & (viol.amax(1) <= tol)
+        self._add(viol, ~has_neg & ~done, tol)
         self._compact()
         return done
+
+    def _solve(self, H: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns G_WI (r, m, s) of the free atoms and the optimum z (r, s) on I."""
+        r, m = b.shape
+        HWI = H.gather(2, self.pos[:, None, :].expand(r, m, self.pos.shape[1]))  # (r, m, s)
+        HWI = HWI * self.ok[:, None, :]
+        return HWI, _solve_free(HWI, b, self.pos, self.ok)
 
     def _add(self, viol: torch.Tensor, rows_may_add: torch.Tensor, tol: float) -> None:
         """Append up to q most-violating atoms of W to each row's free set."""

@@ -1,0 +1,133 @@
+"""Non-negative LASSO: parity with scikit-learn and SPAMS, KKT optimality, edge cases, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from sklearn.decomposition import sparse_encode as sk_sparse_encode
+
+from mlsm.errors import UserError
+from mlsm.teacher.sparse_coding import (
+    fista,
+    kkt_violation,
+    objective,
+    sparse_encode,
+    sparse_encode_topk,
+    top_nnz,
+)
+
+LAM = 0.05
+
+
+def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch.float64):
+    """Unit-norm rows that are noisy non-negative mixtures of a few atoms (like teacher states)."""
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(d, k, generator=g, dtype=dtype)
+    D /= D.norm(dim=0, keepdim=True)
+    mix = (torch.rand(n, k, generator=g, dtype=dtype) < 0.05) * torch.rand(n, k, generator=g, dtype=dtype)
+    X = mix @ D.T + 0.2 * torch.randn(n, d, generator=g, dtype=dtype)
+    return X / X.norm(dim=1, keepdim=True), D
+
+
+def _rel_gap(X, D, ours, ref):
+    o, r = objective(X, D, ours, LAM), objective(X, D, ref, LAM)
+    return ((o - r) / r).double()
+
+
+def test_matches_sklearn_lasso_cd():
+    X, D = _problem()
+    ours = sparse_encode(X, D, LAM)
+    # scikit-learn's lasso_cd minimises 1/(2 d)‖x − Dα‖² + alpha‖α‖₁, so alpha = λ / d.
+    ref = sk_sparse_encode(X.numpy(), D.T.numpy(), algorithm="lasso_cd", alpha=LAM / D.shape[0],
+                           positive=True, max_iter=10_000)
+    gap = _rel_gap(X, D, ours, torch.from_numpy(ref))
+    assert gap.mean() <= 1e-4 and gap.max() <= 1e-3
+    assert (ours >= 0).all()
+    assert 0 < (ours > 0).sum(1).float().mean() < D.shape[1] / 4  # a genuinely sparse problem
+
+
+@pytest.mark.skipif(importlib.util.find_spec("spams") is None, reason="spams not installed")
+def test_matches_spams_lasso():
+    import spams
+
+    X, D = _problem(seed=1)
+    ours = sparse_encode(X, D, LAM)
+    ref = spams.lasso(np.asfortranarray(X.numpy().T), D=np.asfortranarray(D.numpy()), lambda1=LAM,
+                      lambda2=0.0, mode=2, pos=True, numThreads=1)
+    ref = torch.from_numpy(ref.toarray().T)
+    gap = _rel_gap(X, D, ours, ref)
+    assert gap.mean() <= 1e-4 and gap.max() <= 1e-3
+    # Same problem, same unique solution (generic D): supports agree almost everywhere.
+    assert ((ours > 1e-6) == (ref > 1e-6)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kkt_holds(dtype):
+    X, D = _problem(seed=2, dtype=dtype)
+    codes = sparse_encode(X, D, LAM, tol=1e-5)
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
+    assert codes.dtype == dtype
+
+
+def test_small_working_set_forces_growth_and_stays_exact():
+    # A tiny working set cannot hold the supports: the KKT check must send rows back for more.
+    X, D = _problem(seed=3)
+    ref = sparse_encode(X, D, LAM)
+    small = sparse_encode(X, D, LAM, working_set=2)
+    assert kkt_violation(X, D, small, LAM).max() <= 1e-4
+    assert _rel_gap(X, D, small, ref).abs().max() <= 1e-6
+
+
+def test_degenerate_dictionary():
+    # Duplicate and zero atoms make G singular; zero rows have the zero code.
+    X, D = _problem(n=60, seed=4)
+    D = torch.cat([D, D[:, :10], torch.zeros(D.shape[0], 3, dtype=D.dtype)], 1)
+    X[0] = 0
+    codes = sparse_encode(X, D, LAM)
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
+    assert codes[0].abs().sum() == 0 and codes[:, -3:].abs().sum() == 0
+
+
+def test_fista_is_the_inexact_reference():
+    X, D = _problem(seed=5)
+    exact = sparse_encode(X, D, LAM)
+    f100 = fista(X, D, LAM, n_iter=100)
+    f5000 = fista(X, D, LAM, n_iter=5000)
+    assert (_rel_gap(X, D, f100, exact) >= -1e-9).all()  # ours is never worse than FISTA
+    assert _rel_gap(X, D, f5000, exact).abs().max() <= 1e-6  # FISTA converges to our solution
+
+
+def test_batches_and_gram_do_not_change_result():
+    X, D = _problem(seed=6)
+    a = sparse_encode(X, D, LAM)
+    b = sparse_encode(X, D, LAM, gram=D.T @ D, batch_size=7)
+    torch.testing.assert_close(a, b)
+    assert sparse_encode(X[:0], D, LAM).shape == (0, D.shape[1])
+
+
+def test_top_nnz_round_trip():
+    X, D = _problem(seed=7)
+    codes = sparse_encode(X, D, LAM)
+    compact = top_nnz(codes)
+    assert compact.indices.shape[1] == int((codes > 0).sum(1).max())
+    torch.testing.assert_close(compact.to_dense(D.shape[1]), codes)
+    assert (compact.values[:, :-1] >= compact.values[:, 1:]).all()  # sorted by value
+    short = sparse_encode_topk(X, D, LAM, nnz=2)
+    assert short.values.shape == (X.shape[0], 2)
+
+
+@pytest.mark.parametrize(
+    ("X", "D", "lam", "match"),
+    [
+        (torch.ones(2, 3), torch.ones(4, 5), LAM, "dimension"),
+        (torch.ones(2, 3), torch.ones(3, 0), LAM, "k >= 1"),
+        (torch.ones(2, 3), torch.ones(3, 5), 0.0, "lambda"),
+        (torch.tensor([[1.0, float("nan"), 0.0]]), torch.ones(3, 5), LAM, "NaN"),
+    ],
+)
+def test_bad_input(X, D, lam, match):
+    with pytest.raises(UserError, match=match):
+        sparse_encode(X, D, lam)
