@@ -7,11 +7,16 @@ from typing import Any
 from mlsm.config import build_dataclass
 from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, options_of
+from mlsm.objectives.clm import CLM
+from mlsm.objectives.clm_then_mlm import CLMThenMLM
 from mlsm.objectives.kd import KD
+from mlsm.objectives.mae_lm import MAELM
+from mlsm.objectives.mae_mlsm import MAEMLSM
 from mlsm.objectives.mlm import MLM
 from mlsm.objectives.mlsm import MLSM
 from mlsm.objectives.mlsm_naive import MLSMNaive
 from mlsm.objectives.mtl import MTL
+from mlsm.objectives.probe import Probe
 
 OBJECTIVES: dict[str, type] = {
     "mlm": MLM,
@@ -19,6 +24,11 @@ OBJECTIVES: dict[str, type] = {
     "mlsm_naive": MLSMNaive,
     "kd": KD,
     "mtl": MTL,
+    "clm": CLM,
+    "clm_then_mlm": CLMThenMLM,
+    "mae_lm": MAELM,
+    "mae_mlsm": MAEMLSM,
+    "probe": Probe,
 }
 
 

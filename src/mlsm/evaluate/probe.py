@@ -1,0 +1,79 @@
+"""`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
+
+Training reuses `pretrain` with the `probe` objective, so the probe gets the same batches,
+readiness checkpoints, resume and DDP as any run. Default length: 10 % of the pre-training steps
+(Berend 2023, §4.3.1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from mlsm.config import config_from_dict, merge, parse_overrides
+from mlsm.errors import UserError
+from mlsm.evaluate.pll import load_masked_lm
+from mlsm.models.heads import LatentHead
+from mlsm.train.loop import pretrain
+
+
+def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
+                 overrides: list[str] | None = None) -> Any:
+    """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder)."""
+    folder = Path(checkpoint)
+    info_path = folder / "checkpoint.json"
+    if not info_path.is_file():
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
+    info = json.loads(info_path.read_text())
+    raw = dict(info["config"])
+    raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
+    raw["model"] = {**raw["model"], "init_from": str(folder)}
+    raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),
+                    "out": out or str(folder.parent.parent / f"probe-{folder.name}"), "save_every": 0,
+                    "readiness": [0.1, 0.25, 0.5, 1.0]}
+    if store:
+        raw["data"] = {**raw["data"], "store": store}
+    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
+
+
+def run_probe(checkpoint: str | Path, **kw: Any) -> Path:
+    """Train the probe; returns the probe run directory (its checkpoints score with PLL)."""
+    return pretrain(probe_config(checkpoint, **kw), resume=kw.get("resume"))
+
+
+class ProbeScorer(torch.nn.Module):
+    """`MaskedScorer` of an MLSM model with a probe: logits = probe(softmax(latent_head(h)))."""
+
+    def __init__(self, folder: str | Path):
+        super().__init__()
+        folder = Path(folder)
+        meta = json.loads((folder / "heads.json").read_text())
+        from safetensors.torch import load_file
+
+        state = load_file(folder / "heads.safetensors")
+        self.backbone = AutoModel.from_pretrained(folder)
+        self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
+        self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
+        self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
+        self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})
+        self.eval()
+
+    def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+        return self.probe(torch.softmax(self.latent(hidden[select]), -1))  # (N, V)
+
+
+def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
+    """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder."""
+    folder = Path(path)
+    heads = folder / "heads.json"
+    if heads.is_file() and "probe" in json.loads(heads.read_text()):
+        scorer = ProbeScorer(folder)
+        return (scorer.to(device) if device else scorer), AutoTokenizer.from_pretrained(folder)
+    if heads.is_file() and "latent" in json.loads(heads.read_text()):
+        raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
+    return load_masked_lm(str(folder), device)
