@@ -32,6 +32,38 @@ def _pretrain(a: argparse.Namespace) -> None:
     print(f"run directory: {run}")
 
 
+def _finetune(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.finetune import finetune
+
+    path = finetune(
+        a.models, [t for t in a.tasks.split(",") if t], seeds=range(a.seeds),
+        lrs=[float(x) for x in a.lrs.split(",")], epochs=a.epochs, batch_size=a.batch_size,
+        max_len=a.max_len, data_dir=a.data_dir, results=a.results,
+        max_train_examples=a.max_train_examples, device=a.device,
+        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay,
+    )
+    print(f"results: {path}")
+
+
+def _compare(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.stats import compare_runs
+
+    print(compare_runs(a.results, out_dir=a.out).to_markdown())
+
+
+def _report(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.report import make_report
+
+    print(f"report: {make_report(a.results, a.out, baseline=a.baseline)}")
+
+
+def _probe(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.probe import run_probe
+
+    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume)
+    print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("prepare", help="tokenise text into a token store")
     p.add_argument("sources", nargs="+", help="files, directories, globs (.txt/.jsonl[.gz]) or hf:NAME[,CONFIG][@SPLIT]")
@@ -62,8 +94,54 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
     return _pretrain
 
 
+def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="HF model folders, optionally NAME=PATH")
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
+    p.add_argument("--seeds", type=int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
+    p.add_argument("--lrs", default="2e-5", help="comma-separated learning rates (default 2e-5)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ (default: HF datasets)")
+    p.add_argument("--results", default="results.jsonl", help="JSON-lines file to append to")
+    p.add_argument("--max-train-examples", type=int, default=None, help="cap training sets (CPU runs)")
+    p.add_argument("--warmup-ratio", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    return _finetune
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("compare", help="Wilcoxon p-values, win counts and mean table from results.jsonl")
+    p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
+    p.add_argument("--out", default=None, help="folder for comparison.md and CSVs (default: print only)")
+    return _compare
+
+
+def _add_report(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("report", help="PNG figures + report.md from results.jsonl")
+    p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
+    p.add_argument("--out", required=True, help="folder for the PNGs, tables and report.md")
+    p.add_argument("--baseline", default=None, help="model on the x axis of the paired scatters")
+    return _report
+
+
+def _add_probe(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)")
+    p.add_argument("checkpoint", help="checkpoints/step-* folder of an mlsm or mtl run")
+    p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
+    p.add_argument("--steps", type=int, default=0, help="probe steps (default: 10%% of the pre-training steps)")
+    p.add_argument("--out", default="", help="run directory (default: <run>/probe-<checkpoint>)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. optim.lr=1e-3")
+    return _probe
+
+
 # One line per verb. --- verbs ---
-_VERBS = [_add_prepare, _add_train_tokenizer, _add_pretrain]
+_VERBS = [_add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

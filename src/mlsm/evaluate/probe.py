@@ -40,9 +40,9 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
 
 
-def run_probe(checkpoint: str | Path, **kw: Any) -> Path:
-    """Train the probe; returns the probe run directory (its checkpoints score with PLL)."""
-    return pretrain(probe_config(checkpoint, **kw), resume=kw.get("resume"))
+def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
+    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory."""
+    return pretrain(probe_config(checkpoint, **kw), resume=resume)
 
 
 class ProbeScorer(torch.nn.Module):
