@@ -1,0 +1,154 @@
+"""CLM, CLM->MLM and continued pre-training: causal mask, targets, phase switch, resume, recipes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoModelForMaskedLM
+
+from mlsm.config import DataConfig, ModelConfig, build_dataclass, load_config
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.models.backbone import Student, build_student
+from mlsm.objectives import OBJECTIVES, Context, build_objective
+from mlsm.objectives.base import options_of
+from mlsm.objectives.clm import causal_encode, next_token_targets
+from mlsm.train.loop import pretrain
+
+from .conftest import TINY_MODEL, overfit_losses, tiny_overrides
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
+
+
+def _setup(store_dir: Path, arch: str = "bert", spec: dict | None = None, total: int = 6):
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
+    obj = build_objective(spec or {"name": "clm"}, Context(tok, torch.device("cpu"), total, str(store_dir), 32))
+    obj.attach(student)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    return student.eval(), obj, source
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "modernbert"])
+def test_causal_mask_blocks_the_future(arch: str, store_dir: Path) -> None:
+    student, _, source = _setup(store_dir, arch)
+    batch = source.batch(np.arange(4), 0)
+    j = 20
+    changed = batch.input_ids.clone()
+    changed[:, j:] = (changed[:, j:] + 7) % 150 + 5  # every token from j on differs
+    with torch.no_grad():
+        a = causal_encode(student, batch.input_ids, batch.attention_mask)  # (B, T, d)
+        b = causal_encode(student, changed, batch.attention_mask)
+        bidi_a = student.encode(batch.input_ids, batch.attention_mask)
+        bidi_b = student.encode(changed, batch.attention_mask)
+    torch.testing.assert_close(a[:, :j], b[:, :j], rtol=0, atol=1e-5)
+    assert (a[:, j:] - b[:, j:]).abs().max() > 1e-3
+    assert (bidi_a[:, :j] - bidi_b[:, :j]).abs().max() > 1e-3  # without the mask the past does change
+    assert not getattr(student.config, "is_decoder", False)  # the config stays a bidirectional encoder
+
+
+def test_clm_targets_are_real_successors_and_loss_falls(store_dir: Path) -> None:
+    student, obj, source = _setup(store_dir)
+    batch = source.batch(np.arange(4), 0)
+    where = next_token_targets(batch)
+    assert not where[:, -1].any() and where[:, 0].all()  # [CLS] predicts x1; nothing after the end
+    # each target's successor is a real non-special token, and every such token is a target
+    assert torch.equal(where[:, :-1], ~batch.special_mask[:, 1:])
+    out = obj(student, batch)
+    assert int(out.n_targets) == int((~batch.special_mask).sum())
+    losses = overfit_losses({"name": "clm"}, store_dir, steps=20)
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_unsupported_arch_is_a_one_line_error(store_dir: Path) -> None:
+    with pytest.raises(UserError, match="causal attention is not supported"):
+        _setup(store_dir, "deberta-v2")
+
+
+def test_attention_is_causal_exactly_before_the_switch(store_dir: Path) -> None:
+    student, obj, source = _setup(store_dir, spec={"name": "clm_then_mlm", "clm_fraction": 0.5}, total=6)
+    seen: list[int] = []
+    hook = student.backbone.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["attention_mask"].dim()), with_kwargs=True)
+    metrics = []
+    for step in range(6):
+        metrics.append(set(obj(student, source.batch(np.arange(2), step)).metrics))
+    hook.remove()
+    assert seen == [4, 4, 4, 2, 2, 2]  # 4-D causal mask at steps 0-2, the plain padding mask after
+    assert all("clm_loss" in m for m in metrics[:3]) and all("mlm_loss" in m for m in metrics[3:])
+    with pytest.raises(UserError, match="clm_fraction"):
+        _setup(store_dir, spec={"name": "clm_then_mlm", "clm_fraction": 1.5})
+
+
+def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path, tmp_path: Path) -> None:
+    extra = {"objective.name": "clm_then_mlm", "objective.clm_fraction": 0.5, "optim.schedule": "wsd"}
+    full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
+    m = _metrics(full)
+    assert [("clm_loss" in r, "mlm_loss" in r) for r in m] == [(True, False)] * 3 + [(False, True)] * 3
+    # resume from step 2 (CLM) across the switch at step 3: bit-identical final weights
+    part = tmp_path / "part"
+    pretrain(load_config(None, tiny_overrides(store_dir, part, **extra)))
+    shutil.rmtree(part / "checkpoints" / "step-0000006")
+    shutil.rmtree(part / "checkpoints" / "step-0000003")
+    pretrain(load_config(None, tiny_overrides(store_dir, part, **extra)), resume=str(part / "checkpoints" / "step-0000002"))
+    a = load_file(full / "checkpoints" / "step-0000006" / "model.safetensors")
+    b = load_file(part / "checkpoints" / "step-0000006" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the exported folder is a plain bidirectional encoder (+ the MLM head trained after the switch)
+    folder = full / "checkpoints" / "step-0000006"
+    assert not AutoModel.from_pretrained(folder).config.is_decoder
+    AutoModelForMaskedLM.from_pretrained(folder)
+    # same data seed -> the same batches as an MLM run
+    mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
+    assert [r["batch_digest"] for r in m] == [r["batch_digest"] for r in _metrics(mlm)]
+
+
+def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teacher_dir: Path, tmp_path: Path) -> None:
+    def run(out: str, **extra: object) -> tuple[Path, object]:
+        cfg = load_config(CONFIGS / "continue_mlm.yaml", tiny_overrides(store_dir, tmp_path / out, **{
+            "model.init_from": str(teacher_dir), "train.readiness": "[1.0]", **extra}))
+        return pretrain(cfg), cfg
+
+    start = load_file(teacher_dir / "model.safetensors")
+    # with a zero learning rate the step-1 weights are the loaded ones, bit for bit: every tensor
+    # of the checkpoint was loaded (nothing re-initialised)
+    frozen, _ = run("frozen", **{"train.steps": 1, "optim.lr": 0.0})
+    same = load_file(frozen / "checkpoints" / "step-0000001" / "model.safetensors")
+    assert same.keys() == start.keys() and all(torch.equal(start[k], same[k]) for k in start)
+    trained, cfg = run("cont", **{"train.steps": 4})
+    end = load_file(trained / "checkpoints" / "step-0000004" / "model.safetensors")
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # and it trains
+    # the first logged loss is the loaded model's loss on step 0's batch (up to dropout draws),
+    # far below a fresh model's ln |V| ≈ 5.3
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    student = Student(AutoModelForMaskedLM.from_pretrained(teacher_dir)).eval()
+    obj = build_objective({"name": "mlm"}, Context(tok, torch.device("cpu"), 4))
+    obj.attach(student)
+    batch = BatchSource(store, cfg.data, tok).batch(np.arange(cfg.train.batch_size), 0)
+    with torch.no_grad():
+        out = obj(student, batch)
+    first = _metrics(trained)[0]["loss"]
+    assert first == pytest.approx((out.loss_sum / out.n_targets).item(), abs=0.05) and first < 4.8
+
+
+@pytest.mark.parametrize("name", ["clm_then_mlm", "mae_lm", "mae_mlsm", "continue_mlm"])
+def test_recipes_load_and_validate(name: str) -> None:
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    cls = OBJECTIVES[cfg.objective["name"]]
+    build_dataclass(cls.Config, options_of(cfg.objective), "objective")
+    assert cfg.train.steps > 0 and cfg.data.max_len <= 128
+    if name == "clm_then_mlm":
+        assert cfg.optim.schedule == "wsd"

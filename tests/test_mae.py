@@ -1,0 +1,138 @@
+"""MAE-LM and MAE-MLSM: what the encoder really sees, the split, losses, export, exact resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.models.backbone import build_student
+from mlsm.models.mae import DECODER, split_encoder_input
+from mlsm.objectives import Context, build_objective
+from mlsm.train.loop import pretrain
+
+from .conftest import TINY_MODEL, overfit_losses, tiny_overrides
+
+
+def _setup(store_dir: Path, spec: dict, arch: str = "bert", mask_rate: float = 0.15):
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
+    obj = build_objective(spec, Context(tok, torch.device("cpu"), 6, str(store_dir), 32))
+    obj.attach(student)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32, mask_rate=mask_rate), tok)
+    return student.eval(), obj, source.batch(np.arange(8), 0), tok
+
+
+def _record_encoder_inputs(student) -> tuple[list, list]:
+    """Forward pre-hooks: ids entering the word embeddings, kwargs entering the backbone."""
+    ids, kwargs = [], []
+    student.backbone.get_input_embeddings().register_forward_pre_hook(lambda m, a: ids.append(a[0].clone()))
+    student.backbone.register_forward_pre_hook(lambda m, a, kw: kwargs.append(kw), with_kwargs=True)
+    return ids, kwargs
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_encoder_never_receives_mask_and_keeps_positions(arch: str, store_dir: Path) -> None:
+    student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm"}, arch, mask_rate=0.4)
+    ids, kwargs = _record_encoder_inputs(student)
+    with torch.no_grad():
+        obj(student, batch)
+    seen, kw = ids[0], kwargs[0]
+    real = kw["attention_mask"].bool()  # (B, K)
+    assert not (seen == tok.mask_token_id).any()
+    assert int(real.sum()) == int((~batch.selected).sum())  # exactly the unselected tokens
+    # each kept token enters with its original position id (RoBERTa offsets by padding_idx + 1)
+    offset = student.config.pad_token_id + 1 if arch == "roberta" else 0
+    pos = kw["position_ids"] - offset  # (B, K)
+    orig = batch.input_ids.gather(1, pos.clamp(min=0))
+    assert torch.equal(seen[real], orig[real]) and not batch.selected.gather(1, pos)[real].any()
+
+
+def test_delta_keeps_that_fraction_as_mask(store_dir: Path) -> None:
+    student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm", "delta": 1.0})
+    ids, _ = _record_encoder_inputs(student)
+    with torch.no_grad():
+        obj(student, batch)
+    assert int((ids[0] == tok.mask_token_id).sum()) == int(batch.selected.sum())  # δ=1: all kept as [MASK]
+    student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm", "delta": 0.5}, mask_rate=0.4)
+    ids, _ = _record_encoder_inputs(student)
+    with torch.no_grad():
+        obj(student, batch)
+    frac = int((ids[0] == tok.mask_token_id).sum()) / int(batch.selected.sum())
+    assert 0.3 < frac < 0.7
+    with pytest.raises(UserError, match="delta"):
+        _setup(store_dir, {"name": "mae_lm", "delta": 1.5})
+
+
+def test_batched_split_equals_each_row_alone(store_dir: Path) -> None:
+    # padding the kept tokens to a common length must not leak into any row's encoder states
+    student, _, batch, tok = _setup(store_dir, {"name": "mae_lm"}, mask_rate=0.4)
+    split = split_encoder_input(batch.input_ids, batch.attention_mask, batch.selected, tok.pad_token_id)
+    assert len(set(split.attention_mask.sum(1).tolist())) > 1  # rows really differ in length
+    with torch.no_grad():
+        together = student.encode(split.input_ids, split.attention_mask, position_ids=split.positions)
+        for b in range(len(batch.input_ids)):
+            keep = ~batch.selected[b]
+            pos = torch.nonzero(keep).T  # (1, n_b)
+            alone = student.encode(batch.input_ids[b, keep][None], torch.ones_like(pos), position_ids=pos)[0]
+            torch.testing.assert_close(together[b, : len(alone)], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_arch_is_a_one_line_error(store_dir: Path) -> None:
+    with pytest.raises(UserError, match="position ids"):
+        _setup(store_dir, {"name": "mae_lm"}, "deberta-v2")
+
+
+def test_losses_fall(store_dir: Path, teacher_dir: Path, dictionary_path: Path) -> None:
+    losses = overfit_losses({"name": "mae_lm"}, store_dir, steps=20)
+    assert losses[-1] < 0.7 * losses[0]
+    spec = {"name": "mae_mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)}
+    losses = overfit_losses(spec, store_dir, steps=30)
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_path: Path) -> None:
+    extra = {"objective.name": "mae_lm"}
+    full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
+    part = tmp_path / "part"
+    pretrain(load_config(None, tiny_overrides(store_dir, part, **extra)))
+    shutil.rmtree(part / "checkpoints" / "step-0000006")
+    pretrain(load_config(None, tiny_overrides(store_dir, part, **extra)), resume=str(part / "checkpoints" / "step-0000003"))
+    for name in ("model.safetensors", "heads.safetensors"):  # encoder and decoder both exact
+        a = load_file(full / "checkpoints" / "step-0000006" / name)
+        b = load_file(part / "checkpoints" / "step-0000006" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    folder = full / "checkpoints" / "step-0000006"
+    encoder = AutoModel.from_pretrained(folder)
+    assert encoder.config.hidden_size == 32 and not any(k.startswith("cls.") for k in load_file(folder / "model.safetensors"))
+    meta = json.loads((folder / "heads.json").read_text())
+    assert meta[DECODER]["layers"] == 2 and meta[DECODER]["width"] == 32
+    mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
+    assert [m["batch_digest"] for m in _metrics(full)] == [m["batch_digest"] for m in _metrics(mlm)]
+    assert [m["n_targets"] for m in _metrics(full)] == [m["n_targets"] for m in _metrics(mlm)]
+
+
+def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path) -> None:
+    run = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{
+        "objective.name": "mae_mlsm", "objective.dictionary": str(dictionary_path),
+        "objective.teacher": str(teacher_dir), "train.steps": 3, "objective.decoder_width": 16})))
+    folder = run / "checkpoints" / "step-0000003"
+    AutoModel.from_pretrained(folder)
+    heads = load_file(folder / "heads.safetensors")
+    assert any(k.startswith("latent.") for k in heads) and any(k.startswith(f"{DECODER}.") for k in heads)
+    assert {"kl", "top1_agreement"} <= _metrics(run)[0].keys()
