@@ -91,7 +91,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     rng = np.random.default_rng(seed)
     width = max(1, max_len - 2)  # room for the teacher's [CLS] … [SEP]
     out: list[torch.Tensor] = []
-    got = 0
+    got, empty = 0, 0
     bar = tqdm(total=n, desc=f"teacher layer {teacher.layer}", unit="vec", disable=None)
     while got < n:
         starts = rng.integers(0, n_tokens, size=batch_size)
@@ -103,6 +103,9 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
             raise UserError("the teacher produced NaN/inf states; load it in float32 (omit --dtype) or check the checkpoint")
         norms = h.norm(dim=1, keepdim=True)
         h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
+        empty = empty + 1 if h.shape[0] == 0 else 0
+        if empty >= 20:  # nothing but special/unknown tokens: the loop would never end
+            raise UserError("the token store yields no ordinary tokens for this teacher; check that it was prepared with the teacher's tokenizer")
         out.append(h[: n - got].cpu())
         got += out[-1].shape[0]
         bar.update(out[-1].shape[0])
@@ -114,7 +117,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
 
 
 def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | None = None,
-                batch_size: int = 512, forget: float = 1.0, seed: int = 0,
+                batch_size: int = 512, forget: float = 4.0, seed: int = 0,
                 init: torch.Tensor | None = None, progress: bool = True) -> torch.Tensor:
     """Online dictionary learning on rows of X (n, d); returns D (d, k) on X's device/dtype.
 
@@ -184,7 +187,7 @@ def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_siz
 
 def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = 0.05,
                      n_vectors: int = 2_000_000, max_len: int = 128, batch_size: int = 512,
-                     n_iter: int | None = None, forget: float = 1.0, eval_vectors: int = 20_000,
+                     n_iter: int | None = None, forget: float = 4.0, eval_vectors: int = 20_000,
                      seed: int = 0, out: str | Path | None = None) -> Dictionary:
     """Collect n_vectors teacher states from a token store and learn a dictionary on them.
 
