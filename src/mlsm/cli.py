@@ -64,6 +64,24 @@ def _probe(a: argparse.Namespace) -> None:
     print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
 
 
+def _demo(a: argparse.Namespace) -> None:
+    from mlsm.demo import run_demo
+
+    run_demo(a.out, corpus=a.corpus, data=a.data, steps=a.steps, batch=a.batch, seeds=a.seeds, blimp_pairs=a.blimp_pairs)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
+    p.add_argument("--out", default="runs/demo", help="where everything goes (re-running resumes)")
+    p.add_argument("--corpus", default=None, help="text files / hf:NAME (default: Python's own documentation prose)")
+    p.add_argument("--data", default=None, help="folder with glue/ and blimp/ (default: ../shared/data if present)")
+    p.add_argument("--steps", type=int, default=300, help="pre-training steps per student")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seeds", type=int, default=2, help="fine-tuning seeds per model")
+    p.add_argument("--blimp-pairs", type=int, default=20, help="BLiMP pairs per phenomenon")
+    return _demo
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("prepare", help="tokenise text into a token store")
     p.add_argument("sources", nargs="+", help="files, directories, globs (.txt/.jsonl[.gz]) or hf:NAME[,CONFIG][@SPLIT]")
@@ -141,7 +159,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 
 # One line per verb. --- verbs ---
-_VERBS = [_add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -223,3 +223,44 @@ def git_revision() -> str:
     if out.returncode != 0:
         return "unknown"
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # bases first
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs
+
+
+def config_reference() -> str:
+    """Markdown reference of every config key: default and docstring (docs/configuration.md)."""
+    from mlsm.objectives import OBJECTIVES
+
+    lines = ["# Configuration reference", "",
+             "Generated from the dataclasses in `src/mlsm/config.py` and `src/mlsm/objectives/`",
+             "(`python -m mlsm.config > docs/configuration.md`). Set keys in a YAML recipe or on the",
+             "command line as `group.key=value`.", ""]
+    groups: list[tuple[str, type]] = [*_GROUPS.items()]
+    groups += [(f"objective ({name})", cls.Config) for name, cls in OBJECTIVES.items()]
+    for title, cls in groups:
+        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+        if not dataclasses.fields(cls):
+            lines.append("| | | no options |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_reference())

@@ -302,6 +302,9 @@ TASKS: dict[str, TaskSpec] = {
                     _glue("qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
     "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, ("WiC", "wic", "WiC_dataset"), _read_wic,
                     (("aps/super_glue", "wic"), ("super_glue", "wic")), _hf_wic, _GLUE_SPLITS),
+    # made by `mlsm demo` from held-out prose when no GLUE data is at hand: original vs word-shuffled
+    "word_order": TaskSpec("word_order", "cls", _B, metric_acc, ("WordOrder", "word_order"),
+                           _glue_reader(_GT, "sentence", None, "label", _B), (), _hf_pair("sentence", None), _GLUE_SPLITS),
     "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
                           _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
                           {"train": "train", "valid": "validation"}, eval_splits={"": "valid"}),

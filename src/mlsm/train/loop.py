@@ -47,7 +47,9 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len)
     objective = build_objective(cfg.objective, ctx)
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
-    objective.attach(student)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed + 1)  # heads an objective adds start the same in every run
+        objective.attach(student)
     student.to(device).train()  # from_pretrained returns eval mode: dropout must be on
     optimizer = _optimizer(student, cfg)
     source = BatchSource(store, cfg.data, tokenizer)
