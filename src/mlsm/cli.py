@@ -70,6 +70,35 @@ def _demo(a: argparse.Namespace) -> None:
     run_demo(a.out, corpus=a.corpus, data=a.data, steps=a.steps, batch=a.batch, seeds=a.seeds, blimp_pairs=a.blimp_pairs)
 
 
+def _blimp(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
+    from mlsm.evaluate.probe import load_scorer
+
+    model, tokenizer = load_scorer(a.model, device=a.device)
+    result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena, limit_per_phenomenon=a.limit,
+                            variant=a.variant, token_budget=a.token_budget, progress=None)
+    paths = write_blimp_report(result, a.out)
+    print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
+          f"({result['n_pairs']} pairs) -> {paths['markdown']}")
+
+
+def _rank(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.rank import (
+        layerwise_effective_rank,
+        load_encoder,
+        read_sentences,
+        write_rank_report,
+    )
+
+    model, tokenizer = load_encoder(a.model, device=a.device)
+    sentences = read_sentences(a.text, limit=a.max_sentences)
+    table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate, seed=a.seed,
+                                     tau=a.tau, center=a.center, max_length=a.max_length)
+    paths = write_rank_report(table, a.out)
+    print(table.to_markdown())
+    print(f"-> {paths['csv']}, {paths['png']}")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", help="where everything goes (re-running resumes)")
@@ -158,8 +187,37 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     return _probe
 
 
+def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
+    p.add_argument("model", help="HF masked-LM folder, or an MLSM checkpoint with its probe (mlsm probe)")
+    p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
+    p.add_argument("--out", required=True, help="folder for blimp.json and blimp.md")
+    p.add_argument("--limit", type=int, default=None, help="first N pairs per phenomenon")
+    p.add_argument("--phenomena", nargs="+", default=None, metavar="UID", help="only these UIDs")
+    p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
+                   help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
+    p.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward pass")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
+    return _blimp
+
+
+def _add_rank(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
+    p.add_argument("model", help="HF encoder folder (AutoModel)")
+    p.add_argument("--text", required=True, help=".txt or .txt.gz, one sentence per line")
+    p.add_argument("--out", required=True, help="folder for rank.csv/.md/.json/.png")
+    p.add_argument("--mask-rate", type=float, default=0.15, help="fraction of tokens -> [MASK]")
+    p.add_argument("--tau", type=float, default=0.9, help="energy fraction (Meng et al. Def. 2.1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-sentences", type=int, default=None, help="use the first N lines")
+    p.add_argument("--max-length", type=int, default=128, help="truncate longer sentences")
+    p.add_argument("--center", action="store_true", help="subtract the mean representation")
+    p.add_argument("--device", default=None)
+    return _rank
+
+
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
