@@ -152,6 +152,10 @@ def _report(med: dict[str, float], times: dict[str, list[float]], args: argparse
     ]
     for label, value, goal in checks:
         print(f"{label}: {value:.2f} (goal {goal})")
+    # On a shared machine the paired (same-round) ratios are steadier than ratios of medians.
+    for a, b in (("MLSM online", "MLM"), ("MLSM store", "MLM"), ("MLSM naive", "MLSM online"), ("MLSM naive", "MLSM store")):
+        paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        print(f"paired {a} / {b}: median {statistics.median(paired):.2f} (rounds: {', '.join(f'{r:.2f}' for r in paired)})")
 
 
 if __name__ == "__main__":
