@@ -68,8 +68,8 @@ def test_clm_targets_are_real_successors_and_loss_falls(store_dir: Path) -> None
     assert torch.equal(where[:, :-1], ~batch.special_mask[:, 1:])
     out = obj(student, batch)
     assert int(out.n_targets) == int((~batch.special_mask).sum())
-    losses = overfit_losses({"name": "clm"}, store_dir, steps=20)
-    assert losses[-1] < 0.8 * losses[0]
+    losses = overfit_losses({"name": "clm"}, store_dir, steps=12)
+    assert losses[-1] < 0.9 * losses[0]
 
 
 def test_unsupported_arch_is_a_one_line_error(store_dir: Path) -> None:

@@ -95,11 +95,11 @@ def test_unsupported_arch_is_a_one_line_error(store_dir: Path) -> None:
 
 
 def test_losses_fall(store_dir: Path, teacher_dir: Path, dictionary_path: Path) -> None:
-    losses = overfit_losses({"name": "mae_lm"}, store_dir, steps=20)
-    assert losses[-1] < 0.7 * losses[0]
+    losses = overfit_losses({"name": "mae_lm"}, store_dir, steps=12)
+    assert losses[-1] < 0.8 * losses[0]
     spec = {"name": "mae_mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)}
-    losses = overfit_losses(spec, store_dir, steps=30)
-    assert losses[-1] < 0.7 * losses[0]
+    losses = overfit_losses(spec, store_dir, steps=15)
+    assert losses[-1] < 0.65 * losses[0]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -136,3 +136,4 @@ def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_
     heads = load_file(folder / "heads.safetensors")
     assert any(k.startswith("latent.") for k in heads) and any(k.startswith(f"{DECODER}.") for k in heads)
     assert {"kl", "top1_agreement"} <= _metrics(run)[0].keys()
+

@@ -124,10 +124,10 @@ def _roberta_positions(config: Any, pos: torch.Tensor) -> torch.Tensor:
 
 
 # model_type -> explicit position ids for the kept tokens' original positions. DeBERTa-v2 is
-# absent: its relative positions come from sequence indices and cannot be passed in.
+# absent: its relative positions come from sequence indices and cannot be passed in; ELECTRA too:
+# its input embeddings are narrower than the hidden states, so the tied LM head does not fit.
 _POSITION_IDS: dict[str, Any] = {
     "bert": lambda c, p: p,
-    "electra": lambda c, p: p,
     "modernbert": lambda c, p: p,
     "roberta": _roberta_positions,
     "xlm-roberta": _roberta_positions,

@@ -5,9 +5,10 @@ the shallow decoder rebuilds the full length from the encoder outputs plus [MASK
 MLSM's latent head on the *decoder* output predicts the sparse-code distribution of the frozen
 teacher's layer-l state at each selected position; loss = KL(p ‖ softmax(z)) (Berend 2023, Eq. 2).
 
-Targets, the KL and the latent head are MLSM's own (`TargetCoder`, `latent_kl`,
-`attach_latent_head` from objectives/mlsm.py); the options are MLSM's plus MAE-LM's, by
-inheritance, so options added to MLSM (e.g. a target store) are accepted here too.
+Targets, the KL and the latent head are MLSM's own: the target source is the one `MLSM` picks
+(online teacher with early exit, or the target store with `objective.targets`), and `latent_kl`
+/ `attach_latent_head` come from objectives/mlsm.py. The options are MLSM's plus MAE-LM's, by
+inheritance, so options added to MLSM are accepted here too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from mlsm.models.backbone import Student
 from mlsm.models.mae import seeded
 from mlsm.objectives.base import Context, ObjectiveOutput
 from mlsm.objectives.mae_lm import MAEDecoderPass, MAELMConfig
-from mlsm.objectives.mlsm import MLSMConfig, TargetCoder, attach_latent_head, latent_kl
+from mlsm.objectives.mlsm import MLSM, MLSMConfig, attach_latent_head, latent_kl
 
 
 @dataclass
@@ -32,7 +33,7 @@ class MAEMLSM:
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
         self.split = MAEDecoderPass(cfg, ctx)
-        self.coder = TargetCoder(cfg, ctx)
+        self.coder = MLSM(cfg, ctx).coder  # TargetCoder or StoredTargets, exactly as MLSM chooses
 
     def attach(self, student: Student) -> None:
         self.split.attach(student)
