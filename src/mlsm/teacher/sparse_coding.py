@@ -267,7 +267,13 @@ class _State:
         ratio = torch.where(neg, a / (a - z).clamp(min=1e-30), torch.full_like(a, 2.0))
         t = torch.cat([ratio, ratio.new_ones(r, 1)], 1).amin(1, keepdim=True)  # (r, 1), ≤ 1
         drop = neg & (ratio <= t)  # the blocking atoms reach 0 and leave I
-        self.a = torch.where(has_neg[:, None], (a + t * (z - a)).clamp(min=0), z)
+        lh = (a + t * (z - a)).clamp(min=0)
+        # Safeguarded projection: dropping *all* negative atoms at once (α = max(z, 0)) often
+        # saves many one-atom feasibility steps; take it when its objective is lower.
+        proj = z.clamp(min=0) * self.ok
+        use_proj = has_neg & (self._quad(HWI, b, proj) < self._quad(HWI, b, lh * ~drop))
+        drop = torch.where(use_proj[:, None], neg, drop)
+        self.a = torch.where(use_proj[:, None], proj, torch.where(has_neg[:, None], lh, z))
         self.ok = self.ok & ~drop
         # Rows where z was feasible: α = z; look for violators on W: w = b − G_WI α_I > tol.
         w = b - (HWI @ torch.where(self.ok, self.a, torch.zeros_like(self.a)).unsqueeze(2)).squeeze(2)
@@ -277,6 +283,12 @@ class _State:
         self._add(viol, ~has_neg & ~done, tol)
         self._compact()
         return done
+
+    def _quad(self, HWI: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Sub-problem objective ½xᵀG_II x − b_Iᵀx per row for x (r, s) on the free slots."""
+        x = torch.where(self.ok, x, torch.zeros_like(x))
+        Gx = (HWI @ x.unsqueeze(2)).squeeze(2).gather(1, self.pos)  # (r, s) = G_II x
+        return (x * (0.5 * Gx - b.gather(1, self.pos))).sum(1)
 
     def _solve(self, H: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns G_WI (r, m, s) of the free atoms and the optimum z (r, s) on I."""
