@@ -167,9 +167,12 @@ def _update_atoms(D: torch.Tensor, A: torch.Tensor, B: torch.Tensor, Xb: torch.T
     """One block-coordinate pass over the columns, in place (Mairal et al. 2009, Alg. 2)."""
     diag = A.diagonal()
     used = diag > 1e-12 * diag.max().clamp(min=1e-30)
+    # Work on atoms as contiguous rows: Dt (k, d), Bt (k, d); A is symmetric so A[j] = A[:, j].
+    Dt, Bt = D.T.contiguous(), B.T.contiguous()
     for j in used.nonzero().squeeze(1).tolist():
-        u = (B[:, j] - D @ A[:, j]) / diag[j] + D[:, j]  # (d,)
-        D[:, j] = u / u.norm().clamp(min=1.0)
+        u = (Bt[j] - A[j] @ Dt) / diag[j] + Dt[j]  # (d,)
+        Dt[j] = u / u.norm().clamp(min=1.0)
+    D.copy_(Dt.T)
     dead = (~used).nonzero().squeeze(1)
     if dead.numel():  # re-draw never-used atoms from the current batch (§3.4)
         pick = torch.randint(0, Xb.shape[0], (dead.numel(),), generator=gen).to(Xb.device)
