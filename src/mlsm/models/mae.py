@@ -56,7 +56,8 @@ class MAEDecoder(nn.Module):
         x = torch.where(removed[..., None], self.mask_embedding.to(x.dtype), x)
         pos = torch.arange(x.shape[1], device=x.device)
         x = self.norm(x + self.positions(pos)[None])  # absolute positions of the full sequence
-        pad = ~attention_mask.bool()  # (B, T), True = ignore
+        # packed batches have no padding: no mask lets attention take its unmasked fast path
+        pad = None if bool(attention_mask.all()) else ~attention_mask.bool()  # (B, T), True = ignore
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=pad)
         return self.proj_out(x)  # (B, T, d)
