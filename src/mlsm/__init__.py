@@ -18,6 +18,18 @@ _API = {
     "load_config": "mlsm.config",
     "RunConfig": "mlsm.config",
     "pretrain": "mlsm.train.loop",
+    "learn_dictionary": "mlsm.teacher.dictionary",
+    "load_dictionary": "mlsm.teacher.dictionary",
+    "sparse_encode": "mlsm.teacher.sparse_coding",
+    "load_teacher": "mlsm.teacher.teacher",
+    "build_target_store": "mlsm.teacher.targets",
+    "finetune": "mlsm.evaluate.finetune",
+    "compare_runs": "mlsm.evaluate.stats",
+    "make_report": "mlsm.evaluate.report",
+    "score_pll": "mlsm.evaluate.pll",
+    "evaluate_blimp": "mlsm.evaluate.blimp",
+    "run_probe": "mlsm.evaluate.probe",
+    "flops_table": "mlsm.evaluate.flops",
     "UserError": "mlsm.errors",
 }
 

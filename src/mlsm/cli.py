@@ -99,6 +99,37 @@ def _rank(a: argparse.Namespace) -> None:
     print(f"-> {paths['csv']}, {paths['png']}")
 
 
+def _dictionary(a: argparse.Namespace) -> None:
+    from mlsm.data.corpus import TokenStore
+    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.teacher import load_teacher
+
+    d = learn_dictionary(TokenStore.open(a.store), load_teacher(a.teacher, a.layer, device=a.device),
+                         k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len, batch_size=a.batch_size,
+                         n_iter=a.n_iter, seed=a.seed, out=a.out)
+    print(f"dictionary d={d.d} k={d.k} objective {d.meta.get('objective', float('nan')):.5f} -> {a.out}")
+
+
+def _targets(a: argparse.Namespace) -> None:
+    from mlsm.teacher.dictionary import load_dictionary
+    from mlsm.teacher.targets import build_target_store
+    from mlsm.teacher.teacher import load_teacher
+
+    dictionary = load_dictionary(a.dictionary)
+    layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
+    teacher = load_teacher(a.teacher, layer, device=a.device)
+    out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
+    print(f"target store {out}: codes of every position (top {a.nnz}) for max_len {a.max_len}")
+
+
+def _flops(a: argparse.Namespace) -> None:
+    from mlsm.config import load_config
+    from mlsm.evaluate.flops import flops_for_run, format_table
+
+    cfg = load_config(a.config, a.overrides)
+    print(format_table(flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size)))
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", help="where everything goes (re-running resumes)")
@@ -216,8 +247,50 @@ def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     return _rank
 
 
+def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("dictionary", help="learn the MLSM dictionary on teacher states of a token store")
+    p.add_argument("--store", required=True, help="token store prepared with the teacher's tokenizer")
+    p.add_argument("--teacher", default=None, help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--layer", type=int, default=5, help="teacher layer, HF hidden_states numbering (0 = embeddings)")
+    p.add_argument("--k", type=int, default=None, help="number of atoms (default: 4 x hidden size)")
+    p.add_argument("--lam", type=float, default=0.05, help="lambda of the l1 penalty")
+    p.add_argument("--n-vectors", type=int, default=2_000_000, help="teacher states to collect")
+    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--n-iter", type=int, default=None, help="mini-batches (default: one pass)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="PATH.safetensors (meta goes to PATH.json)")
+    return _dictionary
+
+
+def _add_targets(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("targets", help="precompute MLSM target codes for every token of a token store")
+    p.add_argument("--store", required=True, help="token store (prepared with the teacher's tokenizer)")
+    p.add_argument("--dictionary", required=True, help="dictionary from `mlsm dictionary` (PATH[.safetensors])")
+    p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--layer", type=int, default=None, help="teacher layer (default: the dictionary's)")
+    p.add_argument("--max-len", type=int, default=128, help="data.max_len of the runs that will use it")
+    p.add_argument("--nnz", type=int, default=32, help="non-zeros kept per code (default 32)")
+    p.add_argument("--batch-size", type=int, default=64, help="chunks per teacher forward / progress record")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--out", required=True, help="target store folder (re-run the same command to resume)")
+    return _targets
+
+
+def _add_flops(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("flops", help="FLOPs per training batch of MLM, KD, MLSM variants and MTL (Markdown)")
+    p.add_argument("--config", help="YAML recipe (student from model.*, teacher/layer/k from objective.*)")
+    p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: objective.teacher)")
+    p.add_argument("--k", type=int, default=None, help="dictionary size (default: the dictionary's / 4 d)")
+    p.add_argument("--layer", type=int, default=None, help="early-exit layer of MLSM_l (default: objective.layer)")
+    p.add_argument("--vocab-size", type=int, default=None, help="student vocabulary (default: the teacher's)")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.batch_size=256")
+    return _flops
+
+
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_pretrain, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -18,6 +18,7 @@ import ast
 import json
 import random
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,27 +122,32 @@ def find_shared_data(explicit: str | None) -> Path | None:
 
 
 def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str | None = None,
-             steps: int = 300, batch: int = 16, dictionary_vectors: int = 20_000,
+             steps: int = 300, batch: int = 16, dictionary_vectors: int = 8192,
              seeds: int = 2, blimp_pairs: int = 20) -> Path:
     """Run the whole demo; returns the path of the Markdown report."""
     from mlsm.demo_report import finetune_both, score_blimp, write_report
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    def stage(text: str) -> None:
+        print(f"[{time.perf_counter() - start:6.0f} s] {text}", flush=True)
+
     teacher_path = default_teacher_path()
     corpus_path, held = (corpus, []) if corpus else _write_corpus(out)
-    print(f"[1/6] token store from {corpus_path}", flush=True)
+    stage(f"1/6 token store from {corpus_path}")
     store = prepare_corpus(str(corpus_path), str(teacher_path), out / "store")
-    print(f"      {store.n_tokens:,} tokens in {store.n_docs:,} documents", flush=True)
+    stage(f"    {store.n_tokens:,} tokens in {store.n_docs:,} documents")
     dict_path = out / "dictionary.safetensors"
     if not dict_path.exists():
-        print("[2/6] dictionary on MiniLM layer 5 (k = 1536, lambda = 0.05)", flush=True)
+        stage(f"2/6 dictionary on MiniLM layer 5 (k = 1536, lambda = 0.05, {dictionary_vectors:,} vectors)")
         teacher = load_teacher(None, layer=5)
         learn_dictionary(TokenStore.open(store.path), teacher, k=1536, lam=0.05, n_vectors=dictionary_vectors, out=dict_path)
-    print("[3/6] pre-training MLSM and MLM students on identical batches", flush=True)
+    stage(f"3/6 pre-training MLSM and MLM students on identical batches ({steps} steps x {batch} x 128)")
     mlsm_ckpt = _pretrain_once(_run_config({"name": "mlsm", "dictionary": str(dict_path), "layer": 5}, store.path, out / "mlsm", steps, batch))
     mlm_ckpt = _pretrain_once(_run_config({"name": "mlm"}, store.path, out / "mlm", steps, batch))
-    print("[4/6] linear probe for the MLSM model (10 % of the steps)", flush=True)
+    stage("4/6 linear probe for the MLSM model (10 % of the steps)")
     probe_steps = max(1, steps // 10)
     probe_run = out / "mlsm" / "probe"
     if not (probe_run / "checkpoints" / f"step-{probe_steps:07d}").exists():
@@ -149,13 +155,14 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
                   resume="auto" if (probe_run / "metrics.jsonl").exists() else None)
     probe_ckpt = probe_run / "checkpoints" / f"step-{probe_steps:07d}"
     shared = find_shared_data(data)
-    print("[5/6] fine-tuning both models", flush=True)
+    stage("5/6 fine-tuning both models")
     results, task = finetune_both({"mlsm": mlsm_ckpt, "mlm": mlm_ckpt}, shared, held, out, seeds, _word_order_task)
     blimp = {}
     if shared and (shared / "blimp").is_dir():
-        print(f"      BLiMP subset ({blimp_pairs} pairs per phenomenon)", flush=True)
+        stage(f"    BLiMP subset ({blimp_pairs} pairs per phenomenon)")
         blimp = score_blimp({"mlsm": load_scorer(probe_ckpt), "mlm": load_scorer(mlm_ckpt)}, shared / "blimp", blimp_pairs, out)
-    print("[6/6] report", flush=True)
+    stage("6/6 report")
     report = write_report(out, {"mlsm": out / "mlsm", "mlm": out / "mlm"}, results, task, blimp)
+    stage("done")
     (out / "demo.json").write_text(json.dumps({"report": str(report), "task": task}, indent=2))
     return report
