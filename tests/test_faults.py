@@ -41,10 +41,16 @@ def _final(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / f"step-{STEPS:07d}" / "model.safetensors")
 
 
-def _wait_for_progress(run: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _logged(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_for_progress(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: float = 120) -> None:
+    """Wait until `steps` metrics lines exist (or the process ends); independent of machine speed."""
     start = time.time()
-    while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() - start < timeout:
-        time.sleep(0.05)
+    while _logged(run) < steps and proc.poll() is None and time.time() - start < timeout:
+        time.sleep(0.005)
 
 
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(store_dir: Path, tmp_path: Path) -> None:
@@ -53,8 +59,9 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(store_dir: Path,
     for _ in range(12):
         proc = _cli(store_dir, run)
         if kills < 4:
-            _wait_for_progress(run, proc)
-            time.sleep(rng.uniform(0.0, 1.5))  # somewhere in a step, a checkpoint write or a prune
+            # kill shortly after a random later step was logged: mid-step, mid-checkpoint or mid-prune
+            _wait_for_progress(run, proc, min(STEPS - 1, _logged(run) + rng.randint(1, 3)))
+            time.sleep(rng.uniform(0.0, 0.05))
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
