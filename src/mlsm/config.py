@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 
 
 @dataclass
@@ -202,9 +203,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 def save_config(cfg: RunConfig, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def git_revision() -> str:

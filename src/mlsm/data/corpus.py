@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mlsm.errors import UserError
+from mlsm.fileio import replace_dir
 
 STORE_FORMAT = "mlsm-token-store"
 STORE_VERSION = 1
@@ -321,19 +322,9 @@ def prepare_corpus(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        _swap_into_place(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return TokenStore.open(out)
 
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished store into place; an old store is removed only after that succeeds."""
-    if out.exists():
-        trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(trash)
-        tmp.rename(out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(out)

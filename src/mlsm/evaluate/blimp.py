@@ -18,7 +18,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import Variant, score_pll
+from mlsm.fileio import atomic_write_text
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -250,22 +250,11 @@ def blimp_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_blimp_report(result: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write `blimp.json` (everything in `result`) and `blimp.md` into out_dir; return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "blimp.json", "markdown": out / "blimp.md"}
-    _write_atomic(paths["json"], json.dumps(result, indent=2) + "\n")
-    _write_atomic(paths["markdown"], blimp_markdown(result))
+    atomic_write_text(paths["json"], json.dumps(result, indent=2) + "\n")
+    atomic_write_text(paths["markdown"], blimp_markdown(result))
     return paths

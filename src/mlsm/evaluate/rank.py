@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
 # Tolerance on the cumulative energy ratio so that a spectrum reaching tau exactly (up to rounding)
@@ -257,17 +258,6 @@ def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[st
     return lines[:limit]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def plot_rank(table: RankTable, path: str | os.PathLike) -> Path:
     """Line plot: effective rank against layer, one line per condition (PNG, Agg backend)."""
     import matplotlib
@@ -301,8 +291,8 @@ def write_rank_report(table: RankTable, out_dir: str | os.PathLike) -> dict[str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "rank.csv", "markdown": out / "rank.md", "json": out / "rank.json"}
-    _write_atomic(paths["csv"], table.to_csv())
-    _write_atomic(paths["markdown"], table.to_markdown())
-    _write_atomic(paths["json"], json.dumps(asdict(table), indent=2) + "\n")
+    atomic_write_text(paths["csv"], table.to_csv())
+    atomic_write_text(paths["markdown"], table.to_markdown())
+    atomic_write_text(paths["json"], json.dumps(asdict(table), indent=2) + "\n")
     paths["png"] = plot_rank(table, out / "rank.png")
     return paths

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write
 from mlsm.teacher.sparse_coding import objective, sparse_encode
 from mlsm.teacher.teacher import Teacher
 
@@ -234,26 +233,14 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
     return path, path.with_suffix(".json")
 
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the former."""
     weights, meta_path = _paths(path)
     meta = {**dictionary.meta, "d": dictionary.d, "k": dictionary.k}
     text = json.dumps(meta, indent=2, sort_keys=True)
     atoms = dictionary.atoms.detach().cpu().float().contiguous()
-    _atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
-    _atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+    atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
+    atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
     return weights
 
 

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from mlsm.errors import UserError
+from mlsm.fileio import replace_dir
 from mlsm.models.backbone import Student, load_student_weights
 
 COMPLETE = "checkpoint.json"
@@ -74,13 +75,7 @@ def save_checkpoint(
         torch.save(training_state, tmp / "training_state.pt")
         (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
         _fsync_tree(tmp)
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(folder)
+        replace_dir(tmp, folder)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write checkpoint {folder.name} ({exc.strerror or exc}); older checkpoints are intact — free space and rerun with --resume auto") from None

@@ -23,6 +23,7 @@ from mlsm.config import RunConfig, config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student, build_student
 from mlsm.objectives import Context, build_objective
 from mlsm.train import checkpoint as ckpt
@@ -224,9 +225,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop lines logged after the checkpoint we resume from (they will be logged again)."""
     if path.exists():
         lines = [ln for ln in path.read_text().splitlines() if _logged_step(ln) <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in lines))
-        tmp.replace(path)
+        atomic_write_text(path, "".join(ln + "\n" for ln in lines))
 
 
 def _logged_step(line: str) -> float:
