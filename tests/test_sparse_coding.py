@@ -10,6 +10,8 @@ import torch
 from sklearn.decomposition import sparse_encode as sk_sparse_encode
 
 from mlsm.errors import UserError
+from mlsm.teacher.active_set import solve_full
+from mlsm.teacher.homotopy import homotopy, padded_gram
 from mlsm.teacher.sparse_coding import (
     fista,
     kkt_violation,
@@ -37,14 +39,19 @@ def _rel_gap(X, D, ours, ref):
     return ((o - r) / r).double()
 
 
+def _sklearn_codes(X, D):
+    # Lasso (lasso_cd) minimises 1/(2 d)‖x − Dα‖² + a‖α‖₁; sparse_encode passes a = alpha / d,
+    # so alpha = λ is our problem exactly.
+    ref = sk_sparse_encode(X.numpy(), D.T.numpy(), algorithm="lasso_cd", alpha=LAM, positive=True,
+                           max_iter=50_000)
+    return torch.from_numpy(ref)
+
+
 def test_matches_sklearn_lasso_cd():
     X, D = _problem()
     ours = sparse_encode(X, D, LAM)
-    # scikit-learn's lasso_cd minimises 1/(2 d)‖x − Dα‖² + alpha‖α‖₁, so alpha = λ / d.
-    ref = sk_sparse_encode(X.numpy(), D.T.numpy(), algorithm="lasso_cd", alpha=LAM / D.shape[0],
-                           positive=True, max_iter=10_000)
-    gap = _rel_gap(X, D, ours, torch.from_numpy(ref))
-    assert gap.mean() <= 1e-4 and gap.max() <= 1e-3
+    gap = _rel_gap(X, D, ours, _sklearn_codes(X, D))
+    assert gap.abs().mean() <= 1e-6 and gap.abs().max() <= 1e-5
     assert (ours >= 0).all()
     assert 0 < (ours > 0).sum(1).float().mean() < D.shape[1] / 4  # a genuinely sparse problem
 
@@ -72,13 +79,40 @@ def test_kkt_holds(dtype):
     assert codes.dtype == dtype
 
 
-def test_small_working_set_forces_growth_and_stays_exact():
-    # A tiny working set cannot hold the supports: the KKT check must send rows back for more.
-    X, D = _problem(seed=3)
-    ref = sparse_encode(X, D, LAM)
-    small = sparse_encode(X, D, LAM, working_set=2)
-    assert kkt_violation(X, D, small, LAM).max() <= 1e-4
-    assert _rel_gap(X, D, small, ref).abs().max() <= 1e-6
+def test_coherent_data_dictionary_with_duplicates():
+    # Atoms drawn from the data (as dictionary learning starts), some of them exact duplicates:
+    # paths with many near-ties, atoms leaving the active set, and singular G_AA candidates.
+    X, _ = _problem(n=150, seed=8)
+    g = torch.Generator().manual_seed(8)
+    D = X[torch.randint(0, X.shape[0], (96,), generator=g)].T.contiguous()  # repeats likely
+    D = torch.cat([D, D[:, :8]], 1)  # and certainly
+    codes = sparse_encode(X, D, LAM)
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
+    gap = _rel_gap(X, D, codes, _sklearn_codes(X, D))
+    assert gap.abs().max() <= 1e-5
+
+
+def test_homotopy_alone_is_exact_and_reports_the_step_cap():
+    X, D = _problem(seed=9)
+    c, Gp = X @ D, padded_gram(D.T @ D)
+    idx, alpha, fail = homotopy(c, Gp, LAM, max_steps=10_000)
+    k = D.shape[1]
+    codes = torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k]
+    assert not fail.any()
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-8  # float64: exact to rounding
+    # A row needs at least nnz steps (nnz − 1 entries, then μ reaches λ): with a cap at the
+    # median, the longer paths are flagged and some short ones finish.
+    nnz = (codes > 0).sum(1)
+    cap = int(nnz.median())
+    _, _, fail_cap = homotopy(c, Gp, LAM, max_steps=cap)
+    assert fail_cap[nnz > cap].all() and fail_cap.any() and not fail_cap.all()
+
+
+def test_fallback_solver_matches_sklearn():
+    X, D = _problem(n=20, seed=10)
+    codes = solve_full(X @ D, D.T @ D, LAM, tol=1e-9)
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-6
+    assert _rel_gap(X, D, codes, _sklearn_codes(X, D)).abs().max() <= 1e-6
 
 
 def test_degenerate_dictionary():

@@ -116,7 +116,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
 
 
 def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | None = None,
-                batch_size: int = 512, forget: float = 4.0, seed: int = 0,
+                batch_size: int = 512, forget: float = 1.0, seed: int = 0,
                 init: torch.Tensor | None = None, progress: bool = True) -> torch.Tensor:
     """Online dictionary learning on rows of X (n, d); returns D (d, k) on X's device/dtype.
 
@@ -147,7 +147,7 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
         beta = (1.0 - 1.0 / t) ** forget
         A.mul_(beta).add_(codes.T @ codes / len(idx))
         B.mul_(beta).add_(Xb.T @ codes / len(idx))
-        _update_atoms(D, A, B, Xb, gen)
+        _update_atoms(D, A, B, X, gen)
     return D
 
 
@@ -161,9 +161,13 @@ def _init_atoms(X: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     return D / D.norm(dim=0, keepdim=True).clamp(min=1e-12)
 
 
-def _update_atoms(D: torch.Tensor, A: torch.Tensor, B: torch.Tensor, Xb: torch.Tensor,
+def _update_atoms(D: torch.Tensor, A: torch.Tensor, B: torch.Tensor, X: torch.Tensor,
                   gen: torch.Generator) -> None:
-    """One block-coordinate pass over the columns, in place (Mairal et al. 2009, Alg. 2)."""
+    """One block-coordinate pass over the columns, in place (Mairal et al. 2009, Alg. 2).
+
+    Atoms no code has used yet are re-drawn from distinct random rows of X: duplicated atoms
+    would be wasted and make the active sets of the next codes singular.
+    """
     diag = A.diagonal()
     used = diag > 1e-12 * diag.max().clamp(min=1e-30)
     # Work on atoms as contiguous rows: Dt (k, d), Bt (k, d); A is symmetric so A[j] = A[:, j].
@@ -173,9 +177,8 @@ def _update_atoms(D: torch.Tensor, A: torch.Tensor, B: torch.Tensor, Xb: torch.T
         Dt[j] = u / u.norm().clamp(min=1.0)
     D.copy_(Dt.T)
     dead = (~used).nonzero().squeeze(1)
-    if dead.numel():  # re-draw never-used atoms from the current batch (§3.4)
-        pick = torch.randint(0, Xb.shape[0], (dead.numel(),), generator=gen).to(Xb.device)
-        D[:, dead] = Xb[pick].T / Xb[pick].norm(dim=1).clamp(min=1e-12)
+    if dead.numel():  # re-draw never-used atoms from the data (§3.4)
+        D[:, dead] = _init_atoms(X, dead.numel(), gen)
 
 
 def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_size: int = 4096) -> float:
@@ -189,7 +192,7 @@ def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_siz
 
 def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = 0.05,
                      n_vectors: int = 2_000_000, max_len: int = 128, batch_size: int = 512,
-                     n_iter: int | None = None, forget: float = 4.0, eval_vectors: int = 20_000,
+                     n_iter: int | None = None, forget: float = 1.0, eval_vectors: int = 20_000,
                      seed: int = 0, out: str | Path | None = None) -> Dictionary:
     """Collect n_vectors teacher states from a token store and learn a dictionary on them.
 
