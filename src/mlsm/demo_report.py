@@ -77,18 +77,20 @@ def summary_rows(runs: dict[str, Path], results: Path, task: str, blimp: dict[st
     for name, run in runs.items():
         m = _metrics(run)
         scores = [r["value"] for r in records if r["model"] == name and r["task"] == task]
-        rows.append({
+        row = {
             "model": name, "final loss": m[-1]["loss"],
-            "tokens/s": statistics.median(r["tokens_per_s"] for r in m),
-            f"{task} (mean over seeds)": statistics.mean(scores) if scores else float("nan"),
-            "BLiMP subset": blimp[name]["overall"] if name in blimp else float("nan"),
-        })
+            "tokens/s": round(statistics.median(r["tokens_per_s"] for r in m)),
+            f"{task} (mean over seeds)": statistics.mean(scores) if scores else "–",
+        }
+        if blimp:
+            row["BLiMP subset"] = blimp[name]["overall"] if name in blimp else "–"
+        rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     keys = list(rows[0])
-    fmt = lambda v: f"{v:,.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
@@ -112,6 +114,9 @@ def write_report(out: Path, runs: dict[str, Path], results: Path, task: str, bli
     if blimp:
         parts += ["## BLiMP subset (PLL; MLSM through its linear probe)", "",
                   _table([{"model": n, "overall": r["overall"], "pairs": r["n_pairs"]} for n, r in blimp.items()])]
+    else:
+        parts += ["BLiMP was not scored: no `blimp/` folder was found. Pass `mlsm demo --data PATH` "
+                  "with a folder holding `blimp/` (and `glue/` for SST-2) to add it."]
     path = report_dir / "demo.md"
     path.write_text("\n".join(parts) + "\n")
     print("\n" + table + f"\n\nreport: {path}")

@@ -9,6 +9,9 @@ saved beside the HF files in `heads.safetensors`.
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +90,40 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, 
         if cfg.init_from:
             if not Path(cfg.init_from).is_dir():
                 raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a checkpoint or HF model folder")
-            hf = AutoModelForMaskedLM.from_pretrained(cfg.init_from)
+            with quiet_head_mismatch(cfg.init_from, with_head=True):
+                hf = AutoModelForMaskedLM.from_pretrained(cfg.init_from)
             if hf.config.vocab_size != len(tok):
                 raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the token store's tokenizer has {len(tok)}; prepare the corpus with that model's tokenizer")
         else:
             hf = AutoModelForMaskedLM.from_config(_from_scratch_config(cfg, tok, max_len))
     return Student(hf)
+
+
+@contextlib.contextmanager
+def quiet_head_mismatch(folder: str | Path, with_head: bool) -> Iterator[None]:
+    """Silence transformers' weight-loading report when only the head is expected to differ.
+
+    MLSM and MAE-LM checkpoints export the encoder alone (architectures "BertModel" etc.), so
+    loading one into a masked-LM class (with_head=True) necessarily reports the head as missing,
+    which reads like a corrupted checkpoint; loading a masked-LM folder as a bare encoder
+    (with_head=False, a teacher) reports the unused head. Other folders keep the report.
+    """
+    try:
+        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    bare = bool(archs) and all(a.endswith("Model") for a in archs)
+    if not archs or bare != with_head:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def load_student_weights(student: Student, folder: Path) -> None:
