@@ -9,8 +9,9 @@ import pytest
 import torch
 from sklearn.decomposition import sparse_encode as sk_sparse_encode
 
+import mlsm.teacher.sparse_coding as sc
 from mlsm.errors import UserError
-from mlsm.teacher.active_set import solve_full
+from mlsm.teacher.active_set import active_set
 from mlsm.teacher.homotopy import homotopy, padded_gram
 from mlsm.teacher.sparse_coding import (
     fista,
@@ -108,11 +109,27 @@ def test_homotopy_alone_is_exact_and_reports_the_step_cap():
     assert fail_cap[nnz > cap].all() and fail_cap.any() and not fail_cap.all()
 
 
-def test_fallback_solver_matches_sklearn():
-    X, D = _problem(n=20, seed=10)
-    codes = solve_full(X @ D, D.T @ D, LAM, tol=1e-9)
-    assert kkt_violation(X, D, codes, LAM).max() <= 1e-6
+def test_active_set_alone_matches_sklearn_and_reports_the_step_cap():
+    X, D = _problem(n=60, seed=10)
+    c, Gp = X @ D, padded_gram(D.T @ D)
+    k = D.shape[1]
+    idx, alpha, fail = active_set(c, Gp, LAM, tol=1e-9, max_steps=1000)
+    codes = torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k]
+    assert not fail.any()
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-8
     assert _rel_gap(X, D, codes, _sklearn_codes(X, D)).abs().max() <= 1e-6
+    _, _, fail1 = active_set(c, Gp, LAM, tol=1e-9, max_steps=1)  # one step cannot finish a row
+    assert fail1.all()
+
+
+def test_rows_the_active_set_fails_are_solved_by_the_homotopy(monkeypatch):
+    X, D = _problem(seed=11)
+    ref = sparse_encode(X, D, LAM)
+    real = sc.active_set
+    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps: real(c, Gp, lam, tol, max_steps=2))
+    codes = sparse_encode(X, D, LAM)  # most rows now fail the first solver
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
+    assert _rel_gap(X, D, codes, ref).abs().max() <= 1e-6
 
 
 def test_degenerate_dictionary():

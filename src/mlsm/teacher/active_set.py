@@ -1,190 +1,211 @@
-"""Fallback solver: a batched Lawson–Hanson active-set method on the whole dictionary.
+"""Batched primal active-set solver for the non-negative LASSO, all rows in lock-step.
 
-`sparse_encode` uses the homotopy (`mlsm.teacher.homotopy`) for every row and this solver only
-for the rows whose homotopy path failed the KKT check (a degenerate or numerically hard path,
-e.g. near-duplicate atoms in float32). It solves min ½αᵀGα − (c − λ)ᵀα, α ≥ 0 directly by the
-primal active-set method of Lawson & Hanson (1974, ch. 23): a free set I grows by the most
-violating atoms (several per step, one after a stall) and shrinks by feasibility steps (the
-Lawson–Hanson interpolation, or dropping all negative atoms at once when that lowers the
-objective more); each step solves G_II z = (c − λ)_I with one batched Cholesky over padded,
-compacted free sets. It is slower than the homotopy but needs no path to be regular.
+On the quadratic form of the problem, min ½αᵀGα − (c − λ)ᵀα over α ≥ 0 with c = Dᵀx and
+G = DᵀD, this is the primal active-set method of Lawson & Hanson (1974, ch. 23) with several
+atoms entering per step:
+
+  1. the KKT gradient v = c − λ − Gα of every atom (one `embedding_bag` over the Gram rows of
+     the active atoms, weighted by α) gives each row's top-q violators (v_j > tol); a row with
+     none is optimal and leaves the batch;
+  2. the violators enter one after the other through rank-one updates of G_AA⁻¹ (block inverse,
+     Schur complement s = G_jj − gᵀG_AA⁻¹g). Entering atom j changes the equality solution by
+     −u·v_j/s (u = (G_AA⁻¹g, −1)), so the violation of the next candidate is updated in
+     closed form and a candidate enters only while it still violates: its coefficient v_j/s is
+     then positive, and no entering atom bounces straight back out;
+  3. z = G_AA⁻¹(c_A − λ), and while some z_s < 0 the Lawson–Hanson interpolation
+     α ← α + t(z − α), t = min α_s/(α_s − z_s), moves to the boundary and the blocking atom
+     leaves (rank-one downdate of G_AA⁻¹; z is downdated in closed form, z ← z − G⁻¹[:,s] z_s/G⁻¹_ss);
+  4. α = z. A row whose entering atoms all left again adds one atom at a time from then on
+     (the Lawson–Hanson theory guarantees progress for one), else q doubles up to `q_max`.
+
+Every step decreases the objective, so the method ends; the few steps (about nnz/q) each cost
+one pass over (rows, k), which is what makes it faster than following the homotopy path one
+event at a time. The small (|A| × |A|) algebra is float64; the wide (rows, k) work uses the
+input dtype. Rows flagged as failed (a violating atom numerically in the span of A, or the step
+cap) are left to the caller's fallback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 
-MAX_ADD = 8  # atoms a row may add to its free set per active-set step
-
-
-def solve_full(c: torch.Tensor, G: torch.Tensor, lam: float, tol: float, chunk: int = 8) -> torch.Tensor:
-    """Codes (r, k) for correlations c = Dᵀx (r, k) on the whole dictionary, G = DᵀD (k, k).
-
-    Rows go `chunk` at a time, since each needs its own (k, k) block of G.
-    """
-    k = c.shape[1]
-    out = []
-    for rows in torch.arange(c.shape[0], device=c.device).split(chunk):
-        full = torch.arange(k, device=c.device).expand(rows.numel(), k)
-        out.append(_solve_on_working_set(c[rows], G, full, c.new_zeros(rows.numel(), 0), 0, lam, tol, 4 * k))
-    return torch.cat(out) if out else c.new_zeros(0, k)
-
-
-def _solve_on_working_set(c: torch.Tensor, G: torch.Tensor, W: torch.Tensor, warm: torch.Tensor,
-                          n_warm: int, lam: float, tol: float, max_iter: int = 500,
-                          max_add: int | None = None) -> torch.Tensor:
-    """Active-set solve of min ½αᵀGα − (c−λ)ᵀα, α ≥ 0, with α restricted to atoms W (r, m).
-
-    warm (r, m): a feasible start on W whose non-zeros are within its first n_warm slots.
-    Returns dense codes (r, k). Rows that satisfy the KKT conditions on W leave the batch, so
-    late iterations only touch the few rows with large supports.
-    """
-    r, m = W.shape
-    HW = G.take(W[:, :, None] * G.shape[1] + W[:, None, :])  # (r, m, m) Gram block of W
-    b = c.gather(1, W) - lam  # (r, m) linear term on W
-    max_add = MAX_ADD if max_add is None else max_add
-    st = _State.start(warm[:, :n_warm], max_add)
-    alpha_W = b.new_zeros(r, m)  # (r, m) result, positions of W
-    rows = torch.arange(r, device=b.device)
-    live = torch.ones(r, dtype=torch.bool, device=b.device)
-    for _ in range(max_iter):
-        done = st.step(HW, b, tol, max_add) & live
-        if bool(done.any()):
-            alpha_W[rows[done]] = st.dense(done.nonzero().squeeze(1), m)
-            live &= ~done
-        if not bool(live.any()):
-            break
-        if int(live.sum()) < 0.75 * live.numel():  # shrink the batch only now and then
-            keep = live.nonzero().squeeze(1)
-            st, HW, b = st.select(keep), HW.index_select(0, keep), b.index_select(0, keep)
-            rows, live = rows[keep], live[keep]
-    if bool(live.any()):  # iteration cap: keep the feasible iterate; the caller re-checks KKT
-        alpha_W[rows[live]] = st.dense(live.nonzero().squeeze(1), m)
-    return b.new_zeros(r, c.shape[1]).scatter_(1, W, alpha_W.clamp(min=0))
+NEG = float("-inf")
 
 
 @dataclass
-class _State:
-    """Per-row free sets as padded slots: pos (r, s) into W, ok (r, s) validity, a (r, s) ≥ 0."""
+class _Sets:
+    """Per-row state; m rows, S slots (append-only, holes after atoms leave), K ≥ k+1 columns."""
 
-    pos: torch.Tensor
-    ok: torch.Tensor
-    a: torch.Tensor
-    q: torch.Tensor  # (r,) how many atoms a row may add per step (1 after a stall)
+    rows: torch.Tensor  # (m,) row ids in the caller's batch
+    cpad: torch.Tensor  # (m, K) c − λ on atoms, −inf on the empty-slot column k and padding
+    Ginv: torch.Tensor  # (m, S, S) float64 G_AA⁻¹ on the active slots, 0 elsewhere
+    idx: torch.Tensor  # (m, S) atom of each slot; k marks an empty slot
+    ok: torch.Tensor  # (m, S) slot holds an active atom
+    alpha: torch.Tensor  # (m, S) float64 coefficients ≥ 0
+    cnt: torch.Tensor  # (m,) slots used so far
+    q: torch.Tensor  # (m,) atoms a row may add per step
 
-    @staticmethod
-    def start(warm: torch.Tensor, max_add: int) -> _State:
-        """Free set = support of a feasible warm start (r, s) held in slots 0..s-1 of W."""
-        r, s = warm.shape
-        pos = torch.arange(s, device=warm.device).expand(r, s).clone()
-        q = torch.full((r,), max_add, device=warm.device)
-        return _State(pos, warm > 0, warm.clamp(min=0), q)
+    def select(self, keep: torch.Tensor) -> _Sets:
+        return _Sets(**{f.name: getattr(self, f.name)[keep] for f in fields(self)})
 
-    def select(self, idx: torch.Tensor) -> _State:
-        return _State(self.pos[idx], self.ok[idx], self.a[idx], self.q[idx])
+    def ensure_slots(self, need: int, k: int) -> None:
+        """Append empty slots so that `need` fit."""
+        extra = need - self.idx.shape[1]
+        if extra <= 0:
+            return
+        extra += 8
+        m = self.idx.shape[0]
+        self.Ginv = F.pad(self.Ginv, (0, extra, 0, extra))
+        self.idx = F.pad(self.idx, (0, extra), value=k)
+        self.ok = torch.cat([self.ok, self.ok.new_zeros(m, extra)], 1)
+        self.alpha = F.pad(self.alpha, (0, extra))
 
-    def dense(self, idx: torch.Tensor, m: int) -> torch.Tensor:
-        a = torch.where(self.ok[idx], self.a[idx], torch.zeros_like(self.a[idx]))
-        return a.new_zeros(idx.numel(), m).scatter_add_(1, self.pos[idx], a)
 
-    def step(self, H: torch.Tensor, b: torch.Tensor, tol: float, max_add: int) -> torch.Tensor:
-        """One Lawson–Hanson step for every row; returns (r,) bool 'KKT holds on W'.
+def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
+               q_max: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes for correlations c = Dᵀx (n, k); Gp = `homotopy.padded_gram(DᵀD)` in c's dtype.
 
-        Several atoms may enter at once; entering atoms (α = 0) whose unconstrained optimum is
-        ≤ 0 are sent back before the step, so α stays feasible and the objective never rises.
-        A row whose entering atoms were all sent back adds one atom next time, which the
-        Lawson–Hanson theory guarantees to enter with z > 0.
-        """
-        r, m = b.shape
-        entering = self.ok & (self.a <= 0)  # (r, s), atoms added by the previous step
-        HWI, z = self._solve(H, b)  # (r, m, s), (r, s)
-        for _ in range(4):
-            bounce = entering & self.ok & (z <= 0)
-            if not bool(bounce.any()):
+    Returns (idx (n, S), alpha (n, S), fail (n,)) as `homotopy.homotopy` does: row i's code has
+    alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
+    KKT gradient above `tol`.
+    """
+    n, k = c.shape
+    dev = c.device
+    cpad = torch.full((n, Gp.shape[1]), NEG, dtype=c.dtype, device=dev)
+    cpad[:, :k] = c - lam
+    S = 16
+    st = _Sets(rows=torch.arange(n, device=dev), cpad=cpad,
+               Ginv=torch.zeros(n, S, S, dtype=torch.float64, device=dev),
+               idx=torch.full((n, S), k, dtype=torch.long, device=dev),
+               ok=torch.zeros(n, S, dtype=torch.bool, device=dev),
+               alpha=torch.zeros(n, S, dtype=torch.float64, device=dev),
+               cnt=torch.zeros(n, dtype=torch.long, device=dev),
+               q=torch.full((n,), q_max, dtype=torch.long, device=dev))
+    out_idx = torch.full((n, 1), k, dtype=torch.long, device=dev)
+    out_alpha = torch.zeros(n, 1, dtype=torch.float64, device=dev)
+    fail = torch.ones(n, dtype=torch.bool, device=dev)  # cleared when a row converges
+    for _ in range(max_steps):
+        if st.rows.numel() == 0:
+            break
+        v, j = _violators(st, Gp, int(st.q.max()))
+        done = v[:, 0] <= tol
+        if bool(done.any()):
+            out_idx, out_alpha = _store(st, done, out_idx, out_alpha, k)
+            fail[st.rows[done]] = False
+            keep = (~done).nonzero().squeeze(1)
+            st, v, j = st.select(keep), v[keep], j[keep]
+            if st.rows.numel() == 0:
                 break
-            self.ok = self.ok & ~bounce
-            # Re-solve only the rows that sent atoms back.
-            rows = bounce.any(1).nonzero().squeeze(1)
-            HWI[rows] = HWI[rows] * self.ok[rows, None, :]
-            z[rows] = _solve_free(HWI[rows], b[rows], self.pos[rows], self.ok[rows])
-        stalled = entering.any(1) & ~(entering & self.ok).any(1)
-        self.q = torch.where(stalled, torch.ones_like(self.q), (2 * self.q).clamp(max=max_add))
-        a = torch.where(self.ok, self.a, torch.zeros_like(self.a))
-        neg = self.ok & (z <= 0)
-        has_neg = neg.any(1)
-        # Feasibility step (rows with neg): α ← α + t(z − α), t = min_j α_j/(α_j − z_j) over neg.
-        ratio = torch.where(neg, a / (a - z).clamp(min=1e-30), torch.full_like(a, 2.0))
-        t = torch.cat([ratio, ratio.new_ones(r, 1)], 1).amin(1, keepdim=True)  # (r, 1), ≤ 1
-        drop = neg & (ratio <= t)  # the blocking atoms reach 0 and leave I
-        lh = (a + t * (z - a)).clamp(min=0)
-        # Safeguarded projection: dropping *all* negative atoms at once (α = max(z, 0)) often
-        # saves many one-atom feasibility steps; take it when its objective is lower.
-        proj = z.clamp(min=0) * self.ok
-        use_proj = has_neg & (self._quad(HWI, b, proj) < self._quad(HWI, b, lh * ~drop))
-        drop = torch.where(use_proj[:, None], neg, drop)
-        self.a = torch.where(use_proj[:, None], proj, torch.where(has_neg[:, None], lh, z))
-        self.ok = self.ok & ~drop
-        # Rows where z was feasible: α = z; look for violators on W: w = b − G_WI α_I > tol.
-        w = b - (HWI @ torch.where(self.ok, self.a, torch.zeros_like(self.a)).unsqueeze(2)).squeeze(2)
-        in_I = torch.zeros(r, m, dtype=torch.bool, device=b.device).scatter_(1, self.pos, self.ok)
-        viol = torch.where(in_I, torch.full_like(w, -1.0), w)  # (r, m) > tol: violates
-        done = ~has_neg & (viol.amax(1) <= tol)
-        self._add(viol, ~has_neg & ~done, tol)
-        self._compact()
-        return done
-
-    def _quad(self, HWI: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Sub-problem objective ½xᵀG_II x − b_Iᵀx per row for x (r, s) on the free slots."""
-        x = torch.where(self.ok, x, torch.zeros_like(x))
-        Gx = (HWI @ x.unsqueeze(2)).squeeze(2).gather(1, self.pos)  # (r, s) = G_II x
-        return (x * (0.5 * Gx - b.gather(1, self.pos))).sum(1)
-
-    def _solve(self, H: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Columns G_WI (r, m, s) of the free atoms and the optimum z (r, s) on I."""
-        r, m = b.shape
-        HWI = H.gather(2, self.pos[:, None, :].expand(r, m, self.pos.shape[1]))  # (r, m, s)
-        HWI = HWI * self.ok[:, None, :]
-        return HWI, _solve_free(HWI, b, self.pos, self.ok)
-
-    def _add(self, viol: torch.Tensor, rows_may_add: torch.Tensor, tol: float) -> None:
-        """Append up to q most-violating atoms of W to each row's free set."""
-        qmax = int(self.q.max().item()) if self.q.numel() else 0
-        qmax = min(qmax, viol.shape[1])
-        if qmax == 0:
-            return
-        v, p = viol.topk(qmax, dim=1)  # (r, q)
-        rank = torch.arange(qmax, device=v.device)[None, :]
-        ok = (v > tol) & rows_may_add[:, None] & (rank < self.q[:, None])
-        self.pos = torch.cat([self.pos, p], 1)
-        self.ok = torch.cat([self.ok, ok], 1)
-        self.a = torch.cat([self.a, torch.zeros_like(v)], 1)
-
-    def _compact(self) -> None:
-        """Move valid slots first and trim the padding shared by all rows."""
-        if self.ok.shape[1] == 0:
-            return
-        order = torch.sort(self.ok.to(torch.int8), dim=1, descending=True, stable=True).indices
-        self.pos, self.ok, self.a = (t.gather(1, order) for t in (self.pos, self.ok, self.a))
-        s = int(self.ok.sum(1).max().item())
-        self.pos, self.ok, self.a = self.pos[:, :s], self.ok[:, :s], self.a[:, :s]
+        entered, stuck = _enter(st, v, j, Gp, tol)
+        _feasible_solve(st, k)
+        kept = (st.ok.gather(1, entered[1]) & entered[0]).any(1)
+        st.q = torch.where(kept, (2 * st.q).clamp(max=q_max), torch.ones_like(st.q))
+        if bool(stuck.any()):  # a violator that cannot enter: degenerate, give the row up
+            keep = (~stuck).nonzero().squeeze(1)
+            st = st.select(keep)
+    if st.rows.numel():  # step cap: return the feasible iterate, flagged
+        out_idx, out_alpha = _store(st, torch.ones_like(st.rows, dtype=torch.bool), out_idx, out_alpha, k)
+    return out_idx, out_alpha, fail
 
 
-def _solve_free(HWI: torch.Tensor, b: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Solve G_II z = b_I for each row's free set I (padded slots get z = 0), shape (r, s)."""
-    r, s = pos.shape
-    if s == 0:
-        return b.new_zeros(r, 0)
-    H = HWI.gather(1, pos[:, :, None].expand(r, s, s))  # (r, s, s) = G_II
-    both = ok[:, :, None] & ok[:, None, :]
-    eye = torch.eye(s, dtype=H.dtype, device=H.device)
-    # Padding becomes the identity; a tiny ridge keeps near-duplicate atoms factorisable.
-    ridge = 1e-7 if H.dtype == torch.float32 else 1e-12
-    H = torch.where(both, H, torch.zeros_like(H)) + eye * (~ok[:, :, None] + ridge)
-    rhs = torch.where(ok, b.gather(1, pos), torch.zeros_like(b[:, :s]))
-    L, info = torch.linalg.cholesky_ex(H)
-    z = torch.cholesky_solve(rhs.unsqueeze(2), L).squeeze(2)
-    # A failed factorisation (singular G_II) gives z = 0 for that row: treated as infeasible
-    # and resolved by the feasibility step / the full-dictionary fallback.
-    return torch.where((info == 0)[:, None] & ok, z, torch.zeros_like(z))
+def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q largest KKT gradients v = c − λ − Gα among inactive atoms, (m, q) values and atoms."""
+    flat = st.ok.view(-1).nonzero().squeeze(1)
+    counts = st.ok.sum(1)
+    g = F.embedding_bag(st.idx.view(-1)[flat], Gp, counts.cumsum(0) - counts,
+                        per_sample_weights=st.alpha.view(-1)[flat].to(Gp.dtype), mode="sum")  # (m, K) = Gα
+    torch.sub(st.cpad, g, out=g)
+    g.scatter_(1, st.idx, NEG)  # active atoms (and the empty-slot column) are not candidates
+    v, j = g.topk(q, dim=1)
+    return v, j.clamp(max=Gp.shape[0] - 1)  # a −inf pick past the atoms: the empty-slot row
+
+
+def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: float
+           ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Let candidates j (m, q) enter in order while they still violate (see the module doc).
+
+    Returns ((accepted (m, q), slot (m, q)), stuck (m,)): stuck rows had a violating candidate
+    with a vanishing Schur complement.
+    """
+    m, q = j.shape
+    K = Gp.shape[1]
+    st.ensure_slots(int((st.cnt + q).max()), Gp.shape[0] - 1)
+    S = st.idx.shape[1]
+    Gaq = Gp.take(st.idx[:, :, None] * K + j[:, None, :]).double()  # (m, S, q) G between A and candidates
+    Gqq = Gp.take(j[:, :, None] * K + j[:, None, :]).double()  # (m, q, q)
+    B0 = torch.bmm(st.Ginv, Gaq)  # (m, S, q) = G_AA⁻¹ g for each candidate, before any enters
+    U = Gaq.new_zeros(m, S, q)  # update vectors u_r of the accepted candidates
+    inv_s = Gaq.new_zeros(m, q)
+    v_in = Gaq.new_zeros(m, q)  # violation of each accepted candidate when it entered
+    slot = (st.cnt[:, None] + torch.arange(q, device=j.device)).clamp(max=S - 1)  # provisional
+    acc = torch.zeros(m, q, dtype=torch.bool, device=j.device)
+    allowed = torch.arange(q, device=j.device)[None, :] < st.q[:, None]
+    stuck = torch.zeros(m, dtype=torch.bool, device=j.device)
+    rows = torch.arange(m, device=j.device)
+    for r in range(q):
+        g = Gaq[:, :, r].clone()  # (m, S): G_{A,j}, including the candidates accepted so far
+        g.scatter_add_(1, slot[:, :r], torch.where(acc[:, :r], Gqq[:, :r, r], 0.0))
+        coef = (U[:, :, :r] * g[:, :, None]).sum(1) * inv_s[:, :r]  # (m, r) = uᵀg / s
+        b = B0[:, :, r] + (U[:, :, :r] * coef[:, None, :]).sum(2)  # current G_AA⁻¹ g
+        viol = v[:, r].double() + (coef * v_in[:, :r]).sum(1)  # after the earlier entries
+        schur = Gqq[:, r, r] - (g * b).sum(1)
+        wants = allowed[:, r] & (viol > tol)
+        ok = wants & (schur > 1e-5 * Gqq[:, r, r])
+        stuck |= wants & ~ok
+        p = st.cnt.clamp(max=S - 1)
+        b[rows, p] = -1.0
+        U[:, :, r] = torch.where(ok[:, None], b, 0.0)
+        inv_s[:, r] = torch.where(ok, 1.0 / schur, 0.0)
+        v_in[:, r] = torch.where(ok, viol, 0.0)
+        slot[:, r], acc[:, r] = p, ok
+        e = ok.nonzero().squeeze(1)
+        st.idx[e, p[e]] = j[e, r]
+        st.ok[e, p[e]] = True
+        st.cnt[e] += 1
+    st.Ginv.baddbmm_(U * inv_s[:, None, :], U.transpose(1, 2))  # Σ u uᵀ / s
+    return (acc, slot), stuck
+
+
+def _feasible_solve(st: _Sets, k: int) -> None:
+    """α ← the equality solution on A, after Lawson–Hanson steps that drop blocking atoms."""
+    rhs = torch.where(st.ok, st.cpad.gather(1, st.idx).double(), 0.0)  # c_A − λ
+    z = torch.bmm(st.Ginv, rhs.unsqueeze(2)).squeeze(2)  # (m, S)
+    a = st.alpha
+    for _ in range(st.idx.shape[1] + 1):
+        neg = st.ok & (z <= 0)
+        rows = neg.any(1)
+        if not bool(rows.any()):
+            break
+        ratio = torch.where(neg, a / (a - z).clamp(min=1e-300), float("inf"))
+        t, s = ratio.min(1)
+        a = torch.where(rows[:, None], a + t.clamp(max=1.0)[:, None] * (z - a), a)
+        d = rows.nonzero().squeeze(1)
+        s = s[d]
+        ar = torch.arange(d.numel(), device=d.device)
+        col = st.Ginv[d, :, s]  # (nd, S)
+        piv = col[ar, s]
+        z[d] = z[d] - col * (z[d, s] / piv)[:, None]  # solution without slot s
+        st.Ginv.index_put_((d,), col[:, :, None] * (col / -piv[:, None])[:, None, :], accumulate=True)
+        st.Ginv[d, s] = 0.0
+        st.Ginv[d, :, s] = 0.0
+        st.idx[d, s] = k
+        st.ok[d, s] = False
+        z[d, s] = 0.0
+        a[d, s] = 0.0
+    st.alpha = z.clamp(min=0) * st.ok
+
+
+def _store(st: _Sets, done: torch.Tensor, out_idx: torch.Tensor, out_alpha: torch.Tensor, k: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy rows `done` into the (n, S_out) outputs, widening them when needed."""
+    S = st.idx.shape[1]
+    if out_idx.shape[1] < S:
+        out_idx = F.pad(out_idx, (0, S - out_idx.shape[1]), value=k)
+        out_alpha = F.pad(out_alpha, (0, S - out_alpha.shape[1]))
+    rows = st.rows[done]
+    out_idx[rows, :S] = st.idx[done]
+    out_alpha[rows, :S] = st.alpha[done]
+    return out_idx, out_alpha
