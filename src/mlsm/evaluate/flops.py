@@ -17,9 +17,10 @@ the naive head one d × (|V| + k) linear map. DeBERTa's relative-position attent
 counted: they cost every objective the same.
 
 Sparse coding is reported separately (the paper leaves it out): per target with s non-zeros
-the homotopy costs Dᵀx (2dk), about s path steps of 2k·|A| (rows of G times the direction) plus
-~6k elementwise work and 4|A|² for the inverse update — ≈ k·s² + 6ks + 4s³/3 in all — and the
-final KKT check (2ks); FISTA-n costs 2dk + n · 4dk.
+the active-set solver costs Dᵀx (2dk), about s/4 steps that each compute the KKT gradient of
+every atom from the support (2k·|A|) and rank-one updates of G_AA⁻¹ (≈ 4|A|² per entering or
+leaving atom) — ≈ k·s²/4 + 4s³ in all — and the final KKT check (2ks); FISTA-n costs
+2dk + n · 4dk.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def latent_head_flops(d: int, k: int, n: int) -> int:
     return 2 * n * (d * d + d * k)
 
 
-def homotopy_flops(d: int, k: int, n: int, support: int = 32) -> int:
+def sparse_coding_flops(d: int, k: int, n: int, support: int = 32) -> int:
     """Estimate of the exact solver per batch of n targets (see the module docstring)."""
     s = support
-    per_target = 2 * d * k + k * s * s + 6 * k * s + 4 * s**3 // 3 + 2 * k * s
+    per_target = 2 * d * k + k * s * s // 4 + 4 * s**3 + 2 * k * s
     return n * per_target
 
 
@@ -108,7 +109,7 @@ def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: i
     t_full = encoder_flops(T, batch, seq_len)
     t_early = encoder_flops(T, batch, seq_len, layers=layer)
     t_logits = vocab_head_flops(T, batch * seq_len) if teacher_mlm_head else 0
-    coding = homotopy_flops(T.d, k, n)
+    coding = sparse_coding_flops(T.d, k, n)
     return [
         FlopRow("MLM", mlm, 0, 0),
         FlopRow("KD", mlm, t_full + vocab_head_flops(T, n), 0, "teacher logits at selected positions"),

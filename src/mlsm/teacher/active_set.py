@@ -127,6 +127,11 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
            ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Let candidates j (m, q) enter in order while they still violate (see the module doc).
 
+    With B = G_AA⁻¹ G_{A,Q} and the Schur complement C = G_QQ − G_{Q,A} B of the candidates Q,
+    letting candidate r enter changes the others' violations by −C_ir v_r / C_rr and their Schur
+    complement like one step of Gaussian elimination, so the order-dependent decisions only need
+    (m, q, q) work; the accepted set A' then enters at once by the block inverse
+    G_{A∪A'}⁻¹ = G_AA⁻¹ (padded) + W C_{A'A'}⁻¹ Wᵀ with W = (B; −I) on the new slots.
     Returns ((accepted (m, q), slot (m, q)), stuck (m,)): stuck rows had a violating candidate
     with a vanishing Schur complement.
     """
@@ -134,39 +139,45 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     K = Gp.shape[1]
     st.ensure_slots(int((st.cnt + q).max()), Gp.shape[0] - 1)
     S = st.idx.shape[1]
-    Gaq = Gp.take(st.idx[:, :, None] * K + j[:, None, :]).double()  # (m, S, q) G between A and candidates
+    Gaq = Gp.take(st.idx[:, :, None] * K + j[:, None, :]).double()  # (m, S, q) G_{A,Q}
+    B = torch.bmm(st.Ginv, Gaq)  # (m, S, q)
     Gqq = Gp.take(j[:, :, None] * K + j[:, None, :]).double()  # (m, q, q)
-    B0 = torch.bmm(st.Ginv, Gaq)  # (m, S, q) = G_AA⁻¹ g for each candidate, before any enters
-    U = Gaq.new_zeros(m, S, q)  # update vectors u_r of the accepted candidates
-    inv_s = Gaq.new_zeros(m, q)
-    v_in = Gaq.new_zeros(m, q)  # violation of each accepted candidate when it entered
-    slot = (st.cnt[:, None] + torch.arange(q, device=j.device)).clamp(max=S - 1)  # provisional
-    acc = torch.zeros(m, q, dtype=torch.bool, device=j.device)
-    allowed = torch.arange(q, device=j.device)[None, :] < st.q[:, None]
-    stuck = torch.zeros(m, dtype=torch.bool, device=j.device)
-    rows = torch.arange(m, device=j.device)
-    for r in range(q):
-        g = Gaq[:, :, r].clone()  # (m, S): G_{A,j}, including the candidates accepted so far
-        g.scatter_add_(1, slot[:, :r], torch.where(acc[:, :r], Gqq[:, :r, r], 0.0))
-        coef = (U[:, :, :r] * g[:, :, None]).sum(1) * inv_s[:, :r]  # (m, r) = uᵀg / s
-        b = B0[:, :, r] + (U[:, :, :r] * coef[:, None, :]).sum(2)  # current G_AA⁻¹ g
-        viol = v[:, r].double() + (coef * v_in[:, :r]).sum(1)  # after the earlier entries
-        schur = Gqq[:, r, r] - (g * b).sum(1)
-        wants = allowed[:, r] & (viol > tol)
-        ok = wants & (schur > 1e-5 * Gqq[:, r, r])
-        stuck |= wants & ~ok
-        p = st.cnt.clamp(max=S - 1)
-        b[rows, p] = -1.0
-        U[:, :, r] = torch.where(ok[:, None], b, 0.0)
-        inv_s[:, r] = torch.where(ok, 1.0 / schur, 0.0)
-        v_in[:, r] = torch.where(ok, viol, 0.0)
-        slot[:, r], acc[:, r] = p, ok
-        e = ok.nonzero().squeeze(1)
-        st.idx[e, p[e]] = j[e, r]
-        st.ok[e, p[e]] = True
-        st.cnt[e] += 1
-    st.Ginv.baddbmm_(U * inv_s[:, None, :], U.transpose(1, 2))  # Σ u uᵀ / s
+    C = Gqq - torch.bmm(Gaq.transpose(1, 2), B)  # (m, q, q)
+    acc = _accept(C.clone(), v.double(), st.q, tol, Gqq.diagonal(dim1=1, dim2=2))
+    stuck = acc.isnan().any(1)  # marked by _accept
+    acc = acc.nan_to_num(0.0).bool()
+    eye = torch.eye(q, dtype=C.dtype, device=C.device)
+    both = acc[:, :, None] & acc[:, None, :]
+    Cinv, _ = torch.linalg.inv_ex(torch.where(both, C, eye))  # (m, q, q), identity off A'
+    slot = (st.cnt[:, None] + acc.cumsum(1) - 1).clamp(min=0, max=S - 1)  # new slot of each accepted
+    W = (B - F.one_hot(slot, S).transpose(1, 2).double()) * acc[:, None, :]  # (m, S, q)
+    st.Ginv.baddbmm_(torch.bmm(W, Cinv * both), W.transpose(1, 2))
+    e, r = acc.nonzero(as_tuple=True)
+    st.idx[e, slot[e, r]] = j[e, r]
+    st.ok[e, slot[e, r]] = True
+    st.cnt += acc.sum(1)
     return (acc, slot), stuck
+
+
+def _accept(C: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tol: float, g_jj: torch.Tensor) -> torch.Tensor:
+    """Sequential entry decisions on the candidates' Schur complement C (m, q, q), in place.
+
+    A candidate enters while it still violates (v > tol) and its Schur complement is not
+    rounding noise relative to its G_jj (G is only known to float32 precision).
+    Returns (m, q) float: 1 entered, 0 not, NaN = violating but numerically dependent on A.
+    """
+    m, n_cand = v.shape
+    out = v.new_zeros(m, n_cand)
+    for r in range(n_cand):
+        piv = C[:, r, r]
+        wants = (r < q) & (v[:, r] > tol)
+        ok = wants & (piv > 1e-5 * g_jj[:, r])
+        out[:, r] = torch.where(ok, 1.0, torch.where(wants, float("nan"), 0.0))
+        # eliminate r from the rows/columns after it (Schur complement), update the violations
+        f = torch.where(ok, 1.0 / piv, 0.0)[:, None] * C[:, r + 1 :, r]  # (m, q−r−1)
+        v[:, r + 1 :] -= f * v[:, r : r + 1]
+        C[:, r + 1 :, r + 1 :] -= f[:, :, None] * C[:, r, r + 1 :][:, None, :]
+    return out
 
 
 def _feasible_solve(st: _Sets, k: int) -> None:
