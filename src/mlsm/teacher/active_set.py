@@ -150,9 +150,10 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     both = acc[:, :, None] & acc[:, None, :]
     Cinv, _ = torch.linalg.inv_ex(torch.where(both, C, eye))  # (m, q, q), identity off A'
     slot = (st.cnt[:, None] + acc.cumsum(1) - 1).clamp(min=0, max=S - 1)  # new slot of each accepted
-    W = (B - F.one_hot(slot, S).transpose(1, 2).double()) * acc[:, None, :]  # (m, S, q)
-    st.Ginv.baddbmm_(torch.bmm(W, Cinv * both), W.transpose(1, 2))
     e, r = acc.nonzero(as_tuple=True)
+    W = B * acc[:, None, :]  # (m, S, q): (B; −I) on the new slots, 0 for rejected candidates
+    W[e, slot[e, r], r] = -1.0
+    st.Ginv.baddbmm_(torch.bmm(W, Cinv * both), W.transpose(1, 2))
     st.idx[e, slot[e, r]] = j[e, r]
     st.ok[e, slot[e, r]] = True
     st.cnt += acc.sum(1)
