@@ -103,9 +103,9 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
         _feasible_solve(st, k)
         kept = (st.ok.gather(1, entered[1]) & entered[0]).any(1)
         st.q = torch.where(kept, (2 * st.q).clamp(max=q_max), torch.ones_like(st.q))
-        if bool(stuck.any()):  # a violator that cannot enter: degenerate, give the row up
-            keep = (~stuck).nonzero().squeeze(1)
-            st = st.select(keep)
+        if bool(stuck.any()):  # a violator that cannot enter: degenerate, hand the row over
+            out_idx, out_alpha = _store(st, stuck, out_idx, out_alpha, k)
+            st = st.select((~stuck).nonzero().squeeze(1))
     if st.rows.numel():  # step cap: return the feasible iterate, flagged
         out_idx, out_alpha = _store(st, torch.ones_like(st.rows, dtype=torch.bool), out_idx, out_alpha, k)
     return out_idx, out_alpha, fail
