@@ -17,6 +17,7 @@ from transformers import AutoModel, AutoTokenizer
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
+from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.train.loop import pretrain
 
@@ -55,7 +56,8 @@ class ProbeScorer(torch.nn.Module):
         from safetensors.torch import load_file
 
         state = load_file(folder / "heads.safetensors")
-        self.backbone = AutoModel.from_pretrained(folder)
+        with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
+            self.backbone = AutoModel.from_pretrained(folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])

@@ -100,6 +100,19 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, 
 
 
 @contextlib.contextmanager
+def quiet_hf_loading() -> Iterator[None]:
+    """Silence transformers' weight-loading report (for loads whose differences are known)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
 def quiet_head_mismatch(folder: str | Path, with_head: bool) -> Iterator[None]:
     """Silence transformers' weight-loading report when only the head is expected to differ.
 
@@ -116,14 +129,8 @@ def quiet_head_mismatch(folder: str | Path, with_head: bool) -> Iterator[None]:
     if not archs or bare != with_head:
         yield
         return
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with quiet_hf_loading():
         yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def load_student_weights(student: Student, folder: Path) -> None:
