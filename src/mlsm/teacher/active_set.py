@@ -92,13 +92,15 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
             break
         v, j = _violators(st, Gp, int(st.q.max()))
         done = v[:, 0] <= tol
-        if bool(done.any()):
+        n_done = int(done.sum())
+        if n_done:
             out_idx, out_alpha = _store(st, done, out_idx, out_alpha, k)
             fail[st.rows[done]] = False
-            keep = (~done).nonzero().squeeze(1)
-            st, v, j = st.select(keep), v[keep], j[keep]
-            if st.rows.numel() == 0:
+            if n_done == done.numel():
                 break
+            if n_done >= 0.25 * done.numel():  # shrink the batch now and then; until then a
+                keep = (~done).nonzero().squeeze(1)  # finished row just finds no violator again
+                st, v, j = st.select(keep), v[keep], j[keep]
         entered, stuck = _enter(st, v, j, Gp, tol)
         _feasible_solve(st, k)
         kept = (st.ok.gather(1, entered[1]) & entered[0]).any(1)
