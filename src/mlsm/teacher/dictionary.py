@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from mlsm.errors import UserError
@@ -145,10 +146,20 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
         Xb = X[idx]  # (b, d)
         codes = sparse_encode(Xb, D, lam)  # (b, k), exact codes
         beta = (1.0 - 1.0 / t) ** forget
-        A.mul_(beta).add_(codes.T @ codes / len(idx))
+        A.mul_(beta).add_(_gram_of_sparse(codes), alpha=1.0 / len(idx))
         B.mul_(beta).add_(Xb.T @ codes / len(idx))
         _update_atoms(D, A, B, X, gen)
     return D
+
+
+def _gram_of_sparse(codes: torch.Tensor) -> torch.Tensor:
+    """codesᵀ codes (k, k) from the supports alone: Σ_i α_i α_iᵀ over ~30 non-zeros per row,
+    instead of a dense (k × b × k) GEMM."""
+    k = codes.shape[1]
+    vals, idx = codes.topk(max(1, int((codes > 0).sum(1).max())), dim=1)  # (b, s)
+    outer = vals[:, :, None] * vals[:, None, :]  # (b, s, s), 0 where a value is padding
+    flat = (idx[:, :, None] * k + idx[:, None, :]).reshape(-1)
+    return codes.new_zeros(k * k).index_add_(0, flat, outer.reshape(-1)).view(k, k)
 
 
 def _init_atoms(X: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -176,20 +187,33 @@ def _update_atoms(D: torch.Tensor, A: torch.Tensor, B: torch.Tensor, X: torch.Te
     diag = A.diagonal()
     used = (diag > 1e-12 * diag.max().clamp(min=1e-30)).nonzero().squeeze(1)
     Dt, Bt = D.T.contiguous(), B.T.contiguous()  # atoms as rows (k, d); A is symmetric
-    cpu = D.device.type == "cpu"
-    Dt_, A_, Bt_, diag_ = (t.numpy() for t in (Dt, A, Bt, diag)) if cpu else (Dt, A, Bt, diag)
-    for J in used.split(block):
-        J_ = J.numpy() if cpu else J
-        P = A_[J_] @ Dt_  # (b, d): row i = D a_j for j = J[i], before this block's updates
-        old = Dt_[J_].copy() if cpu else Dt_[J_].clone()
-        for i, j in enumerate(J.tolist()):
-            Da_j = P[i] + A_[j, J_[:i]] @ (Dt_[J_[:i]] - old[:i])  # (d,) with earlier updates
-            u = (Bt_[j] - Da_j) / diag_[j] + Dt_[j]
-            Dt_[j] = u / max(1.0, float((u * u).sum()) ** 0.5)
+    # NumPy's BLAS gets one thread: OpenBLAS workers spin after each call and would slow the
+    # torch threads of the next sparse coding ~2× (measured: 180 → 80 ms per mini-batch).
+    with threadpool_limits(limits=1, user_api="blas"):
+        _column_pass(Dt, A, Bt, diag, used, block)
     D.copy_(Dt.T)
     dead = (diag <= 1e-12 * diag.max().clamp(min=1e-30)).nonzero().squeeze(1)
     if dead.numel():  # re-draw never-used atoms from the data (§3.4)
         D[:, dead] = _init_atoms(X, dead.numel(), gen)
+
+
+def _column_pass(Dt: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, diag: torch.Tensor, used: torch.Tensor,
+                 block: int) -> None:
+    """The sequential column updates of `_update_atoms` on the rows of Dt (k, d), in place.
+
+    The block GEMM runs in torch; on CPU the per-column work runs on NumPy views of the same
+    memory, whose per-call overhead is a few times lower than torch's for these tiny vectors.
+    """
+    cpu = Dt.device.type == "cpu"
+    Dt_, A_, Bt_, diag_ = (t.numpy() for t in (Dt, A, Bt, diag)) if cpu else (Dt, A, Bt, diag)
+    for J in used.split(block):
+        P = A[J] @ Dt  # (b, d): row i = D a_j for j = J[i], before this block's updates
+        J_, P_ = (J.numpy(), P.numpy()) if cpu else (J, P)
+        old = Dt_[J_].copy() if cpu else Dt_[J_].clone()
+        for i, j in enumerate(J.tolist()):
+            Da_j = P_[i] + A_[j, J_[:i]] @ (Dt_[J_[:i]] - old[:i])  # (d,) with earlier updates
+            u = (Bt_[j] - Da_j) / diag_[j] + Dt_[j]
+            Dt_[j] = u / max(1.0, float((u * u).sum()) ** 0.5)
 
 
 def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_size: int = 4096) -> float:

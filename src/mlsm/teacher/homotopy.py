@@ -78,12 +78,19 @@ class _Codes:
         self.alpha[rows, :S] = alpha
 
 
-def padded_gram(G: torch.Tensor) -> torch.Tensor:
-    """(k+1, K) copy of G with a zero row k (empty slots) and zero columns up to K = 64·⌈(k+1)/64⌉."""
-    k = G.shape[0]
+def padded_gram(G: torch.Tensor | None = None, D: torch.Tensor | None = None) -> torch.Tensor:
+    """(k+1, K) Gram matrix with a zero row k (empty slots) and zero columns up to K = 64·⌈(k+1)/64⌉.
+
+    From a given G (k, k), or straight from the atoms D (d, k), written into place by one GEMM.
+    """
+    k = G.shape[0] if G is not None else D.shape[1]
     K = -(-(k + 1) // BLOCK) * BLOCK
-    Gp = G.new_zeros(k + 1, K)
-    Gp[:k, :k] = G
+    if G is not None:
+        Gp = G.new_zeros(k + 1, K)
+        Gp[:k, :k] = G
+        return Gp
+    Gp = D.new_zeros(k + 1, K)
+    torch.mm(D.T, F.pad(D, (0, K - k)), out=Gp[:k])  # (k, K) = Dᵀ[D, 0]
     return Gp
 
 

@@ -133,7 +133,7 @@ def sparse_encode(
     """
     check_problem(X, D, lam)
     D = D.to(X.dtype)
-    Gp = padded_gram(D.T @ D if gram is None else gram.to(X.dtype))  # (k+1, K) Gram matrix
+    Gp = padded_gram(D=D) if gram is None else padded_gram(gram.to(X.dtype))  # (k+1, K) Gram matrix
     out = [_encode_batch(X[start : start + batch_size], D, Gp, lam, tol)
            for start in range(0, X.shape[0], batch_size)]
     return torch.cat(out) if out else X.new_zeros(0, D.shape[1])
