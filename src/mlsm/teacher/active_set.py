@@ -56,7 +56,6 @@ class _Sets:
         extra = need - self.idx.shape[1]
         if extra <= 0:
             return
-        extra += 8
         m = self.idx.shape[0]
         self.Ginv = F.pad(self.Ginv, (0, extra, 0, extra))
         self.idx = F.pad(self.idx, (0, extra), value=k)
@@ -139,8 +138,6 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     """
     m, q = j.shape
     K = Gp.shape[1]
-    st.ensure_slots(int((st.cnt + q).max()), Gp.shape[0] - 1)
-    S = st.idx.shape[1]
     Gaq = Gp.take(st.idx[:, :, None] * K + j[:, None, :]).double()  # (m, S, q) G_{A,Q}
     B = torch.bmm(st.Ginv, Gaq)  # (m, S, q)
     Gqq = Gp.take(j[:, :, None] * K + j[:, None, :]).double()  # (m, q, q)
@@ -148,6 +145,10 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     acc = _accept(C.clone(), v.double(), st.q, tol, Gqq.diagonal(dim1=1, dim2=2))
     stuck = acc.isnan().any(1)  # marked by _accept
     acc = acc.nan_to_num(0.0).bool()
+    # Slots only for the accepted atoms: every extra slot costs in each (m, S, S) operation.
+    st.ensure_slots(int((st.cnt + acc.sum(1)).max()), Gp.shape[0] - 1)
+    S = st.idx.shape[1]
+    B = F.pad(B, (0, 0, 0, S - B.shape[1]))  # new slots: zero rows of the old G_AA⁻¹
     eye = torch.eye(q, dtype=C.dtype, device=C.device)
     both = acc[:, :, None] & acc[:, None, :]
     Cinv, _ = torch.linalg.inv_ex(torch.where(both, C, eye))  # (m, q, q), identity off A'
