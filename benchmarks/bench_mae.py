@@ -18,20 +18,16 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from common import CORPUS, corpus_store
 from transformers import BertConfig, BertForMaskedLM
 
 from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
-from mlsm.data.corpus import prepare_corpus
 from mlsm.models.backbone import Student
 from mlsm.objectives import Context, build_objective
-from mlsm.teacher.teacher import default_teacher_path
-
-CORPUS = Path(__file__).resolve().parents[2] / "shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz"
 
 
 class Runner:
@@ -106,8 +102,7 @@ def main() -> None:
         sys.exit(f"skipped: {CORPUS} not found")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        store = prepare_corpus(str(CORPUS), str(default_teacher_path()), Path(tmp) / "store")
-        tok = store.load_tokenizer()
+        store, tok = corpus_store(tmp)
         rows = [bench_rate(rate, store, tok, args) for rate in args.rates]
     print(f"\nencoder: BERT {args.layers} layers d={args.hidden}, MAE decoder {args.decoder_layers} layers, "
           f"|V|={len(tok)}, batch {args.batch} x {args.seq}, exact_count={args.exact_count}, {args.threads} threads, "

@@ -16,20 +16,16 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from common import CORPUS, corpus_store
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
 
 from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
-from mlsm.data.corpus import prepare_corpus
 from mlsm.models.backbone import Student
 from mlsm.objectives import Context, build_objective
-from mlsm.teacher.teacher import default_teacher_path
-
-CORPUS = Path(__file__).resolve().parents[2] / "shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz"
 
 
 def make_model(args: argparse.Namespace, vocab: int) -> BertForMaskedLM:
@@ -84,8 +80,7 @@ def main() -> None:
         sys.exit(f"skipped: {CORPUS} not found")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        store = prepare_corpus(str(CORPUS), str(default_teacher_path()), Path(tmp) / "store")
-        tok = store.load_tokenizer()
+        store, tok = corpus_store(tmp)
         source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq), tok)
         ours_model, hf_model = make_model(args, len(tok)), make_model(args, len(tok))
         time_ours(ours_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)  # warm-up

@@ -19,16 +19,15 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
+from common import CORPUS
 
 from mlsm.teacher.dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.sparse_coding import fista, objective, sparse_encode
 from mlsm.teacher.teacher import load_teacher
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz"
 ANCHORS = {"spams_lasso_s_1229": 0.46, "fista100_s_1229": 1.47, "fista100_gap": 0.016, "traindl_s_300x400_28k": 115.0}
 
 

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-CORPUS = Path("/work/shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz")
+from common import CORPUS
 
 
 def _setup(tmp: Path, args: argparse.Namespace):

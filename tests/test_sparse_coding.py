@@ -12,7 +12,8 @@ from sklearn.decomposition import sparse_encode as sk_sparse_encode
 import mlsm.teacher.sparse_coding as sc
 from mlsm.errors import UserError
 from mlsm.teacher.active_set import active_set
-from mlsm.teacher.homotopy import homotopy, padded_gram
+from mlsm.teacher.homotopy import homotopy
+from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import (
     fista,
     kkt_violation,
@@ -126,8 +127,10 @@ def test_rows_the_active_set_fails_are_solved_by_the_homotopy(monkeypatch):
     X, D = _problem(seed=11)
     ref = sparse_encode(X, D, LAM)
     real = sc.active_set
+    _, _, crippled_fail = real(X @ D, padded_gram(D.T @ D), LAM, 1e-5, max_steps=2)
+    assert crippled_fail.float().mean() > 0.5  # the injected fault really hands rows over
     monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps: real(c, Gp, lam, tol, max_steps=2))
-    codes = sparse_encode(X, D, LAM)  # most rows now fail the first solver
+    codes = sparse_encode(X, D, LAM)
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
     assert _rel_gap(X, D, codes, ref).abs().max() <= 1e-6
 

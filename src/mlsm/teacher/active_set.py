@@ -32,6 +32,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from mlsm.teacher.slots import SlotCodes, pad_slots, remove_slot
+
 NEG = float("-inf")
 
 
@@ -53,19 +55,13 @@ class _Sets:
 
     def ensure_slots(self, need: int, k: int) -> None:
         """Append empty slots so that `need` fit."""
-        extra = need - self.idx.shape[1]
-        if extra <= 0:
-            return
-        m = self.idx.shape[0]
-        self.Ginv = F.pad(self.Ginv, (0, extra, 0, extra))
-        self.idx = F.pad(self.idx, (0, extra), value=k)
-        self.ok = torch.cat([self.ok, self.ok.new_zeros(m, extra)], 1)
-        self.alpha = F.pad(self.alpha, (0, extra))
+        if need > self.idx.shape[1]:
+            pad_slots(self, need - self.idx.shape[1], k)
 
 
 def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
                q_max: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes for correlations c = Dᵀx (n, k); Gp = `homotopy.padded_gram(DᵀD)` in c's dtype.
+    """Codes for correlations c = Dᵀx (n, k); Gp = `slots.padded_gram(DᵀD)` in c's dtype.
 
     Returns (idx (n, S), alpha (n, S), fail (n,)) as `homotopy.homotopy` does: row i's code has
     alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
@@ -83,9 +79,7 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
                alpha=torch.zeros(n, S, dtype=torch.float64, device=dev),
                cnt=torch.zeros(n, dtype=torch.long, device=dev),
                q=torch.full((n,), q_max, dtype=torch.long, device=dev))
-    out_idx = torch.full((n, 1), k, dtype=torch.long, device=dev)
-    out_alpha = torch.zeros(n, 1, dtype=torch.float64, device=dev)
-    fail = torch.ones(n, dtype=torch.bool, device=dev)  # cleared when a row converges
+    out = SlotCodes.empty(n, k, dev, failed=True)  # fail is cleared when a row converges
     for _ in range(max_steps):
         if st.rows.numel() == 0:
             break
@@ -93,8 +87,8 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
         done = v[:, 0] <= tol
         n_done = int(done.sum())
         if n_done:
-            out_idx, out_alpha = _store(st, done, out_idx, out_alpha, k)
-            fail[st.rows[done]] = False
+            out.store(st.rows[done], st.idx[done], st.alpha[done], k)
+            out.fail[st.rows[done]] = False
             if n_done == done.numel():
                 break
             if n_done >= 0.25 * done.numel():  # shrink the batch now and then; until then a
@@ -105,11 +99,11 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
         kept = (st.ok.gather(1, entered[1]) & entered[0]).any(1)
         st.q = torch.where(kept, (2 * st.q).clamp(max=q_max), torch.ones_like(st.q))
         if bool(stuck.any()):  # a violator that cannot enter: degenerate, hand the row over
-            out_idx, out_alpha = _store(st, stuck, out_idx, out_alpha, k)
+            out.store(st.rows[stuck], st.idx[stuck], st.alpha[stuck], k)
             st = st.select((~stuck).nonzero().squeeze(1))
     if st.rows.numel():  # step cap: return the feasible iterate, flagged
-        out_idx, out_alpha = _store(st, torch.ones_like(st.rows, dtype=torch.bool), out_idx, out_alpha, k)
-    return out_idx, out_alpha, fail
+        out.store(st.rows, st.idx, st.alpha, k)
+    return out.result()
 
 
 def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,28 +193,10 @@ def _feasible_solve(st: _Sets, k: int) -> None:
         a = torch.where(rows[:, None], a + t.clamp(max=1.0)[:, None] * (z - a), a)
         d = rows.nonzero().squeeze(1)
         s = s[d]
-        ar = torch.arange(d.numel(), device=d.device)
-        col = st.Ginv[d, :, s]  # (nd, S)
-        piv = col[ar, s]
+        col, piv = remove_slot(st.Ginv, d, s)
         z[d] = z[d] - col * (z[d, s] / piv)[:, None]  # solution without slot s
-        st.Ginv.index_put_((d,), col[:, :, None] * (col / -piv[:, None])[:, None, :], accumulate=True)
-        st.Ginv[d, s] = 0.0
-        st.Ginv[d, :, s] = 0.0
         st.idx[d, s] = k
         st.ok[d, s] = False
         z[d, s] = 0.0
         a[d, s] = 0.0
     st.alpha = z.clamp(min=0) * st.ok
-
-
-def _store(st: _Sets, done: torch.Tensor, out_idx: torch.Tensor, out_alpha: torch.Tensor, k: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy rows `done` into the (n, S_out) outputs, widening them when needed."""
-    S = st.idx.shape[1]
-    if out_idx.shape[1] < S:
-        out_idx = F.pad(out_idx, (0, S - out_idx.shape[1]), value=k)
-        out_alpha = F.pad(out_alpha, (0, S - out_alpha.shape[1]))
-    rows = st.rows[done]
-    out_idx[rows, :S] = st.idx[done]
-    out_alpha[rows, :S] = st.alpha[done]
-    return out_idx, out_alpha

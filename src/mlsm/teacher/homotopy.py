@@ -36,8 +36,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from mlsm.teacher.slots import BLOCK, SlotCodes, pad_slots, remove_slot
+
 BIG = 1e30  # "never enters": distance of active atoms and padding columns
-BLOCK = 64  # argmax block width
 MAX_STALL = 16  # consecutive zero-length steps after which a row is given up (cycling)
 
 
@@ -61,51 +62,17 @@ class _Path:
         return _Path(**{f.name: getattr(self, f.name)[keep] for f in fields(self)})
 
 
-@dataclass
-class _Codes:
-    """Finished rows: row i has alpha[i, s] at atom idx[i, s] (idx = k on empty slots)."""
-
-    idx: torch.Tensor  # (n, S_out)
-    alpha: torch.Tensor  # (n, S_out) float64
-    fail: torch.Tensor  # (n,) bool
-
-    def store(self, rows: torch.Tensor, idx: torch.Tensor, alpha: torch.Tensor, k: int) -> None:
-        S, S_out = idx.shape[1], self.idx.shape[1]
-        if S_out < S:  # widen the output slots
-            self.idx = F.pad(self.idx, (0, S - S_out), value=k)
-            self.alpha = F.pad(self.alpha, (0, S - S_out))
-        self.idx[rows, :S] = idx
-        self.alpha[rows, :S] = alpha
-
-
-def padded_gram(G: torch.Tensor | None = None, D: torch.Tensor | None = None) -> torch.Tensor:
-    """(k+1, K) Gram matrix with a zero row k (empty slots) and zero columns up to K = 64·⌈(k+1)/64⌉.
-
-    From a given G (k, k), or straight from the atoms D (d, k), written into place by one GEMM.
-    """
-    k = G.shape[0] if G is not None else D.shape[1]
-    K = -(-(k + 1) // BLOCK) * BLOCK
-    if G is not None:
-        Gp = G.new_zeros(k + 1, K)
-        Gp[:k, :k] = G
-        return Gp
-    Gp = D.new_zeros(k + 1, K)
-    torch.mm(D.T, F.pad(D, (0, K - k)), out=Gp[:k])  # (k, K) = Dᵀ[D, 0]
-    return Gp
-
-
 def homotopy(c: torch.Tensor, Gp: torch.Tensor, lam: float, max_steps: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Non-negative LASSO codes for correlations c = Dᵀx (n, k) by the batched LARS-lasso path.
 
-    Gp: `padded_gram(DᵀD)` in c's dtype. Returns (idx (n, S), alpha (n, S) ≥ 0, fail (n,)):
+    Gp: `slots.padded_gram(DᵀD)` in c's dtype. Returns (idx (n, S), alpha (n, S) ≥ 0, fail (n,)):
     row i's code has alpha[i, s] at atom idx[i, s] (idx = k for empty slots); fail marks rows
     whose path hit the step cap or ended with a negative coefficient. KKT is not checked here.
     """
     n, k = c.shape
     dev = c.device
-    out = _Codes(torch.full((n, 1), k, dtype=torch.long, device=dev),
-                 torch.zeros(n, 1, dtype=torch.float64, device=dev), torch.zeros(n, dtype=torch.bool, device=dev))
+    out = SlotCodes.empty(n, k, dev, failed=False)
     path = _start(c, Gp, lam, S=8)
     q = torch.empty_like(path.r)
     banned = False
@@ -138,7 +105,7 @@ def homotopy(c: torch.Tensor, Gp: torch.Tensor, lam: float, max_steps: int
         live = path.live.clone()
         _finish(path, live, c, lam, out)
         out.fail[path.rows[live]] = True
-    return out.idx, out.alpha, out.fail
+    return out.result()
 
 
 def _start(c: torch.Tensor, Gp: torch.Tensor, lam: float, S: int) -> _Path:
@@ -202,12 +169,8 @@ def _step_length(path: _Path, w: torch.Tensor, slope: torch.Tensor, lam: float, 
 
 def _grow(path: _Path, entering: torch.Tensor, k: int, extra: int = 8) -> _Path:
     """Add `extra` empty slots when an entering row has none left."""
-    if int(path.cnt[entering].max()) < path.idx.shape[1]:
-        return path
-    path.Ginv = F.pad(path.Ginv, (0, extra, 0, extra))
-    path.idx = F.pad(path.idx, (0, extra), value=k)
-    path.ok = torch.cat([path.ok, path.ok.new_zeros(path.ok.shape[0], extra)], 1)
-    path.alpha = F.pad(path.alpha, (0, extra))
+    if int(path.cnt[entering].max()) >= path.idx.shape[1]:
+        pad_slots(path, extra, k)
     return path
 
 
@@ -248,16 +211,10 @@ def _leave(path: _Path, lv: torch.Tensor, s_out: torch.Tensor, k: int) -> None:
     path.alpha[lv, so] = 0.0
     path.r[lv, jo] = 0.0  # its correlation equals μ now; it moves away from μ next step
     path.banned[lv] = jo
-    Gi = path.Ginv[lv]  # (nl, S, S)
-    ar = torch.arange(lv.numel(), device=lv.device)
-    col = Gi[ar, :, so]  # (nl, S)
-    Gi -= col[:, :, None] * (col / col[ar, so][:, None])[:, None, :]
-    Gi[ar, so] = 0.0  # exact zeros in the freed slot
-    Gi[ar, :, so] = 0.0
-    path.Ginv[lv] = Gi
+    remove_slot(path.Ginv, lv, so)
 
 
-def _finish(path: _Path, done: torch.Tensor, c: torch.Tensor, lam: float, out: _Codes) -> None:
+def _finish(path: _Path, done: torch.Tensor, c: torch.Tensor, lam: float, out: SlotCodes) -> None:
     """Store rows `done` with α_A recomputed on their support, α_A = G_AA⁻¹(c_A − λ).
 
     A negative coefficient (the path went wrong numerically) marks the row as failed.

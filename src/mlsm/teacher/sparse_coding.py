@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from mlsm.errors import UserError
 from mlsm.teacher.active_set import active_set
-from mlsm.teacher.homotopy import homotopy, padded_gram
+from mlsm.teacher.homotopy import homotopy
+from mlsm.teacher.slots import padded_gram
 
 
 @dataclass
@@ -80,10 +81,7 @@ def kkt_violation(X: torch.Tensor, D: torch.Tensor, codes: torch.Tensor, lam: fl
 
     g = Dᵀ(x − Dα) − λ must be 0 on the support and ≤ 0 off it; α must be ≥ 0.
     """
-    g = (X - codes @ D.T) @ D - lam  # (n, k)
-    on = codes > 0
-    viol = torch.where(on, g.abs(), g.clamp(min=0))
-    return torch.maximum(viol.amax(1), (-codes).clamp(min=0).amax(1))
+    return _violation_from_grad((X - codes @ D.T) @ D - lam, codes)  # g: (n, k)
 
 
 def fista(X: torch.Tensor, D: torch.Tensor, lam: float, n_iter: int = 100) -> torch.Tensor:
