@@ -13,7 +13,10 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.teacher.dictionary import (
+    MIN_USAGE,
     Dictionary,
+    _Stats,
+    _update_atoms,
     collect_vectors,
     dictionary_objective,
     learn_atoms,
@@ -21,6 +24,8 @@ from mlsm.teacher.dictionary import (
     load_dictionary,
     save_dictionary,
 )
+from mlsm.teacher.slots import padded_gram
+from mlsm.teacher.sparse_coding import objective
 from mlsm.teacher.teacher import load_teacher
 
 LAM = 0.05
@@ -140,3 +145,64 @@ def test_learn_save_load_round_trip(tiny, tmp_path):
 def test_load_missing(tmp_path):
     with pytest.raises(UserError, match="no dictionary"):
         load_dictionary(tmp_path / "missing.safetensors")
+
+
+# --------------------------------------------------------------------------- the update, in parts
+
+
+def _sparse_codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    return (torch.rand(n, k, generator=gen, dtype=torch.float64) < 0.08) * torch.rand(n, k, generator=gen, dtype=torch.float64)
+
+
+def test_statistics_forget_and_drop_the_pass_before_last():
+    """A and Bᵀ equal the weighted sums of Mairal et al. (β-decayed batch means); a new pass
+    drops the terms of the pass before the last, and only those."""
+    g = torch.Generator().manual_seed(0)
+    k, d, b = 30, 7, 12
+    batches = [(torch.randn(b, d, generator=g, dtype=torch.float64), _sparse_codes(b, k, g)) for _ in range(4)]
+    st = _Stats.zeros(k, d, batches[0][0])
+    terms = []  # (pass, A term, Bᵀ term) with its current weight folded in
+    passes = [0, 0, 1, 2]
+    for t, ((Xb, C), p) in enumerate(zip(batches, passes, strict=True), start=1):
+        if t > 1 and p != passes[t - 2]:
+            st.new_pass()
+            terms = [term for term in terms if term[0] >= p - 1]
+        beta = (1 - 1 / t) ** 1.5
+        st.add(Xb, C, beta=beta)
+        terms = [(q, beta * A, beta * B) for q, A, B in terms] + [(p, C.T @ C / b, C.T @ Xb / b)]
+        torch.testing.assert_close(st.A * st.scale, sum(A for _, A, _ in terms))
+        torch.testing.assert_close(st.Bt * st.scale, sum(B for _, _, B in terms))
+    assert {q for q, _, _ in terms} == {1, 2}  # pass 0 was dropped
+
+
+def test_atom_update_is_the_sequential_bcd_pass():
+    """The blocked pass equals Alg. 2 of Mairal et al. (2009) run atom by atom, replaces unused
+    atoms by the worst-coded vectors of the batch, and leaves Gp equal to the new Gram matrix."""
+    g = torch.Generator().manual_seed(1)
+    k, d, n = 150, 10, 400  # several blocks of 64
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    X /= X.norm(dim=1, keepdim=True)
+    C = _sparse_codes(n, k, g)
+    C[:, [3, 70, 149]] = 0.0  # never used atoms
+    C[:, 5] *= C[:, 5] < 0.05  # some, rarely and weakly: under the usage threshold
+    st = _Stats.zeros(k, d, X)
+    st.add(X, C, beta=0.0)
+    D = torch.randn(d, k, generator=g, dtype=torch.float64)
+    D /= D.norm(dim=0) * (1 + torch.rand(k, generator=g, dtype=torch.float64))  # norms in (0.5, 1]
+    A, B = C.T @ C / n, X.T @ C / n
+    ref = D.clone()
+    used = A.diagonal() > MIN_USAGE
+    assert not used[[3, 70, 149]].any() and used.sum() > 140
+    for j in used.nonzero().squeeze(1).tolist():
+        u = (B[:, j] - ref @ A[:, j]) / A[j, j] + ref[:, j]
+        ref[:, j] = u / max(1.0, float(u.norm()))
+    loss = objective(X, D, C, LAM)  # under the atoms the codes were made with
+    Dt = D.T.contiguous()
+    Gp = padded_gram(D=D)
+    _update_atoms(Dt, Gp, st, X, C, LAM, X, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(Dt.T[:, used], ref[:, used], rtol=1e-9, atol=1e-10)
+    dead = (~used).nonzero().squeeze(1)
+    torch.testing.assert_close(Dt[dead], X[loss.topk(len(dead)).indices])
+    torch.testing.assert_close(Gp, padded_gram(D=Dt.T.contiguous()), rtol=0, atol=1e-12)
+    hit = (ref[:, used].norm(dim=0) < 1 - 1e-6).any() and (ref[:, used].norm(dim=0) > 1 - 1e-9).any()
+    assert hit  # both branches of the projection were taken

@@ -11,7 +11,7 @@ from sklearn.decomposition import sparse_encode as sk_sparse_encode
 
 import mlsm.teacher.sparse_coding as sc
 from mlsm.errors import UserError
-from mlsm.teacher.active_set import active_set
+from mlsm.teacher.active_set import WARM_MAX, active_set
 from mlsm.teacher.homotopy import homotopy
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import (
@@ -129,10 +129,53 @@ def test_rows_the_active_set_fails_are_solved_by_the_homotopy(monkeypatch):
     real = sc.active_set
     _, _, crippled_fail = real(X @ D, padded_gram(D.T @ D), LAM, 1e-5, max_steps=2)
     assert crippled_fail.float().mean() > 0.5  # the injected fault really hands rows over
-    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps: real(c, Gp, lam, tol, max_steps=2))
+    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps, warm=None: real(c, Gp, lam, tol, max_steps=2))
     codes = sparse_encode(X, D, LAM)
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
     assert _rel_gap(X, D, codes, ref).abs().max() <= 1e-6
+
+
+def _support(codes: torch.Tensor) -> torch.Tensor:
+    vals, atoms = codes.topk(int((codes > 0).sum(1).max()), dim=1)
+    return torch.where(vals > 0, atoms, -1)
+
+
+def test_warm_start_only_saves_steps():
+    X, D = _problem(seed=12)
+    k = D.shape[1]
+    cold = sparse_encode(X, D, LAM)
+    # From the exact supports nearly every row is done after the first step (not all: atoms
+    # in the span of the ones before them in the guess are left out), from scratch none.
+    c, Gp = X @ D, padded_gram(D.T @ D)
+    idx, alpha, _ = active_set(c, Gp, LAM, tol=1e-9, max_steps=1000)
+    exact = _support(torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k])
+    fits = (alpha > 0).sum(1) <= WARM_MAX  # only the first WARM_MAX atoms of a guess are used
+    assert fits.sum() >= 20
+    assert active_set(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact)[2][fits].float().mean() < 0.05
+    assert active_set(c, Gp, LAM, tol=1e-9, max_steps=1)[2].all()
+    # Realistic guesses (codes under a perturbed dictionary) and bad ones: random atoms with
+    # repeats, "none" markers, out-of-range values, more than WARM_MAX columns.
+    g = torch.Generator().manual_seed(12)
+    D2 = D + 0.05 * torch.randn(D.shape, generator=g, dtype=D.dtype)
+    junk = torch.randint(-2, k + 3, (X.shape[0], 40), generator=g)
+    junk[:, 1] = junk[:, 0]
+    for warm in (_support(sparse_encode(X, D2 / D2.norm(dim=0), LAM)), junk):
+        codes = sparse_encode(X, D, LAM, warm_start=warm, batch_size=50)
+        assert kkt_violation(X, D, codes, LAM).max() <= 1e-5
+        assert _rel_gap(X, D, codes, cold).abs().max() <= 1e-8
+
+
+def test_warm_start_on_duplicate_atoms():
+    # Both copies of duplicated atoms in the guess: the second must be left out of G_AA.
+    X, D = _problem(n=80, seed=13)
+    D = torch.cat([D, D[:, :20]], 1)
+    k0 = D.shape[1] - 20
+    cold = sparse_encode(X, D, LAM)
+    warm = _support(cold)
+    twins = torch.where((warm >= 0) & (warm < 20), warm + k0, -1)  # the copy of each support atom
+    codes = sparse_encode(X, D, LAM, warm_start=torch.cat([warm, twins], 1))
+    assert kkt_violation(X, D, codes, LAM).max() <= 1e-5
+    assert _rel_gap(X, D, codes, cold).abs().max() <= 1e-8
 
 
 def test_degenerate_dictionary():
@@ -185,3 +228,10 @@ def test_top_nnz_round_trip():
 def test_bad_input(X, D, lam, match):
     with pytest.raises(UserError, match=match):
         sparse_encode(X, D, lam)
+
+
+def test_bad_warm_start():
+    X, D = _problem(n=10)
+    for warm in (torch.zeros(10, 3), torch.zeros(9, 3, dtype=torch.long), torch.zeros(10, dtype=torch.long)):
+        with pytest.raises(UserError, match="warm_start"):
+            sparse_encode(X, D, LAM, warm_start=warm)

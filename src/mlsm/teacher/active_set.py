@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from mlsm.teacher.slots import SlotCodes, pad_slots, remove_slot
 
 NEG = float("-inf")
+WARM_MAX = 20  # atoms of a warm start used: the batched Cholesky of (m, s, s) costs ~s³
 
 
 @dataclass
@@ -60,9 +61,12 @@ class _Sets:
 
 
 def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
-               q_max: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               q_max: int = 8, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes for correlations c = Dᵀx (n, k); Gp = `slots.padded_gram(DᵀD)` in c's dtype.
 
+    warm: optional (n, s) guessed supports (atoms; k or −1 = none), e.g. the supports of earlier
+    codes of the same rows, most important first: the method then starts from their first
+    `WARM_MAX` atoms instead of from α = 0 (`_warm_sets`).
     Returns (idx (n, S), alpha (n, S), fail (n,)) as `homotopy.homotopy` does: row i's code has
     alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
     KKT gradient above `tol`.
@@ -79,6 +83,8 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
                alpha=torch.zeros(n, S, dtype=torch.float64, device=dev),
                cnt=torch.zeros(n, dtype=torch.long, device=dev),
                q=torch.full((n,), q_max, dtype=torch.long, device=dev))
+    if warm is not None and warm.shape[1]:
+        _warm_sets(st, warm.to(dev), Gp)
     out = SlotCodes.empty(n, k, dev, failed=True)  # fail is cleared when a row converges
     for _ in range(max_steps):
         if st.rows.numel() == 0:
@@ -104,6 +110,54 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
     if st.rows.numel():  # step cap: return the feasible iterate, flagged
         out.store(st.rows, st.idx, st.alpha, k)
     return out.result()
+
+
+def _warm_sets(st: _Sets, warm: torch.Tensor, Gp: torch.Tensor) -> None:
+    """Start every row from its guessed support A with G_AA⁻¹ on it, then solve on A from α = 0.
+
+    The Cholesky factor of G_AA gives each atom's Schur complement given the atoms before it
+    (L_ii²); an atom whose complement is rounding noise (a duplicate, or in the span of the
+    others) is left out, the same test as for entering atoms. α = 0 is feasible, so the
+    Lawson–Hanson solve on A is a valid start; atoms it drops can enter again later.
+    """
+    k, K = Gp.shape[0] - 1, Gp.shape[1]
+    warm = warm[:, :WARM_MAX].long()
+    idx = torch.where((warm >= 0) & (warm < k), warm, k).sort(1).values  # atoms first
+    s = int((idx < k).sum(1).max())
+    if s == 0:
+        return
+    idx = idx[:, :s]  # (m, s)
+    ok = idx < k
+    Gaa = Gp.take(idx[:, :, None] * K + idx[:, None, :]).double()  # (m, s, s)
+    g_jj = Gaa.diagonal(dim1=1, dim2=2)
+    eye = torch.eye(s, dtype=torch.float64, device=idx.device)
+    col = torch.arange(s, device=idx.device)
+    rhs = torch.where(ok, st.cpad.gather(1, idx).double(), 0.0).unsqueeze(2)  # (m, s, 1) c_A − λ
+    pruned = False
+    while True:  # every repeat drops atoms, so this ends; usually twice
+        both = ok[:, :, None] & ok[:, None, :]
+        L, info = torch.linalg.cholesky_ex(torch.where(both, Gaa, eye))
+        factored = col < torch.where(info > 0, info - 1, s)[:, None]  # columns before a failed pivot
+        weak = ok & ~(factored & (L.diagonal(dim1=1, dim2=2) ** 2 > 1e-5 * g_jj))
+        if bool(weak.any()):
+            rows = weak.any(1).nonzero().squeeze(1)  # drop each row's first weak atom
+            ok[rows, weak[rows].int().argmax(1)] = False
+            continue
+        if pruned:
+            break
+        # Atoms with a coefficient ≤ 0 in the equality solution are mostly stale: drop them all
+        # at once and factor again; Lawson–Hanson would drop them one at a time.
+        pruned = True
+        stale = ok & (torch.cholesky_solve(rhs, L).squeeze(2) <= 0)
+        if not bool(stale.any()):
+            break
+        ok &= ~stale
+    st.ensure_slots(s, k)
+    st.idx[:, :s] = torch.where(ok, idx, k)
+    st.ok[:, :s] = ok
+    st.Ginv[:, :s, :s] = torch.cholesky_inverse(L) * both
+    st.cnt = (ok * (col + 1)).amax(1)  # new atoms go after the last kept slot
+    _feasible_solve(st, k)  # from α = 0: Lawson–Hanson drops the atoms whose coefficient is ≤ 0
 
 
 def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,8 @@ from mlsm.teacher.active_set import active_set
 from mlsm.teacher.homotopy import homotopy
 from mlsm.teacher.slots import padded_gram
 
+TOL = 1e-5  # default KKT tolerance of the codes
+
 
 @dataclass
 class SparseCodes:
@@ -121,18 +123,26 @@ def sparse_encode(
     lam: float,
     *,
     gram: torch.Tensor | None = None,
-    tol: float = 1e-5,
+    tol: float = TOL,
     batch_size: int = 4096,
+    warm_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact (to `tol` on the KKT conditions) non-negative LASSO codes, shape (n, k).
 
     X: (n, d) rows to encode; D: (d, k) dictionary (columns = atoms); lam: λ > 0.
     gram: optional precomputed DᵀD (k, k) to reuse across calls. Runs on X's device/dtype.
+    warm_start: optional (n, s) integer tensor of guessed supports (atom indices; values
+    outside [0, k) mean none), e.g. the supports of the rows' codes under a slightly older
+    dictionary. It only saves solver steps: the codes are the same exact solutions.
     """
     check_problem(X, D, lam)
+    if warm_start is not None and (warm_start.dim() != 2 or warm_start.shape[0] != X.shape[0]
+                                   or warm_start.dtype.is_floating_point):
+        raise UserError(f"warm_start must be an integer tensor of shape (n, s) with n = {X.shape[0]} rows; got {warm_start.dtype} {tuple(warm_start.shape)}")
     D = D.to(X.dtype)
     Gp = padded_gram(D=D) if gram is None else padded_gram(gram.to(X.dtype))  # (k+1, K) Gram matrix
-    out = [_encode_batch(X[start : start + batch_size], D, Gp, lam, tol)
+    out = [encode_with_gram(X[start : start + batch_size], D, Gp, lam, tol,
+                         None if warm_start is None else warm_start[start : start + batch_size])
            for start in range(0, X.shape[0], batch_size)]
     return torch.cat(out) if out else X.new_zeros(0, D.shape[1])
 
@@ -143,11 +153,15 @@ def sparse_encode_topk(X: torch.Tensor, D: torch.Tensor, lam: float, nnz: int | 
     return top_nnz(sparse_encode(X, D, lam, **kwargs), nnz)
 
 
-def _encode_batch(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float) -> torch.Tensor:
-    """Active set for every row → KKT check on the whole dictionary → homotopy for failures."""
+def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float = TOL,
+                     warm: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_encode` of one batch given Gp = `slots.padded_gram(DᵀD)`, without input checks;
+    for callers that keep Gp up to date themselves (dictionary learning).
+
+    Active set for every row → KKT check on the whole dictionary → homotopy for failures."""
     n, (d, k) = X.shape[0], D.shape
     c = X @ D  # (n, k) = Dᵀx, computed once
-    codes, viol = _checked(active_set(c, Gp, lam, tol, max_steps=2 * min(d, k) + 16), c, Gp, lam)
+    codes, viol = _checked(active_set(c, Gp, lam, tol, max_steps=2 * min(d, k) + 16, warm=warm), c, Gp, lam)
     bad = (viol > tol).nonzero().squeeze(1)
     if bad.numel():
         again, viol2 = _checked(homotopy(c[bad], Gp, lam, max_steps=8 * min(d, k) + 16), c[bad], Gp, lam)
