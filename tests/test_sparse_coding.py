@@ -178,6 +178,25 @@ def test_warm_start_on_duplicate_atoms():
     assert _rel_gap(X, D, codes, cold).abs().max() <= 1e-8
 
 
+def test_internal_kkt_check_matches_kkt_violation():
+    # The solvers' outputs are checked from their slots (support rows of G only); that must be
+    # the public definition, also for slots holding a zero coefficient and for empty slots.
+    X, D = _problem(n=40, seed=14)
+    k = D.shape[1]
+    exact = top_nnz(sparse_encode(X, D, LAM))
+    idle = (exact.to_dense(k) == 0).int().argmax(1, keepdim=True)  # an atom off every support
+    idx = torch.cat([torch.where(exact.values > 0, exact.indices, k), idle, torch.full_like(idle, k)], 1)
+    alpha = torch.cat([exact.values, torch.zeros(40, 2, dtype=X.dtype)], 1)
+    alpha[:5, 0] = 0.0  # a support atom loses its coefficient but keeps its slot: now violating
+    fail = torch.zeros(40, dtype=torch.bool)
+    fail[7] = True
+    codes, viol = sc._checked((idx, alpha, fail), X @ D, padded_gram(D.T @ D), LAM)
+    ref = kkt_violation(X, D, codes, LAM)
+    torch.testing.assert_close(viol[~fail], ref[~fail])
+    assert viol[7] == float("inf")
+    assert (ref[:5] > 1e-3).all() and (ref[5:] < 1e-4).all()
+
+
 def test_degenerate_dictionary():
     # Duplicate and zero atoms make G singular; zero rows have the zero code.
     X, D = _problem(n=60, seed=4)

@@ -177,14 +177,20 @@ def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: fl
 
 def _checked(sol: tuple[torch.Tensor, torch.Tensor, torch.Tensor], c: torch.Tensor, Gp: torch.Tensor,
              lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense codes (n, k) from a solver's (idx, alpha, fail) and their KKT violation (n,).
+    """Dense codes (n, k) from a solver's (idx, alpha ≥ 0, fail) and their KKT violation (n,).
 
-    g = c − Gα − λ on every atom comes from the support alone (|A| rows of G per code)."""
+    g = c − Gα − λ on every atom comes from the support alone (|A| rows of G per code); the
+    violation is max(|g| on the support, g off it), as in `kkt_violation`."""
     idx, alpha, fail = sol
-    k = c.shape[1]
-    codes = c.new_zeros(c.shape[0], k + 1).scatter_(1, idx, alpha.to(c.dtype))[:, :k]
-    g = c - F.embedding_bag(idx, Gp, per_sample_weights=alpha.to(c.dtype), mode="sum")[:, :k] - lam
-    viol = _violation_from_grad(g, codes)
+    n, k = c.shape
+    alpha = alpha.to(c.dtype)
+    codes = c.new_zeros(n, k + 1).scatter_(1, idx, alpha)[:, :k]
+    g = F.embedding_bag(idx, Gp, per_sample_weights=alpha, mode="sum")  # (n, K) = Gα
+    g[:, :k].sub_(c).add_(lam).neg_()  # c − Gα − λ on the atoms
+    support = torch.where(alpha > 0, idx, k)  # (n, S); column k (empty slot) is not read below
+    on = g.gather(1, support).abs().amax(1)
+    off = g.scatter_(1, support, float("-inf"))[:, :k].amax(1)
+    viol = torch.maximum(on, off)
     return codes, torch.where(fail, torch.full_like(viol, float("inf")), viol)
 
 
