@@ -9,7 +9,8 @@ A = Σ ααᵀ (k, k) and B = Σ xαᵀ (d, k) are accumulated with a forgetting
 is updated once by block-coordinate descent u_j = (b_j − D a_j)/A_jj + d_j, d_j = u_j/max(1, ‖u_j‖)
 (Alg. 2). Three refinements, each measured on MiniLM states against SPAMS' trainDL:
   * when X is cycled, the statistics of the pass before the last are dropped (Mairal et al.
-    2010 JMLR §3.4.3, as SPAMS does): codes of old dictionaries otherwise drag D back (2 % worse);
+    2010, JMLR, §3.4 "handling fixed-size data sets", approximated by whole passes as SPAMS
+    does): codes made with old dictionaries otherwise drag D back (2 % worse objective);
   * atoms the codes (almost) never use are replaced by the batch's worst-coded vectors (K-SVD's
     rule) rather than random ones: 0.5 % lower objective;
   * each vector's last support warm-starts its next code (same exact codes, ~30 % less time).
@@ -129,9 +130,10 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
                 init: torch.Tensor | None = None, progress: bool = True) -> torch.Tensor:
     """Online dictionary learning on rows of X (n, d); returns D (d, k) on X's device/dtype.
 
-    n_iter mini-batches (default: one pass over X). forget = ρ of the forgetting factor
-    β_t = (1 − 1/t)^ρ (Mairal et al. 2009 §3.4); ρ > 1 forgets codes of early dictionaries faster.
-    init: optional starting dictionary (d, k); default k random data vectors.
+    n_iter mini-batches (default: one pass over X; more cycle through X in a new random order
+    each pass). forget = ρ of the forgetting factor β_t = (1 − 1/t)^ρ (Mairal et al. 2009 §3.4);
+    ρ > 1 forgets codes of early dictionaries faster. init: optional starting dictionary (d, k);
+    default k random data vectors.
     """
     _check_options(k, lam)
     if X.dim() != 2 or X.shape[0] == 0:
@@ -163,7 +165,7 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
 
 
 class _Supports:
-    """The atoms of each vector's latest code, largest first (int16 where k allows: 64 B a vector)."""
+    """The atoms of each vector's latest code, largest first: WARM_MAX int16s (int32 for k ≥ 2¹⁵) a vector."""
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         self.k = k
@@ -187,8 +189,9 @@ class _Stats:
 
     Stored divided by `scale` = Π β, so forgetting costs one scalar per step, not a pass over k².
     When the data is cycled, the terms of a sample's older codes are stale: at the start of
-    each pass the terms of the pass before the last are dropped (Mairal et al. 2010 JMLR §3.4.3;
-    SPAMS keeps the same two passes). `A_old`, `Bt_old` hold the last pass's terms.
+    each pass the terms of the pass before the last are dropped (Mairal et al. 2010, JMLR, §3.4
+    "handling fixed-size data sets", by whole passes as SPAMS does); `A_old`, `Bt_old` hold the
+    last pass's terms.
     """
 
     A: torch.Tensor  # (k, k)
@@ -250,7 +253,7 @@ def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.T
     Atom j: u = (b_j − D a_j)/A_jj + d_j, d_j = u / max(1, ‖u‖), in order. Atoms the codes
     (almost) never use are wasted: they are replaced by the worst-coded vectors of the batch
     Xb (largest ½‖x − Dα‖² + λ‖α‖₁ under its codes), where a new atom lowers the objective most
-    (K-SVD's rule, Aharon et al. 2006 §IV-E; −0.5 % objective against random data vectors on
+    (K-SVD's rule, Aharon, Elad & Bruckstein 2006; −0.5 % objective against random data vectors on
     MiniLM states). Gp (`slots.padded_gram`) is brought up to date with the new atoms.
     """
     used = stats.usage() > MIN_USAGE
