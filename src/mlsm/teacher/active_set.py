@@ -28,7 +28,9 @@ cap) are left to the caller's fallback.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -217,16 +219,23 @@ def _accept(C: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tol: float, g_jj:
     A candidate enters while it still violates (v > tol) and its Schur complement is not
     rounding noise relative to its G_jj (G is only known to float32 precision).
     Returns (m, q) float: 1 entered, 0 not, NaN = violating but numerically dependent on A.
+    On CPU the loop runs on NumPy views (~1 µs per operation instead of torch's ~6 µs).
     """
-    m, n_cand = v.shape
-    out = v.new_zeros(m, n_cand)
-    for r in range(n_cand):
+    if C.device.type == "cpu":
+        return torch.from_numpy(_accept_loop(np, C.numpy(), v.numpy(), q.numpy(), tol, g_jj.numpy()))
+    return _accept_loop(torch, C, v, q, tol, g_jj)
+
+
+def _accept_loop(xp: Any, C: Any, v: Any, q: Any, tol: float, g_jj: Any) -> Any:
+    """`_accept` on NumPy arrays or torch tensors (xp = numpy or torch)."""
+    out = xp.zeros_like(v)
+    for r in range(v.shape[1]):
         piv = C[:, r, r]
-        wants = (r < q) & (v[:, r] > tol)
+        wants = (q > r) & (v[:, r] > tol)
         ok = wants & (piv > 1e-5 * g_jj[:, r])
-        out[:, r] = torch.where(ok, 1.0, torch.where(wants, float("nan"), 0.0))
+        out[:, r] = xp.where(ok, 1.0, xp.where(wants, float("nan"), 0.0))
         # eliminate r from the rows/columns after it (Schur complement), update the violations
-        f = torch.where(ok, 1.0 / piv, 0.0)[:, None] * C[:, r + 1 :, r]  # (m, q−r−1)
+        f = (ok / xp.where(ok, piv, 1.0))[:, None] * C[:, r + 1 :, r]  # (m, q−r−1)
         v[:, r + 1 :] -= f * v[:, r : r + 1]
         C[:, r + 1 :, r + 1 :] -= f[:, :, None] * C[:, r, r + 1 :][:, None, :]
     return out
