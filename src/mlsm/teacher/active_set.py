@@ -222,7 +222,8 @@ def _accept(C: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tol: float, g_jj:
     On CPU the loop runs on NumPy views (~1 µs per operation instead of torch's ~6 µs).
     """
     if C.device.type == "cpu":
-        return torch.from_numpy(_accept_loop(np, C.numpy(), v.numpy(), q.numpy(), tol, g_jj.numpy()))
+        with np.errstate(invalid="ignore"):  # −inf padding candidates turn NaN: never > tol, as in torch
+            return torch.from_numpy(_accept_loop(np, C.numpy(), v.numpy(), q.numpy(), tol, g_jj.numpy()))
     return _accept_loop(torch, C, v, q, tol, g_jj)
 
 
