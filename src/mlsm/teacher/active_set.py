@@ -117,10 +117,10 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
 def _warm_sets(st: _Sets, warm: torch.Tensor, Gp: torch.Tensor) -> None:
     """Start every row from its guessed support A with G_AA⁻¹ on it, then solve on A from α = 0.
 
-    The Cholesky factor of G_AA gives each atom's Schur complement given the atoms before it
-    (L_ii²); an atom whose complement is rounding noise (a duplicate, or in the span of the
-    others) is left out, the same test as for entering atoms. α = 0 is feasible, so the
-    Lawson–Hanson solve on A is a valid start; atoms it drops can enter again later.
+    Atoms in the span of the others are left out (`_factor`). Atoms with a coefficient ≤ 0 in
+    the equality solution on A are mostly stale: they are dropped all at once and A factored
+    again (Lawson–Hanson would drop them one at a time). α = 0 is feasible, so the Lawson–Hanson
+    solve on the rest is a valid start; atoms it drops can enter again later.
     """
     k, K = Gp.shape[0] - 1, Gp.shape[1]
     warm = warm[:, :WARM_MAX].long()
@@ -131,35 +131,36 @@ def _warm_sets(st: _Sets, warm: torch.Tensor, Gp: torch.Tensor) -> None:
     idx = idx[:, :s]  # (m, s)
     ok = idx < k
     Gaa = Gp.take(idx[:, :, None] * K + idx[:, None, :]).double()  # (m, s, s)
-    g_jj = Gaa.diagonal(dim1=1, dim2=2)
-    eye = torch.eye(s, dtype=torch.float64, device=idx.device)
-    col = torch.arange(s, device=idx.device)
+    L = _factor(Gaa, ok)
     rhs = torch.where(ok, st.cpad.gather(1, idx).double(), 0.0).unsqueeze(2)  # (m, s, 1) c_A − λ
-    pruned = False
-    while True:  # every repeat drops atoms, so this ends; usually twice
-        both = ok[:, :, None] & ok[:, None, :]
-        L, info = torch.linalg.cholesky_ex(torch.where(both, Gaa, eye))
-        factored = col < torch.where(info > 0, info - 1, s)[:, None]  # columns before a failed pivot
-        weak = ok & ~(factored & (L.diagonal(dim1=1, dim2=2) ** 2 > 1e-5 * g_jj))
-        if bool(weak.any()):
-            rows = weak.any(1).nonzero().squeeze(1)  # drop each row's first weak atom
-            ok[rows, weak[rows].int().argmax(1)] = False
-            continue
-        if pruned:
-            break
-        # Atoms with a coefficient ≤ 0 in the equality solution are mostly stale: drop them all
-        # at once and factor again; Lawson–Hanson would drop them one at a time.
-        pruned = True
-        stale = ok & (torch.cholesky_solve(rhs, L).squeeze(2) <= 0)
-        if not bool(stale.any()):
-            break
+    stale = ok & (torch.cholesky_solve(rhs, L).squeeze(2) <= 0)
+    if bool(stale.any()):
         ok &= ~stale
+        L = _factor(Gaa, ok)
     st.ensure_slots(s, k)
     st.idx[:, :s] = torch.where(ok, idx, k)
     st.ok[:, :s] = ok
-    st.Ginv[:, :s, :s] = torch.cholesky_inverse(L) * both
-    st.cnt = (ok * (col + 1)).amax(1)  # new atoms go after the last kept slot
-    _feasible_solve(st, k)  # from α = 0: Lawson–Hanson drops the atoms whose coefficient is ≤ 0
+    st.Ginv[:, :s, :s] = torch.cholesky_inverse(L) * (ok[:, :, None] & ok[:, None, :])
+    st.cnt = (ok * torch.arange(1, s + 1, device=ok.device)).amax(1)  # new atoms go after the last kept slot
+    _feasible_solve(st, k)
+
+
+def _factor(Gaa: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Cholesky factor L (m, s, s) of G_AA on the slots `ok` (identity elsewhere), after leaving out
+    (in `ok`, in place) every atom whose Schur complement given the atoms before it, L_ii², is
+    rounding noise relative to its G_jj: the same test as for entering atoms."""
+    m, s = ok.shape
+    eye = torch.eye(s, dtype=Gaa.dtype, device=Gaa.device)
+    col = torch.arange(s, device=Gaa.device)
+    g_jj = Gaa.diagonal(dim1=1, dim2=2)
+    while True:  # every repeat leaves out an atom of a row, so this ends; usually runs once
+        L, info = torch.linalg.cholesky_ex(torch.where(ok[:, :, None] & ok[:, None, :], Gaa, eye))
+        factored = col < torch.where(info > 0, info - 1, s)[:, None]  # columns before a failed pivot
+        weak = ok & ~(factored & (L.diagonal(dim1=1, dim2=2) ** 2 > 1e-5 * g_jj))
+        if not bool(weak.any()):
+            return L
+        rows = weak.any(1).nonzero().squeeze(1)  # the first weak atom of a row depends on earlier ones
+        ok[rows, weak[rows].int().argmax(1)] = False
 
 
 def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
