@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from sklearn.decomposition import MiniBatchDictionaryLearning
@@ -15,6 +16,7 @@ from mlsm.errors import UserError
 from mlsm.teacher.dictionary import (
     MIN_USAGE,
     Dictionary,
+    _block_moves_loop,
     _Stats,
     _update_atoms,
     collect_vectors,
@@ -206,3 +208,16 @@ def test_atom_update_is_the_sequential_bcd_pass():
     torch.testing.assert_close(Gp, padded_gram(D=Dt.T.contiguous()), rtol=0, atol=1e-12)
     hit = (ref[:, used].norm(dim=0) < 1 - 1e-6).any() and (ref[:, used].norm(dim=0) > 1 - 1e-9).any()
     assert hit  # both branches of the projection were taken
+
+
+def test_atom_moves_torch_loop_matches_numpy():
+    """The torch loop (what CUDA runs) and the NumPy loop (CPU) give the same moves."""
+    g = torch.Generator().manual_seed(2)
+    R = torch.randn(64, 10, generator=g, dtype=torch.float64)
+    R[::2] *= 0.05  # every other atom stays inside the unit ball
+    L = 0.01 * torch.randn(64, 64, generator=g, dtype=torch.float64)
+    old = 0.1 * torch.randn(64, 10, generator=g, dtype=torch.float64)
+    ours = _block_moves_loop(torch, R.clone(), L, old)
+    ref = torch.from_numpy(_block_moves_loop(np, R.numpy().copy(), L.numpy(), old.numpy()))
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    assert ((old + ours).norm(dim=1) <= 1 + 1e-12).all() and ((old + ours).norm(dim=1) < 1 - 1e-3).any()

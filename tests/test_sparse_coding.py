@@ -254,3 +254,21 @@ def test_bad_warm_start():
     for warm in (torch.zeros(10, 3), torch.zeros(9, 3, dtype=torch.long), torch.zeros(10, dtype=torch.long)):
         with pytest.raises(UserError, match="warm_start"):
             sparse_encode(X, D, LAM, warm_start=warm)
+
+
+def test_entry_decisions_torch_loop_matches_numpy():
+    # The torch loop (what CUDA runs) and the NumPy loop (CPU) decide the same entries.
+    from mlsm.teacher.active_set import _accept_loop
+
+    g = torch.Generator().manual_seed(15)
+    m, q = 50, 8
+    B = torch.randn(m, q, q, generator=g, dtype=torch.float64)
+    C = B @ B.transpose(1, 2) + 0.1 * torch.eye(q, dtype=torch.float64)
+    C[:5, 3, 3] = 0.0  # a numerically dependent candidate
+    v = torch.randn(m, q, generator=g, dtype=torch.float64)
+    limit = torch.randint(1, q + 1, (m,), generator=g)
+    gjj = C.diagonal(dim1=1, dim2=2).clone() + 1.0
+    ours = _accept_loop(torch, C.clone(), v.clone(), limit, 1e-5, gjj)
+    ref = torch.from_numpy(_accept_loop(np, C.clone().numpy(), v.clone().numpy(), limit.numpy(), 1e-5, gjj.numpy()))
+    torch.testing.assert_close(ours, ref, equal_nan=True)
+    assert (ours == 1).any() and (ours == 0).any()

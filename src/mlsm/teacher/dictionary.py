@@ -306,16 +306,20 @@ def _block_moves(R: torch.Tensor, L: torch.Tensor, old: torch.Tensor) -> torch.T
     """Moves δ (b, d) of one block's atoms, one after the other: u_j = R_j − L_j,<j δ_<j, projected
     on the unit ball. On CPU this runs on NumPy views, whose per-call overhead is a few times
     lower than torch's for these tiny vectors."""
-    cpu = R.device.type == "cpu"
-    R_, L_, old_ = (t.numpy() for t in (R, L, old)) if cpu else (R, L, old)
-    delta = np.zeros_like(R_) if cpu else torch.zeros_like(R)
-    for i in range(R_.shape[0]):
-        u = R_[i] - L_[i, :i] @ delta[:i]
-        norm2 = float(u @ u)
-        if norm2 > 1.0:
-            u /= math.sqrt(norm2)
-        delta[i] = u - old_[i]
-    return torch.from_numpy(delta) if cpu else delta
+    if R.device.type == "cpu":
+        return torch.from_numpy(_block_moves_loop(np, R.numpy(), L.numpy(), old.numpy()))
+    return _block_moves_loop(torch, R, L, old)
+
+
+def _block_moves_loop(xp: Any, R: Any, L: Any, old: Any) -> Any:
+    """`_block_moves` on NumPy arrays or torch tensors (xp = numpy or torch)."""
+    delta = xp.zeros_like(R)
+    for i in range(R.shape[0]):
+        u = R[i] - L[i, :i] @ delta[:i]
+        n2 = u @ u
+        u /= ((n2 + 1 + abs(n2 - 1)) / 2) ** 0.5  # max(1, ‖u‖) without a branch: no host sync on CUDA
+        delta[i] = u - old[i]
+    return delta
 
 
 def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_size: int = 4096) -> float:
