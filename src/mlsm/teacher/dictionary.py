@@ -274,9 +274,7 @@ def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.T
 
 def _worst_coded(Xb: torch.Tensor, codes: torch.Tensor, Dt: torch.Tensor, lam: float, n: int) -> torch.Tensor:
     """Up to n rows of Xb (b, d) with the largest objective under codes (b, k), as unit vectors."""
-    residual = Xb - torch.sparse.mm(codes.to_sparse(), Dt)  # (b, d)
-    loss = 0.5 * (residual * residual).sum(1) + lam * codes.sum(1)
-    worst = Xb[loss.topk(min(n, Xb.shape[0])).indices]
+    worst = Xb[objective(Xb, Dt.T, codes, lam).topk(min(n, Xb.shape[0])).indices]
     return worst / worst.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
 
