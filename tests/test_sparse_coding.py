@@ -9,9 +9,11 @@ import pytest
 import torch
 from sklearn.decomposition import sparse_encode as sk_sparse_encode
 
+import mlsm.teacher.active_set_cpu as compiled
 import mlsm.teacher.sparse_coding as sc
 from mlsm.errors import UserError
-from mlsm.teacher.active_set import WARM_MAX, active_set
+from mlsm.teacher.active_set import WARM_MAX, active_set_batched
+from mlsm.teacher.active_set_cpu import active_set_rows
 from mlsm.teacher.homotopy import homotopy
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import (
@@ -24,6 +26,9 @@ from mlsm.teacher.sparse_coding import (
 )
 
 LAM = 0.05
+# The two implementations of the active-set method: compiled per row (what CPUs run) and
+# batched in lock-step (what CUDA runs; here on CPU tensors).
+SOLVERS = pytest.mark.parametrize("solver", [active_set_rows, active_set_batched], ids=["rows", "batched"])
 
 
 def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch.float64):
@@ -110,16 +115,17 @@ def test_homotopy_alone_is_exact_and_reports_the_step_cap():
     assert fail_cap[nnz > cap].all() and fail_cap.any() and not fail_cap.all()
 
 
-def test_active_set_alone_matches_sklearn_and_reports_the_step_cap():
+@SOLVERS
+def test_active_set_alone_matches_sklearn_and_reports_the_step_cap(solver):
     X, D = _problem(n=60, seed=10)
     c, Gp = X @ D, padded_gram(D.T @ D)
     k = D.shape[1]
-    idx, alpha, fail = active_set(c, Gp, LAM, tol=1e-9, max_steps=1000)
+    idx, alpha, fail = solver(c, Gp, LAM, tol=1e-9, max_steps=1000)
     codes = torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k]
     assert not fail.any()
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-8
     assert _rel_gap(X, D, codes, _sklearn_codes(X, D)).abs().max() <= 1e-6
-    _, _, fail1 = active_set(c, Gp, LAM, tol=1e-9, max_steps=1)  # one step cannot finish a row
+    _, _, fail1 = solver(c, Gp, LAM, tol=1e-9, max_steps=1)  # one step cannot finish a row
     assert fail1.all()
 
 
@@ -140,19 +146,20 @@ def _support(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(vals > 0, atoms, -1)
 
 
-def test_warm_start_only_saves_steps():
+@SOLVERS
+def test_warm_start_only_saves_steps(solver):
     X, D = _problem(seed=12)
     k = D.shape[1]
     cold = sparse_encode(X, D, LAM)
     # From the exact supports nearly every row is done after the first step (not all: atoms
     # in the span of the ones before them in the guess are left out), from scratch none.
     c, Gp = X @ D, padded_gram(D.T @ D)
-    idx, alpha, _ = active_set(c, Gp, LAM, tol=1e-9, max_steps=1000)
+    idx, alpha, _ = solver(c, Gp, LAM, tol=1e-9, max_steps=1000)
     exact = _support(torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k])
     fits = (alpha > 0).sum(1) <= WARM_MAX  # only the first WARM_MAX atoms of a guess are used
     assert fits.sum() >= 20
-    assert active_set(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact)[2][fits].float().mean() < 0.05
-    assert active_set(c, Gp, LAM, tol=1e-9, max_steps=1)[2].all()
+    assert solver(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact[:, :WARM_MAX])[2][fits].float().mean() < 0.05
+    assert solver(c, Gp, LAM, tol=1e-9, max_steps=1)[2].all()
     # Realistic guesses (codes under a perturbed dictionary) and bad ones: random atoms with
     # repeats, "none" markers, out-of-range values, more than WARM_MAX columns.
     g = torch.Generator().manual_seed(12)
@@ -256,19 +263,43 @@ def test_bad_warm_start():
             sparse_encode(X, D, LAM, warm_start=warm)
 
 
-def test_entry_decisions_torch_loop_matches_numpy():
-    # The torch loop (what CUDA runs) and the NumPy loop (CPU) decide the same entries.
-    from mlsm.teacher.active_set import _accept_loop
+def _dense(sol, k):
+    idx, alpha, fail = sol
+    assert not fail.any()
+    return torch.zeros(idx.shape[0], k + 1, dtype=alpha.dtype).scatter_(1, idx, alpha)[:, :k]
 
-    g = torch.Generator().manual_seed(15)
-    m, q = 50, 8
-    B = torch.randn(m, q, q, generator=g, dtype=torch.float64)
-    C = B @ B.transpose(1, 2) + 0.1 * torch.eye(q, dtype=torch.float64)
-    C[:5, 3, 3] = 0.0  # a numerically dependent candidate
-    v = torch.randn(m, q, generator=g, dtype=torch.float64)
-    limit = torch.randint(1, q + 1, (m,), generator=g)
-    gjj = C.diagonal(dim1=1, dim2=2).clone() + 1.0
-    ours = _accept_loop(torch, C.clone(), v.clone(), limit, 1e-5, gjj)
-    ref = torch.from_numpy(_accept_loop(np, C.clone().numpy(), v.clone().numpy(), limit.numpy(), 1e-5, gjj.numpy()))
-    torch.testing.assert_close(ours, ref, equal_nan=True)
-    assert (ours == 1).any() and (ours == 0).any()
+
+@pytest.mark.parametrize("coherent", [False, True])
+def test_compiled_rows_and_batched_loop_agree(coherent):
+    # Same method, two implementations: on a generic and on a coherent dictionary with exact
+    # duplicates (degenerate candidates, atoms leaving), both reach the same unique codes.
+    X, D = _problem(n=150, seed=16)
+    if coherent:
+        D = torch.cat([X[:96].T, X[:8].T], 1)
+    c, Gp, k = X @ D, padded_gram(D.T @ D), D.shape[1]
+    rows = _dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k)
+    batched = _dense(active_set_batched(c, Gp, LAM, 1e-9, 1000), k)
+    assert kkt_violation(X, D, rows, LAM).max() <= 1e-8
+    assert _rel_gap(X, D, rows, batched).abs().max() <= 1e-10
+
+
+def test_rows_needing_more_slots_run_again(monkeypatch):
+    X, D = _problem(seed=17)
+    c, Gp, k = X @ D, padded_gram(D.T @ D), D.shape[1]
+    ref = _dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k)
+    assert ((ref > 0).sum(1) > 3).float().mean() > 0.5  # most rows overflow 3 slots below
+    monkeypatch.setattr(compiled, "SLOTS", 3)
+    torch.testing.assert_close(_dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k), ref, rtol=0, atol=1e-12)
+
+
+def test_codes_do_not_depend_on_the_thread_count():
+    X, D = _problem(n=101, seed=18, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = sparse_encode(X, D, LAM)
+        torch.set_num_threads(2)
+        two = sparse_encode(X, D, LAM)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
