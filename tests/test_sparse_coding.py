@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing as mp
+import os
 
 import numpy as np
 import pytest
@@ -303,3 +305,18 @@ def test_codes_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def _encode_numpy(X, D):
+    return sparse_encode(X, D, LAM).numpy()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_can_encode_after_the_parent():
+    # DataLoader workers are forked: the CPU kernel's threads must not break a later fork()
+    # (an OpenMP thread pool, e.g. numba's prange on GNU OpenMP, kills such a child).
+    X, D = _problem(n=64, seed=19, dtype=torch.float32)
+    ref = sparse_encode(X, D, LAM)  # the parent runs the kernel (and its threads) first
+    with mp.get_context("fork").Pool(1) as pool:
+        child = pool.apply_async(_encode_numpy, (X, D)).get(timeout=120)
+    assert np.array_equal(child, ref.numpy())
