@@ -8,8 +8,8 @@ cache: its gradient g (k floats), the Gram rows of its ≤ S active atoms, G_AA�
 The rows are split over as many threads as torch may use (`torch.get_num_threads()`).
 
 Per row (c = Dᵀx, G = DᵀD):
-  1. g = c − λ − G_{A,:}ᵀ α_A over all atoms, and its top-q violators among inactive atoms
-     (g_j > tol) in the same pass; none: the row is optimal;
+  1. g = c − λ − G_{A,:}ᵀ α_A over all atoms (|A| SIMD passes over k), then one pass for its
+     top-q violators among inactive atoms (g_j > tol); none: the row is optimal;
   2. the violators enter in order while they still violate: candidate j's Schur complement
      s = G_jj − gᵀG_AA⁻¹g (g = G_{A,j}) gives its coefficient v_j/s in the equality solution on
      A ∪ {j}; the later candidates' violations drop by C_ij v_j/s (C the Schur complement
