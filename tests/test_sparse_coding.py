@@ -43,6 +43,11 @@ def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch
     return X / X.norm(dim=1, keepdim=True), D
 
 
+def _codes(idx, alpha, k):
+    """Dense (n, k) codes from a solver's slots (idx = k marks an empty slot)."""
+    return torch.zeros(idx.shape[0], k + 1, dtype=alpha.dtype).scatter_(1, idx, alpha)[:, :k]
+
+
 def _rel_gap(X, D, ours, ref):
     o, r = objective(X, D, ours, LAM), objective(X, D, ref, LAM)
     return ((o - r) / r).double()
@@ -106,7 +111,7 @@ def test_homotopy_alone_is_exact_and_reports_the_step_cap():
     c, Gp = X @ D, padded_gram(D.T @ D)
     idx, alpha, fail = homotopy(c, Gp, LAM, max_steps=10_000)
     k = D.shape[1]
-    codes = torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k]
+    codes = _codes(idx, alpha, k)
     assert not fail.any()
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-8  # float64: exact to rounding
     # A row needs at least nnz steps (nnz − 1 entries, then μ reaches λ): with a cap at the
@@ -123,7 +128,7 @@ def test_active_set_alone_matches_sklearn_and_reports_the_step_cap(solver):
     c, Gp = X @ D, padded_gram(D.T @ D)
     k = D.shape[1]
     idx, alpha, fail = solver(c, Gp, LAM, tol=1e-9, max_steps=1000)
-    codes = torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k]
+    codes = _codes(idx, alpha, k)
     assert not fail.any()
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-8
     assert _rel_gap(X, D, codes, _sklearn_codes(X, D)).abs().max() <= 1e-6
@@ -157,7 +162,7 @@ def test_warm_start_only_saves_steps(solver):
     # in the span of the ones before them in the guess are left out), from scratch none.
     c, Gp = X @ D, padded_gram(D.T @ D)
     idx, alpha, _ = solver(c, Gp, LAM, tol=1e-9, max_steps=1000)
-    exact = _support(torch.zeros(X.shape[0], k + 1, dtype=X.dtype).scatter_(1, idx, alpha)[:, :k])
+    exact = _support(_codes(idx, alpha, k))
     fits = (alpha > 0).sum(1) <= WARM_MAX  # only the first WARM_MAX atoms of a guess are used
     assert fits.sum() >= 20
     assert solver(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact[:, :WARM_MAX])[2][fits].float().mean() < 0.05
@@ -268,7 +273,7 @@ def test_bad_warm_start():
 def _dense(sol, k):
     idx, alpha, fail = sol
     assert not fail.any()
-    return torch.zeros(idx.shape[0], k + 1, dtype=alpha.dtype).scatter_(1, idx, alpha)[:, :k]
+    return _codes(idx, alpha, k)
 
 
 @pytest.mark.parametrize("coherent", [False, True])
@@ -295,16 +300,19 @@ def test_rows_needing_more_slots_run_again(monkeypatch):
 
 
 def test_codes_do_not_depend_on_the_thread_count():
+    # Every row is solved by one thread alone: the split over threads must not show in the codes.
     X, D = _problem(n=101, seed=18, dtype=torch.float32)
+    c, Gp = X @ D, padded_gram(D.T @ D)  # computed once: a GEMM may round differently per thread count
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = sparse_encode(X, D, LAM)
+        one = active_set_rows(c, Gp, LAM, 1e-5, 1000)
         torch.set_num_threads(2)
-        two = sparse_encode(X, D, LAM)
+        two = active_set_rows(c, Gp, LAM, 1e-5, 1000)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
 
 
 def _encode_numpy(X, D):

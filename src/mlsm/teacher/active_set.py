@@ -71,7 +71,7 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
     alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
     KKT gradient above `tol`.
 
-    On CPU every row runs to its own end in compiled code (`active_set_cpu`, ~4x faster there);
+    On CPU every row runs to its own end in compiled code (`active_set_cpu`, 3–4× faster there);
     on other devices all rows go in lock-step through `active_set_batched`.
     """
     if warm is not None:
@@ -86,7 +86,8 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
 def active_set_batched(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
                        q_max: int = 8, warm: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`active_set` with all rows in lock-step as batched torch operations (any device)."""
+    """`active_set` with all rows in lock-step as batched torch operations (any device); uses
+    every column of `warm` (`active_set` passes at most `WARM_MAX`)."""
     n, k = c.shape
     dev = c.device
     cpad = torch.full((n, Gp.shape[1]), NEG, dtype=c.dtype, device=dev)
@@ -137,7 +138,7 @@ def _warm_sets(st: _Sets, warm: torch.Tensor, Gp: torch.Tensor) -> None:
     solve on the rest is a valid start; atoms it drops can enter again later.
     """
     k, K = Gp.shape[0] - 1, Gp.shape[1]
-    warm = warm[:, :WARM_MAX].long()
+    warm = warm.long()
     idx = torch.where((warm >= 0) & (warm < k), warm, k).sort(1).values  # atoms first
     s = int((idx < k).sum(1).max())
     if s == 0:

@@ -223,11 +223,11 @@ def _remove(p, A, na, Ginv, alpha, z, active):
     return last
 
 
-
 def active_set_rows(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
                     q_max: int = 8, warm: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`active_set.active_set` for CPU tensors, on as many threads as torch may use."""
+    """`active_set.active_set` for CPU tensors, on as many threads as torch may use; uses every
+    column of `warm` (`active_set` passes at most `WARM_MAX`)."""
     n, k = c.shape
     cn = c.detach().contiguous().numpy()  # (n, k)
     lam_ = np.array([lam], dtype=cn.dtype)  # λ in c's dtype: the gradient pass stays in it
