@@ -58,14 +58,15 @@ def plot_readiness(cmp: Comparison, path: Path) -> Path:
 
 
 def plot_wilcoxon(cmp: Comparison, path: Path) -> Path:
-    """Fig. 2b/2c: p-value heatmap (colour = -log10 p, * at p < 0.01) beside the win fractions."""
+    """Fig. 2b/2c: one-sided p-value heatmap (colour = -log10 p of "row better than column",
+    * at p < 0.01, so a star always sits on the better model's row) beside the win fractions."""
     m = len(cmp.models)
     fig = Figure(figsize=(4 + 1.6 * m, 1.5 + 0.7 * m))
     with np.errstate(divide="ignore", invalid="ignore"):
         logp = -np.log10(cmp.pvalues)
         frac = np.where(cmp.n_pairs > 0, cmp.wins / np.maximum(cmp.n_pairs, 1), np.nan)
     text = cmp.pvalue_table()
-    panels = [(logp, "-log10 p (Wilcoxon)", "viridis", text),
+    panels = [(logp, "-log10 p (Wilcoxon, row > column)", "viridis", text),
               (frac, "win fraction (row beats column)", "RdBu", None)]
     for k, (values, title, cmap, labels) in enumerate(panels):
         ax = fig.add_subplot(1, 2, k + 1)
@@ -120,7 +121,7 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     out.mkdir(parents=True, exist_ok=True)
     cmp = compare_runs(results_path, out)
     figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
-               (f"Wilcoxon p-values (* p < {SIGNIFICANCE}) and win fractions (Fig. 2b/2c)",
+               (f"One-sided Wilcoxon p-values, row better than column (* p < {SIGNIFICANCE}), and win fractions (Fig. 2b/2c)",
                 plot_wilcoxon(cmp, out / "wilcoxon.png"))]
     for task in dict.fromkeys(t for t, _ in cmp.columns):
         png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)

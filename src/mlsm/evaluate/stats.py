@@ -2,8 +2,13 @@
 
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
-both have: a two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``) over the paired
-scores, and the number of cells each model wins. All metrics here are higher-is-better.
+both have: Wilcoxon signed-rank tests (``scipy.stats.wilcoxon``) over the paired scores, and the
+number of cells each model wins. All metrics here are higher-is-better.
+
+Significance is directional, as Berend (2023) reads Fig. 2b/3b and §4.3: a ``*`` at (row i,
+column j) means model i is significantly *better* than model j, i.e. the one-sided test with
+alternative "greater" on the differences (row − column) has p < 0.01. At most one cell of a pair
+carries a star. The two-sided p is kept (``pvalues_two_sided.csv``) for readers who want it.
 """
 
 from __future__ import annotations
@@ -69,13 +74,16 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def wilcoxon_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Wilcoxon signed-rank p-value of paired scores; 1.0 when all pairs tie, NaN if none."""
+def wilcoxon_p(a: np.ndarray, b: np.ndarray, alternative: str = "two-sided") -> float:
+    """Wilcoxon signed-rank p-value of paired scores; 1.0 when all pairs tie, NaN if none.
+
+    alternative="greater" tests whether ``a`` is better than ``b`` (the median of a − b > 0).
+    """
     if len(a) == 0:
         return math.nan
     if np.all(a == b):
         return 1.0
-    return float(sps.wilcoxon(a, b, alternative="two-sided").pvalue)
+    return float(sps.wilcoxon(a, b, alternative=alternative).pvalue)
 
 
 @dataclass
@@ -87,14 +95,15 @@ class Comparison:
     mean: np.ndarray  # (m, c) mean over seeds (and lrs)
     std: np.ndarray  # (m, c) sample std (ddof=1; 0 for a single run)
     count: np.ndarray  # (m, c) runs per cell
-    pvalues: np.ndarray  # (m, m) Wilcoxon p over the common cells; NaN on the diagonal
+    pvalues: np.ndarray  # (m, m) one-sided Wilcoxon p of "row better than column"; NaN on the diagonal
     wins: np.ndarray  # (m, m) cells where the row model scores strictly higher
     n_pairs: np.ndarray  # (m, m) common cells
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> step/readiness/objective/run
     scores: dict[str, dict[tuple[Any, ...], float]] = field(default_factory=dict)  # model -> cell -> value
+    pvalues_two_sided: np.ndarray | None = None  # (m, m) symmetric two-sided p; NaN on the diagonal
 
     def pvalue_table(self) -> list[list[str]]:
-        """Rows of the p-value matrix as text, ``*`` marking p < 0.01."""
+        """Rows of the directional p-value matrix as text; ``*`` at (i, j): i better than j, p < 0.01."""
         m = len(self.models)
         return [[("—" if i == j or math.isnan(self.pvalues[i, j]) else
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
@@ -118,22 +127,25 @@ class Comparison:
         return "\n".join([
             "## Mean dev scores (×100, mean ± std over seeds)", "",
             _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
-            f"## Wilcoxon signed-rank p-values (row vs column; * p < {SIGNIFICANCE})", "",
+            f"## Wilcoxon signed-rank p-values, one-sided: row better than column (* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
             "## Wins (row beats column / paired runs)", "",
             _md(["model", *self.models], self.models, wins), "",
         ])
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
-        """``comparison.md``, ``means.csv``, ``pvalues.csv``, ``wins.csv`` in ``out_dir``."""
+        """``comparison.md``, ``means.csv``, ``pvalues.csv`` (one-sided, row better than column),
+        ``pvalues_two_sided.csv`` and ``wins.csv`` in ``out_dir``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "wins")}
+        paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "pvalues_two_sided", "wins")}
         means = [[t, met, mod, self.mean[i, c], self.std[i, c], int(self.count[i, c])]
                  for c, (t, met) in enumerate(self.columns) for i, mod in enumerate(self.models)
                  if self.count[i, c]]
         _csv(paths["means"], ["task", "metric", "model", "mean", "std", "n"], means)
         _csv(paths["pvalues"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.pvalues.tolist(), strict=True)])
+        two = self.pvalues_two_sided if self.pvalues_two_sided is not None else np.full_like(self.pvalues, math.nan)
+        _csv(paths["pvalues_two_sided"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, two.tolist(), strict=True)])
         _csv(paths["wins"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.wins.astype(int).tolist(), strict=True)])
         paths["markdown"] = out / "comparison.md"
         _atomic_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
@@ -172,9 +184,11 @@ def _scores(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[tuple[Any, ...],
     return scores, info
 
 
-def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, ...]:
+    """(greater, two_sided, wins, n_pairs): greater[i, j] is the one-sided p of "i better than j"."""
     m = len(models)
     pvalues, wins, n_pairs = np.full((m, m), math.nan), np.zeros((m, m)), np.zeros((m, m))
+    two_sided = np.full((m, m), math.nan)
     for i, a in enumerate(models):
         for j, b in enumerate(models):
             if i == j:
@@ -182,14 +196,15 @@ def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]
             common = sorted(scores[a].keys() & scores[b].keys(), key=repr)
             x = np.array([scores[a][k] for k in common])
             y = np.array([scores[b][k] for k in common])
-            pvalues[i, j] = wilcoxon_p(x, y)
+            pvalues[i, j] = wilcoxon_p(x, y, alternative="greater")
+            two_sided[i, j] = wilcoxon_p(x, y)
             wins[i, j] = int(np.sum(x > y))
             n_pairs[i, j] = len(common)
-    return pvalues, wins, n_pairs
+    return pvalues, two_sided, wins, n_pairs
 
 
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) -> Comparison:
-    """Paired Wilcoxon p-values, win counts and per-task means of every model in a results file.
+    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of every model in a results file.
 
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
@@ -208,8 +223,8 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) ->
             if len(vals):
                 mean[i, c] = vals.mean()
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
-    pvalues, wins, n_pairs = _pairwise(models, scores)
-    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores)
+    pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
+    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores, two_sided)
     if out_dir is not None:
         report.write(out_dir)
     return report
