@@ -69,13 +69,27 @@ class ProbeScorer(torch.nn.Module):
         return self.probe(torch.softmax(self.latent(hidden[select]), -1))  # (N, V)
 
 
+def _exports_vocab_head(folder: Path) -> bool:
+    """Whether the folder's HF model was saved with its (trained) vocabulary head: MTL, MLM and KD
+    checkpoints save the *ForMaskedLM class, a pure MLSM checkpoint only the encoder (*Model)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    archs = json.loads(config.read_text()).get("architectures") or []
+    return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
+
+
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
-    """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder."""
+    """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder.
+
+    An MTL checkpoint (latent head + a trained vocabulary head, Berend 2023 Fig. 6 "MLSM+MLM") is
+    scored through its vocabulary head, like an MLM model; it needs no probe.
+    """
     folder = Path(path)
     heads = folder / "heads.json"
     if heads.is_file() and "probe" in json.loads(heads.read_text()):
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), AutoTokenizer.from_pretrained(folder)
-    if heads.is_file() and "latent" in json.loads(heads.read_text()):
+    if heads.is_file() and "latent" in json.loads(heads.read_text()) and not _exports_vocab_head(folder):
         raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
     return load_masked_lm(str(folder), device)
