@@ -161,15 +161,18 @@ def _mrpc_source(folder: Path, split: str) -> tuple[Path, Callable[[list[str]], 
     if (src / "dev_ids.tsv").is_file():
         dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
         return src / "msr_paraphrase_train.txt", lambda r: (tuple(r[1:3]) in dev) == (split == "dev")
-    name = "msr_paraphrase_train.txt" if split == "train" else "msr_paraphrase_test.txt"
-    return _find(src, (name,), "MRPC msr_paraphrase_train.txt / msr_paraphrase_test.txt"), lambda r: True
+    # Without the GLUE split the only other labelled file is the 1,725-pair TEST set: using it as
+    # dev (or all of msr_paraphrase_train.txt as train) would silently change what is measured.
+    raise UserError(f"{src / 'dev_ids.tsv'}: missing; MRPC's GLUE dev split needs it (else dev would be the test "
+                    "set): copy dev_ids.tsv from the GLUE download next to msr_paraphrase_train.txt, or use GLUE's train.tsv/dev.tsv")
 
 
 def _read_mrpc(folder: Path, split: str) -> list[Example]:
     """MRPC from GLUE's train.tsv/dev.tsv, else rebuilt from ``msr_paraphrase_*.txt``.
 
     GLUE's dev is the part of msr_paraphrase_train.txt whose id pair is in dev_ids.tsv (the GLUE
-    download script does the same split); without dev_ids.tsv, msr_paraphrase_test.txt is dev.
+    download script does the same split); without dev_ids.tsv the loader refuses (the only other
+    labelled file, msr_paraphrase_test.txt, is the test set).
     """
     path, keep = _mrpc_source(folder, split)
     return [Example(r[3], r[4], _label_id(r[0], _B, path)) for r in _mrpc_rows(path) if keep(r)]
