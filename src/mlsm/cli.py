@@ -127,7 +127,8 @@ def _flops(a: argparse.Namespace) -> None:
     from mlsm.evaluate.flops import flops_for_run, format_table
 
     cfg = load_config(a.config, a.overrides)
-    print(format_table(flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size)))
+    rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size, accounting=a.accounting)
+    print(format_table(rows, accounting=a.accounting))
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
@@ -285,6 +286,9 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--k", type=int, default=None, help="dictionary size (default: the dictionary's / 4 d)")
     p.add_argument("--layer", type=int, default=None, help="early-exit layer of MLSM_l (default: objective.layer)")
     p.add_argument("--vocab-size", type=int, default=None, help="student vocabulary (default: the teacher's)")
+    p.add_argument("--accounting", choices=["mlsm", "paper"], default="mlsm",
+                   help="paper: Berend 2023 Table 3 (one 128-sequence batch, heads at all positions); "
+                        "mlsm: ours (global batch, heads at selected positions) [mlsm]")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.batch_size=256")
     return _flops
 
