@@ -36,7 +36,8 @@ class DataConfig:
     mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
-    """Select exactly round(mask_rate * n_tokens) positions per sequence (static shapes)."""
+    """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official MLSM code
+    (Berend 2023), with static shapes; false = Bernoulli(mask_rate) per token, as BERT."""
 
 
 @dataclass

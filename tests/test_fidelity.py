@@ -1,0 +1,56 @@
+"""Paper-fidelity switches (docs/fidelity.md): MLSM's FISTA targets and batchmean denominator,
+KD on the original text, the official MTL head, MAE-LM decoder defaults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel
+
+from mlsm.errors import UserError
+from mlsm.teacher.dictionary import load_dictionary
+from mlsm.teacher.sparse_coding import fista, sparse_encode
+
+from .test_objectives_teacher import _mlsm_spec, _setup
+
+
+def _reference_x(teacher_dir, batch, layer: int) -> torch.Tensor:
+    """ℓ2-normalised teacher states at the selected positions, from HF's own forward (N, d)."""
+    model = AutoModel.from_pretrained(teacher_dir).eval()
+    with torch.no_grad():
+        h = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                  output_hidden_states=True).hidden_states[layer]
+    return F.normalize(h[batch.selected].float(), dim=-1)
+
+
+def test_fista_solver_gives_the_official_targets(store_dir, teacher_dir, dictionary_path) -> None:
+    obj, _, batch = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, solver="fista", fista_iters=7))
+    d = load_dictionary(str(dictionary_path))
+    x = _reference_x(teacher_dir, batch, 1)
+    got = obj.coder.codes(batch)
+    torch.testing.assert_close(got, fista(x, d.atoms.float(), d.lam, n_iter=7), rtol=1e-4, atol=1e-5)
+    exact, _, _ = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path))
+    torch.testing.assert_close(exact.coder.codes(batch), sparse_encode(x, d.atoms.float(), d.lam), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got, exact.coder.codes(batch), atol=1e-4)  # 7 iterations are not exact
+
+
+def test_zero_codes_count_in_the_denominator(store_dir, teacher_dir, dictionary_path) -> None:
+    drop, student, batch = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path))
+    count, _, _ = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, zero_codes="count"))
+    codes = drop.coder.codes(batch)
+    codes[::3] = 0  # force all-zero codes at a third of the positions
+    hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]
+    from mlsm.objectives.mlsm import latent_kl
+
+    a = latent_kl(student, hidden, codes, drop.count_zero)
+    b = latent_kl(student, hidden, codes, count.count_zero)
+    n, zero = len(codes), int((codes.sum(1) == 0).sum())
+    assert zero >= n // 3 and int(a.n_targets) == n - zero and int(b.n_targets) == n
+    torch.testing.assert_close(a.loss_sum, b.loss_sum)  # the official batchmean: same sum, over all N
+
+
+@pytest.mark.parametrize("bad", [{"solver": "spams"}, {"zero_codes": "keep"}, {"solver": "fista", "fista_iters": 0}])
+def test_mlsm_switches_are_checked(store_dir, teacher_dir, dictionary_path, bad) -> None:
+    with pytest.raises(UserError, match="objective."):
+        _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, **bad))
