@@ -54,3 +54,31 @@ def test_zero_codes_count_in_the_denominator(store_dir, teacher_dir, dictionary_
 def test_mlsm_switches_are_checked(store_dir, teacher_dir, dictionary_path, bad) -> None:
     with pytest.raises(UserError, match="objective."):
         _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, **bad))
+
+
+def _student(hidden: int, heads: int):
+    from transformers import BertConfig, BertForMaskedLM
+
+    from mlsm.models.backbone import Student
+
+    cfg = BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+                     intermediate_size=64, max_position_embeddings=64)
+    return Student(BertForMaskedLM(cfg))
+
+
+def test_mae_decoder_depth_and_dropout_defaults() -> None:
+    """Meng et al. 2024: a 4-layer decoder for base-size encoders (2 for small ones), dropout 0."""
+    from mlsm.models.mae import DECODER, attach_decoder
+    from mlsm.objectives.mae_lm import MAELMConfig
+
+    cfg = MAELMConfig()
+    for hidden, heads, depth in ((768, 12, 4), (64, 4, 2)):
+        student = _student(hidden, heads)
+        attach_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, 32, 0, cfg.decoder_dropout)
+        layers = student.heads[DECODER].layers
+        assert len(layers) == depth and student.head_meta[DECODER]["layers"] == depth
+        assert all(m.p == 0.0 for m in layers.modules() if isinstance(m, torch.nn.Dropout))
+    student = _student(64, 4)
+    attach_decoder(student, 2, 0, 0, 32, 0, dropout=0.1)  # both stay options
+    assert len(student.heads[DECODER].layers) == 2
+    assert {m.p for m in student.heads[DECODER].modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
