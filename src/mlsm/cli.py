@@ -41,6 +41,7 @@ def _finetune(a: argparse.Namespace) -> None:
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
         max_train_examples=a.max_train_examples, device=a.device,
         warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay,
+        fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
     )
     print(f"results: {path}")
 
@@ -189,6 +190,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--max-train-examples", type=int, default=None, help="cap training sets (CPU runs)")
     p.add_argument("--warmup-ratio", type=float, default=0.0)
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--fixed-order", action="store_true", help="every seed trains on one data order (only the head differs)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping, 0 = off (default 1.0)")
+    p.add_argument("--eval-test", action="store_true", help="also score labelled test splits (CoNLL-2003) as <metric>_test")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     return _finetune
 

@@ -259,6 +259,7 @@ class TaskSpec:
     hf_splits: dict[str, str]  # our split -> HF split
     eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})  # metric suffix -> split
     train_split: str = "train"
+    test_split: str = ""  # a labelled test split scored with `eval_test` (CoNLL-2003: Berend 2023 reports test)
 
     @property
     def num_outputs(self) -> int:
@@ -310,7 +311,8 @@ TASKS: dict[str, TaskSpec] = {
                            _glue_reader(_GT, "sentence", None, "label", _B), (), _hf_pair("sentence", None), _GLUE_SPLITS),
     "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
                           _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
-                          {"train": "train", "valid": "validation"}, eval_splits={"": "valid"}),
+                          {"train": "train", "valid": "validation", "test": "test"}, eval_splits={"": "valid"},
+                          test_split="test"),
 }
 
 
