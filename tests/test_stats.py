@@ -153,3 +153,42 @@ def test_report_writes_valid_pngs(results: Path, tmp_path: Path) -> None:
         assert f"]({name})" in text
     assert "Wilcoxon" in text and "9/9" in text
     assert not list(out.glob("*.tmp*"))
+
+
+def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
+    """Per model and task the lr with the best mean *validation* score is kept (a test metric that
+    favours another lr never chooses), and models tuned to different lrs still pair by seed."""
+    path = tmp_path / "r.jsonl"
+    rows = []
+    for seed in range(4):
+        for model, good_lr in (("A", 1e-5), ("B", 5e-5)):
+            for lr in (1e-5, 5e-5):
+                val = 0.8 + 0.01 * seed + (0.05 if lr == good_lr else 0.0) + (0.01 if model == "A" else 0.0)
+                rows.append(_row(model, ("mrpc", "acc", seed), val, lr=lr))
+                rows.append(_row(model, ("mrpc", "acc_test", seed), 0.9 if lr != good_lr else 0.1, lr=lr))
+    append_results(path, rows)
+    plain = compare_runs(path)
+    cmp = compare_runs(path, tmp_path / "out", select_lr=True)
+    assert cmp.info["A"]["best_lr"] == {"mrpc": 1e-5} and cmp.info["B"]["best_lr"] == {"mrpc": 5e-5}
+    a, b = cmp.models.index("A"), cmp.models.index("B")
+    col = cmp.columns.index(("mrpc", "acc"))
+    assert cmp.mean[a, col] == pytest.approx(0.8 + 0.015 + 0.05 + 0.01)
+    assert cmp.mean[b, col] == pytest.approx(0.8 + 0.015 + 0.05)
+    assert cmp.mean[a, cmp.columns.index(("mrpc", "acc_test"))] == pytest.approx(0.1)  # the chosen lr's test
+    assert cmp.n_pairs[a, b] == 8 and cmp.wins[a, b] == 4  # 4 seeds × (acc, acc_test), paired across lrs
+    assert plain.count[a, col] == 8 and cmp.count[a, col] == 4
+
+
+def test_bootstrap_ci_of_mean_differences(results: Path, tmp_path: Path) -> None:
+    cmp = compare_runs(results, tmp_path / "out", bootstrap=2000)
+    a, b, c = (cmp.models.index(m) for m in "ABC")
+    assert cmp.ci[a, b, 0] == pytest.approx(UP.mean())
+    assert 0 < cmp.ci[a, b, 1] < UP.mean() < cmp.ci[a, b, 2] < UP.max()  # A better everywhere: CI > 0
+    assert cmp.ci[c, b, 1] < MIXED.mean() < cmp.ci[c, b, 2]
+    np.testing.assert_allclose(cmp.ci[b, a], -cmp.ci[a, b][[0, 2, 1]])  # same resamples, mirrored
+    assert np.isnan(cmp.ci[a, a]).all()
+    with open(tmp_path / "out" / "mean_diff_ci.csv", encoding="utf-8") as f:
+        ci = {(r["model"], r["other"]): r for r in csv.DictReader(f)}
+    assert float(ci[("A", "B")]["mean_diff"]) == pytest.approx(UP.mean()) and ci[("A", "B")]["n"] == "9"
+    assert "bootstrap CI" in (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
+    assert compare_runs(results).ci is None

@@ -49,7 +49,7 @@ def _finetune(a: argparse.Namespace) -> None:
 def _compare(a: argparse.Namespace) -> None:
     from mlsm.evaluate.stats import compare_runs
 
-    print(compare_runs(a.results, out_dir=a.out).to_markdown())
+    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr, bootstrap=a.bootstrap).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
@@ -200,6 +200,10 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
 def _add_compare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("compare", help="Wilcoxon p-values, win counts and mean table from results.jsonl")
     p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
+    p.add_argument("--select-lr", action="store_true",
+                   help="per model and task keep only the learning rate with the best mean validation score")
+    p.add_argument("--bootstrap", type=int, default=0, metavar="N",
+                   help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. 10000; 0 = none)")
     p.add_argument("--out", default=None, help="folder for comparison.md and CSVs (default: print only)")
     return _compare
 

@@ -101,6 +101,8 @@ class Comparison:
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> step/readiness/objective/run
     scores: dict[str, dict[tuple[Any, ...], float]] = field(default_factory=dict)  # model -> cell -> value
     pvalues_two_sided: np.ndarray | None = None  # (m, m) symmetric two-sided p; NaN on the diagonal
+    ci: np.ndarray | None = None  # (m, m, 3) bootstrap mean difference row − column, CI low, CI high
+    ci_level: float = 0.95
 
     def pvalue_table(self) -> list[list[str]]:
         """Rows of the directional p-value matrix as text; ``*`` at (i, j): i better than j, p < 0.01."""
@@ -131,7 +133,19 @@ class Comparison:
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
             "## Wins (row beats column / paired runs)", "",
             _md(["model", *self.models], self.models, wins), "",
+            *self._ci_markdown(),
         ])
+
+    def _ci_markdown(self) -> list[str]:
+        """The bootstrap section (empty without `ci`): mean difference ×100 [low, high]."""
+        if self.ci is None:
+            return []
+        m = len(self.models)
+        rows = [[("—" if i == j or math.isnan(self.ci[i, j, 0]) else
+                  f"{100 * self.ci[i, j, 0]:+.2f} [{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
+                 for j in range(m)] for i in range(m)]
+        title = f"## Mean paired difference row − column ×100, {100 * self.ci_level:.0f} % bootstrap CI"
+        return [title, "", _md(["model", *self.models], self.models, rows), ""]
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """``comparison.md``, ``means.csv``, ``pvalues.csv`` (one-sided, row better than column),
@@ -147,6 +161,11 @@ class Comparison:
         two = self.pvalues_two_sided if self.pvalues_two_sided is not None else np.full_like(self.pvalues, math.nan)
         _csv(paths["pvalues_two_sided"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, two.tolist(), strict=True)])
         _csv(paths["wins"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.wins.astype(int).tolist(), strict=True)])
+        if self.ci is not None:
+            paths["mean_diff_ci"] = out / "mean_diff_ci.csv"
+            _csv(paths["mean_diff_ci"], ["model", "other", "n", "mean_diff", "ci_low", "ci_high", "level"],
+                 [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
+                  for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
         paths["markdown"] = out / "comparison.md"
         _atomic_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
         return paths
@@ -203,15 +222,70 @@ def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]
     return pvalues, two_sided, wins, n_pairs
 
 
-def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) -> Comparison:
+SELECTED_LR = -1.0  # the lr field of a cell after best-lr selection: "the model's best lr"
+
+
+def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
+                   info: dict[str, dict[str, Any]]) -> dict[str, dict[tuple[Any, ...], float]]:
+    """Keep, per (model, task, epochs, batch, max_len, n_train), the runs of the learning rate
+    with the best mean VALIDATION score (over seeds and the task's metrics; ``*_test`` metrics
+    never choose), as a grid search picks one lr per model and task. The kept cells' lr field
+    becomes SELECTED_LR so that models tuned to different lrs still pair by seed; the chosen lrs
+    go to ``info[model]["best_lr"]`` ({task: lr})."""
+    out: dict[str, dict[tuple[Any, ...], float]] = {}
+    lr_at = CELL_FIELDS.index("lr")
+    for model, cells in scores.items():
+        groups: dict[tuple[Any, ...], dict[float, list[float]]] = {}
+        for key, value in cells.items():
+            if not str(key[1]).endswith("_test"):
+                group = (key[0], *key[lr_at + 1:])  # task, epochs, batch, max_len, n_train
+                groups.setdefault(group, {}).setdefault(key[lr_at], []).append(value)
+        best = {g: max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr)) for g, by_lr in groups.items()}
+        out[model] = {(*k[:lr_at], SELECTED_LR, *k[lr_at + 1:]): v for k, v in cells.items()
+                      if best.get((k[0], *k[lr_at + 1:])) == k[lr_at]}
+        info.setdefault(model, {})["best_lr"] = {g[0]: lr for g, lr in best.items()}
+    return out
+
+
+def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]],
+                        n_resamples: int = 10000, level: float = 0.95, seed: int = 0) -> np.ndarray:
+    """(m, m, 3): mean paired difference row − column over the common cells and its percentile
+    bootstrap CI (``scipy.stats.bootstrap``, resampling cells). Every pair resamples with the same
+    seed, so CI(j, i) = −CI(i, j) mirrored. NaN with fewer than 2 common cells."""
+    m = len(models)
+    out = np.full((m, m, 3), math.nan)
+    for i, a in enumerate(models):
+        for j, b in enumerate(models):
+            common = sorted(scores[a].keys() & scores[b].keys(), key=repr)
+            if i == j or len(common) < 2:
+                continue
+            d = np.array([scores[a][k] - scores[b][k] for k in common])
+            out[i, j, 0] = d.mean()
+            if np.all(d == d[0]):  # no spread: the interval is the point
+                out[i, j, 1:] = d[0]
+                continue
+            res = sps.bootstrap((d,), np.mean, n_resamples=n_resamples, confidence_level=level,
+                                method="percentile", random_state=np.random.default_rng(seed))
+            out[i, j, 1:] = res.confidence_interval.low, res.confidence_interval.high
+    return out
+
+
+def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *, select_lr: bool = False,
+                 bootstrap: int = 0, ci_level: float = 0.95) -> Comparison:
     """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of every model in a results file.
 
+    select_lr: per model and task keep only its best learning rate on validation (``select_best_lr``).
+    bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
     rows = read_results(results_path)
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")
+    if bootstrap < 0 or not 0.0 < ci_level < 1.0:
+        raise UserError(f"--bootstrap must be >= 0 (got {bootstrap}) and the CI level in (0, 1) (got {ci_level})")
     scores, info = _scores(rows)
+    if select_lr:
+        scores = select_best_lr(scores, info)
     models = list(scores)
     columns = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
     shape = (len(models), len(columns))
@@ -224,7 +298,8 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) ->
                 mean[i, c] = vals.mean()
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
     pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
-    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores, two_sided)
+    ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
+    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores, two_sided, ci, ci_level)
     if out_dir is not None:
         report.write(out_dir)
     return report
