@@ -82,3 +82,31 @@ def test_mae_decoder_depth_and_dropout_defaults() -> None:
     attach_decoder(student, 2, 0, 0, 32, 0, dropout=0.1)  # both stay options
     assert len(student.heads[DECODER].layers) == 2
     assert {m.p for m in student.heads[DECODER].modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
+
+
+def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, teacher_dir, dictionary_path) -> None:
+    """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two softmaxes."""
+    obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.5, head="shared"))
+    latent = student.heads["latent"]
+    assert sorted(n for n, _ in latent.named_parameters()) == ["proj.bias", "proj.weight"]  # no own transform
+    pred = student.hf.cls.predictions
+    hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
+    t = pred.transform(hidden)
+    weight = torch.cat([pred.decoder.weight, latent.proj.weight])  # (|V| + k, d): one decoder
+    bias = torch.cat([pred.decoder.bias, latent.proj.bias])
+    joint = t @ weight.T + bias  # (N, |V| + k)
+    vocab = student.vocab_logits(hidden)
+    torch.testing.assert_close(torch.cat([vocab, latent(hidden)], 1), joint, rtol=1e-5, atol=1e-5)
+    # loss: mean KL on the last k (own softmax) + κ · mean CE on the first |V| (own softmax)
+    codes = obj.mlsm.coder.codes(batch)
+    keep = codes.sum(1) > 0
+    p = codes[keep] / codes[keep].sum(1, keepdim=True)
+    log_q = F.log_softmax(joint[keep, vocab.shape[1]:], -1)
+    kl = (torch.xlogy(p, p) - p * log_q).sum(1).mean()
+    ce = F.cross_entropy(joint[:, :vocab.shape[1]], batch.input_ids[batch.selected])
+    out = student(obj, batch)
+    torch.testing.assert_close(out.loss_sum / out.n_targets, kl + 0.5 * ce, rtol=1e-4, atol=1e-4)
+    (out.loss_sum / out.n_targets).backward()
+    assert pred.transform.dense.weight.grad is not None and latent.proj.weight.grad is not None
+    with pytest.raises(UserError, match="objective.head"):
+        _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, head="both"))
