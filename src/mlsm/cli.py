@@ -229,7 +229,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
-    p.add_argument("model", help="HF masked-LM folder, or an MLSM checkpoint with its probe (mlsm probe)")
+    p.add_argument("model", help="HF masked-LM folder (MLM, KD, MTL checkpoints), or an MLSM checkpoint with its probe (mlsm probe)")
     p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
     p.add_argument("--out", required=True, help="folder for blimp.json and blimp.md")
     p.add_argument("--limit", type=int, default=None, help="first N pairs per phenomenon")
