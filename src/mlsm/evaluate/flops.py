@@ -20,7 +20,7 @@ Two accountings (``accounting=``):
   DeBERTa relative attention counted: per layer and attention type (c2p, p2c) a (B·T × d)·(d × 2s)
   score product against 2s relative positions, s = min(T, max_relative_positions) as DeBERTa v1
   computes it, plus the 2s-row position projections. With the DeBERTa-base student, bert-base-cased
-  teacher and k = 3072 this gives MLM 1.13e13 FLOPs/batch, KD 132.0 %, naive MLSM 133.4 %,
+  teacher and k = 3072 this gives MLM 1.13e13 FLOPs/batch, KD 131.9 %, naive MLSM 133.4 %,
   MLSM_12 108.0 %, MLSM_10 103.8 % (paper: 1.13e13, 131.9, 132.7, 107.1, 102.7).
 - ``"mlsm"`` — ours: the recipe's global batch, heads only at the N = mask_rate · B · (T − 2)
   selected positions (mlsm's sparse prediction; the naive recipe's head still at all B·T), relative
