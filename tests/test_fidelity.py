@@ -110,3 +110,23 @@ def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, 
     assert pred.transform.dense.weight.grad is not None and latent.proj.weight.grad is not None
     with pytest.raises(UserError, match="objective.head"):
         _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, head="both"))
+
+
+def test_hitchhiker_recipes_are_the_papers_setting() -> None:
+    """DeBERTa-base v1's shape (~8.3M parameters per layer, Berend 2023 §4.1), the official code's
+    masking (⌊0.15 n⌋ positions, 100 % [MASK]) and a KD teacher on the original text."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from mlsm.config import load_config
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "hitchhiker"
+    for name in ("mlm", "kd", "mlsm", "mtl"):
+        cfg = load_config(root / f"{name}.yaml")
+        assert cfg.data.exact_count and cfg.data.mask_split == [1.0, 0.0, 0.0], name
+    assert load_config(root / "kd.yaml").objective["teacher_input"] == "original"
+    m = load_config(root / "mlsm.yaml").model
+    config = AutoConfig.for_model(m.arch, **{**m.overrides, "num_hidden_layers": 1, "vocab_size": 28996})
+    layer = AutoModel.from_config(config).encoder.layer[0]
+    assert 8.2e6 < sum(p.numel() for p in layer.parameters()) < 8.4e6
