@@ -129,7 +129,7 @@ def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(store_dir, t
     assert int((a > 0).sum(1).max()) <= 2
     top2 = b.topk(2, dim=1)
     torch.testing.assert_close(a.gather(1, top2.indices), top2.values)  # the two largest entries kept
-    n_cut = int((((whole.counts.astype(np.int64)) > 2).sum()))
+    n_cut = int((whole.counts.astype(np.int64) > 2).sum())
     assert capped.meta["truncated"] == n_cut > 0 and int((support > 2).sum()) > 0
 
 
