@@ -113,14 +113,18 @@ def _dictionary(a: argparse.Namespace) -> None:
 
 def _targets(a: argparse.Namespace) -> None:
     from mlsm.teacher.dictionary import load_dictionary
-    from mlsm.teacher.targets import build_target_store
+    from mlsm.teacher.targets import TargetStore, build_target_store
     from mlsm.teacher.teacher import load_teacher
 
     dictionary = load_dictionary(a.dictionary)
     layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
     teacher = load_teacher(a.teacher, layer, device=a.device)
     out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
-    print(f"target store {out}: codes of every position (top {a.nnz}) for max_len {a.max_len}")
+    meta = TargetStore.open(out).meta
+    kept = "whole" if meta["nnz"] is None else f"cut to {meta['nnz']} entries"
+    print(f"target store {out}: codes of {meta['n_positions']:,} positions for max_len {a.max_len}, "
+          f"mean support {meta['mean_support']:.1f}, {kept}; "
+          f"{100 * meta['truncated'] / meta['n_positions']:.2f}% of codes truncated")
 
 
 def _flops(a: argparse.Namespace) -> None:
@@ -280,7 +284,8 @@ def _add_targets(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=int, default=None, help="teacher layer (default: the dictionary's)")
     p.add_argument("--max-len", type=int, default=128, help="data.max_len of the runs that will use it")
-    p.add_argument("--nnz", type=int, default=32, help="non-zeros kept per code (default 32)")
+    p.add_argument("--nnz", type=int, default=None,
+                   help="keep only each code's N largest entries (default: every non-zero; a cap is lossy)")
     p.add_argument("--batch-size", type=int, default=64, help="chunks per teacher forward / progress record")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--out", required=True, help="target store folder (re-run the same command to resume)")
