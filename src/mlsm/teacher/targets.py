@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from mlsm import locking
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_json
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
 from mlsm.teacher.teacher import Teacher
@@ -47,13 +48,21 @@ def dictionary_hash(dictionary: Dictionary) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+_FILES = {"build.json", "progress.json", "meta.json", "indices.bin", "values.bin"}
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's content, or None if it is missing or unreadable (torn)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def _nbytes(spec: dict[str, Any], name: str, n_chunks: int) -> int:
+    """Bytes of `n_chunks` chunks in data file `name`."""
+    dtype = spec["index_dtype"] if name == "indices.bin" else "float16"
+    return n_chunks * (spec["max_len"] - 2) * spec["nnz"] * np.dtype(dtype).itemsize
 
 
 @dataclass
@@ -67,13 +76,25 @@ class TargetStore:
 
     @classmethod
     def open(cls, path: str | Path) -> TargetStore:
+        """Open a complete store, checking meta.json and the data files' sizes (one line if not)."""
         path = Path(path)
         if not (path / "meta.json").is_file():
             raise UserError(f"{path} is not a complete target store (no meta.json); build or resume it with `mlsm targets --out {path}`")
-        meta = json.loads((path / "meta.json").read_text())
+        damaged = f"target store {path} is damaged ({{}}); re-run the `mlsm targets` command that built it (same --out) to repair it"
+        meta = _read_json(path / "meta.json")
+        if not isinstance(meta, dict):
+            raise UserError(damaged.format("meta.json is unreadable"))
         if meta.get("format") != TARGETS_FORMAT:
             raise UserError(f"{path} is not an mlsm target store; build one with `mlsm targets`")
-        shape = (meta["n_chunks"], meta["max_len"] - 2, meta["nnz"])
+        try:
+            shape = (int(meta["n_chunks"]), int(meta["max_len"]) - 2, int(meta["nnz"]))
+            sizes = {name: _nbytes(meta, name, shape[0]) for name in ("indices.bin", "values.bin")}
+        except (KeyError, TypeError, ValueError):
+            raise UserError(damaged.format("meta.json lacks its shape")) from None
+        for name, size in sizes.items():
+            have = (path / name).stat().st_size if (path / name).is_file() else None
+            if have != size:
+                raise UserError(damaged.format(f"{name} is missing" if have is None else f"{name} has {have:,} bytes, expected {size:,}"))
         indices = np.memmap(path / "indices.bin", dtype=meta["index_dtype"], mode="r", shape=shape)
         values = np.memmap(path / "values.bin", dtype=np.float16, mode="r", shape=shape)
         return cls(path, meta, indices, values)
@@ -104,30 +125,47 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
     }
 
 
-def _open_arrays(out: Path, spec: dict[str, Any]) -> tuple[np.memmap, np.memmap]:
-    shape = (spec["n_chunks"], spec["max_len"] - 2, spec["nnz"])
+def _open_arrays(out: Path, spec: dict[str, Any], done: int) -> tuple[np.memmap, np.memmap, int]:
+    """Open indices.bin and values.bin for writing; returns them and how many leading chunks
+    can be trusted: `done`, or 0 when a file was deleted or truncated since (then every chunk
+    is recomputed, which also keeps meta["truncated"] exact)."""
+    n = spec["n_chunks"]
     arrays = []
     for name, dtype in (("indices.bin", spec["index_dtype"]), ("values.bin", "float16")):
-        path = out / name
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        mode = "r+" if path.is_file() and path.stat().st_size == size else "w+"
-        arrays.append(np.memmap(path, dtype=dtype, mode=mode, shape=shape))
-    return arrays[0], arrays[1]
+        path, size = out / name, _nbytes(spec, name, n)
+        have = path.stat().st_size if path.is_file() else 0
+        if have != size:
+            done = 0
+            with open(path, "ab") as fh:
+                fh.truncate(size)  # grow (zero-filled) or cut to the full size
+        arrays.append(np.memmap(path, dtype=dtype, mode="r+", shape=(n, spec["max_len"] - 2, spec["nnz"])))
+    return arrays[0], arrays[1], done
 
 
-def _start(out: Path, spec: dict[str, Any]) -> int:
-    """Create or re-open a build folder; return how many chunks are already written."""
+def _start(out: Path, spec: dict[str, Any]) -> tuple[int, int]:
+    """Create or re-open a build folder; return (chunks written per progress.json, truncated)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder path for the target store")
+    names = {e.name for e in out.iterdir()} if out.is_dir() else set()
+    foreign = sorted(names - _FILES)
+    if names and "build.json" not in names:
+        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm only writes into folders it created)")
+    if foreign:
+        raise UserError(f"--out {out} holds files that are not part of a target store ({', '.join(foreign[:3])}); move them or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    build = out / "build.json"
-    if build.is_file():
-        old = json.loads(build.read_text())
-        if old != json.loads(json.dumps(spec)):
-            diff = [k for k in spec if old.get(k) != json.loads(json.dumps(spec[k]))]
-            raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
-    else:
-        _write_json(build, spec)
-    progress = out / "progress.json"
-    return int(json.loads(progress.read_text())["done"]) if progress.is_file() else 0
+    build, expected = out / "build.json", json.loads(json.dumps(spec))
+    old = _read_json(build) if build.is_file() else None
+    if isinstance(old, dict) and old != expected:
+        diff = [k for k in spec if old.get(k) != expected[k]]
+        raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
+    if not isinstance(old, dict):  # new, or torn: only our files are there, so start over
+        for name in ("meta.json", "progress.json"):
+            (out / name).unlink(missing_ok=True)
+        atomic_write_json(build, spec)
+    progress = _read_json(out / "progress.json")
+    if not isinstance(progress, dict) or not isinstance(progress.get("done"), int) or not 0 <= progress["done"] <= spec["n_chunks"]:
+        return 0, 0
+    return progress["done"], int(progress.get("truncated", 0))
 
 
 @torch.no_grad()
@@ -164,15 +202,27 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     lam = float(lam or dictionary.lam)
     spec = _spec(store, dictionary, teacher, max_len, nnz, lam, source.n_sequences)
     out = Path(out)
+    with locking.hold(out, "target store"):
+        return _build(out, spec, source, teacher, dictionary, lam, batch_size)
+
+
+def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
+           lam: float, batch_size: int) -> Path:
+    """Resume (or start) the build at `out`, under its lock; returns `out`."""
+    done, truncated = _start(out, spec)  # raises if `out` was built with other settings
     if (out / "meta.json").is_file():
-        TargetStore.open(out)  # validates the format
-        _start(out, spec)  # raises if it was built with other settings
-        return out
-    done = _start(out, spec)
-    indices, values = _open_arrays(out, spec)
+        try:
+            TargetStore.open(out)
+            return out
+        except UserError:  # complete but damaged since: recompute what is missing below
+            (out / "meta.json").unlink()
+    indices, values, verified = _open_arrays(out, spec, done)
+    if verified < done:
+        print(f"mlsm: a data file of {out} is missing or truncated; recomputing its {done} chunks", file=sys.stderr, flush=True)
+        done, truncated = 0, 0
+    nnz, max_len = spec["nnz"], spec["max_len"]
     atoms = dictionary.atoms.to(teacher.device).float()  # (d, k)
     gram = atoms.T @ atoms  # (k, k)
-    truncated = int(json.loads((out / "progress.json").read_text()).get("truncated", 0)) if done else 0
     bar = tqdm(total=spec["n_chunks"], initial=done, desc="targets", unit="chunk", disable=None)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
@@ -184,10 +234,10 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
         values[start:stop] = top.values.cpu().numpy().astype(np.float16).reshape(shape)
         indices.flush()
         values.flush()
-        _write_json(out / "progress.json", {"done": stop, "truncated": truncated})
+        atomic_write_json(out / "progress.json", {"done": stop, "truncated": truncated})
         bar.update(stop - start)
     bar.close()
-    _write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": spec["n_chunks"] * (max_len - 2)})
+    atomic_write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": spec["n_chunks"] * (max_len - 2)})
     return out
 
 
