@@ -46,14 +46,25 @@ def _acquire(path: Path) -> int | None:
         os.close(fd)
 
 
+_HELD: dict[Path, int] = {}  # locks this process holds -> nesting depth (re-entrant)
+
+
 @contextmanager
 def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator[None]:
     """Hold the lock of `folder` for the body; `what` names the output in the error
-    (e.g. "run directory", "token store"). enabled=False (DDP ranks > 0) does nothing."""
+    (e.g. "run directory", "token store"). enabled=False (DDP ranks > 0) does nothing.
+    Re-entrant within a process, so the CLI may lock before a library call that locks too."""
+    path = lock_path(folder)
     if not enabled:
         yield
         return
-    path = lock_path(folder)
+    if path in _HELD:  # this process holds it already (an outer `hold`)
+        _HELD[path] += 1
+        try:
+            yield
+        finally:
+            _HELD[path] -= 1
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _acquire(path)
@@ -61,9 +72,11 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its parent folder is writable") from None
     if fd is None:
         raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait for it to finish or choose another output folder")
+    _HELD[path] = 1
     try:
         yield
     finally:
+        del _HELD[path]
         path.unlink(missing_ok=True)  # while still locked: a waiter re-checks the inode
         os.close(fd)
 

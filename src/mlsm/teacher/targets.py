@@ -142,8 +142,9 @@ def _open_arrays(out: Path, spec: dict[str, Any], done: int) -> tuple[np.memmap,
     return arrays[0], arrays[1], done
 
 
-def _start(out: Path, spec: dict[str, Any]) -> tuple[int, int]:
-    """Create or re-open a build folder; return (chunks written per progress.json, truncated)."""
+def check_targets_out(out: str | Path) -> None:
+    """Refuse an --out that is a file or a folder that is not (the start of) a target store."""
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder path for the target store")
     names = {e.name for e in out.iterdir()} if out.is_dir() else set()
@@ -152,6 +153,11 @@ def _start(out: Path, spec: dict[str, Any]) -> tuple[int, int]:
         raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm only writes into folders it created)")
     if foreign:
         raise UserError(f"--out {out} holds files that are not part of a target store ({', '.join(foreign[:3])}); move them or choose another --out")
+
+
+def _start(out: Path, spec: dict[str, Any]) -> tuple[int, int]:
+    """Create or re-open a build folder; return (chunks written per progress.json, truncated)."""
+    check_targets_out(out)
     out.mkdir(parents=True, exist_ok=True)
     build, expected = out / "build.json", json.loads(json.dumps(spec))
     old = _read_json(build) if build.is_file() else None
