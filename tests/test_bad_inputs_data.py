@@ -399,18 +399,20 @@ def test_prepare_overwrite_replaces_a_torn_store(corpus_dir: Path, tokenizer_dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no partial, old or lock left
 
 
-def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path) -> None:
+def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     args = _run_args(store_dir, run, **{"train.steps": 2000, "train.save_every": 0, "train.log_every": 1})
     first = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = time.time()
-    while not (run / "metrics.jsonl").exists() and first.poll() is None and time.time() - start < 120:
-        time.sleep(0.05)
-    assert locking.is_locked(run), "the first run holds its lock while it trains"
-    second = subprocess.run([sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto", *args], env=ENV, capture_output=True, text=True, timeout=300)
-    line = _one_line_error(second.returncode, second.stderr)
+    while not locking.is_locked(run) and first.poll() is None and time.time() - start < 120:
+        time.sleep(0.02)  # is_locked reads /proc/locks: looking never takes the lock
+    assert locking.is_locked(run), "the first run holds its lock from its start"
+    capsys.readouterr()
+    line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)  # a second one
     assert "in use by another mlsm process" in line
-    first.send_signal(signal.SIGTERM)  # the first one is undisturbed and ends cleanly
+    while not (run / "metrics.jsonl").exists() and first.poll() is None and time.time() - start < 120:
+        time.sleep(0.02)
+    first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert ckpt.list_checkpoints(run) and not locking.is_locked(run)
@@ -429,8 +431,7 @@ def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Pat
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert ckpt.list_checkpoints(run) == []
-    proc = subprocess.run([sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto", *args], env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert main(["pretrain", "--resume", "auto", *args]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 

@@ -82,10 +82,31 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
 
 
 def is_locked(folder: str | os.PathLike) -> bool:
-    """True if some process holds the lock of `folder` (for tests and status displays)."""
+    """True if some process holds the lock of `folder` (for tests and status displays).
+
+    Reads /proc/locks, so looking never takes the lock (which could make a starting run
+    refuse); elsewhere it falls back to a brief try-lock."""
     path = lock_path(folder)
-    if not path.exists():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         return False
+    try:
+        with open("/proc/locks") as fh:
+            table = fh.read().split("\n")
+    except OSError:
+        return _try_lock(path)
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in table:
+        fields = line.split()
+        if "FLOCK" in fields and len(fields) > 5 and fields[5].count(":") == 2:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return True
+    return False
+
+
+def _try_lock(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
