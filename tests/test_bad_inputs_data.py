@@ -251,6 +251,12 @@ def _case_run_out_holds_user_files(tmp, fx):
     return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], folder)], [folder], "not an mlsm run", None
 
 
+def _case_probe_out_user_folder(tmp, fx):
+    folder = _user_folder(tmp)
+    args = ["probe", str(fx["base_run"] / "checkpoints" / "step-0000003"), "--out", str(folder), "--resume"]
+    return args, [folder, fx["base_run"]], "not an mlsm run", None
+
+
 def _case_run_out_is_a_file(tmp, fx):
     path = tmp / "run"
     path.write_text("precious\n")

@@ -45,6 +45,7 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     run_dir = Path(cfg.train.out)
     # One process per run directory; under DDP rank 0 holds the lock for the whole group.
     with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
+        _check_run_dir(run_dir, resume)  # before minutes of loading
         return _pretrain(cfg, resume, dist_info, run_dir)
 
 
@@ -211,13 +212,7 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
     """Create or re-open the run directory; on resume restore state and return the next step.
 
     Nothing in run_dir is written before the resume is validated (same run, intact checkpoint)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"train.out={run_dir} is a file; pass a folder path for the run directory")
-    has_content = run_dir.is_dir() and any(run_dir.iterdir())
-    if has_content and not _is_run_dir(run_dir):
-        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another train.out (mlsm never writes into a folder it did not create)")
-    if has_content and not resume:
-        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
+    _check_run_dir(run_dir, resume)
     picked = _pick_checkpoint(run_dir, resume, info) if resume else None
     _check_same_run(run_dir, cfg, picked)
     step = 0
@@ -233,6 +228,17 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
     if info.is_main:
         _write_run_files(run_dir, cfg, info, step)
     return step
+
+
+def _check_run_dir(run_dir: Path, resume: str | None) -> None:
+    """Any content of train.out counts: only an mlsm run is continued, and only with --resume."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"train.out={run_dir} is a file; pass a folder path for the run directory")
+    has_content = run_dir.is_dir() and any(run_dir.iterdir())
+    if has_content and not _is_run_dir(run_dir):
+        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another train.out (mlsm never writes into a folder it did not create)")
+    if has_content and not resume:
+        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
 
 
 def _is_run_dir(run_dir: Path) -> bool:
