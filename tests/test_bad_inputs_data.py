@@ -257,6 +257,16 @@ def _case_probe_out_user_folder(tmp, fx):
     return args, [folder, fx["base_run"]], "not an mlsm run", None
 
 
+def _case_probe_torn_checkpoint_json(tmp, fx):
+    run = _run_copy(tmp, fx)
+    _truncate(run / "checkpoints" / "step-0000003" / "checkpoint.json")
+    return ["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is damaged", None
+
+
+def _case_run_out_is_root(tmp, fx):
+    return ["pretrain", *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder", None
+
+
 def _case_run_out_is_a_file(tmp, fx):
     path = tmp / "run"
     path.write_text("precious\n")

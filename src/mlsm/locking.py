@@ -20,7 +20,9 @@ from mlsm.errors import UserError
 
 
 def lock_path(folder: str | os.PathLike) -> Path:
-    folder = Path(folder).absolute()
+    folder = Path(os.path.abspath(folder))  # normalises "out/.." and "." without following links
+    if not folder.name:
+        raise UserError(f"{folder} cannot be an output folder; pass a folder below it")
     return folder.with_name(f".{folder.name}.lock")
 
 
