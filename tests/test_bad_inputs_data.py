@@ -365,8 +365,20 @@ def _case_dictionary_out_foreign_json(tmp, fx):
 CASES = {name[len("_case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("_case_")}
 
 
+class _Fixtures(dict):
+    """Fixtures by name, set up only when a case asks (the teacher and dictionary cost seconds)."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        super().__init__()
+        self.request = request
+
+    def __missing__(self, name: str) -> object:
+        self[name] = self.request.getfixturevalue(name)
+        return self[name]
+
+
 @pytest.fixture
-def fx(corpus_dir, tokenizer_dir, store_dir, base_run, teacher_dir, targets_cmd, request):
+def fx(request: pytest.FixtureRequest):
     held = []
 
     def hold(folder: Path) -> None:  # like another process: its own open file description
@@ -376,10 +388,8 @@ def fx(corpus_dir, tokenizer_dir, store_dir, base_run, teacher_dir, targets_cmd,
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.append((fd, path))
 
-    found = {"corpus_dir": corpus_dir, "tokenizer_dir": tokenizer_dir, "store_dir": store_dir, "base_run": base_run,
-             "teacher_dir": teacher_dir, "targets_cmd": targets_cmd, "hold": hold}
-    if "targets" in request.node.name:
-        found["fresh_targets"] = request.getfixturevalue("fresh_targets")
+    found = _Fixtures(request)
+    found["hold"] = hold
     yield found
     for fd, path in held:
         path.unlink()

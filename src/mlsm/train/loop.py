@@ -280,7 +280,7 @@ def _same_run_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Dotted keys of `_SAME_RUN` on which configs a and b differ."""
     diff = []
     for group, keys in _SAME_RUN.items():
-        ga, gb = a.get(group) or {}, b.get(group) or {}
+        ga, gb = (g if isinstance(g, dict) else {} for g in (a.get(group), b.get(group)))
         for key in keys or sorted(set(ga) | set(gb)):
             if json.dumps(ga.get(key), sort_keys=True) != json.dumps(gb.get(key), sort_keys=True):
                 diff.append(f"{group}.{key}")
