@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from transformers.utils import logging as hf_logging
 
 from mlsm import fileio, locking
 from mlsm.cli import main
@@ -559,3 +560,29 @@ def test_text_sources_keep_their_documents(tmp_path: Path) -> None:
     docs = make_text(3, seed=5)
     (tmp_path / "crlf.txt").write_bytes("\r\n\r\n".join(docs).encode())
     assert list(iter_documents([str(tmp_path / "crlf.txt")])) == docs
+
+
+def test_targets_disk_full_is_one_line_and_the_rerun_completes(fresh_targets: Path, targets_cmd: Callable, tmp_path: Path, monkeypatch, capsys) -> None:
+    from mlsm.teacher import targets
+
+    real, calls = targets.atomic_write_json, {"n": 0}
+
+    def full_on_third(path, payload):  # build.json, progress 1, then the disk is full
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(path, payload)
+
+    monkeypatch.setattr(targets, "atomic_write_json", full_on_third)
+    out = tmp_path / "t"
+    capsys.readouterr()
+    hf_logging.disable_progress_bar()  # the teacher load's own bar is not this test's subject
+    try:
+        line = _one_line_error(main(targets_cmd(out)), capsys.readouterr().err)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "No space left on device" in line and "re-run the same command" in line
+    monkeypatch.setattr(targets, "atomic_write_json", real)
+    assert main(targets_cmd(out)) == 0
+    ref, got = TargetStore.open(fresh_targets), TargetStore.open(out)
+    assert np.array_equal(got.indices, ref.indices) and np.array_equal(got.values, ref.values)

@@ -215,6 +215,14 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
 def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
            lam: float, batch_size: int) -> Path:
     """Resume (or start) the build at `out`, under its lock; returns `out`."""
+    try:
+        return _resume(out, spec, source, teacher, dictionary, lam, batch_size)
+    except OSError as exc:
+        raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free space and re-run the same command to resume") from None
+
+
+def _resume(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
+            lam: float, batch_size: int) -> Path:
     done, truncated = _start(out, spec)  # raises if `out` was built with other settings
     if (out / "meta.json").is_file():
         try:

@@ -306,12 +306,15 @@ def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dic
 
 
 def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
-        atomic_write_text(run_dir / RUN_MARKER, json.dumps({"format": "mlsm-run", "git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
-    ckpt.remove_stale(run_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    _truncate_metrics(run_dir / "metrics.jsonl", step)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
+            atomic_write_text(run_dir / RUN_MARKER, json.dumps({"format": "mlsm-run", "git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
+        ckpt.remove_stale(run_dir)
+        save_config(cfg, run_dir / "config.yaml")
+        _truncate_metrics(run_dir / "metrics.jsonl", step)
+    except OSError as exc:
+        raise UserError(f"cannot write to run directory {run_dir} ({exc.strerror or exc}); check space and permissions, then rerun") from None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
