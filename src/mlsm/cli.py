@@ -102,9 +102,10 @@ def _rank(a: argparse.Namespace) -> None:
 
 def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import TokenStore
-    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
     from mlsm.teacher.teacher import load_teacher
 
+    check_dictionary_out(a.out)  # before minutes of work
     d = learn_dictionary(TokenStore.open(a.store), load_teacher(a.teacher, a.layer, device=a.device),
                          k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len, batch_size=a.batch_size,
                          n_iter=a.n_iter, seed=a.seed, out=a.out)
@@ -112,14 +113,17 @@ def _dictionary(a: argparse.Namespace) -> None:
 
 
 def _targets(a: argparse.Namespace) -> None:
+    from mlsm.locking import hold
     from mlsm.teacher.dictionary import load_dictionary
-    from mlsm.teacher.targets import TargetStore, build_target_store
+    from mlsm.teacher.targets import TargetStore, build_target_store, check_targets_out
     from mlsm.teacher.teacher import load_teacher
 
-    dictionary = load_dictionary(a.dictionary)
-    layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
-    teacher = load_teacher(a.teacher, layer, device=a.device)
-    out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
+    check_targets_out(a.out)  # the folder and its lock before loading the teacher
+    with hold(a.out, "target store"):
+        dictionary = load_dictionary(a.dictionary)
+        layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
+        teacher = load_teacher(a.teacher, layer, device=a.device)
+        out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
     meta = TargetStore.open(out).meta
     kept = "whole" if meta["nnz"] is None else f"cut to {meta['nnz']} entries"
     print(f"target store {out}: codes of {meta['n_positions']:,} positions for max_len {a.max_len}, "

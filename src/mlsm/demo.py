@@ -106,7 +106,7 @@ def _pretrain_once(cfg: Any) -> Path:
     run = Path(cfg.train.out)
     done = [s for s, _ in list_checkpoints(run)]
     if cfg.train.steps not in done:
-        pretrain(cfg, resume="auto" if (run / "metrics.jsonl").exists() else None)
+        pretrain(cfg, resume="auto")  # auto: a new or empty run directory starts fresh
     return run / "checkpoints" / f"step-{cfg.train.steps:07d}"
 
 
@@ -152,7 +152,7 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     probe_run = out / "mlsm" / "probe"
     if not (probe_run / "checkpoints" / f"step-{probe_steps:07d}").exists():
         run_probe(mlsm_ckpt, steps=probe_steps, out=str(probe_run), overrides=["optim.lr=1e-2"],
-                  resume="auto" if (probe_run / "metrics.jsonl").exists() else None)
+                  resume="auto")
     probe_ckpt = probe_run / "checkpoints" / f"step-{probe_steps:07d}"
     shared = find_shared_data(data)
     stage("5/6 fine-tuning both models")

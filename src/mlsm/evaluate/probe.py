@@ -29,8 +29,10 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     info_path = folder / "checkpoint.json"
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
-    info = json.loads(info_path.read_text())
-    raw = dict(info["config"])
+    try:
+        raw = dict(json.loads(info_path.read_text(encoding="utf-8"))["config"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UserError(f"{info_path} is damaged (no readable config); pass another checkpoints/step-* folder") from None
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
     raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),

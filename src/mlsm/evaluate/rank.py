@@ -27,7 +27,6 @@ import gzip
 import io
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
 # Tolerance on the cumulative energy ratio so that a spectrum reaching tau exactly (up to rounding)
@@ -275,14 +274,10 @@ def plot_rank(table: RankTable, path: str | os.PathLike) -> Path:
            title=f"Effective rank of token representations ({table.mask_rate:.0%} [MASK])")
     ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, out)
+        atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return out
 
 

@@ -7,7 +7,6 @@ pyplot state or global backend is touched (safe inside notebooks and other progr
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +14,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.evaluate.stats import SIGNIFICANCE, Comparison, compare_runs
+from mlsm.fileio import atomic_write, atomic_write_text
 
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)  # attach the Agg canvas: PNG output without pyplot
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     return path
 
 
@@ -131,7 +129,5 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())
     path = out / "report.md"
-    tmp = out / "report.md.tmp"
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(parts))
     return path

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 from tqdm.auto import tqdm
@@ -340,6 +341,8 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     """
     k = 4 * teacher.hidden_size if k is None else k
     _check_options(k, lam)
+    if out is not None:
+        check_dictionary_out(out)
     X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed).to(teacher.device)
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
@@ -375,14 +378,43 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
     return path, path.with_suffix(".json")
 
 
+def check_dictionary_out(path: str | Path) -> None:
+    """Refuse an --out whose PATH.safetensors / PATH.json exist but are not an mlsm dictionary
+    (checked before minutes of learning; a dictionary of ours may be replaced)."""
+    weights, meta_path = _paths(path)
+    for file in (weights, meta_path):
+        if file.is_dir():
+            raise UserError(f"--out {path}: {file} is a folder; pass a file path such as dict.safetensors")
+    if weights.exists():
+        try:
+            with safe_open(str(weights), "pt") as fh:
+                ours = set(fh.keys()) == {"atoms"} and "meta" in (fh.metadata() or {})
+        except Exception:  # safetensors raises its own error types for a non-safetensors file
+            ours = False
+        if not ours:
+            raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; choose another --out")
+    if meta_path.exists():
+        try:
+            ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            ours = False
+        if not ours:
+            raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's meta; choose another --out")
+
+
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the former."""
+    check_dictionary_out(path)
     weights, meta_path = _paths(path)
-    meta = {**dictionary.meta, "d": dictionary.d, "k": dictionary.k}
+    meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k}
     text = json.dumps(meta, indent=2, sort_keys=True)
     atoms = dictionary.atoms.detach().cpu().float().contiguous()
-    atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
-    atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+    try:
+        atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
+        atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+    except (OSError, SafetensorError) as exc:
+        reason = (getattr(exc, "strerror", None) or str(exc)).splitlines()[0]
+        raise UserError(f"could not write dictionary {weights} ({reason}); free space and re-run") from None
     return weights
 
 

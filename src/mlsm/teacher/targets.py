@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from mlsm import locking
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_json
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
 from mlsm.teacher.teacher import Teacher
@@ -54,13 +55,7 @@ def dictionary_hash(dictionary: Dictionary) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+_FILES = {"build.json", "progress.json", "meta.json", "counts.bin", "chunk_ptr.bin", "indices.bin", "values.bin"}
 
 
 @dataclass
@@ -112,9 +107,33 @@ class TargetStore:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        payload = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} ({exc}); rebuild the target store with `mlsm targets` into a new --out") from exc
+        raise UserError(f"cannot read {path} ({exc}); re-run the `mlsm targets` command that built it (same --out) to repair it") from exc
+    if not isinstance(payload, dict):
+        raise UserError(f"{path} is not a JSON object; re-run the `mlsm targets` command that built it (same --out) to repair it")
+    return payload
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    """A build's own bookkeeping file, or None if missing or torn (then that part is redone)."""
+    try:
+        return _read_json(path) if path.is_file() else None
+    except UserError:
+        return None
+
+
+def check_targets_out(out: str | Path) -> None:
+    """Refuse an --out that is a file or a folder that is not (the start of) a target store."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder path for the target store")
+    names = {e.name for e in out.iterdir()} if out.is_dir() else set()
+    foreign = sorted(names - _FILES)
+    if names and "build.json" not in names:
+        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm only writes into folders it created)")
+    if foreign:
+        raise UserError(f"--out {out} holds files that are not part of a target store ({', '.join(foreign[:3])}); move them or choose another --out")
 
 
 def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nnz: int | None,
@@ -177,19 +196,24 @@ def _verified_prefix(arrays: _Arrays, done: int) -> int:
 
 def _start(out: Path, spec: dict[str, Any]) -> int:
     """Create or re-open a build folder; return how many chunks are already written and intact."""
+    check_targets_out(out)
     out.mkdir(parents=True, exist_ok=True)
-    build = out / "build.json"
-    if build.is_file():
-        old = _read_json(build)
-        if old != json.loads(json.dumps(spec)):
-            diff = [k for k in spec if old.get(k) != json.loads(json.dumps(spec[k]))]
-            raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
-    else:
-        _write_json(build, spec)
-    progress = out / "progress.json"
-    claimed = int(_read_json(progress)["done"]) if progress.is_file() else 0
+    build, expected = out / "build.json", json.loads(json.dumps(spec))
+    old = _read_json_or_none(build)
+    if old is not None and old != expected:
+        diff = [k for k in spec if old.get(k) != expected[k]]
+        raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
+    if old is None:  # new, or torn: only our files are there, so start over
+        for name in ("meta.json", "progress.json"):
+            (out / name).unlink(missing_ok=True)
+        atomic_write_json(build, spec)
+    progress = _read_json_or_none(out / "progress.json") or {}
+    claimed = progress.get("done", 0)
+    claimed = claimed if isinstance(claimed, int) and 0 <= claimed <= spec["n_chunks"] else 0
     arrays = _arrays(out, spec, mode="r+")
-    done = _verified_prefix(arrays, min(claimed, spec["n_chunks"])) if arrays else 0
+    done = _verified_prefix(arrays, claimed) if arrays else 0
+    if done < claimed and spec["nnz"] is not None:
+        done = 0  # the truncation count covers all `claimed` chunks: recount it from the start
     if done < claimed:
         print(f"mlsm targets: {out} holds {done} of the {claimed} chunks progress.json records; recomputing the rest", file=sys.stderr)
     return done
@@ -258,26 +282,41 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     lam = float(lam or dictionary.lam)
     spec = _spec(store, dictionary, teacher, max_len, nnz, lam, source.n_sequences)
     out = Path(out)
+    with locking.hold(out, "target store"):
+        try:
+            return _build(out, spec, source, teacher, dictionary, lam, batch_size)
+        except OSError as exc:
+            raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free space and re-run the same command to resume") from None
+
+
+def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
+           lam: float, batch_size: int) -> Path:
+    """Resume (or start) the build at `out`, under its lock; returns `out`."""
+    done = _start(out, spec)  # raises if `out` was built with other settings
     if (out / "meta.json").is_file():
-        TargetStore.open(out)  # validates the format and the files
-        _start(out, spec)  # raises if it was built with other settings
-        return out
-    done = _start(out, spec)
+        try:
+            TargetStore.open(out)
+            return out
+        except UserError:  # complete but damaged since: _start found what is intact, redo the rest
+            (out / "meta.json").unlink()
     atoms = dictionary.atoms.to(teacher.device).float()  # (d, k)
     gram = atoms.T @ atoms  # (k, k)
-    truncated = int(_read_json(out / "progress.json").get("truncated", 0)) if done else 0
+    progress = _read_json_or_none(out / "progress.json") or {}
+    # _start returns either the recorded prefix or, with a cap, 0 (so the count stays exact)
+    truncated = int(progress.get("truncated", 0)) if done and progress.get("done") == done else 0
+    max_len = spec["max_len"]
     bar = tqdm(total=spec["n_chunks"], initial=done, desc="targets", unit="chunk", disable=None)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
         codes = _encode_chunks(source.chunk_tokens(np.arange(start, stop)), teacher, atoms, gram, lam)
         truncated += _write_codes(out, spec, start, codes.cpu())
-        _write_json(out / "progress.json", {"done": stop, "truncated": truncated})
+        atomic_write_json(out / "progress.json", {"done": stop, "truncated": truncated})
         bar.update(stop - start)
     bar.close()
     counts, ptr, _, _ = _arrays(out, spec, mode="r+")
     n_positions = spec["n_chunks"] * (max_len - 2)
-    _write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": n_positions,
-                                    "n_entries": int(ptr[-1]), "mean_support": float(ptr[-1]) / n_positions})
+    atomic_write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": n_positions,
+                                          "n_entries": int(ptr[-1]), "mean_support": float(ptr[-1]) / n_positions})
     return out
 
 
