@@ -118,13 +118,13 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
 
 
 def load_tokenizer(path: str, spec: TaskSpec) -> Any:
-    from transformers import AutoTokenizer
+    from mlsm import hf
 
     if spec.kind != "token":
-        return AutoTokenizer.from_pretrained(path)
+        return hf.load_tokenizer(path)
     # Pre-split words need add_prefix_space for byte-level BPE tokenizers (RoBERTa, GPT-2);
     # WordPiece tokenizers ignore it.
-    tok = AutoTokenizer.from_pretrained(path, add_prefix_space=True)
+    tok = hf.load_tokenizer(path, add_prefix_space=True)
     if not tok.is_fast:
         raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) for word alignment")
     return tok
@@ -289,11 +289,13 @@ def _load_backbone(path: str) -> nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
+    from mlsm.hf import load_model
+
     before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per cell would drown our own bar
     try:
-        return AutoModel.from_pretrained(path, dtype=torch.float32)
+        return load_model(AutoModel, path, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(before)
         if bars:

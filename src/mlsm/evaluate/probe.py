@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel
 
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
+from mlsm.hf import load_model, load_tokenizer
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.train.loop import pretrain
@@ -57,7 +58,7 @@ class ProbeScorer(torch.nn.Module):
 
         state = load_file(folder / "heads.safetensors")
         with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
-            self.backbone = AutoModel.from_pretrained(folder)
+            self.backbone = load_model(AutoModel, folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
@@ -75,7 +76,7 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     heads = folder / "heads.json"
     if heads.is_file() and "probe" in json.loads(heads.read_text()):
         scorer = ProbeScorer(folder)
-        return (scorer.to(device) if device else scorer), AutoTokenizer.from_pretrained(folder)
+        return (scorer.to(device) if device else scorer), load_tokenizer(folder)
     if heads.is_file() and "latent" in json.loads(heads.read_text()):
         raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
     return load_masked_lm(str(folder), device)

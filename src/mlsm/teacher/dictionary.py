@@ -109,7 +109,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         ids, mask, content = teacher.batch_from_ids(seqs)
         h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
         if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; load it in float32 (omit --dtype) or check the checkpoint")
+            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint (its weights may hold NaN/inf) or load it in float32")
         norms = h.norm(dim=1, keepdim=True)
         h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
         empty = empty + 1 if h.shape[0] == 0 else 0
