@@ -443,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     parser, handlers = build_parser()
     argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
+        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     prog = f"mlsm {args.verb}"

@@ -325,6 +325,18 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
     return rows
 
 
+def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int, max_train_examples: int | None) -> None:
+    """Refuse a grid that would train nothing and still write its (untrained) scores as results."""
+    sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
+    if max_train_examples is not None:
+        sizes["--max-train-examples"] = max_train_examples
+    for flag, value in sizes.items():
+        if not value >= 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}; nothing was trained or written")
+    if not all(lr > 0 for lr in lrs):
+        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; nothing was trained or written")
+
+
 def finetune(
     models: Sequence[str | Path],
     tasks: Sequence[str],
@@ -349,6 +361,7 @@ def finetune(
     """
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
+    _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
     refs = [resolve_model(m) for m in models]
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")
