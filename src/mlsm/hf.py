@@ -37,7 +37,8 @@ def first_line(exc: BaseException) -> str:
     return text if text else type(exc).__name__
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder or checkpoint; torn or binary content is one UserError."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
@@ -51,7 +52,7 @@ def _check_json(path: Path) -> None:
     """Refuse a config/tokenizer JSON that asks for custom code or names a foreign model_type."""
     if not path.is_file():
         return
-    data = _read_json(path)
+    data = read_json(path)
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a JSON object, got {type(data).__name__}; restore the file")
     if "auto_map" in data:

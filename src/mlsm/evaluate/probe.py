@@ -7,7 +7,6 @@ readiness checkpoints, resume and DDP as any run. Default length: 10 % of the pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from transformers import AutoModel
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
-from mlsm.hf import load_model, load_tokenizer
+from mlsm.hf import load_model, load_tokenizer, read_json
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.train.loop import pretrain
@@ -30,7 +29,7 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     info_path = folder / "checkpoint.json"
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
-    info = json.loads(info_path.read_text())
+    info = read_json(info_path)
     raw = dict(info["config"])
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
@@ -53,7 +52,7 @@ class ProbeScorer(torch.nn.Module):
     def __init__(self, folder: str | Path):
         super().__init__()
         folder = Path(folder)
-        meta = json.loads((folder / "heads.json").read_text())
+        meta = read_json(folder / "heads.json")
         from safetensors.torch import load_file
 
         state = load_file(folder / "heads.safetensors")
@@ -74,9 +73,9 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder."""
     folder = Path(path)
     heads = folder / "heads.json"
-    if heads.is_file() and "probe" in json.loads(heads.read_text()):
+    if heads.is_file() and "probe" in read_json(heads):
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), load_tokenizer(folder)
-    if heads.is_file() and "latent" in json.loads(heads.read_text()):
+    if heads.is_file() and "latent" in read_json(heads):
         raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
     return load_masked_lm(str(folder), device)
