@@ -113,7 +113,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, store_dir
     bad_gz = root / "blimp_gz"
     bad_gz.mkdir()
     raw = gzip.compress(b'{"sentence_good": "a b", "sentence_bad": "b a"}\n' * 50)
-    (bad_gz / "toy.jsonl.gz").write_bytes(raw[:20] + bytes(64) + raw[84:])  # a corrupt deflate stream
+    (bad_gz / "toy.jsonl.gz").write_bytes(raw[:12] + b"\xff" * 40 + raw[52:])  # zlib.error: invalid distance code
     z["blimp"], z["blimp_gz"] = blimp, bad_gz
     (root / "afile").write_text("precious\n")
     z["afile"] = root / "afile"

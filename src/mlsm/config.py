@@ -124,7 +124,7 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "data.mask_rate": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"),
     "data.mask_split": (lambda v: len(v) == 3 and min(v) >= 0 and abs(sum(v) - 1) < 1e-6,
                         "three non-negative fractions [mask, random, keep] that sum to 1"),
-    "optim.lr": _POSITIVE, "optim.weight_decay": _NON_NEGATIVE, "optim.eps": _POSITIVE,
+    "optim.lr": _NON_NEGATIVE, "optim.weight_decay": _NON_NEGATIVE, "optim.eps": _POSITIVE,
     "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "optim.schedule": (lambda v: v in ("linear", "wsd"), "linear or wsd"),
     "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,

@@ -59,7 +59,7 @@ def _check_json(path: Path) -> None:
         raise UserError(f"{path} declares auto_map (custom Python code shipped with the model); mlsm never "
                         "runs a folder's code: use a model of a built-in transformers architecture")
     model_type = data.get("model_type")
-    if path.name == "config.json" and model_type is not None:
+    if path.name != "tokenizer_config.json" and model_type is not None:
         from transformers import CONFIG_MAPPING
 
         if model_type not in CONFIG_MAPPING:
@@ -74,6 +74,9 @@ def check_folder(path: str | os.PathLike) -> None:
     (trust_remote_code=False) and HF_HUB_OFFLINE decides whether they are fetched at all.
     """
     p = Path(path)
+    text = str(path)
+    if not p.exists() and (p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or text.endswith(".json")):
+        raise UserError(f"{path} does not exist; pass a local model or tokenizer folder")
     if p.is_file():
         _check_json(p)
     elif p.is_dir():

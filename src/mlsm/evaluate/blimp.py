@@ -84,7 +84,7 @@ def _read_file(path: Path) -> list[BlimpPair]:
                     )
                 pairs.append(_pair(row, _stem(path), number - 1))
     except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: BadGzipFile
-        raise UserError(f"{path} is not readable JSON lines ({first_line(err)}): {_FIX_DATA}") from None
+        raise UserError(f"{path} is not JSON lines ({first_line(err)}): {_FIX_DATA}") from None
     return pairs
 
 

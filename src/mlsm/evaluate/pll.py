@@ -101,7 +101,7 @@ def load_masked_lm(path: str, device: str | torch.device | None = None) -> tuple
     try:
         model = load_model(AutoModelForMaskedLM, path)
         tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, UserError) as err:
         raise UserError(
             f"cannot load a masked LM from {path} ({first_line(err)}): pass a checkpoint folder "
             "with config.json, weights and tokenizer that AutoModelForMaskedLM can read"

@@ -238,7 +238,7 @@ def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[A
     try:
         model = load_model(AutoModel, path)
         tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, UserError) as err:
         raise UserError(
             f"cannot load an encoder from {path} ({first_line(err)}): pass a checkpoint folder "
             "with config.json, weights and tokenizer that AutoModel can read"
