@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from mlsm import locking
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
+from mlsm.hf import first_line
+from mlsm.hf import load_tokenizer as hf_load_tokenizer
 
 STORE_FORMAT = "mlsm-token-store"
 STORE_VERSION = 1
@@ -47,10 +49,10 @@ _TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Load a fast HF tokenizer from a folder or hub id, with a readable error."""
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = hf_load_tokenizer(name_or_path)
     except Exception as exc:  # HF raises many types; the user needs one line
         raise UserError(
-            f"cannot load tokenizer {name_or_path!r} ({type(exc).__name__}); pass a local "
+            f"cannot load tokenizer {name_or_path!r} ({first_line(exc)}); pass a local "
             "tokenizer folder, or train one with `mlsm train-tokenizer`"
         ) from None
     if not tok.is_fast:
@@ -164,7 +166,7 @@ def _hf_docs(spec: str, text_field: str) -> Iterator[str]:
 
         ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as exc:
-        raise UserError(f"cannot load HF dataset {spec!r} ({type(exc).__name__}); check the name or use local files") from None
+        raise UserError(f"cannot load HF dataset {spec!r} ({first_line(exc)}); check the name or use local files") from None
     for record in ds:
         text = record.get(text_field)
         if isinstance(text, str) and text.strip():
@@ -241,7 +243,7 @@ class TokenStore:
         return str(self.meta["tokenizer_hash"])
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        return hf_load_tokenizer(self.path / "tokenizer")
 
     def document(self, j: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[j] : self.offsets[j + 1]])

@@ -118,13 +118,13 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
 
 
 def load_tokenizer(path: str, spec: TaskSpec) -> Any:
-    from transformers import AutoTokenizer
+    from mlsm import hf
 
     if spec.kind != "token":
-        return AutoTokenizer.from_pretrained(path)
+        return hf.load_tokenizer(path)
     # Pre-split words need add_prefix_space for byte-level BPE tokenizers (RoBERTa, GPT-2);
     # WordPiece tokenizers ignore it.
-    tok = AutoTokenizer.from_pretrained(path, add_prefix_space=True)
+    tok = hf.load_tokenizer(path, add_prefix_space=True)
     if not tok.is_fast:
         raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) for word alignment")
     return tok
@@ -297,11 +297,13 @@ def _load_backbone(path: str) -> nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
+    from mlsm.hf import load_model
+
     before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per cell would drown our own bar
     try:
-        return AutoModel.from_pretrained(path, dtype=torch.float32)
+        return load_model(AutoModel, path, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(before)
         if bars:
@@ -330,6 +332,18 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
                 "seconds": round(time.time() - start, 2),
             })
     return rows
+
+
+def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int, max_train_examples: int | None) -> None:
+    """Refuse a grid that would train nothing and still write its (untrained) scores as results."""
+    sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
+    if max_train_examples is not None:
+        sizes["--max-train-examples"] = max_train_examples
+    for flag, value in sizes.items():
+        if not value >= 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}; nothing was trained or written")
+    if not all(lr > 0 for lr in lrs):
+        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; nothing was trained or written")
 
 
 def finetune(
@@ -365,6 +379,7 @@ def finetune(
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
+    _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
     refs = [resolve_model(m) for m in models]
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")

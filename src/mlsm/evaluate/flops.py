@@ -205,21 +205,20 @@ def format_table(rows: list[FlopRow], accounting: str | None = None) -> str:
 
 def teacher_shape_config(name: str) -> Any:
     """HF config of a teacher: packaged MiniLM for '', a known hub shape, or AutoConfig."""
-    from transformers import AutoConfig
-
     from mlsm.errors import UserError
+    from mlsm.hf import first_line, load_config
     from mlsm.teacher.teacher import default_teacher_path
 
     if not name:
-        return AutoConfig.from_pretrained(default_teacher_path())
+        return load_config(default_teacher_path())
     if name in KNOWN_SHAPES:
         from transformers import BertConfig
 
         return BertConfig(**KNOWN_SHAPES[name], architectures=["BertForMaskedLM"])
     try:
-        return AutoConfig.from_pretrained(name)
+        return load_config(name)
     except Exception as exc:  # OSError, ValueError, HTTP errors
-        raise UserError(f"cannot read the config of teacher {name!r} ({type(exc).__name__}); pass --teacher PATH to a local model folder") from None
+        raise UserError(f"cannot read the config of teacher {name!r} ({first_line(exc)}); pass --teacher PATH to a local model folder") from None
 
 
 def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None, layer: int | None = None,
@@ -231,6 +230,8 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     """
     from transformers import AutoConfig
 
+    from mlsm.hf import load_config
+
     obj = cfg.objective
     t_cfg = teacher_shape_config(teacher if teacher is not None else str(obj.get("teacher", "")))
     t = shape_of(t_cfg)
@@ -239,7 +240,7 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
     m = cfg.model
-    student = AutoConfig.from_pretrained(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
+    student = load_config(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
     student_shape = {**student.to_dict(), "vocab_size": vocab_size or t.vocab}
     archs = (t_cfg.get("architectures") if isinstance(t_cfg, dict) else getattr(t_cfg, "architectures", None)) or []
     has_head = any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)

@@ -7,16 +7,16 @@ readiness checkpoints, resume and DDP as any run. Default length: 10 % of the pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel
 
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
+from mlsm.hf import load_model, load_tokenizer, read_json
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.train.loop import pretrain
@@ -30,8 +30,8 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
     try:
-        raw = dict(json.loads(info_path.read_text(encoding="utf-8"))["config"])
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raw = dict(read_json(info_path)["config"])
+    except (KeyError, TypeError, ValueError):
         raise UserError(f"{info_path} is damaged (no readable config); pass another checkpoints/step-* folder") from None
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
@@ -54,12 +54,12 @@ class ProbeScorer(torch.nn.Module):
     def __init__(self, folder: str | Path):
         super().__init__()
         folder = Path(folder)
-        meta = json.loads((folder / "heads.json").read_text())
+        meta = read_json(folder / "heads.json")
         from safetensors.torch import load_file
 
         state = load_file(folder / "heads.safetensors")
         with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
-            self.backbone = AutoModel.from_pretrained(folder)
+            self.backbone = load_model(AutoModel, folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
@@ -77,7 +77,7 @@ def _exports_vocab_head(folder: Path) -> bool:
     config = folder / "config.json"
     if not config.is_file():
         return False
-    archs = json.loads(config.read_text()).get("architectures") or []
+    archs = read_json(config).get("architectures") or []
     return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
 
 
@@ -89,9 +89,9 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     """
     folder = Path(path)
     heads = folder / "heads.json"
-    if heads.is_file() and "probe" in json.loads(heads.read_text()):
+    if heads.is_file() and "probe" in read_json(heads):
         scorer = ProbeScorer(folder)
-        return (scorer.to(device) if device else scorer), AutoTokenizer.from_pretrained(folder)
-    if heads.is_file() and "latent" in json.loads(heads.read_text()) and not _exports_vocab_head(folder):
+        return (scorer.to(device) if device else scorer), load_tokenizer(folder)
+    if heads.is_file() and "latent" in read_json(heads) and not _exports_vocab_head(folder):
         raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
     return load_masked_lm(str(folder), device)

@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mlsm.errors import UserError
 from mlsm.evaluate.stats import SIGNIFICANCE, Comparison, compare_runs
 from mlsm.fileio import atomic_write, atomic_write_text
 
@@ -109,15 +110,23 @@ def plot_paired(cmp: Comparison, task: str, path: Path, baseline: str | None = N
     return _save(fig, path)
 
 
+def check_baseline(cmp: Comparison, baseline: str | None, results_path: str | Path) -> None:
+    """--baseline must name a model of the results (else the scatters would use another, silently)."""
+    if baseline is not None and baseline not in cmp.models:
+        raise UserError(f"--baseline {baseline!r} is not a model in {results_path}; models present: "
+                        f"{', '.join(cmp.models)}")
+
+
 def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
     """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
 
     ``baseline``: the model on the x axis of the paired scatters (default: the first model).
     Returns the path of ``report.md``.
     """
+    cmp = compare_runs(results_path)
+    check_baseline(cmp, baseline, results_path)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cmp = compare_runs(results_path, out)
+    cmp.write(out)
     figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
                (f"One-sided Wilcoxon p-values, row better than column (* p < {SIGNIFICANCE}), and win fractions (Fig. 2b/2c)",
                 plot_wilcoxon(cmp, out / "wilcoxon.png"))]

@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,8 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{path}: no results file; run `mlsm finetune ... --results {path}` first")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = _decode_line(path, number, raw)
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -72,6 +74,26 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(row, dict) and {"model", "value", *CELL_FIELDS} <= row.keys():
             rows.append(row)
     return rows
+
+
+def _decode_line(path: Path, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}:{number} is not UTF-8 text (byte {exc.start + 1} of the line); "
+                        "remove or fix that line (results files are JSON lines written by mlsm finetune)") from None
+
+
+def read_scores(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of `read_results` whose value is a finite number; the others (NaN, null, text)
+    are skipped and counted in one warning on stderr, so a mean is never silently NaN."""
+    rows = read_results(path)
+    good = [r for r in rows if isinstance(r["value"], int | float) and not isinstance(r["value"], bool)
+            and math.isfinite(r["value"])]
+    if len(good) < len(rows):
+        print(f"mlsm: warning: {path}: skipped {len(rows) - len(good)} of {len(rows)} result rows whose value "
+              "is not a finite number (NaN, null or text)", file=sys.stderr)
+    return good
 
 
 def wilcoxon_p(a: np.ndarray, b: np.ndarray, alternative: str = "two-sided") -> float:
@@ -278,7 +300,7 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
     bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
-    rows = read_results(results_path)
+    rows = read_scores(results_path)
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")
     if bootstrap < 0 or not 0.0 < ci_level < 1.0:

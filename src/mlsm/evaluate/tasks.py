@@ -338,12 +338,14 @@ def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
 def _load_hf(spec: TaskSpec, split: str) -> list[Example]:
     import datasets  # imported lazily: only needed when no local files are given
 
+    from mlsm.hf import first_line
+
     errors = []
     for path, config in spec.hf:
         try:
             ds = datasets.load_dataset(path, config, split=spec.hf_splits[split])
         except Exception as exc:  # offline, moved dataset, unsupported script: try the next name
-            errors.append(f"{path}: {type(exc).__name__}")
+            errors.append(f"{path}: {first_line(exc)}")
             continue
         return [spec.from_hf(r) for r in ds]
     raise UserError(

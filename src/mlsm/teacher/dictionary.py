@@ -79,6 +79,18 @@ def _check_options(k: int, lam: float) -> None:
         raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam 0.05")
 
 
+def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:
+    """Refuse sizes that would learn nonsense (more atoms than vectors) or fail after the slow
+    collection of teacher states, before that collection starts."""
+    if n_vectors < k:
+        raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); collect at least "
+                        f"k vectors (a dictionary is usually learned on >= 100 x k), or lower --k")
+    if batch_size < 1 or (n_iter is not None and n_iter < 1):
+        raise UserError(f"--batch-size and --n-iter must be positive (got {batch_size}, {n_iter})")
+    if max_len < 3:
+        raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two special tokens; use >= 3")
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -110,7 +122,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         ids, mask, content = teacher.batch_from_ids(seqs)
         h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
         if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; load it in float32 (omit --dtype) or check the checkpoint")
+            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint (its weights may hold NaN/inf) or load it in float32")
         norms = h.norm(dim=1, keepdim=True)
         h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
         empty = empty + 1 if h.shape[0] == 0 else 0
@@ -341,6 +353,7 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     """
     k = 4 * teacher.hidden_size if k is None else k
     _check_options(k, lam)
+    _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
     if out is not None:
         check_dictionary_out(out)
     X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed).to(teacher.device)
