@@ -177,5 +177,5 @@ def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
 
     cfg = teacher_shape_config("bert-base-cased")
     assert cfg.to_dict() == BertConfig(vocab_size=28996, architectures=["BertForMaskedLM"]).to_dict()
-    assert main(["flops", "model.arch=bert", "objective.teacher=bert-base-cased", "--k", "3072", "--layer", "10"]) == 0
+    assert main(["flops", "model.arch=bert", "--teacher", "bert-base-cased", "--k", "3072", "--layer", "10"]) == 0
     assert capsys.readouterr().out.startswith("accounting: mlsm (ours")
