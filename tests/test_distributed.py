@@ -59,3 +59,9 @@ def test_resume_on_another_world_size(store_dir: Path, tmp_path: Path) -> None:
     b = load_file(run / "checkpoints" / "step-0000004" / "model.safetensors")
     for key in ref:
         torch.testing.assert_close(ref[key], b[key], rtol=1e-4, atol=1e-6)
+    # a resume, not a restart: each step logged once, steps 3-4 by the resumed process
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    fresh = pretrain(load_config(None, _overrides(store_dir, tmp_path / "fresh", **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"})),
+                     resume=str(run / "checkpoints" / "step-0000002"))
+    assert [json.loads(x)["step"] for x in (fresh / "metrics.jsonl").read_text().splitlines()] == [3, 4]
