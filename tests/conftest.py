@@ -130,6 +130,17 @@ def dictionary_path(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest
     return out
 
 
+@pytest.fixture(scope="session")
+def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Codes of every position, nnz = k = 64 so nothing is truncated."""
+    from mlsm.teacher.targets import build_target_store
+    from mlsm.teacher.teacher import load_teacher
+
+    out = tmp_path_factory.mktemp("targets") / "t"
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    return build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
+
+
 def read_metrics(run: Path) -> list[dict]:
     import json
 

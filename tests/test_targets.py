@@ -22,14 +22,6 @@ from mlsm.teacher.teacher import load_teacher
 from .conftest import check_resume, make_text, overfit_losses
 
 
-@pytest.fixture(scope="module")
-def target_dir(store_dir, teacher_dir, dictionary_path, tmp_path_factory) -> Path:
-    """Codes of every position, nnz = k = 64 so nothing is truncated."""
-    out = tmp_path_factory.mktemp("targets") / "t"
-    teacher = load_teacher(str(teacher_dir), layer=1)
-    return build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
-
-
 def _objective(store_dir: Path, spec: dict, max_len: int = 32):
     store = TokenStore.open(store_dir)
     tok = store.load_tokenizer()

@@ -58,6 +58,10 @@ def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> Non
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
     assert [m["batch_digest"] for m in _metrics(one)] == [m["batch_digest"] for m in _metrics(acc)]
+    # per step: the mean loss and the pre-clip gradient norm (clipping and AdamW hide a wrong scale)
+    for key in ("loss", "grad_norm", "n_targets"):
+        got, want = [m[key] for m in _metrics(acc)], [m[key] for m in _metrics(one)]
+        assert got == pytest.approx(want, rel=1e-5), key
 
 
 def test_batches_do_not_depend_on_model_or_train_seed(store_dir: Path, tmp_path: Path) -> None:
