@@ -54,7 +54,10 @@ def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, tar
     (out / "meta.json").unlink()
     (out / "progress.json").write_text(json.dumps({"done": 16, "truncated": 0}))
     values = np.memmap(out / "values.bin", dtype=np.float16, mode="r+")
+    per_chunk = values.size // json.loads((target_dir / "meta.json").read_text())["n_chunks"]
+    assert values.size // 2 >= 16 * per_chunk
     values[values.size // 2 :] = 7.0
+    values[: 16 * per_chunk] = 3.0  # the finished chunks, marked: a resumed build must not recompute them
     values.flush()
     del values
     with pytest.raises(UserError, match="not a complete target store"):
@@ -62,7 +65,9 @@ def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, tar
     build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
     a, b = TargetStore.open(out), TargetStore.open(target_dir)
     np.testing.assert_array_equal(a.indices, b.indices)
-    np.testing.assert_allclose(a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5)
+    got, want = a.values.reshape(-1).astype(np.float32), b.values.reshape(-1).astype(np.float32)
+    assert (got[: 16 * per_chunk] == 3.0).all()  # chunks 0-15 were kept, not recomputed
+    np.testing.assert_allclose(got[16 * per_chunk :], want[16 * per_chunk :], rtol=2e-3, atol=2e-5)
     with pytest.raises(UserError, match="other settings"):  # same folder, other nnz
         build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=16)
 
