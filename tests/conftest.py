@@ -57,6 +57,25 @@ def store_dir(corpus_dir: Path, tokenizer_dir: Path, tmp_path_factory: pytest.Te
     return out
 
 
+@pytest.fixture(autouse=True)
+def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
+    """Every UserError raised in any test has a one-line message (the CLI prints it as
+    `mlsm <verb>: error: ...`): recorded where it is made, checked when the test ends."""
+    from mlsm.errors import UserError
+
+    made: list[str] = []
+    init = UserError.__init__
+
+    def recording_init(self: UserError, *args: object) -> None:
+        made.append(str(args[0]) if args else "")
+        init(self, *args)
+
+    monkeypatch.setattr(UserError, "__init__", recording_init)
+    yield made
+    several = [m for m in made if "\n" in m]
+    assert not several, f"UserError message is not one line: {several[0]!r}"
+
+
 TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
