@@ -28,7 +28,7 @@ from .conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_RUN = "# not run by the tests:"
-SMALL = {"STEPS": "4", "N_VECTORS": "2000", "TASKS": "rte", "SEEDS": "2", "MAX_TRAIN": "16", "BLIMP_PAIRS": "1"}
+SMALL = {"STEPS": "2", "N_VECTORS": "2000", "TASKS": "cola", "SEEDS": "2", "MAX_TRAIN": "16", "BLIMP_PAIRS": "1"}
 CORPUS_DOCS = 30  # documents of the enwiki slice (~100k tokens)
 
 # docs/*.md blocks that the tests run, by file and first line: they take seconds after the Quickstart.
@@ -99,13 +99,13 @@ def quickstart(workspace: tuple[Path, dict[str, str]]) -> Path:
 
 def test_quickstart_runs_as_written(quickstart: Path) -> None:
     rows = read_results(quickstart / "results.jsonl")
-    # --readiness all: steps 1, 2, 4 of the 4-step runs (10 % and 25 % both round to step 1)
-    assert sorted({(Path(r["run"]).name, r["step"], r["readiness"]) for r in rows}) == [
-        ("tiny-mlm", 1, 0.25), ("tiny-mlm", 2, 0.5), ("tiny-mlm", 4, 1.0),
-        ("tiny-mlsm", 1, 0.25), ("tiny-mlsm", 2, 0.5), ("tiny-mlsm", 4, 1.0)]
-    assert {r["seed"] for r in rows} == {0, 1} and {r["task"] for r in rows} == {"rte"}
+    # --readiness all: steps 1 and 2 of the 2-step runs (10, 25 and 50 % all round to step 1)
+    assert sorted({(r["model"], Path(r["run"]).name, r["step"], r["readiness"]) for r in rows}) == [
+        ("mlm@1", "tiny-mlm", 1, 0.5), ("mlm@2", "tiny-mlm", 2, 1.0),
+        ("mlsm@1", "tiny-mlsm", 1, 0.5), ("mlsm@2", "tiny-mlsm", 2, 1.0)]
+    assert {r["seed"] for r in rows} == {0, 1} and {r["task"] for r in rows} == {"cola"}
     for path in ("runs/compare/comparison.md", "runs/report/readiness.png", "runs/report/report.md",
-                 "runs/tiny-mlsm/probe-step-0000004/checkpoints/step-0000001/heads.safetensors",
+                 "runs/tiny-mlsm/probe-step-0000002/checkpoints/step-0000001/heads.safetensors",
                  "runs/blimp-mlsm/blimp.json", "runs/blimp-mlm/blimp.json"):
         assert (quickstart / path).is_file(), path
 
