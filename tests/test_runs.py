@@ -78,11 +78,12 @@ def test_suffix_on_a_non_run_and_an_unfinished_run(mlm_run: Path, tmp_path: Path
 def test_finetune_readiness_all_rows_carry_step_and_readiness(mlm_run: Path, tmp_path: Path) -> None:
     data = _keyword_sst2(tmp_path / "data", n_train=16, n_dev=8)
     results = tmp_path / "results.jsonl"
-    finetune([f"mlm={mlm_run}"], ["sst2"], seeds=(0,), epochs=1, batch_size=8, data_dir=data,
-             results=results, device="cpu", readiness="all")
+    reference = mlm_run / "checkpoints" / "step-0000002"  # not a run directory: taken as it is
+    finetune([f"mlm={mlm_run}", f"ref={reference}"], ["sst2"], seeds=(0,), epochs=1, batch_size=8,
+             data_dir=data, results=results, device="cpu", readiness="all")
     rows = read_results(results)
     assert [(r["model"], r["step"], r["readiness"]) for r in rows] == [
-        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0)]
+        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0), ("ref", 2, 0.25)]
     assert {Path(r["run"]).name for r in rows} == {"tiny-mlm"}  # what report.py groups a curve by
     assert compare_runs(results).info["mlm@4"]["readiness"] == 0.5
     finetune([f"{mlm_run}@25%"], ["sst2"], seeds=(0,), epochs=1, batch_size=8, data_dir=data,

@@ -177,7 +177,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), optionally NAME=MODEL")
     p.add_argument("--readiness", choices=["final", "all"], default="final",
-                   help="for a run: its final checkpoint, or all its readiness checkpoints (curves in `mlsm report`)")
+                   help="for a run directory: its final checkpoint, or all its readiness checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
     p.add_argument("--seeds", type=int, default=5, help="number of seeds, run as 0..N-1 (default 5)")

@@ -142,7 +142,8 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
 
 def expand_models(specs: list[str | Path] | tuple[str | Path, ...], readiness: str = "final") -> list[str]:
     """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
-    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``."""
+    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
+    models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`) stay."""
     if readiness == "final":
         return [str(s) for s in specs]
     if readiness != "all":
@@ -150,6 +151,10 @@ def expand_models(specs: list[str | Path] | tuple[str | Path, ...], readiness: s
     out = []
     for spec in map(str, specs):
         name, _, path = ("", "", spec) if "=" not in spec or Path(spec).is_dir() else spec.partition("=")
+        base, suffix = split_spec(path)
+        if suffix or not is_run_dir(base):
+            out.append(spec)
+            continue
         for ckpt in readiness_checkpoints(path):
             step = int(ckpt.name.removeprefix("step-"))
             out.append(f"{name}@{step}={ckpt}" if name else str(ckpt))
