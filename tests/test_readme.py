@@ -93,7 +93,7 @@ def quickstart(workspace: tuple[Path, dict[str, str]]) -> Path:
     work, env = workspace
     blocks = bash_blocks((ROOT / "README.md").read_text(), "Quickstart")
     assert len(blocks) >= 3, "the Quickstart lost its ```bash blocks"
-    _run_bash("\n".join(blocks), work, env, timeout=900)
+    _run_bash("\n".join(blocks), work, env, timeout=1800)  # a hang guard, not a budget
     return work
 
 
