@@ -147,7 +147,7 @@ def _finetune(a: argparse.Namespace) -> None:
         lrs=a.lrs, epochs=a.epochs, batch_size=a.batch_size,
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
         max_train_examples=a.max_train_examples, device=a.device,
-        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay,
+        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
     )
     print(f"results: {path}")
@@ -291,7 +291,10 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
-    p.add_argument("models", nargs="+", metavar="MODEL", help="HF model folders, optionally NAME=PATH")
+    p.add_argument("models", nargs="+", metavar="MODEL",
+                   help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), optionally NAME=MODEL")
+    p.add_argument("--readiness", choices=["final", "all"], default="final",
+                   help="for a run directory: its final checkpoint, or all its readiness checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
     p.add_argument("--seeds", type=positive_int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
@@ -335,7 +338,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
                        description="Train the linear probe of an MLSM checkpoint. group.key=value overrides of the "
                        "probe run may stand anywhere on the command line: mlsm probe CKPT --steps 200 optim.lr=1e-3")
-    p.add_argument("checkpoint", help="checkpoints/step-* folder of an mlsm or mtl run")
+    p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its checkpoints/step-* folder")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
     p.add_argument("--steps", type=non_negative_int, default=0, help="probe steps (default: 10%% of the pre-training steps)")
     p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
@@ -347,7 +350,8 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
-    p.add_argument("model", help="HF masked-LM folder (MLM, KD, MTL checkpoints), or an MLSM checkpoint with its probe (mlsm probe)")
+    p.add_argument("model", help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N): MLM, KD and MTL "
+                   "models use their vocabulary head; an MLSM run is scored through its probe (mlsm probe RUN)")
     p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
     p.add_argument("--out", required=True, type=out_dir, help="folder for blimp.json and blimp.md")
     p.add_argument("--limit", type=positive_int, default=None, help="first N pairs per phenomenon")
@@ -361,7 +365,7 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
-    p.add_argument("model", help="HF encoder folder (AutoModel)")
+    p.add_argument("model", help="HF encoder folder (AutoModel) or a run (RUN, RUN@50%%, RUN@step-N)")
     p.add_argument("--text", required=True, help=".txt or .txt.gz, one sentence per line")
     p.add_argument("--out", required=True, type=out_dir, help="folder for rank.csv/.md/.json/.png")
     p.add_argument("--mask-rate", type=fraction, default=0.15, help="fraction of tokens -> [MASK]")
