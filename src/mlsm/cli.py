@@ -247,6 +247,15 @@ def _flops(a: argparse.Namespace) -> None:
     print(format_table(rows, accounting=a.accounting))
 
 
+def _export(a: argparse.Namespace) -> None:
+    from mlsm.export import export_checkpoint, push_to_hub
+
+    out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe, license=a.license)
+    print(f"exported {a.checkpoint} -> {out} (README.md model card, loads with from_pretrained)")
+    if a.push_to_hub:
+        print(f"pushed: {push_to_hub(out, a.push_to_hub, private=a.private)}")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", type=out_dir, help="where everything goes (re-running resumes)")
@@ -424,8 +433,20 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
     return _flops
 
 
+def _add_export(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("export", help="Hub-ready folder + model card from a checkpoint (optionally push it)")
+    p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
+    p.add_argument("--out", required=True, help="folder to write (an earlier export there is replaced)")
+    p.add_argument("--results", default=None, help="results.jsonl of `mlsm finetune`, or a report .md, for the card's table")
+    p.add_argument("--probe", default=None, help="probe checkpoint to ship (default: the newest of <run>/probe-<step>)")
+    p.add_argument("--license", default="unknown", help="license id for the card's metadata (e.g. apache-2.0, mit)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo (needs network and `hf auth login`)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    return _export
+
+
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_export]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
