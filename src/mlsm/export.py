@@ -33,10 +33,12 @@ _TEACHER_OBJECTIVES = {"mlsm", "mlsm_naive", "kd", "mtl", "mae_mlsm"}
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
-    """The checkpoint folder a user named on the command line (all path handling lives here)."""
-    folder = Path(spec)
+    """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
+    from mlsm.runs import resolve_checkpoint as resolve_spec
+
+    folder = resolve_spec(spec)
     if not (folder / "checkpoint.json").is_file():
-        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a <run>/checkpoints/step-* folder")
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a run directory or a <run>/checkpoints/step-* folder")
     return folder
 
 
@@ -101,17 +103,12 @@ def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) ->
 def _add_missing_base_weights(folder: Path) -> list[str]:
     """Add what `AutoModel` would initialise (the untrained pooler) with HF's initialiser, seed fixed."""
     from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
 
-    from mlsm.models.backbone import quiet_hf_loading
+    from mlsm.hf import load_model
 
-    hf_logging.disable_progress_bar()
-    try:
-        with torch.random.fork_rng(devices=[]), quiet_hf_loading():
-            torch.manual_seed(POOLER_SEED)
-            model, report = AutoModel.from_pretrained(folder, output_loading_info=True)
-    finally:
-        hf_logging.enable_progress_bar()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(POOLER_SEED)
+        model, report = load_model(AutoModel, folder, output_loading_info=True)
     missing = sorted(report["missing_keys"])
     if not missing:
         return []
