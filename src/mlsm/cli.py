@@ -130,6 +130,28 @@ def _flops(a: argparse.Namespace) -> None:
     print(format_table(flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size)))
 
 
+def _study(a: argparse.Namespace) -> None:
+    from mlsm.study import load_study, run_study
+
+    report_only = a.report_only or a.study[0] == "report"
+    files = a.study[1:] if a.study[0] == "report" else a.study
+    if len(files) != 1:
+        raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study report STUDY.yaml)")
+    spec = load_study(files[0], out=a.out)
+    report = run_study(spec, stages=["report"] if report_only else a.stages or None)
+    print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))
+
+
+def _add_study(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("study", help="run a study file: arms, readiness checkpoints, fine-tuning, BLiMP, report")
+    p.add_argument("study", nargs="+", metavar="STUDY.yaml", help="study file (see studies/); `report STUDY.yaml` only writes the report")
+    p.add_argument("--out", help="study folder (default: the file's `out`)")
+    p.add_argument("--report-only", action="store_true", help="only (re)write the report from what is done")
+    p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"],
+                   help="run only these stages (default: all that are not complete)")
+    return _study
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", help="where everything goes (re-running resumes)")
@@ -290,7 +312,7 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
 
 
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
