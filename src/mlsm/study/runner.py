@@ -149,7 +149,7 @@ def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
+        for key in sorted(a):  # a key only in `b` is a config field added to mlsm since the run: its default applies
             diff = _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
             if diff:
                 return diff
@@ -230,10 +230,11 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     if "pretrain" in wanted:
         failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
     ok = [a for a in spec.arms if a not in failed and pretrain_done(study, a)]
-    for name in ("probe", "finetune", "blimp"):
-        if name in wanted:
-            failed |= getattr(st, f"run_{name}")(study, ok)
-            ok = [a for a in ok if a not in failed]
+    no_probe = st.run_probe(study, ok) if "probe" in wanted else set()
+    if "finetune" in wanted:
+        st.run_finetune(study, ok)
+    if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
+        st.run_blimp(study, [a for a in ok if a not in no_probe])
     if "report" in wanted:
         from mlsm.study.report import write_report
 
