@@ -173,8 +173,8 @@ def pretrain_arm(study: Study, arm: str) -> str | None:
         return "skipped"
     started = (study.run_dir(arm) / "metrics.jsonl").exists()
     pretrain(cfg, resume="auto" if started else None)
-    if not pretrain_done(study, arm):
-        raise RuntimeError(f"pre-training of {arm} stopped before step {cfg.train.steps} (interrupted?)")
+    if not pretrain_done(study, arm):  # `pretrain` returns early only when SIGTERM asked it to stop
+        raise KeyboardInterrupt(f"pre-training of {arm} stopped by a signal; run the same command to resume")
     return None
 
 
