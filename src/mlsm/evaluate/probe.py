@@ -19,6 +19,7 @@ from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
+from mlsm.objectives.probe import probe_input
 from mlsm.train.loop import pretrain
 
 
@@ -60,13 +61,14 @@ class ProbeScorer(torch.nn.Module):
             self.backbone = AutoModel.from_pretrained(folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
+        self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})
         self.eval()
 
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
-        return self.probe(torch.softmax(self.latent(hidden[select]), -1))  # (N, V)
+        return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:

@@ -54,8 +54,13 @@ class ArmSpec:
 
 @dataclass
 class ProbeSpec:
-    lr: float = 1e-2
-    """Peak lr of the k -> |V| linear probe (a convex problem: it tolerates a large lr)."""
+    lr: float = 0.05
+    """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
+    roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
+    inputs: list[str] = field(default_factory=lambda: ["probs", "logprobs", "logits"])
+    """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""
+    select_steps: int = 100
+    """Steps every input kind trains before the best is kept."""
     max_steps: int = 2000
     """Upper bound on probe steps; training stops earlier at a held-out loss plateau."""
     eval_every: int = 50
@@ -66,8 +71,8 @@ class ProbeSpec:
     """Relative held-out loss improvement that counts as progress."""
     heldout_batches: int = 4
     """Batches of held-out chunks (steps beyond the pre-training run) for the plateau test."""
-    batch_size: int = 0
-    """Probe batch size; 0 = the arm's train.batch_size."""
+    batch_size: int = 16
+    """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
 
 
 @dataclass

@@ -31,13 +31,14 @@ def run_probe(study: Study, arms: list[str]) -> set[str]:
 
 
 def _probe(study: Study, arm: str, frac: float) -> str | None:
-    from mlsm.evaluate.probe import train_probe_to_plateau
+    from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
     out = study.probe_dir(arm, frac)
     if (out / "probe.json").is_file():
         return "skipped"
     p = study.spec.probe
-    train_probe_to_plateau(study.checkpoint(arm, frac), out, lr=p.lr, max_steps=p.max_steps, eval_every=p.eval_every,
+    train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr, select_steps=p.select_steps,
+                           max_steps=p.max_steps, eval_every=p.eval_every,
                            patience=p.patience, min_delta=p.min_delta, heldout_batches=p.heldout_batches,
                            batch_size=p.batch_size or None, threads=study.spec.executor.threads or None)
     return None

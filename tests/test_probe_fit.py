@@ -1,0 +1,90 @@
+"""The probe trained to a held-out plateau: starts at the unigram, beats it, exports exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlsm.config import load_config
+from mlsm.evaluate.probe import load_scorer
+from mlsm.evaluate.probe_fit import train_probe_to_plateau
+from mlsm.objectives.probe import probe_input
+from mlsm.train.loop import pretrain
+
+from .conftest import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mlsm") / "run"
+    cfg = load_config(None, tiny_overrides(store_dir, out, **{
+        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
+        "objective.teacher": str(teacher_dir), "train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}))
+    return pretrain(cfg) / "checkpoints" / "step-0000030"
+
+
+def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_path: Path) -> None:
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", max_steps=300, eval_every=10, select_steps=20,
+                                  patience=2, heldout_batches=2, batch_size=8)
+    print({k: [round(p["heldout_loss"], 3) for p in c["curve"]] for k, c in info["candidates"].items()}, info["unigram_loss"])
+    assert info["better_than_unigram"] and info["heldout_loss"] < info["unigram_loss"] - 0.05
+    assert info["steps"] < 300  # the plateau ended it, not max_steps
+    assert set(info["candidates"]) == {"probs", "logprobs", "logits"}
+    saved = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert saved["input"] == info["input"] and Path(saved["checkpoint"]).is_dir()
+
+
+def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path, store_dir: Path) -> None:
+    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit reported."""
+    import torch.nn.functional as F
+
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("logprobs",), max_steps=60, eval_every=20,
+                                  heldout_batches=2, batch_size=8)
+    scorer, _ = load_scorer(info["checkpoint"])
+    assert scorer.input == "logprobs"
+    cfg = json.loads((mlsm_ckpt / "checkpoint.json").read_text())["config"]
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    from mlsm.config import config_from_dict
+
+    source = BatchSource(store, config_from_dict(cfg).data, tok)
+    loss, n = 0.0, 0
+    for j in range(2):
+        b = source.micro_batches(cfg["train"]["steps"] + j, 8, 8, 0, 1)[0]
+        with torch.no_grad():
+            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected)
+        y = b.input_ids[b.selected]
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        n += y.numel()
+    assert loss / n == pytest.approx(info["heldout_loss"], rel=1e-4)
+
+
+def test_probe_inputs() -> None:
+    z = torch.randn(3, 5)
+    assert torch.allclose(probe_input(z, "probs").sum(-1), torch.ones(3))
+    assert torch.allclose(probe_input(z, "logprobs").exp(), probe_input(z, "probs"))
+    assert torch.equal(probe_input(z, "logits"), z)
+
+
+def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
+    from mlsm.study.runner import Study
+    from mlsm.study.spec import study_from_dict
+    from mlsm.study.stages import _blimp
+
+    spec = study_from_dict({"out": str(tmp_path), "arms": {"m": {"objective": {"name": "mlsm"}}},
+                            "blimp": {"data": str(tmp_path)}, "base": {"train": {"steps": 4}}})
+    study = Study(spec, log=lambda s: None)
+    probe = study.probe_dir("m", 1.0)
+    probe.mkdir(parents=True)
+    (probe / "probe.json").write_text(json.dumps({"better_than_unigram": False, "heldout_loss": 10.3,
+                                                 "unigram_loss": 10.2, "checkpoint": str(tmp_path)}))
+    from mlsm.errors import UserError
+
+    with pytest.raises(UserError, match="no better than the unigram"):
+        _blimp(study, "m", 1.0)
