@@ -78,7 +78,7 @@ def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
     from mlsm.study.stages import _blimp
 
     spec = study_from_dict({"out": str(tmp_path), "arms": {"m": {"objective": {"name": "mlsm"}}},
-                            "blimp": {"data": str(tmp_path)}, "base": {"train": {"steps": 4}}})
+                            "blimp": {"data": [str(tmp_path)]}, "base": {"train": {"steps": 4}}})
     study = Study(spec, log=lambda s: None)
     probe = study.probe_dir("m", 1.0)
     probe.mkdir(parents=True)

@@ -135,3 +135,53 @@ def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
         study_from_dict({"arms": {"a": {}}, "finetune": {"readiness": [0.3]}})
     with pytest.raises(UserError, match="study file .* not found"):
         load_study(tmp_path / "nope.yaml")
+
+
+def _tiny_tasks(root: Path) -> tuple[Path, Path]:
+    """A word-order task (real sentence vs shuffled) and a 2-phenomenon BLiMP file, from fixture text."""
+    import random
+
+    from tests.conftest import make_text
+
+    rng = random.Random(0)
+    sents = [s.strip() for d in make_text(30, seed=7) for s in d.split(".") if len(s.split()) >= 4]
+    rows = []
+    for s in sents[:120]:
+        words = s.split()
+        shuffled = words[:]
+        rng.shuffle(shuffled)
+        rows.append((" ".join(shuffled), 0) if rng.random() < 0.5 else (s, 1))
+    folder = root / "tasks" / "WordOrder"
+    folder.mkdir(parents=True)
+    for name, part in (("train.tsv", rows[:80]), ("dev.tsv", rows[80:])):
+        (folder / name).write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in part))
+    blimp = root / "blimp"
+    blimp.mkdir()
+    for uid in ("uid_a", "uid_b"):
+        lines = [json.dumps({"sentence_good": s, "sentence_bad": " ".join(reversed(s.split())), "UID": uid,
+                             "field": "syntax", "linguistics_term": "order", "pairID": str(i)}) for i, s in enumerate(sents[:5])]
+        (blimp / f"{uid}.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "tasks", blimp
+
+
+def test_whole_study_writes_a_report_with_every_section(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+    tasks, blimp = _tiny_tasks(tmp_path)
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
+               finetune={"tasks": ["word_order"], "data_dir": str(tasks), "readiness": [0.5, 1.0], "seeds": 2,
+                         "lrs": [1e-3], "epochs": 1, "batch_size": 16, "max_len": 32},
+               blimp={"data": [str(blimp)], "readiness": [1.0]},
+               probe={"max_steps": 40, "eval_every": 10, "select_steps": 10, "heldout_batches": 1, "batch_size": 8})
+    spec = load_study(_write(tmp_path, raw))
+    report = run_study(spec, log=lambda s: None)
+    assert report == out / "report.md"
+    text = report.read_text()
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
+    assert {r["seed"] for r in rows} == {0, 1}
+    for section in ("Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png"):
+        assert section in text
+    probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())
+    blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())
+    assert blimp_row["probe"]["heldout_loss"] == probe["heldout_loss"]  # the probe's quality travels with its score
+    assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()

@@ -160,7 +160,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--steps", type=int, default=300, help="pre-training steps per student")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--seeds", type=int, default=2, help="fine-tuning seeds per model")
-    p.add_argument("--blimp-pairs", type=int, default=20, help="BLiMP pairs per phenomenon")
+    p.add_argument("--blimp-pairs", type=int, default=20, help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
     return _demo
 
 

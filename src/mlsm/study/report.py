@@ -145,12 +145,21 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | {c['tokens']:,} | "
               f"{_fmt(c['flops_per_batch'], 1e9, 0)} | {c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
-    lines += ["", "## BLiMP (PLL; latent arms through their probe)\n",
-              "| model | BLiMP % | pairs | probe input | probe held-out loss (nats) | probe top-1 % | unigram loss | probe steps |",
-              "|---|---:|---:|---|---:|---:|---:|---:|"]
+    names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
+    if len(names) > 1:
+        lines += ["", "## Minimal-pair sets (PLL accuracy %)\n", "| model | " + " | ".join(names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        lines += [f"| {r['arm']}@{readiness_label(r['readiness'])} | " + " | ".join(
+            _fmt(100 * r["sets"][n]["overall"] if n in r.get("sets", {}) else math.nan, 1, 1) for n in names) + " |" for r in blimp]
+    lines += ["", "## BLiMP (PLL; latent arms through their probe; the first pair set)\n",
+              "Held-out masked tokens: chunks after the last pre-training batch, the run's own masking; "
+              "latent arms are scored through their probe.\n",
+              "| model | BLiMP % | pairs | held-out masked top-1 % | held-out loss (nats) | probe input | probe held-out loss (nats) | probe top-1 % | unigram loss | probe steps |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in blimp:
-        p = r.get("probe") or {}
+        p, h = r.get("probe") or {}, r.get("heldout") or {}
         lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | {r['n_pairs']} | "
+                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
                      f"{p.get('input', '—') if p else '— (MLM head)'} | {_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
                      f"{_fmt(100 * p['heldout_top1'] if p.get('heldout_top1') is not None else math.nan, 1, 1)} | "
                      f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | {p.get('steps', '—') if p else '—'} |")

@@ -103,14 +103,17 @@ class FinetuneSpec:
 
 @dataclass
 class BlimpSpec:
-    data: str = ""
-    """BLiMP folder / file / HF name; empty = no BLiMP."""
+    data: list[str] = field(default_factory=list)
+    """Pair sets in BLiMP's format, each scored by PLL on its own: a folder, a file or an HF name
+    (nyu-mll/blimp). Empty = no BLiMP stage. The first set is the headline score."""
     readiness: list[float] = field(default_factory=lambda: [1.0])
     """Fractions of pre-training whose checkpoints are scored (latent arms through their probe)."""
     limit_per_phenomenon: int = 0
     """First N pairs of each phenomenon (0 = all 1000)."""
+    limits: list[int] = field(default_factory=list)
+    """Optional per-set limits, one per entry of `data` (0 = limit_per_phenomenon)."""
     phenomena: list[str] = field(default_factory=list)
-    """UIDs to score; empty = all 67."""
+    """UIDs of the first set to score; empty = all (67 for BLiMP)."""
 
 
 @dataclass
@@ -186,6 +189,8 @@ def _validate(spec: StudySpec) -> None:
         extra = [f for f in fracs if f not in spec.readiness]
         if extra:
             raise UserError(f"{key} lists {extra[0]}, which is not in readiness {spec.readiness}; add it there")
+    if spec.blimp.limits and len(spec.blimp.limits) != len(spec.blimp.data):
+        raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has {len(spec.blimp.data)}; give one per set")
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
 

@@ -104,12 +104,47 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                             f"than the unigram distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
         probe, folder = info, Path(info["checkpoint"])
     model, tokenizer = load_scorer(folder)
-    result = evaluate_blimp(model, tokenizer, b.data, phenomena=b.phenomena or None,
-                            limit_per_phenomenon=b.limit_per_phenomenon or None, progress=None)
-    row = {"arm": arm, "readiness": frac, "overall": result["overall"], "n_pairs": result["n_pairs"],
-           "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
-           "phenomena": {k: v["accuracy"] for k, v in result["phenomena"].items()},
+    heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), study.spec.probe.heldout_batches,
+                                    study.spec.probe.batch_size or 16)
+    sets = {}
+    for i, data in enumerate(b.data):
+        limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
+        result = evaluate_blimp(model, tokenizer, data, phenomena=b.phenomena or None if i == 0 else None,
+                                limit_per_phenomenon=limit, progress=None)
+        sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
+                                         "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
+                                         "phenomena": {k: v["accuracy"] for k, v in result["phenomena"].items()}}
+    first = next(iter(sets.values()))
+    row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"], "sets": sets,
+           "heldout": heldout,
            "probe": {k: probe.get(k) for k in ("heldout_loss", "heldout_top1", "unigram_loss", "steps")} if probe else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
+
+
+def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int) -> dict[str, float]:
+    """Masked-token loss and top-1 of a scorer on held-out chunks (the batches right after the
+    pre-training run: never trained on), with the run's own masking."""
+    import torch
+    import torch.nn.functional as F
+
+    from mlsm.config import config_from_dict
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+    from mlsm.evaluate.pll import as_scorer
+
+    scorer = as_scorer(scorer)
+    cfg = config_from_dict(json.loads((checkpoint / "checkpoint.json").read_text())["config"])
+    store = TokenStore.open(cfg.data.store)
+    source = BatchSource(store, cfg.data, store.load_tokenizer())
+    loss, correct, n = 0.0, 0, 0
+    for j in range(n_batches):  # batch_size sequences from step `steps + j` of a batch_size-sequence run
+        b = source.micro_batches(cfg.train.steps + j, batch_size, batch_size, 0, 1)[0]
+        with torch.no_grad():
+            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()  # (N, V)
+        y = b.input_ids[b.selected]
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+        n += y.numel()
+    return {"loss": loss / max(n, 1), "top1": correct / max(n, 1), "n": n}
