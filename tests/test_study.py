@@ -185,3 +185,19 @@ def test_whole_study_writes_a_report_with_every_section(corpus_dir, tokenizer_di
     blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())
     assert blimp_row["probe"]["heldout_loss"] == probe["heldout_loss"]  # the probe's quality travels with its score
     assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()
+
+
+def test_slurm_executor_through_submitit_local(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+    """The slurm path end to end with submitit's local executor: one job per arm, outcome recorded."""
+    pytest.importorskip("submitit")
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
+               executor={"kind": "slurm", "slurm": {"cluster": "local", "timeout_min": 20}})
+    raw["arms"] = {"mlm": raw["arms"]["mlm"], "bad": {"objective": {"name": "mlm"}, "overrides": {"optim": {"lr": float("nan")}}}}
+    spec = study_from_dict(raw)
+    run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
+    status = Study(spec).status()
+    assert status["pretrain:mlm"]["state"] == "done"
+    assert (out / "runs" / "mlm" / "checkpoints" / "step-0000008").is_dir()
+    assert status["pretrain:bad"]["state"] == "failed"  # non-finite loss inside its job
+    assert any((out / "slurm").glob("*_log.out"))  # submitit's own job logs

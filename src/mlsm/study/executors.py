@@ -11,6 +11,7 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -102,3 +103,32 @@ def _wait(job: Any, study: Study, arm: str) -> None:
     job.result()  # raises submitit's FailedJobError with the job's traceback
     if not pretrain_done(study, arm):
         raise RuntimeError(f"slurm job {job.job_id} ended before the last step of {arm}")
+
+
+def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
+    """Run an evaluation stage (probe, finetune, blimp) for `arms`; returns the arms that failed.
+
+    Locally the stage runs here. On slurm each arm's stage is one job (`run_study` restricted to
+    that arm and stage, so skip-if-complete and failure records work inside the job as here),
+    submitted after pre-training finished and awaited before the next stage.
+    """
+    from mlsm.study import stages as st
+
+    if study.spec.executor.kind != "slurm" or not arms:
+        return getattr(st, f"run_{stage}")(study, arms)
+    executor = make_executor(study)
+    spec = dataclasses.asdict(study.spec)
+    jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in arms}
+    failed = {a for a, job in jobs.items() if not study.stage(f"{stage}-job", lambda j=job: j.result() and None, a)}
+    status = study.status()
+    return failed | {a for a in arms if any((k == f"{stage}:{a}" or k.startswith(f"{stage}:{a}@")) and v.get("state") == "failed"
+                                           for k, v in status.items())}
+
+
+def stage_job(spec: dict[str, Any], stage: str, arm: str) -> bool:
+    """What one evaluation job runs: that stage of that arm, in the same study folder."""
+    from mlsm.study.runner import run_study
+    from mlsm.study.spec import study_from_dict
+
+    run_study(study_from_dict(spec), stages=[stage], arms=[arm])
+    return True

@@ -10,6 +10,7 @@ from its last checkpoint (batches depend only on (data.seed, step)).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
@@ -207,9 +208,19 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     return None
 
 
-def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print) -> Path | None:
-    """Run every stage of a study that is not complete; returns the report path (None if not reached)."""
-    from mlsm.study import stages as st
+def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
+              arms: list[str] | None = None) -> Path | None:
+    """Run every stage of a study that is not complete; returns the report path (None if not reached).
+
+    arms: only these arms (what one slurm job of an evaluation stage runs).
+    """
+    from mlsm.study.executors import run_evaluation
+
+    if arms:
+        unknown = [a for a in arms if a not in spec.arms]
+        if unknown:
+            raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
+        spec = dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
 
     study = Study(spec, log)
     atomic_write_text(study.root / "study.json", json.dumps({"spec": _plain(spec), "git_revision": git_revision()}, indent=2) + "\n")
@@ -230,11 +241,11 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     if "pretrain" in wanted:
         failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
     ok = [a for a in spec.arms if a not in failed and pretrain_done(study, a)]
-    no_probe = st.run_probe(study, ok) if "probe" in wanted else set()
+    no_probe = run_evaluation(study, "probe", ok) if "probe" in wanted else set()
     if "finetune" in wanted:
-        st.run_finetune(study, ok)
+        run_evaluation(study, "finetune", ok)
     if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
-        st.run_blimp(study, [a for a in ok if a not in no_probe])
+        run_evaluation(study, "blimp", [a for a in ok if a not in no_probe])
     if "report" in wanted:
         from mlsm.study.report import write_report
 
@@ -247,6 +258,4 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
 
 
 def _plain(spec: StudySpec) -> dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(spec)
