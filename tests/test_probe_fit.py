@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mlsm.config import load_config
 from mlsm.evaluate.probe import load_scorer
@@ -29,8 +30,9 @@ def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_pat
 def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_path: Path) -> None:
     info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", max_steps=300, eval_every=10, select_steps=20,
                                   patience=2, heldout_batches=2, batch_size=8)
-    print({k: [round(p["heldout_loss"], 3) for p in c["curve"]] for k, c in info["candidates"].items()}, info["unigram_loss"])
-    assert info["better_than_unigram"] and info["heldout_loss"] < info["unigram_loss"] - 0.05
+    # the fixture corpus is random words: little beyond the unigram is learnable, but the probe
+    # starts exactly at it and must not end above it
+    assert info["heldout_loss"] < info["unigram_loss"]
     assert info["steps"] < 300  # the plateau ended it, not max_steps
     assert set(info["candidates"]) == {"probs", "logprobs", "logits"}
     saved = json.loads((tmp_path / "probe" / "probe.json").read_text())
@@ -39,8 +41,6 @@ def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_pat
 
 def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path, store_dir: Path) -> None:
     """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit reported."""
-    import torch.nn.functional as F
-
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
 
@@ -63,6 +63,37 @@ def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         n += y.numel()
     assert loss / n == pytest.approx(info["heldout_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["probs", "logprobs", "logits"])
+def test_probe_fits_a_learnable_map_from_every_input(kind: str) -> None:
+    """When the latent distribution determines the word, the probe must find it from any input kind
+    (the untrained-probe bug: probabilities in [0, 1] moved the logits by lr per step at most)."""
+    from mlsm.evaluate.probe_fit import _Candidate
+
+    gen = torch.Generator().manual_seed(0)
+    k, vocab = 32, 50
+    word_of_atom = torch.randint(0, vocab, (k,), generator=gen)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        atom = torch.randint(0, k, (n,), generator=gen)
+        z = torch.randn(n, k, generator=gen) + 4 * F.one_hot(atom, k)  # (n, k): one dominant atom
+        return z, word_of_atom[atom]
+
+    unigram = torch.log(torch.bincount(word_of_atom, minlength=vocab).float() + 1e-3)
+    unigram = unigram - torch.logsumexp(unigram, 0)
+    cand = _Candidate(kind, torch.nn.Linear(k, vocab), unigram, 0.05, batch(256)[0])
+    held = [batch(512)]
+    start = cand.evaluate(held)[0]
+    for _ in range(300):
+        cand.step(*batch(128))
+    loss, top1 = cand.evaluate(held)
+    assert loss < 0.25 * start and top1 > 0.9
+    # the exported (raw-input) probe gives the same logits as the standardised one
+    lin = torch.nn.Linear(k, vocab)
+    lin.load_state_dict(cand.exported())
+    z = held[0][0]
+    assert torch.allclose(lin(probe_input(z, kind)), cand.logits(z), atol=1e-3)
 
 
 def test_probe_inputs() -> None:

@@ -61,7 +61,15 @@ def _probe(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import run_probe
 
     run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume)
-    print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
+    info = run / "probe.json"
+    if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
+        import json
+
+        p = json.loads(info.read_text())
+        print(f"probe ({p['input']}, {p['steps']} steps): held-out loss {p['heldout_loss']:.3f} nats, top-1 "
+              f"{100 * p['heldout_top1']:.1f} % (unigram {p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']}`")
+    else:
+        print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
 
 
 def _demo(a: argparse.Namespace) -> None:
@@ -233,7 +241,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)")
     p.add_argument("checkpoint", help="checkpoints/step-* folder of an mlsm or mtl run")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
-    p.add_argument("--steps", type=int, default=0, help="probe steps (default: 10%% of the pre-training steps)")
+    p.add_argument("--steps", type=int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
     p.add_argument("--out", default="", help="run directory (default: <run>/probe-<checkpoint>)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. optim.lr=1e-3")

@@ -1,8 +1,9 @@
 """`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
 
-Training reuses `pretrain` with the `probe` objective, so the probe gets the same batches,
-readiness checkpoints, resume and DDP as any run. Default length: 10 % of the pre-training steps
-(Berend 2023, §4.3.1).
+By default the probe is trained until its loss on held-out chunks stops improving
+(`mlsm.evaluate.probe_fit`: Berend 2023's 10 % of the pre-training steps leaves it untrained on
+short runs). With a fixed number of steps it reuses `pretrain` with the `probe` objective, so it
+gets the same batches, readiness checkpoints, resume and DDP as any run (Berend 2023, §4.3.1).
 """
 
 from __future__ import annotations
@@ -43,7 +44,20 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory."""
+    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory.
+
+    Default (no steps, overrides, store or resume): train to a held-out loss plateau
+    (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
+    many steps through the pre-training loop, as Berend 2023 (10 % of the pre-training steps).
+    """
+    if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
+        from mlsm.evaluate.probe_fit import train_probe_to_plateau
+
+        folder = Path(checkpoint)
+        out = Path(kw.get("out") or folder.parent.parent / f"probe-{folder.name}")
+        probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
+        train_probe_to_plateau(folder, out)
+        return out
     return pretrain(probe_config(checkpoint, **kw), resume=resume)
 
 
