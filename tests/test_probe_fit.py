@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mlsm.config import load_config
 from mlsm.evaluate.probe import load_scorer
-from mlsm.evaluate.probe_fit import train_probe_to_plateau
+from mlsm.evaluate.probe_fit import heldout_steps, train_probe_to_plateau
 from mlsm.objectives.probe import probe_input
 from mlsm.train.loop import pretrain
 
@@ -55,8 +55,8 @@ def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path
 
     source = BatchSource(store, config_from_dict(cfg).data, tok)
     loss, n = 0.0, 0
-    for j in range(2):
-        b = source.micro_batches(cfg["train"]["steps"] + j, 8, 8, 0, 1)[0]
+    for step in heldout_steps(mlsm_ckpt, 8, 2):
+        b = source.micro_batches(step, 8, 8, 0, 1)[0]
         with torch.no_grad():
             logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected)
         y = b.input_ids[b.selected]
@@ -94,6 +94,13 @@ def test_probe_fits_a_learnable_map_from_every_input(kind: str) -> None:
     lin.load_state_dict(cand.exported())
     z = held[0][0]
     assert torch.allclose(lin(probe_input(z, kind)), cand.logits(z), atol=1e-3)
+
+
+def test_heldout_steps_start_after_the_last_pretraining_sample(mlsm_ckpt: Path) -> None:
+    seen = 30 * 8  # the fixture run: 30 steps x 8 sequences
+    for batch in (3, 8, 16):
+        first = heldout_steps(mlsm_ckpt, batch, 2)[0]
+        assert first * batch >= seen and (first - 1) * batch < seen
 
 
 def test_probe_inputs() -> None:

@@ -31,6 +31,14 @@ from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
 from mlsm.train import checkpoint as ckpt
 
 
+def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
+    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
+    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
+    cfg = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["train"]
+    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)  # ceil(samples seen / batch_size)
+    return [first + j for j in range(n)]
+
+
 def unigram_log_probs(store: TokenStore, vocab: int, max_tokens: int = 5_000_000) -> torch.Tensor:
     """log p(token) over the first max_tokens of the store, add-one smoothed: (V,)."""
     counts = np.bincount(np.asarray(store.tokens[:max_tokens], dtype=np.int64), minlength=vocab)[:vocab] + 1.0
@@ -143,9 +151,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     """
     checkpoint, out = Path(checkpoint), Path(out)
     cfg, student, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
-    pre_steps = int(json.loads((checkpoint / "checkpoint.json").read_text())["config"]["train"]["steps"])
     features, G = _Features(student), cfg.train.batch_size
-    held = [features(source.micro_batches(pre_steps + j, G, G, 0, 1)[0]) for j in range(heldout_batches)]
+    held = [features(source.micro_batches(s, G, G, 0, 1)[0]) for s in heldout_steps(checkpoint, G, heldout_batches)]
     unigram = unigram_log_probs(store, student.heads["probe"].out_features)
     z0, _ = features(source.micro_batches(0, G, G, 0, 1)[0])
     cands = [_Candidate(kind, student.heads["probe"], unigram, lr, z0) for kind in inputs]

@@ -133,14 +133,15 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.evaluate.pll import as_scorer
+    from mlsm.evaluate.probe_fit import heldout_steps
 
     scorer = as_scorer(scorer)
     cfg = config_from_dict(json.loads((checkpoint / "checkpoint.json").read_text())["config"])
     store = TokenStore.open(cfg.data.store)
     source = BatchSource(store, cfg.data, store.load_tokenizer())
     loss, correct, n = 0.0, 0, 0
-    for j in range(n_batches):  # batch_size sequences from step `steps + j` of a batch_size-sequence run
-        b = source.micro_batches(cfg.train.steps + j, batch_size, batch_size, 0, 1)[0]
+    for step in heldout_steps(checkpoint, batch_size, n_batches):
+        b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
         with torch.no_grad():
             logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()  # (N, V)
         y = b.input_ids[b.selected]
