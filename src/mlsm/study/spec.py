@@ -54,7 +54,7 @@ class ArmSpec:
 
 @dataclass
 class ProbeSpec:
-    lr: float = 0.05
+    lr: float = 0.2
     """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
     roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
     inputs: list[str] = field(default_factory=lambda: ["probs", "logprobs", "logits"])
