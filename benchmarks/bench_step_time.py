@@ -54,7 +54,7 @@ def _setup(tmp: Path, args: argparse.Namespace):
                                   n_vectors=args.dict_vectors, max_len=args.seq, out=tmp / "dict")
     print(f"dictionary: k=1536 on {args.dict_vectors} vectors in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
-    build_target_store(store.path, dictionary, teacher, args.seq, tmp / "targets", nnz=32)
+    build_target_store(store.path, dictionary, teacher, args.seq, tmp / "targets")  # whole codes
     print(f"target store: {json.loads((tmp / 'targets' / 'meta.json').read_text())['n_chunks']} chunks in {time.perf_counter() - t0:.0f} s")
     return store, teacher_path
 

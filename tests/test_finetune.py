@@ -241,3 +241,39 @@ def test_checkpoint_json_from_a_run_and_bad_json(tmp_path: Path) -> None:
     (folder / "checkpoint.json").write_text("{step: 50", encoding="utf-8")
     with pytest.raises(UserError, match="checkpoint.json"):
         resolve_model(folder)
+
+
+def test_fidelity_options_fixed_order_clip_and_conll_test(tiny: Path, tmp_path: Path, monkeypatch) -> None:
+    """Berend 2023 §4.2 / the official fine-tuning script: one data order for every seed (only the
+    head differs), optional clipping, CoNLL-2003 scored on test as well as valid."""
+    import mlsm.evaluate.finetune as ft
+
+    data = _small_fixtures(tmp_path / "data")
+    conll = data / "conll2003"
+    (conll / "test.txt").write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n",
+                                    encoding="utf-8")
+    seen: list[list[str]] = []
+    clips: list[float] = []
+    real_collate, real_clip = ft.collate, torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(ft, "collate", lambda tok, spec, feats, dev: (seen.append([str((f["inputs"]["input_ids"], f["label"])) for f in feats]),
+                                                                      real_collate(tok, spec, feats, dev))[1])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, c: (clips.append(c), real_clip(p, c))[1])
+
+    def orders(**kw) -> list[list[list[str]]]:
+        out = []
+        for seed in (1, 2):
+            seen.clear()
+            finetune([tiny], ["stsb"], seeds=(seed,), epochs=1, batch_size=4, data_dir=data, device="cpu",
+                     results=tmp_path / f"o{seed}{sorted(kw)}.jsonl", **kw)
+            out.append([b for b in seen if len(b) == 4][:3])  # training batches (eval batches are 64)
+        return out
+
+    a, b = orders(fixed_order=True, clip=0.0)
+    assert a == b and not clips  # same order for every seed; no clipping
+    a, b = orders()
+    assert a != b and clips and set(clips) == {1.0}  # default: per-seed order, clip 1.0
+    results = tmp_path / "conll.jsonl"
+    finetune([tiny], ["conll2003"], seeds=(0,), epochs=1, batch_size=4, data_dir=data, results=results,
+             device="cpu", eval_test=True)
+    rows = read_results(results)
+    assert [(r["metric"], r["n_eval"]) for r in rows] == [("f1", 6), ("f1_test", 1)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,62 @@ def test_flops_for_a_recipe(tmp_path) -> None:
     layer = 8 * n_tok * 768**2 + 4 * 1024 * 128**2 * 768 + 4 * n_tok * 768 * 3072
     assert table["MLSM_l (l=10)"].teacher == 10 * layer
     assert table["MLSM_L (l=12)"].teacher == 12 * layer
+
+
+def test_relative_attention_flops_match_the_counter() -> None:
+    """DeBERTa's c2p + p2c terms (counted in the paper accounting) against FlopCounterMode."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    from mlsm.evaluate.flops import encoder_flops, relative_attention_flops, shape_of
+
+    cfg = DebertaV2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=256, relative_attention=True, max_relative_positions=T,
+                          pos_att_type=["c2p", "p2c"], position_biased_input=False, max_position_embeddings=64)
+    model = DebertaV2Model(cfg).eval()
+    ids = torch.randint(5, 100, (B, T), generator=torch.Generator().manual_seed(0))
+    measured = _count(lambda: model(input_ids=ids))
+    shape = cfg.to_dict()
+    assert relative_attention_flops(shape, B, T) > 0
+    assert measured == encoder_flops(shape_of(shape), B, T) + relative_attention_flops(shape, B, T)
+    assert relative_attention_flops({**shape, "relative_attention": False}, B, T) == 0
+
+
+# Berend (2023) Table 3: MLM FLOPs per batch, then % of MLM
+PAPER_MLM = 1.13e13
+PAPER_PERCENT = {"KD": 131.9, "MLSM (naive)": 132.7, "MLSM_L (l=12)": 107.1, "MLSM_l (l=10)": 102.7}
+_UNITS = {"PFLOP": 1e15, "TFLOP": 1e12, "GFLOP": 1e9, "MFLOP": 1e6}
+
+
+def test_paper_accounting_reproduces_table_3(capsys) -> None:
+    """`mlsm flops --config configs/hitchhiker/mlsm.yaml --accounting paper` prints Table 3:
+    every ratio within ±1.5 percentage points, MLM within ±5 % (offline: bert-base-cased's
+    config is built from BertConfig)."""
+    from pathlib import Path
+
+    from mlsm.cli import main
+
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "hitchhiker" / "mlsm.yaml"
+    assert main(["flops", "--config", str(recipe), "--accounting", "paper", "--k", "3072"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("accounting: paper")
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))]
+        if len(cells) == 7 and cells[4].endswith("%"):
+            value, unit = cells[3].split()
+            rows[cells[0]] = (float(value) * _UNITS[unit], float(cells[4].rstrip(" %")))
+    assert abs(rows["MLM"][0] - PAPER_MLM) <= 0.05 * PAPER_MLM, rows["MLM"]
+    for name, percent in PAPER_PERCENT.items():
+        assert abs(rows[name][1] - percent) <= 1.5, (name, rows[name][1], percent)
+
+
+def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
+    from transformers import BertConfig
+
+    from mlsm.cli import main
+    from mlsm.evaluate.flops import teacher_shape_config
+
+    cfg = teacher_shape_config("bert-base-cased")
+    assert cfg.to_dict() == BertConfig(vocab_size=28996, architectures=["BertForMaskedLM"]).to_dict()
+    assert main(["flops", "model.arch=bert", "objective.teacher=bert-base-cased", "--k", "3072", "--layer", "10"]) == 0
+    assert capsys.readouterr().out.startswith("accounting: mlsm (ours")

@@ -41,3 +41,29 @@ def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictiona
     assert isinstance(scorer, ProbeScorer)
     scores = score_pll(scorer, tok, ["the cat sees a dog.", "dog a sees cat the the."])
     assert len(scores) == 2 and all(s < 0 for s in scores)
+
+
+def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+    """Berend (2023) Fig. 6 "MLSM+MLM": an MTL model has a trained vocabulary head, so `mlsm blimp`
+    scores it like an MLM model (no probe); a pure MLSM checkpoint still asks for its probe."""
+    from transformers import AutoModelForMaskedLM
+
+    from mlsm.errors import UserError
+
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "mtl", **{
+        "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
+        "objective.teacher": str(teacher_dir), "train.steps": 2, "train.readiness": "[1.0]"}))
+    folder = pretrain(cfg) / "checkpoints" / "step-0000002"
+    assert (folder / "heads.json").is_file() and "latent" in json.loads((folder / "heads.json").read_text())
+    scorer, tok = load_scorer(folder)
+    sentences = ["the cat sees a dog.", "dog a sees cat the the."]
+    reference = AutoModelForMaskedLM.from_pretrained(folder).eval()  # its exported vocabulary head
+    got, want = score_pll(scorer, tok, sentences), score_pll(reference, tok, sentences)
+    assert got == want and all(s < 0 for s in got)
+    mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
+    try:
+        load_scorer(mlsm_ckpt)
+    except UserError as err:
+        assert "train its probe first" in str(err)
+    else:
+        raise AssertionError("an MLSM checkpoint without a probe must be refused")

@@ -22,14 +22,24 @@ UP = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]) * 1e-3  # A beats B everywhere
 MIXED = np.array([15, 18, -16, -9, 7, -24, 17, 3, 20]) * 1e-3  # C beats B in 6 of 9; no tied |d|
 
 
-def exact_wilcoxon_p(d: np.ndarray) -> float:
-    """Two-sided exact signed-rank p-value by enumerating all 2^n sign patterns (no ties, no zeros)."""
+def _exact_null(d: np.ndarray) -> tuple[float, np.ndarray]:
+    """Observed T+ and its null distribution over all 2^n sign patterns (no ties, no zeros)."""
     ranks = np.argsort(np.argsort(np.abs(d))) + 1
-    t_obs = ranks[d > 0].sum()
     dist = np.array([sum(r for r, s in zip(ranks, signs, strict=True) if s)
                      for signs in itertools.product([0, 1], repeat=len(d))])
-    tail = min(np.mean(dist <= t_obs), np.mean(dist >= t_obs))
-    return min(1.0, 2 * tail)
+    return ranks[d > 0].sum(), dist
+
+
+def exact_wilcoxon_p(d: np.ndarray) -> float:
+    """Two-sided exact signed-rank p-value by enumeration."""
+    t_obs, dist = _exact_null(d)
+    return min(1.0, 2 * min(np.mean(dist <= t_obs), np.mean(dist >= t_obs)))
+
+
+def exact_greater_p(d: np.ndarray) -> float:
+    """One-sided exact p-value of "the differences d are shifted above 0": P(T+ >= observed)."""
+    t_obs, dist = _exact_null(d)
+    return float(np.mean(dist >= t_obs))
 
 
 def _row(model: str, cell: tuple[str, str, int], value: float, **extra: object) -> dict:
@@ -66,14 +76,34 @@ def test_compare_pvalues_and_wins(results: Path) -> None:
     assert len(rows) == 28  # the torn line is skipped
     cmp = compare_runs(results)
     a, b, c = (cmp.models.index(m) for m in "ABC")
-    assert cmp.pvalues[a, b] == pytest.approx(exact_wilcoxon_p(UP))
-    assert cmp.pvalues[c, b] == pytest.approx(exact_wilcoxon_p(MIXED))
-    assert cmp.pvalues[b, c] == pytest.approx(cmp.pvalues[c, b])  # two-sided: symmetric
-    assert cmp.pvalues[a, c] == pytest.approx(exact_wilcoxon_p(UP - MIXED))
-    assert math.isnan(cmp.pvalues[a, a])
+    two = cmp.pvalues_two_sided
+    assert two[a, b] == pytest.approx(exact_wilcoxon_p(UP))
+    assert two[c, b] == pytest.approx(exact_wilcoxon_p(MIXED))
+    assert two[b, c] == pytest.approx(two[c, b])  # two-sided: symmetric
+    assert two[a, c] == pytest.approx(exact_wilcoxon_p(UP - MIXED))
+    assert math.isnan(cmp.pvalues[a, a]) and math.isnan(two[a, a])
     assert (cmp.wins[a, b], cmp.wins[b, a]) == (9, 0)
     assert (cmp.wins[c, b], cmp.wins[b, c]) == (6, 3)
     assert cmp.n_pairs[a, b] == 9 and cmp.n_pairs[a, c] == 9
+
+
+def test_significance_is_directional(results: Path, tmp_path: Path) -> None:
+    """Berend (2023) Fig. 2b/3b: a * at (i, j) means i is significantly better than j, so of the
+    pair (A beats B on all 9 cells) only (A, B) carries a star, and p is the one-sided exact p."""
+    cmp = compare_runs(results, tmp_path / "out")
+    a, b, c = (cmp.models.index(m) for m in "ABC")
+    assert cmp.pvalues[a, b] == pytest.approx(exact_greater_p(UP)) == pytest.approx(1 / 2**9)
+    assert cmp.pvalues[b, a] == pytest.approx(exact_greater_p(-UP)) == pytest.approx(1.0)
+    assert cmp.pvalues[c, b] == pytest.approx(exact_greater_p(MIXED))
+    assert cmp.pvalues[b, c] == pytest.approx(exact_greater_p(-MIXED))
+    table = cmp.pvalue_table()
+    assert table[a][b].endswith("*") and not table[b][a].endswith("*")
+    for i in range(3):  # never both cells of a pair
+        for j in range(3):
+            assert not (table[i][j].endswith("*") and table[j][i].endswith("*"))
+    with open(tmp_path / "out" / "pvalues_two_sided.csv", encoding="utf-8") as f:
+        two = {r["model"]: r for r in csv.DictReader(f)}
+    assert float(two["A"]["B"]) == pytest.approx(exact_wilcoxon_p(UP)) == pytest.approx(float(two["B"]["A"]))
 
 
 def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
@@ -84,8 +114,8 @@ def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
     assert cmp.std[b, col] == pytest.approx(np.std(BASE[6:9], ddof=1))
     assert cmp.count[cmp.models.index("A"), cmp.columns.index(("sst2", "acc"))] == 4  # + the other-lr run
     md = (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
-    assert f"{2 / 2**9:.3g}*" in md  # A vs B significant at p < 0.01
-    assert f"{exact_wilcoxon_p(MIXED):.3g} " in md or f"{exact_wilcoxon_p(MIXED):.3g} |" in md
+    assert f"{1 / 2**9:.3g}*" in md  # A better than B at p < 0.01 (one-sided)
+    assert f"{exact_greater_p(MIXED):.3g} |" in md
     assert "9/9" in md and "6/9" in md and "3/9" in md
     assert f"{100 * np.mean(BASE[6:9]):.2f} ± {100 * np.std(BASE[6:9], ddof=1):.2f}" in md
     with open(tmp_path / "out" / "wins.csv", encoding="utf-8") as f:
@@ -123,3 +153,42 @@ def test_report_writes_valid_pngs(results: Path, tmp_path: Path) -> None:
         assert f"]({name})" in text
     assert "Wilcoxon" in text and "9/9" in text
     assert not list(out.glob("*.tmp*"))
+
+
+def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
+    """Per model and task the lr with the best mean *validation* score is kept (a test metric that
+    favours another lr never chooses), and models tuned to different lrs still pair by seed."""
+    path = tmp_path / "r.jsonl"
+    rows = []
+    for seed in range(4):
+        for model, good_lr in (("A", 1e-5), ("B", 5e-5)):
+            for lr in (1e-5, 5e-5):
+                val = 0.8 + 0.01 * seed + (0.05 if lr == good_lr else 0.0) + (0.01 if model == "A" else 0.0)
+                rows.append(_row(model, ("mrpc", "acc", seed), val, lr=lr))
+                rows.append(_row(model, ("mrpc", "acc_test", seed), 0.9 if lr != good_lr else 0.1, lr=lr))
+    append_results(path, rows)
+    plain = compare_runs(path)
+    cmp = compare_runs(path, tmp_path / "out", select_lr=True)
+    assert cmp.info["A"]["best_lr"] == {"mrpc": 1e-5} and cmp.info["B"]["best_lr"] == {"mrpc": 5e-5}
+    a, b = cmp.models.index("A"), cmp.models.index("B")
+    col = cmp.columns.index(("mrpc", "acc"))
+    assert cmp.mean[a, col] == pytest.approx(0.8 + 0.015 + 0.05 + 0.01)
+    assert cmp.mean[b, col] == pytest.approx(0.8 + 0.015 + 0.05)
+    assert cmp.mean[a, cmp.columns.index(("mrpc", "acc_test"))] == pytest.approx(0.1)  # the chosen lr's test
+    assert cmp.n_pairs[a, b] == 8 and cmp.wins[a, b] == 4  # 4 seeds × (acc, acc_test), paired across lrs
+    assert plain.count[a, col] == 8 and cmp.count[a, col] == 4
+
+
+def test_bootstrap_ci_of_mean_differences(results: Path, tmp_path: Path) -> None:
+    cmp = compare_runs(results, tmp_path / "out", bootstrap=2000)
+    a, b, c = (cmp.models.index(m) for m in "ABC")
+    assert cmp.ci[a, b, 0] == pytest.approx(UP.mean())
+    assert 0 < cmp.ci[a, b, 1] < UP.mean() < cmp.ci[a, b, 2] < UP.max()  # A better everywhere: CI > 0
+    assert cmp.ci[c, b, 1] < MIXED.mean() < cmp.ci[c, b, 2]
+    np.testing.assert_allclose(cmp.ci[b, a], -cmp.ci[a, b][[0, 2, 1]])  # same resamples, mirrored
+    assert np.isnan(cmp.ci[a, a]).all()
+    with open(tmp_path / "out" / "mean_diff_ci.csv", encoding="utf-8") as f:
+        ci = {(r["model"], r["other"]): r for r in csv.DictReader(f)}
+    assert float(ci[("A", "B")]["mean_diff"]) == pytest.approx(UP.mean()) and ci[("A", "B")]["n"] == "9"
+    assert "bootstrap CI" in (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
+    assert compare_runs(results).ci is None

@@ -24,10 +24,10 @@ from .conftest import make_text, overfit_losses
 
 @pytest.fixture(scope="module")
 def target_dir(store_dir, teacher_dir, dictionary_path, tmp_path_factory) -> Path:
-    """Codes of every position, nnz = k = 64 so nothing is truncated."""
+    """Codes of every position, whole (the default)."""
     out = tmp_path_factory.mktemp("targets") / "t"
     teacher = load_teacher(str(teacher_dir), layer=1)
-    return build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
+    return build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
 
 
 def _objective(store_dir: Path, spec: dict, max_len: int = 32):
@@ -40,7 +40,7 @@ def _objective(store_dir: Path, spec: dict, max_len: int = 32):
 
 def test_stored_codes_equal_online_codes(store_dir, teacher_dir, dictionary_path, target_dir) -> None:
     meta = TargetStore.open(target_dir).meta
-    assert meta["truncated"] == 0 and meta["nnz"] == 64 and meta["layer"] == 1
+    assert meta["truncated"] == 0 and meta["nnz"] is None and meta["layer"] == 1
     stored, source = _objective(store_dir, {"name": "mlsm", "targets": str(target_dir)})
     online, _ = _objective(store_dir, {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)})
     assert not hasattr(stored.coder, "teacher")  # the teacher is never loaded
@@ -50,29 +50,87 @@ def test_stored_codes_equal_online_codes(store_dir, teacher_dir, dictionary_path
         assert a.shape == b.shape == (int(batch.selected.sum()), 64)
         # fp16 storage: ~5e-4 relative error; the solver's own tolerance is 1e-5
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-5)
+        assert torch.equal(a > 0, b > 0)  # lossless: the same support, not only close values
         keep = a.sum(1) > 0
         torch.testing.assert_close((a[keep] / a[keep].sum(1, keepdim=True)).sum(1), torch.ones(int(keep.sum())))
+
+
+def _counting_teacher(teacher_dir: Path) -> tuple[object, list[int]]:
+    """The real teacher, recording how many chunks each forward reads (a spy, not a stand-in)."""
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    seen: list[int] = []
+    forward = teacher.hidden_states
+
+    def spy(ids, mask):
+        seen.append(len(ids))
+        return forward(ids, mask)
+
+    teacher.hidden_states = spy
+    return teacher, seen
+
+
+def _assert_same_store(a_dir: Path, b_dir: Path) -> None:
+    a, b = TargetStore.open(a_dir), TargetStore.open(b_dir)
+    for name in ("counts", "chunk_ptr", "indices"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    np.testing.assert_allclose(a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5)
 
 
 def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, target_dir, tmp_path) -> None:
     out = tmp_path / "t"
     shutil.copytree(target_dir, out)
-    teacher = load_teacher(str(teacher_dir), layer=1)
-    # simulate a build killed after 16 chunks: no completion marker, later rows garbage
+    n_chunks = TargetStore.open(out).meta["n_chunks"]
+    # a build killed after 16 chunks: no completion marker, garbage after the 16th chunk's entries
     (out / "meta.json").unlink()
     (out / "progress.json").write_text(json.dumps({"done": 16, "truncated": 0}))
+    end = int(np.memmap(out / "chunk_ptr.bin", dtype=np.int64, mode="r")[16])
     values = np.memmap(out / "values.bin", dtype=np.float16, mode="r+")
-    values[values.size // 2 :] = 7.0
+    values[end:] = 7.0
     values.flush()
     del values
     with pytest.raises(UserError, match="not a complete target store"):
         TargetStore.open(out)
-    build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=64, batch_size=16)
-    a, b = TargetStore.open(out), TargetStore.open(target_dir)
-    np.testing.assert_array_equal(a.indices, b.indices)
-    np.testing.assert_allclose(a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5)
+    teacher, seen = _counting_teacher(teacher_dir)
+    build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+    assert sum(seen) == n_chunks - 16  # finished chunks are not recomputed
+    _assert_same_store(out, target_dir)
     with pytest.raises(UserError, match="other settings"):  # same folder, other nnz
         build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=16)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_resume_recomputes_what_a_damaged_file_lost(store_dir, teacher_dir, dictionary_path, target_dir,
+                                                    tmp_path, damage) -> None:
+    out = tmp_path / "t"
+    shutil.copytree(target_dir, out)
+    meta = TargetStore.open(out).meta
+    (out / "meta.json").unlink()  # killed just before the completion marker
+    (out / "progress.json").write_text(json.dumps({"done": meta["n_chunks"], "truncated": 0}))
+    if damage == "delete":
+        (out / "indices.bin").unlink()
+    else:
+        with open(out / "values.bin", "r+b") as fh:
+            fh.truncate(fh.seek(0, 2) // 2)
+    teacher, seen = _counting_teacher(teacher_dir)
+    build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+    assert 0 < sum(seen) <= meta["n_chunks"]
+    _assert_same_store(out, target_dir)
+
+
+def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(store_dir, teacher_dir, dictionary_path,
+                                                                    target_dir, tmp_path) -> None:
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    capped = TargetStore.open(build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "c", nnz=2))
+    whole = TargetStore.open(target_dir)
+    chunks = np.repeat(np.arange(4), 30)
+    positions = np.tile(np.arange(1, 31), 4)
+    a, b = capped.dense(chunks, positions), whole.dense(chunks, positions)  # (120, k)
+    support = (b > 0).sum(1)
+    assert int((a > 0).sum(1).max()) <= 2
+    top2 = b.topk(2, dim=1)
+    torch.testing.assert_close(a.gather(1, top2.indices), top2.values)  # the two largest entries kept
+    n_cut = int((whole.counts.astype(np.int64) > 2).sum())
+    assert capped.meta["truncated"] == n_cut > 0 and int((support > 2).sum()) > 0
 
 
 def test_mismatches_are_one_line_errors(store_dir, corpus_dir, tokenizer_dir, dictionary_path, target_dir, tmp_path) -> None:

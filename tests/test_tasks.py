@@ -157,11 +157,14 @@ def test_mrpc_loader_all_layouts(tmp_path: Path) -> None:
     _write(orig / "dev_ids.tsv", [_t("21", "22")])
     assert [e.text for e in load_task("mrpc", "dev", tmp_path / "raw")] == ["C ."]
     assert [e.text_pair for e in load_task("mrpc", "train", tmp_path / "raw")] == ["\" B .", "F ."]
-    # without dev_ids.tsv the labeled test file serves as dev
+    # without dev_ids.tsv the only other labelled file is the test set: refuse, never use it as dev
     only = tmp_path / "msr" / "MRPC"
     _write(only / "msr_paraphrase_train.txt", rows)
     _write(only / "msr_paraphrase_test.txt", rows[:2])
-    assert len(load_task("mrpc", "dev", tmp_path / "msr")) == 1
+    for split in ("dev", "train"):
+        with pytest.raises(UserError, match=r"dev_ids\.tsv: missing") as err:
+            load_task("mrpc", split, tmp_path / "msr")
+        assert "\n" not in str(err.value)
     _write(tmp_path / "bad" / "MRPC" / "train.tsv", [_t("a", "b")])
     with pytest.raises(UserError, match="Quality"):
         load_task("mrpc", "train", tmp_path / "bad")

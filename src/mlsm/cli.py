@@ -1,13 +1,120 @@
-"""`mlsm <verb>`: argument wiring only; every verb calls a library function."""
+"""`mlsm <verb>`: argument wiring only; every verb calls a library function.
+
+Arguments are validated here, at the edge, by argparse `type=` functions (`positive_int`,
+`float_list`, `out_dir`, ...): a bad value is one line naming the flag before any work starts.
+`main` turns a `UserError` into one line (exit 2) and keeps real bugs loud: an unexpected
+exception prints its traceback plus one line asking to report it (exit 1). docs/reliability.md.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 from mlsm.errors import UserError
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def float_list(text: str) -> list[float]:
+    """Comma-separated positive numbers, e.g. 1e-5,2e-5."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("needs at least one number, e.g. 2e-5 or 1e-5,3e-5")
+    return [positive_float(t) for t in parts]
+
+
+def out_dir(text: str) -> str:
+    """An output folder: it may exist (as a folder) but must not be an existing file."""
+    if text and Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder (nothing was written)")
+    return text
+
+
+def out_file(text: str) -> str:
+    """An output file: it may exist (as a file) but must not be a folder."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file path")
+    return text
+
+
+def device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda, cuda:N (or auto)")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is visible; use cpu")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block): `mlsm VERB: error: ...`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _prepare(a: argparse.Namespace) -> None:
@@ -37,10 +144,11 @@ def _finetune(a: argparse.Namespace) -> None:
 
     path = finetune(
         a.models, [t for t in a.tasks.split(",") if t], seeds=range(a.seeds),
-        lrs=[float(x) for x in a.lrs.split(",")], epochs=a.epochs, batch_size=a.batch_size,
+        lrs=a.lrs, epochs=a.epochs, batch_size=a.batch_size,
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
         max_train_examples=a.max_train_examples, device=a.device,
         warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay,
+        fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
     )
     print(f"results: {path}")
 
@@ -48,7 +156,7 @@ def _finetune(a: argparse.Namespace) -> None:
 def _compare(a: argparse.Namespace) -> None:
     from mlsm.evaluate.stats import compare_runs
 
-    print(compare_runs(a.results, out_dir=a.out).to_markdown())
+    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr, bootstrap=a.bootstrap).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
@@ -109,9 +217,10 @@ def _rank(a: argparse.Namespace) -> None:
 
 def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import TokenStore
-    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
     from mlsm.teacher.teacher import load_teacher
 
+    check_dictionary_out(a.out)  # before minutes of work
     d = learn_dictionary(TokenStore.open(a.store), load_teacher(a.teacher, a.layer, device=a.device),
                          k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len, batch_size=a.batch_size,
                          n_iter=a.n_iter, seed=a.seed, out=a.out)
@@ -119,15 +228,22 @@ def _dictionary(a: argparse.Namespace) -> None:
 
 
 def _targets(a: argparse.Namespace) -> None:
+    from mlsm.locking import hold
     from mlsm.teacher.dictionary import load_dictionary
-    from mlsm.teacher.targets import build_target_store
+    from mlsm.teacher.targets import TargetStore, build_target_store, check_targets_out
     from mlsm.teacher.teacher import load_teacher
 
-    dictionary = load_dictionary(a.dictionary)
-    layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
-    teacher = load_teacher(a.teacher, layer, device=a.device)
-    out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
-    print(f"target store {out}: codes of every position (top {a.nnz}) for max_len {a.max_len}")
+    check_targets_out(a.out)  # the folder and its lock before loading the teacher
+    with hold(a.out, "target store"):
+        dictionary = load_dictionary(a.dictionary)
+        layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
+        teacher = load_teacher(a.teacher, layer, device=a.device)
+        out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
+    meta = TargetStore.open(out).meta
+    kept = "whole" if meta["nnz"] is None else f"cut to {meta['nnz']} entries"
+    print(f"target store {out}: codes of {meta['n_positions']:,} positions for max_len {a.max_len}, "
+          f"mean support {meta['mean_support']:.1f}, {kept}; "
+          f"{100 * meta['truncated'] / meta['n_positions']:.2f}% of codes truncated")
 
 
 def _flops(a: argparse.Namespace) -> None:
@@ -135,7 +251,8 @@ def _flops(a: argparse.Namespace) -> None:
     from mlsm.evaluate.flops import flops_for_run, format_table
 
     cfg = load_config(a.config, a.overrides)
-    print(format_table(flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size)))
+    rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size, accounting=a.accounting)
+    print(format_table(rows, accounting=a.accounting))
 
 
 def _study(a: argparse.Namespace) -> None:
@@ -162,13 +279,13 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
-    p.add_argument("--out", default="runs/demo", help="where everything goes (re-running resumes)")
+    p.add_argument("--out", default="runs/demo", type=out_dir, help="where everything goes (re-running resumes)")
     p.add_argument("--corpus", default=None, help="text files / hf:NAME (default: Python's own documentation prose)")
     p.add_argument("--data", default=None, help="folder with glue/ and blimp/ (default: ../shared/data if present)")
-    p.add_argument("--steps", type=int, default=300, help="pre-training steps per student")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--seeds", type=int, default=2, help="fine-tuning seeds per model")
-    p.add_argument("--blimp-pairs", type=int, default=20, help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
+    p.add_argument("--steps", type=positive_int, default=300, help="pre-training steps per student")
+    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    p.add_argument("--seeds", type=positive_int, default=2, help="fine-tuning seeds per model")
+    p.add_argument("--blimp-pairs", type=positive_int, default=20, help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
     return _demo
 
 
@@ -176,7 +293,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("prepare", help="tokenise text into a token store")
     p.add_argument("sources", nargs="+", help="files, directories, globs (.txt/.jsonl[.gz]) or hf:NAME[,CONFIG][@SPLIT]")
     p.add_argument("--tokenizer", required=True, help="HF tokenizer folder or hub id (must have a mask token)")
-    p.add_argument("--out", required=True, help="token store directory to write")
+    p.add_argument("--out", required=True, type=out_dir, help="token store directory to write")
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store of other inputs")
     return _prepare
@@ -185,9 +302,9 @@ def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
 def _add_train_tokenizer(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("train-tokenizer", help="train a WordPiece or Unigram tokenizer")
     p.add_argument("sources", nargs="+", help="files, directories, globs or hf:NAME")
-    p.add_argument("--out", required=True, help="folder for the tokenizer")
+    p.add_argument("--out", required=True, type=out_dir, help="folder for the tokenizer")
     p.add_argument("--kind", choices=["wordpiece", "unigram"], default="wordpiece")
-    p.add_argument("--vocab-size", type=int, default=30522)
+    p.add_argument("--vocab-size", type=positive_int, default=30522)
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--text-field", default="text")
     return _train_tokenizer
@@ -198,7 +315,7 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--config", help="YAML recipe (see configs/)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: 'auto' (newest checkpoint in train.out) or a checkpoint folder")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. optim.lr=3e-4 train.steps=200")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the command line, e.g. optim.lr=3e-4 train.steps=200")
     return _pretrain
 
 
@@ -207,58 +324,68 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("models", nargs="+", metavar="MODEL", help="HF model folders, optionally NAME=PATH")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
-    p.add_argument("--seeds", type=int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
-    p.add_argument("--lrs", default="2e-5", help="comma-separated learning rates (default 2e-5)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=128)
+    p.add_argument("--seeds", type=positive_int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
+    p.add_argument("--lrs", default="2e-5", type=float_list, help="comma-separated learning rates (default 2e-5)")
+    p.add_argument("--epochs", type=positive_int, default=3)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--data-dir", default=None,
                    help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ (default: HF datasets)")
-    p.add_argument("--results", default="results.jsonl", help="JSON-lines file to append to")
-    p.add_argument("--max-train-examples", type=int, default=None, help="cap training sets (CPU runs)")
-    p.add_argument("--warmup-ratio", type=float, default=0.0)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--results", default="results.jsonl", type=out_file, help="JSON-lines file to append to")
+    p.add_argument("--max-train-examples", type=positive_int, default=None, help="cap training sets (CPU runs)")
+    p.add_argument("--warmup-ratio", type=fraction, default=0.0)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    p.add_argument("--fixed-order", action="store_true", help="every seed trains on one data order (only the head differs)")
+    p.add_argument("--clip", type=non_negative_float, default=1.0, help="gradient-norm clipping, 0 = off (default 1.0)")
+    p.add_argument("--eval-test", action="store_true", help="also score labelled test splits (CoNLL-2003) as <metric>_test")
+    p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
     return _finetune
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("compare", help="Wilcoxon p-values, win counts and mean table from results.jsonl")
     p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
-    p.add_argument("--out", default=None, help="folder for comparison.md and CSVs (default: print only)")
+    p.add_argument("--select-lr", action="store_true",
+                   help="per model and task keep only the learning rate with the best mean validation score")
+    p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
+                   help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. 10000; 0 = none)")
+    p.add_argument("--out", default=None, type=out_dir, help="folder for comparison.md and CSVs (default: print only)")
     return _compare
 
 
 def _add_report(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("report", help="PNG figures + report.md from results.jsonl")
     p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
-    p.add_argument("--out", required=True, help="folder for the PNGs, tables and report.md")
+    p.add_argument("--out", required=True, type=out_dir, help="folder for the PNGs, tables and report.md")
     p.add_argument("--baseline", default=None, help="model on the x axis of the paired scatters")
     return _report
 
 
 def _add_probe(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)")
+    p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
+                       description="Train the linear probe of an MLSM checkpoint. group.key=value overrides of the "
+                       "probe run may stand anywhere on the command line: mlsm probe CKPT --steps 200 optim.lr=1e-3")
     p.add_argument("checkpoint", help="checkpoints/step-* folder of an mlsm or mtl run")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
-    p.add_argument("--steps", type=int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
-    p.add_argument("--out", default="", help="run directory (default: <run>/probe-<checkpoint>)")
+    p.add_argument("--steps", type=non_negative_int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
+    p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. optim.lr=1e-3")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides of the probe run, anywhere on the command line "
+                   "(before or after the options), e.g. optim.lr=1e-3 train.batch_size=16")
     return _probe
 
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
-    p.add_argument("model", help="HF masked-LM folder, or an MLSM checkpoint with its probe (mlsm probe)")
+    p.add_argument("model", help="HF masked-LM folder (MLM, KD, MTL checkpoints), or an MLSM checkpoint with its probe (mlsm probe)")
     p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
-    p.add_argument("--out", required=True, help="folder for blimp.json and blimp.md")
-    p.add_argument("--limit", type=int, default=None, help="first N pairs per phenomenon")
+    p.add_argument("--out", required=True, type=out_dir, help="folder for blimp.json and blimp.md")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N pairs per phenomenon")
     p.add_argument("--phenomena", nargs="+", default=None, metavar="UID", help="only these UIDs")
     p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
                    help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
-    p.add_argument("--token-budget", type=int, default=8192, help="padded tokens per forward pass")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--token-budget", type=positive_int, default=8192, help="padded tokens per forward pass")
+    p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     return _blimp
 
 
@@ -266,14 +393,14 @@ def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
     p.add_argument("model", help="HF encoder folder (AutoModel)")
     p.add_argument("--text", required=True, help=".txt or .txt.gz, one sentence per line")
-    p.add_argument("--out", required=True, help="folder for rank.csv/.md/.json/.png")
-    p.add_argument("--mask-rate", type=float, default=0.15, help="fraction of tokens -> [MASK]")
-    p.add_argument("--tau", type=float, default=0.9, help="energy fraction (Meng et al. Def. 2.1)")
+    p.add_argument("--out", required=True, type=out_dir, help="folder for rank.csv/.md/.json/.png")
+    p.add_argument("--mask-rate", type=fraction, default=0.15, help="fraction of tokens -> [MASK]")
+    p.add_argument("--tau", type=unit_interval, default=0.9, help="energy fraction (Meng et al. Def. 2.1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-sentences", type=int, default=None, help="use the first N lines")
-    p.add_argument("--max-length", type=int, default=128, help="truncate longer sentences")
+    p.add_argument("--max-sentences", type=positive_int, default=None, help="use the first N lines")
+    p.add_argument("--max-length", type=positive_int, default=128, help="truncate longer sentences")
     p.add_argument("--center", action="store_true", help="subtract the mean representation")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, type=device)
     return _rank
 
 
@@ -281,16 +408,16 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("dictionary", help="learn the MLSM dictionary on teacher states of a token store")
     p.add_argument("--store", required=True, help="token store prepared with the teacher's tokenizer")
     p.add_argument("--teacher", default=None, help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--layer", type=int, default=5, help="teacher layer, HF hidden_states numbering (0 = embeddings)")
-    p.add_argument("--k", type=int, default=None, help="number of atoms (default: 4 x hidden size)")
-    p.add_argument("--lam", type=float, default=0.05, help="lambda of the l1 penalty")
-    p.add_argument("--n-vectors", type=int, default=2_000_000, help="teacher states to collect")
-    p.add_argument("--max-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--n-iter", type=int, default=None, help="mini-batches (default: one pass)")
+    p.add_argument("--layer", type=non_negative_int, default=5, help="teacher layer, HF hidden_states numbering (0 = embeddings)")
+    p.add_argument("--k", type=positive_int, default=None, help="number of atoms (default: 4 x hidden size)")
+    p.add_argument("--lam", type=positive_float, default=0.05, help="lambda of the l1 penalty")
+    p.add_argument("--n-vectors", type=positive_int, default=2_000_000, help="teacher states to collect")
+    p.add_argument("--max-len", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=512)
+    p.add_argument("--n-iter", type=positive_int, default=None, help="mini-batches (default: one pass)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", required=True, help="PATH.safetensors (meta goes to PATH.json)")
+    p.add_argument("--device", default="cpu", type=device)
+    p.add_argument("--out", required=True, type=out_file, help="PATH.safetensors (meta goes to PATH.json)")
     return _dictionary
 
 
@@ -299,12 +426,13 @@ def _add_targets(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--store", required=True, help="token store (prepared with the teacher's tokenizer)")
     p.add_argument("--dictionary", required=True, help="dictionary from `mlsm dictionary` (PATH[.safetensors])")
     p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--layer", type=int, default=None, help="teacher layer (default: the dictionary's)")
-    p.add_argument("--max-len", type=int, default=128, help="data.max_len of the runs that will use it")
-    p.add_argument("--nnz", type=int, default=32, help="non-zeros kept per code (default 32)")
-    p.add_argument("--batch-size", type=int, default=64, help="chunks per teacher forward / progress record")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--out", required=True, help="target store folder (re-run the same command to resume)")
+    p.add_argument("--layer", type=non_negative_int, default=None, help="teacher layer (default: the dictionary's)")
+    p.add_argument("--max-len", type=positive_int, default=128, help="data.max_len of the runs that will use it")
+    p.add_argument("--nnz", type=positive_int, default=None,
+                   help="keep only each code's N largest entries (default: every non-zero; a cap is lossy)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="chunks per teacher forward / progress record")
+    p.add_argument("--device", default="cpu", type=device, help="cpu or cuda[:N]")
+    p.add_argument("--out", required=True, type=out_dir, help="target store folder (re-run the same command to resume)")
     return _targets
 
 
@@ -312,10 +440,13 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("flops", help="FLOPs per training batch of MLM, KD, MLSM variants and MTL (Markdown)")
     p.add_argument("--config", help="YAML recipe (student from model.*, teacher/layer/k from objective.*)")
     p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: objective.teacher)")
-    p.add_argument("--k", type=int, default=None, help="dictionary size (default: the dictionary's / 4 d)")
-    p.add_argument("--layer", type=int, default=None, help="early-exit layer of MLSM_l (default: objective.layer)")
-    p.add_argument("--vocab-size", type=int, default=None, help="student vocabulary (default: the teacher's)")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides, e.g. train.batch_size=256")
+    p.add_argument("--k", type=positive_int, default=None, help="dictionary size (default: the dictionary's / 4 d)")
+    p.add_argument("--layer", type=non_negative_int, default=None, help="early-exit layer of MLSM_l (default: objective.layer)")
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="student vocabulary (default: the teacher's)")
+    p.add_argument("--accounting", choices=["mlsm", "paper"], default="mlsm",
+                   help="paper: Berend 2023 Table 3 (one 128-sequence batch, heads at all positions); "
+                        "mlsm: ours (global batch, heads at selected positions) [mlsm]")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the command line, e.g. train.batch_size=256")
     return _flops
 
 
@@ -324,7 +455,7 @@ _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_t
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
-    parser = argparse.ArgumentParser(prog="mlsm", description="Masked Latent Semantic Modeling toolkit")
+    parser = _Parser(prog="mlsm", description="Masked Latent Semantic Modeling toolkit")
     sub = parser.add_subparsers(dest="verb", required=True)
     handlers = {}
     for add in _VERBS:
@@ -333,19 +464,69 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     return parser, handlers
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull `group.key=value` tokens out of a verb's command line, wherever they stand, for the
+    verbs that take overrides (argparse alone only takes them right after the positionals).
+    A token that is the value of an option (`--config a=b.yaml`) stays with its option."""
+    verb = next((t for t in argv if not t.startswith("-")), None)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    verb_parser = sub.choices.get(verb) if verb else None
+    if verb_parser is None or "overrides" not in {a.dest for a in verb_parser._actions}:
+        return argv, []
+    needs_value = {o for a in verb_parser._actions if a.nargs is None and a.option_strings for o in a.option_strings}
+    rest, overrides = [], []
+    for i, token in enumerate(argv):
+        if i > argv.index(verb) and _OVERRIDE.match(token) and (i == 0 or argv[i - 1] not in needs_value):
+            overrides.append(token)
+        else:
+            rest.append(token)
+    return rest, overrides
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     parser, handlers = build_parser()
-    args = parser.parse_args(argv)
+    argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
+        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
+            f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    prog = f"mlsm {args.verb}"
     try:
         handlers[args.verb](args)
     except UserError as exc:
-        print(f"mlsm {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"mlsm {args.verb}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: a bug until shown otherwise
+            return _report_bug(prog, exc)
+        # the user's environment (missing file, permissions, disk full): say so in one line
+        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {exc.filename}; check the path, "
+              "its permissions and the free disk space", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        return _report_bug(prog, exc)
     return 0
+
+
+def _report_bug(prog: str, exc: BaseException) -> int:
+    """A real bug stays loud: the whole traceback, then one line saying what to do with it."""
+    traceback.print_exc()
+    print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); this is a bug in mlsm, "
+          "please report it with the traceback above and the command you ran", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ are validated against that objective's own `Config` dataclass.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import types
 import typing
@@ -36,7 +37,8 @@ class DataConfig:
     mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
-    """Select exactly round(mask_rate * n_tokens) positions per sequence (static shapes)."""
+    """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official MLSM code
+    (Berend 2023), with static shapes; false = Bernoulli(mask_rate) per token, as BERT."""
 
 
 @dataclass
@@ -113,6 +115,57 @@ class RunConfig:
 
 _GROUPS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
 
+# Range of each numeric/choice field, checked when a config is loaded (so a bad value is one line
+# before any work starts): "group.key" -> (predicate on the type-checked value, what it must be).
+_POSITIVE = (lambda v: v > 0, "positive")
+_NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
+_UNIT = (lambda v: 0 <= v <= 1, "between 0 and 1")
+FIELD_CHECKS: dict[str, tuple[Any, str]] = {
+    "data.max_len": (lambda v: v >= 4, "at least 4 (special tokens included)"),
+    "data.mask_rate": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"),
+    "data.mask_split": (lambda v: len(v) == 3 and min(v) >= 0 and abs(sum(v) - 1) < 1e-6,
+                        "three non-negative fractions [mask, random, keep] that sum to 1"),
+    "optim.lr": _NON_NEGATIVE, "optim.weight_decay": _NON_NEGATIVE, "optim.eps": _POSITIVE,
+    "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "optim.schedule": (lambda v: v in ("linear", "wsd"), "linear or wsd"),
+    "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,
+    "optim.clip": _NON_NEGATIVE,
+    "train.steps": _POSITIVE, "train.batch_size": _POSITIVE, "train.micro_batch_size": _NON_NEGATIVE,
+    "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"), "auto, fp32, bf16 or fp16"),
+    "train.device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "auto, cpu, mps, cuda or cuda:N"),
+    "train.out": (lambda v: bool(v) and not Path(v).is_file(), "a folder (not empty, not an existing file)"),
+    "train.readiness": (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"),
+    "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE, "train.log_every": _POSITIVE,
+    "train.threads": _NON_NEGATIVE,
+    # objective options (validated against the objective's own Config at config load)
+    "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE, "objective.fista_iters": _POSITIVE,
+    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT, "objective.decoder_layers": _POSITIVE,
+    "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
+}
+# model.overrides keys that must be positive integers when given (HF config sizes).
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Checks that span fields: the student's shape, batch sizes and the objective's options."""
+    sizes = cfg.model.overrides
+    for key in _SIZE_KEYS:
+        if key in sizes and (not isinstance(sizes[key], int) or isinstance(sizes[key], bool) or sizes[key] <= 0):
+            raise UserError(f"model.overrides.{key} must be a positive integer, got {sizes[key]!r}")
+    hidden, heads = sizes.get("hidden_size"), sizes.get("num_attention_heads")
+    if hidden is not None and heads is not None and hidden % heads:
+        raise UserError(f"model.overrides.hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                        "pick sizes such that hidden_size / num_attention_heads is an integer")
+    if cfg.train.micro_batch_size > cfg.train.batch_size:
+        raise UserError(f"train.micro_batch_size={cfg.train.micro_batch_size} is larger than "
+                        f"train.batch_size={cfg.train.batch_size}; lower it or set it to 0")
+    from mlsm.objectives import OBJECTIVES  # here: mlsm.objectives imports this module
+
+    name = cfg.objective.get("name", "mlm")
+    if not isinstance(name, str) or name not in OBJECTIVES:
+        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(OBJECTIVES)}")
+    build_dataclass(OBJECTIVES[name].Config, {k: v for k, v in cfg.objective.items() if k != "name"}, "objective")
+
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
     """Coerce a YAML value to a field's annotated type, or fail with a one-line message."""
@@ -126,6 +179,9 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
             pass
     if origin in (types.UnionType, typing.Union):
         return value
+    if origin is list and isinstance(value, list):  # element types too: mask_split=[a, b] is an error here
+        (item,) = typing.get_args(hint) or (Any,)
+        return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
     if origin is Any or isinstance(value, origin):
         if origin is int and isinstance(value, bool):
             raise UserError(f"{where} must be an integer, got {value!r}")
@@ -134,30 +190,42 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
 
 
 def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones."""
+    """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones, wrong
+    types, and values outside a field's range (`FIELD_CHECKS`)."""
     if not isinstance(values, dict):
-        raise UserError(f"{where} must be a mapping of keys to values, got {values!r}")
+        raise UserError(f"{where} must be a mapping of keys to values (e.g. {where}.KEY=VALUE), got {values!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in values if k not in names]
     if unknown:
         raise UserError(
-            f"unknown key {where}.{unknown[0]}; valid keys of {where}: {', '.join(names)}"
+            f"unknown key {where}.{unknown[0]}; valid keys of {where}: {', '.join(names) or '(none)'}"
         )
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
+    for key, value in kwargs.items():
+        check = FIELD_CHECKS.get(f"{where}.{key}")
+        if check is not None and not check[0](value):
+            raise UserError(f"{where}.{key} must be {check[1]}, got {value!r}")
     return cls(**kwargs)
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from nested dicts (a parsed YAML recipe), validating every key."""
+    if raw is not None and not isinstance(raw, dict):
+        raise UserError(f"a config must be a mapping of groups ({', '.join([*_GROUPS, 'objective'])}), got {raw!r}")
     raw = dict(raw or {})
     valid = [*_GROUPS, "objective"]
     for key in raw:
         if key not in valid:
             raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
     groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name) for name, cls in _GROUPS.items()}
-    objective = dict(raw.get("objective") or {"name": "mlm"})
-    return RunConfig(objective=objective, **groups)
+    objective = raw.get("objective") or {"name": "mlm"}
+    if not isinstance(objective, dict):
+        raise UserError(f"objective must be a mapping, got {objective!r}; write objective.name={objective} "
+                        "(or `objective: {name: ...}` in YAML)")
+    cfg = RunConfig(objective=dict(objective), **groups)
+    check_config(cfg)
+    return cfg
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -165,13 +233,18 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
-        if not sep or not key:
-            raise UserError(f"override {pair!r} is not key=value; write e.g. optim.lr=3e-4")
+        if not sep or not key or "" in key.split("."):
+            raise UserError(f"override {pair!r} is not group.key=value; write e.g. optim.lr=3e-4")
         node = out
         *parents, leaf = key.split(".")
-        for part in parents:
+        for i, part in enumerate(parents):
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(text) if text else ""
+            if not isinstance(node, dict):
+                raise UserError(f"override {pair!r} conflicts with {'.'.join(parents[: i + 1])}={node!r} given before")
+        try:
+            node[leaf] = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as exc:
+            raise UserError(f"override {pair!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it") from None
     return out
 
 
@@ -186,14 +259,35 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: the problem and its line number (1-based)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a user's YAML file; any problem is one UserError naming the file and the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {p} not found; pass an existing YAML recipe (see configs/)")
+    try:
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"config file {p} is not valid YAML ({_yaml_problem(exc)}); fix the recipe") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML recipe (optional) and apply `group.key=value` overrides."""
     raw: dict[str, Any] = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {p} not found; pass an existing YAML recipe (see configs/)")
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = read_yaml(path) or {}
+        if not isinstance(raw, dict):
+            raise UserError(f"config file {path} must be a YAML mapping of groups (data:, model:, objective:, "
+                            f"optim:, train:), got a {type(raw).__name__}; see configs/ for examples")
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
 
 

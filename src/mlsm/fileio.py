@@ -1,38 +1,108 @@
-"""Atomic writes: a reader sees the old file (or folder) or the new one, never half of one."""
+"""Atomic, durable writes: a reader sees the old file (or folder) or the new one, never half of
+one, and once a write returns it survives a power cut (file and directory entry are fsynced).
+
+Every file mlsm writes goes through these helpers, so every write has the same guarantees.
+Files get the permissions `open()` would give them (0666 minus the umask), not mkstemp's 0600.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def umask() -> int:
+    """The process umask (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by path (a directory: so a rename inside it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and directory below `folder`, and `folder` itself."""
+    for path in Path(folder).rglob("*"):
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> None:
-    """Call write(tmp_path) on a temporary sibling of `path`, then rename it over `path`."""
+    """Call write(tmp_path) on a temporary sibling of `path`, fsync it, rename it over `path`,
+    then fsync the directory. On any failure `path` is untouched and the temporary is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes files private; respect the umask instead
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_path(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def atomic_write_json(path: str | os.PathLike, payload: Any) -> None:
+    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def make_temp_dir(target: Path, tag: str) -> Path:
+    """A fresh hidden sibling folder of `target` to build it in, with umask permissions."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-", dir=target.parent))
+    tmp.chmod(0o777 & ~umask())  # mkdtemp makes it private; outputs are meant to be shared
+    return tmp
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name, use_errno=True) if name else None
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
 def replace_dir(tmp: Path, target: Path) -> None:
-    """Rename the finished folder `tmp` to `target`; an old `target` is deleted only afterwards."""
+    """Put the finished folder `tmp` at `target`. An old `target` is swapped out atomically
+    (where the OS can) and deleted only afterwards: a crash never leaves `target` missing."""
     if target.exists():
+        if _exchange(tmp, target):
+            fsync_path(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         target.rename(old)
         tmp.rename(target)
+        fsync_path(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(target)
+        fsync_path(target.parent)

@@ -20,8 +20,8 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +30,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from mlsm import locking
 from mlsm.errors import UserError
-from mlsm.fileio import replace_dir
+from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
+from mlsm.hf import first_line
+from mlsm.hf import load_tokenizer as hf_load_tokenizer
 
 STORE_FORMAT = "mlsm-token-store"
 STORE_VERSION = 1
@@ -46,10 +49,10 @@ _TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Load a fast HF tokenizer from a folder or hub id, with a readable error."""
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = hf_load_tokenizer(name_or_path)
     except Exception as exc:  # HF raises many types; the user needs one line
         raise UserError(
-            f"cannot load tokenizer {name_or_path!r} ({type(exc).__name__}); pass a local "
+            f"cannot load tokenizer {name_or_path!r} ({first_line(exc)}); pass a local "
             "tokenizer folder, or train one with `mlsm train-tokenizer`"
         ) from None
     if not tok.is_fast:
@@ -101,43 +104,58 @@ def _resolve_paths(source: str) -> list[Path]:
     raise UserError(f"corpus source {source!r} not found; pass an existing file, directory, glob or hf:NAME")
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    """Open a (possibly gzipped) UTF-8 file, refusing binaries up front."""
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    """Open a (possibly gzipped) file for binary line reading, refusing binaries up front."""
     raw = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
-    head = raw.peek(8192)[:8192] if hasattr(raw, "peek") else b""
+    try:
+        head = raw.peek(8192)[:8192]
+    except BaseException:
+        raw.close()
+        raise
     if b"\x00" in head:
         raw.close()
         raise UserError(f"{path} looks binary (NUL bytes); pass UTF-8 text or .jsonl files only")
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="strict")
+    return raw
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text without the newline) of a UTF-8 file; a bad byte names its line."""
+    with _open_bytes(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                raise UserError(
+                    f"{path}:{lineno} is not UTF-8 text (bad byte at column {exc.start + 1}); convert "
+                    "the file (e.g. iconv -t utf-8) or leave it out"
+                ) from None
 
 
 def _text_docs(path: Path) -> Iterator[str]:
-    with _open_text(path) as fh:
-        block: list[str] = []
-        for line in fh:
-            if line.strip():
-                block.append(line.rstrip("\n"))
-            elif block:
-                yield "\n".join(block)
-                block = []
-        if block:
+    block: list[str] = []
+    for _, line in _lines(path):
+        if line.strip():
+            block.append(line)
+        elif block:
             yield "\n".join(block)
+            block = []
+    if block:
+        yield "\n".join(block)
 
 
 def _jsonl_docs(path: Path, text_field: str) -> Iterator[str]:
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise UserError(f"{path}:{lineno} has no string field {text_field!r}; pass --text-field NAME")
-            if text.strip():
-                yield text
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise UserError(f"{path}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(f"{path}:{lineno} has no string field {text_field!r}; pass --text-field NAME")
+        if text.strip():
+            yield text
 
 
 def _hf_docs(spec: str, text_field: str) -> Iterator[str]:
@@ -148,7 +166,7 @@ def _hf_docs(spec: str, text_field: str) -> Iterator[str]:
 
         ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as exc:
-        raise UserError(f"cannot load HF dataset {spec!r} ({type(exc).__name__}); check the name or use local files") from None
+        raise UserError(f"cannot load HF dataset {spec!r} ({first_line(exc)}); check the name or use local files") from None
     for record in ds:
         text = record.get(text_field)
         if isinstance(text, str) and text.strip():
@@ -166,13 +184,9 @@ def iter_documents(sources: list[str], text_field: str = "text") -> Iterator[str
             docs = _jsonl_docs(path, text_field) if is_json else _text_docs(path)
             try:
                 yield from docs
-            except UnicodeDecodeError as exc:
-                raise UserError(
-                    f"{path} is not UTF-8 text (bad byte at offset {exc.start}); convert it "
-                    "(e.g. iconv -t utf-8) or leave it out"
-                ) from None
-            except (OSError, EOFError) as exc:
-                raise UserError(f"cannot read {path} ({exc}); check the file is intact") from None
+            except (OSError, EOFError, zlib.error) as exc:  # gzip: BadGzipFile, EOFError, zlib.error
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise UserError(f"cannot read {path} ({reason}); the file is damaged or truncated — restore it or leave it out") from None
 
 
 def _fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
@@ -202,15 +216,18 @@ class TokenStore:
 
     @classmethod
     def open(cls, path: str | Path) -> TokenStore:
+        """Open a store, checking that its files agree with meta.json (a one-line error if not)."""
         path = Path(path)
-        meta_path = path / "meta.json"
-        if not meta_path.is_file():
-            raise UserError(f"{path} is not a complete token store (no meta.json); run `mlsm prepare` first")
-        meta = json.loads(meta_path.read_text())
+        if not path.is_dir():
+            raise UserError(f"token store {path} not found (or not a folder); make one with `mlsm prepare SOURCES --tokenizer TOK --out {path}`")
+        meta = _read_meta(path)
         if meta.get("format") != STORE_FORMAT:
-            raise UserError(f"{path} is not an mlsm token store; run `mlsm prepare` to make one")
-        tokens = np.memmap(path / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
+            raise UserError(f"{path} is not an mlsm token store (meta.json has no format {STORE_FORMAT!r}); make one with `mlsm prepare`")
+        n_tokens, n_docs = _check_files(path, meta)
+        tokens = np.memmap(path / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n_tokens,))
         offsets = np.fromfile(path / "offsets.bin", dtype=np.int64)
+        if offsets[0] != 0 or offsets[-1] != n_tokens or (np.diff(offsets) < 0).any():
+            raise _damaged(path, "offsets.bin does not match tokens.bin")
         return cls(path=path, meta=meta, tokens=tokens, offsets=offsets)
 
     @property
@@ -226,10 +243,43 @@ class TokenStore:
         return str(self.meta["tokenizer_hash"])
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return AutoTokenizer.from_pretrained(self.path / "tokenizer")
+        return hf_load_tokenizer(self.path / "tokenizer")
 
     def document(self, j: int) -> np.ndarray:
         return np.asarray(self.tokens[self.offsets[j] : self.offsets[j + 1]])
+
+
+def _damaged(path: Path, why: str) -> UserError:
+    return UserError(f"token store {path} is damaged ({why}); rebuild it with `mlsm prepare SOURCES --tokenizer TOK --out {path} --overwrite`")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise UserError(f"{path} is not a complete token store (no meta.json); run `mlsm prepare ... --out {path}` first")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _damaged(path, f"meta.json is unreadable: {type(exc).__name__}") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "meta.json is not a JSON object")
+    return meta
+
+
+def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
+    """(n_tokens, n_docs) after checking meta's fields and the sizes of tokens.bin/offsets.bin."""
+    n_tokens, n_docs, dtype = meta.get("n_tokens"), meta.get("n_docs"), meta.get("dtype")
+    if dtype not in ("uint16", "uint32") or not all(isinstance(n, int) and n > 0 for n in (n_tokens, n_docs)):
+        raise _damaged(path, "meta.json lacks a valid dtype, n_tokens or n_docs")
+    for name, expected in (("tokens.bin", n_tokens * np.dtype(dtype).itemsize), ("offsets.bin", (n_docs + 1) * 8)):
+        file = path / name
+        if not file.is_file():
+            raise _damaged(path, f"{name} is missing")
+        if file.stat().st_size != expected:
+            raise _damaged(path, f"{name} has {file.stat().st_size:,} bytes, meta.json implies {expected:,}")
+    if not (path / "tokenizer").is_dir():
+        raise _damaged(path, "its tokenizer/ folder is missing")
+    return n_tokens, n_docs
 
 
 def _write_store(tmp: Path, docs: Iterator[str], tok: PreTrainedTokenizerBase, chunk_docs: int) -> tuple[int, int]:
@@ -289,25 +339,71 @@ def prepare_corpus(
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise UserError("no corpus sources given; pass files, directories, globs or hf:NAME")
-    for source in sources:  # fail on a bad path before the (slower) tokenizer load
-        if not source.startswith("hf:"):
-            _resolve_paths(source)
+    out = Path(out)
+    _guard_out(out, sources)  # fail on a bad path before the (slower) tokenizer load
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     require_mask_token(tok)
     tok_hash = tokenizer_hash(tok)
     fingerprint = _fingerprint(sources, tok_hash, text_field)
-    out = Path(out)
-    if (out / "meta.json").is_file():
-        existing = TokenStore.open(out)
-        if existing.meta.get("fingerprint") == fingerprint and not overwrite:
-            return existing
-        if not overwrite:
-            raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite or choose another --out")
-    elif out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not a token store; choose another --out or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a store is meant to be shared
+    with locking.hold(out, "token store"):
+        existing = _existing_store(out, overwrite)
+        if existing is not None and not overwrite:
+            if existing.meta.get("fingerprint") == fingerprint:
+                return existing
+            raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite to replace it or choose another --out")
+        _build_store(out, sources, tok, tok_hash, text_field, fingerprint, chunk_docs)
+    return TokenStore.open(out)
+
+
+_STORE_FILES = {"meta.json", "tokens.bin", "offsets.bin", "tokenizer"}
+
+
+def _guard_out(out: Path, sources: list[str]) -> None:
+    """Refuse an --out that is a file, holds or is inside a source, or is a folder mlsm did not write."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder path for the token store")
+    target = out.resolve()
+    for source in sources:
+        if source.startswith("hf:"):
+            continue
+        root = Path(source).resolve()
+        related = Path(source).is_dir() and (root == target or root in target.parents)
+        if related or any(target in f.resolve().parents or f.resolve() == target for f in _resolve_paths(source)):
+            raise UserError(f"--out {out} overlaps the corpus source {source}; write the token store to a folder outside the sources")
+        if target in root.parents:
+            raise UserError(f"--out {out} contains the corpus source {source}; write the token store to a folder outside the sources")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    foreign = sorted(e.name for e in out.iterdir() if e.name not in _STORE_FILES)
+    if not (out / "meta.json").is_file():
+        raise UserError(f"--out {out} exists and is not a token store; choose another --out (mlsm only replaces folders it wrote)")
+    if foreign:
+        raise UserError(f"--out {out} holds files that are not part of a token store ({', '.join(foreign[:3])}); move them or choose another --out")
+
+
+def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
+    """The store at `out` (None if empty or missing). A damaged one is returned as None only
+    with --overwrite; a meta.json of another format is never replaced."""
+    if not (out / "meta.json").is_file():
+        return None
+    try:
+        meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        meta = {"format": STORE_FORMAT}  # torn: only store files are there (checked), so it is ours
+    if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
+        raise UserError(f"--out {out} holds a meta.json that is not an mlsm token store's; choose another --out")
+    try:
+        return TokenStore.open(out)
+    except UserError:
+        if overwrite:
+            return None
+        raise
+
+
+def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
+                 text_field: str, fingerprint: str, chunk_docs: int) -> None:
+    """Write the store into a hidden sibling and swap it into place when complete."""
+    tmp = make_temp_dir(out, "partial")
     try:
         n_tokens, n_docs = _write_store(tmp, iter_documents(sources, text_field), tok, chunk_docs)
         if n_tokens == 0:
@@ -321,10 +417,12 @@ def prepare_corpus(
             "sources": sources, "text_field": text_field, "fingerprint": fingerprint,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))
+        fsync_tree(tmp)
         replace_dir(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was replaced — free space and re-run") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return TokenStore.open(out)
-

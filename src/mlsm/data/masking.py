@@ -42,8 +42,10 @@ def select_positions(
 ) -> np.ndarray:
     """Bool (B, T): positions chosen for prediction; special (incl. padding) never chosen.
 
-    Bernoulli(rate) per eligible position, or, with exact_count, the round(rate * (T - 2)) eligible
-    positions with the smallest draws, so every sequence has the same number of targets.
+    Bernoulli(rate) per eligible position (BERT's sampling), or, with exact_count, the
+    ⌊rate · T⌋ eligible positions with the smallest draws (T = row length, special tokens included;
+    rows are packed, so every row has T tokens): the count of the official MLSM code (Berend 2023,
+    ``int(num_tokens * .15)`` positions among the non-[CLS]/[SEP] tokens), the same in every row.
     """
     if not 0.0 < rate < 1.0:
         raise ValueError(f"mask rate must be in (0, 1), got {rate}")
@@ -51,7 +53,7 @@ def select_positions(
     u[special] = np.inf
     if not exact_count:
         return u < rate
-    k = max(1, round(rate * (special.shape[1] - 2)))
+    k = max(1, int(np.floor(rate * special.shape[1] + 1e-9)))  # + eps: 0.15 * 100 must give 15
     k = min(k, int((~special).sum(1).min()))
     idx = np.argpartition(u, k - 1, axis=1)[:, :k]  # (B, k): the k smallest draws
     chosen = np.zeros_like(special)

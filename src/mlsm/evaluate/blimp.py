@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import Variant, score_pll
 from mlsm.fileio import atomic_write_text
+from mlsm.hf import first_line
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -81,8 +83,8 @@ def _read_file(path: Path) -> list[BlimpPair]:
                         f"sentence_good and sentence_bad; {_FIX_DATA}"
                     )
                 pairs.append(_pair(row, _stem(path), number - 1))
-    except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as err:
-        raise UserError(f"{path} is not JSON lines ({type(err).__name__}): {_FIX_DATA}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: BadGzipFile
+        raise UserError(f"{path} is not JSON lines ({first_line(err)}): {_FIX_DATA}") from None
     return pairs
 
 
@@ -116,7 +118,7 @@ def _load_hub(name: str, phenomena: Sequence[str] | None) -> list[BlimpPair]:
         return pairs
     except Exception as err:  # offline, unknown name or config: all need the same fix
         raise UserError(
-            f"cannot load BLiMP {name!r} from the HF hub ({type(err).__name__}): {_FIX_DATA}"
+            f"cannot load BLiMP {name!r} from the HF hub ({first_line(err)}): {_FIX_DATA}"
         ) from None
 
 

@@ -118,13 +118,13 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
 
 
 def load_tokenizer(path: str, spec: TaskSpec) -> Any:
-    from transformers import AutoTokenizer
+    from mlsm import hf
 
     if spec.kind != "token":
-        return AutoTokenizer.from_pretrained(path)
+        return hf.load_tokenizer(path)
     # Pre-split words need add_prefix_space for byte-level BPE tokenizers (RoBERTa, GPT-2);
     # WordPiece tokenizers ignore it.
-    tok = AutoTokenizer.from_pretrained(path, add_prefix_space=True)
+    tok = hf.load_tokenizer(path, add_prefix_space=True)
     if not tok.is_fast:
         raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) for word alignment")
     return tok
@@ -184,9 +184,13 @@ def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> to
 
 def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
                seed: int, cfg: dict[str, Any], device: torch.device) -> None:
-    """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs."""
+    """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs.
+
+    cfg["fixed_order"]: every seed trains on seed 0's data order (Berend 2023 §4.2: seeds differ
+    in the head only); cfg["clip"]: gradient-norm clipping, 0 = none."""
     torch.manual_seed(seed)  # dropout masks; the data order has its own generator
-    order = training_order(len(feats), seed, spec.name, cfg["epochs"])
+    order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name, cfg["epochs"])
+    clip = float(cfg.get("clip", 1.0))
     bs = cfg["batch_size"]
     total = cfg["epochs"] * math.ceil(len(feats) / bs)
     warm = int(cfg["warmup_ratio"] * total)
@@ -201,7 +205,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
             loss = _loss(spec, head(backbone(**inputs).last_hidden_state), labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([*backbone.parameters(), *head.parameters()], 1.0)
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([*backbone.parameters(), *head.parameters()], clip)
             opt.step()
             sched.step()
 
@@ -261,9 +266,12 @@ def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
             row["batch_size"], row["max_len"], row["n_train"])
 
 
-def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None) -> tuple[list[Example], dict[str, list[Example]]]:
+def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None,
+               eval_test: bool = False) -> tuple[list[Example], dict[str, list[Example]]]:
     train = load_task(spec.name, spec.train_split, data_dir, max_train)
     evals = {suffix: load_task(spec.name, split, data_dir) for suffix, split in spec.eval_splits.items()}
+    if eval_test and spec.test_split:  # metric "<name>_test" beside the validation metric
+        evals["test"] = load_task(spec.name, spec.test_split, data_dir)
     return train, evals
 
 
@@ -289,11 +297,13 @@ def _load_backbone(path: str) -> nn.Module:
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
+    from mlsm.hf import load_model
+
     before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per cell would drown our own bar
     try:
-        return AutoModel.from_pretrained(path, dtype=torch.float32)
+        return load_model(AutoModel, path, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(before)
         if bars:
@@ -318,9 +328,22 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
                 "metric": f"{metric}_{suffix}" if suffix else metric, "value": value, "seed": seed,
                 "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
                 "max_len": cfg["max_len"], "n_train": len(data.train), "n_eval": len(examples),
+                "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
                 "seconds": round(time.time() - start, 2),
             })
     return rows
+
+
+def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int, max_train_examples: int | None) -> None:
+    """Refuse a grid that would train nothing and still write its (untrained) scores as results."""
+    sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
+    if max_train_examples is not None:
+        sizes["--max-train-examples"] = max_train_examples
+    for flag, value in sizes.items():
+        if not value >= 1:
+            raise UserError(f"{flag} must be a positive integer, got {value}; nothing was trained or written")
+    if not all(lr > 0 for lr in lrs):
+        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; nothing was trained or written")
 
 
 def finetune(
@@ -337,6 +360,9 @@ def finetune(
     device: str | torch.device = "auto",
     warmup_ratio: float = 0.0,
     weight_decay: float = 0.01,
+    fixed_order: bool = False,
+    clip: float = 1.0,
+    eval_test: bool = False,
 ) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
 
@@ -344,9 +370,16 @@ def finetune(
     folders (``CoLA/``, ``SST-2/``, ``WiC/``, ``conll2003/``...); None loads HF ``datasets``.
     Cells already in ``results`` (same model, task, seed, lr, epochs, batch, max_len, n_train)
     are skipped, so an interrupted grid resumes. Returns the results path.
+
+    Fidelity options (docs/fidelity.md): ``fixed_order`` (one data order for all seeds),
+    ``clip`` (gradient-norm clipping, 0 = off), ``eval_test`` (also score tasks with a labelled
+    test split, i.e. CoNLL-2003, as ``<metric>_test``); ``max_len`` up to the model's limit (512).
     """
+    if clip < 0:
+        raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
+    _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
     refs = [resolve_model(m) for m in models]
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")
@@ -356,12 +389,13 @@ def finetune(
     done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
     bar = tqdm(total=len(refs) * len(specs) * len(seeds) * len(lrs), desc="finetune", disable=None)
     for spec in specs:
-        train, evals = _task_data(spec, data_dir, max_train_examples)
+        train, evals = _task_data(spec, data_dir, max_train_examples, eval_test)
         for ref in refs:
             data = None  # tokenised on first use: a finished model costs nothing on resume
             for lr, seed in itertools.product(lrs, seeds):
                 cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size, "max_len": max_len,
-                       "warmup_ratio": warmup_ratio, "weight_decay": weight_decay}
+                       "warmup_ratio": warmup_ratio, "weight_decay": weight_decay, "fixed_order": fixed_order,
+                       "clip": clip}
                 if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train)) not in done:
                     bar.set_postfix_str(f"{ref.name} {spec.name} seed={seed} lr={lr:g}")
                     data = data or prepare(ref, spec, train, evals, max_len)

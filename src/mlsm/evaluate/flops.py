@@ -10,11 +10,21 @@ with hidden size d and FFN size f costs
     feed-forward (two matmuls)       2 · 2BTdf
 
 Training a part costs forward + backward ≈ 3 × forward (the backward has two matmuls per forward
-matmul); a frozen teacher costs one forward. Heads: ours run at the N selected positions only
-(N = mask_rate · B · (T − 2)); the HF-style heads of the naive recipe run at all B·T positions.
-The vocabulary head is BERT's (d × d transform + d × |V| decoder), the latent head d × d + d × k,
-the naive head one d × (|V| + k) linear map. DeBERTa's relative-position attention terms are not
-counted: they cost every objective the same.
+matmul); a frozen teacher costs one forward. The vocabulary head is BERT's (d × d transform +
+d × |V| decoder), the latent head d × d + d × k, the naive head one d × (|V| + k) linear map.
+
+Two accountings (``accounting=``):
+
+- ``"paper"`` — Berend (2023) Table 3: one batch of 128 sequences, every head (student and
+  teacher) at all B·T positions as the official HF-model code computes them, and the student's
+  DeBERTa relative attention counted: per layer and attention type (c2p, p2c) a (B·T × d)·(d × 2s)
+  score product against 2s relative positions, s = min(T, max_relative_positions) as DeBERTa v1
+  computes it, plus the 2s-row position projections. With the DeBERTa-base student, bert-base-cased
+  teacher and k = 3072 this gives MLM 1.13e13 FLOPs/batch, KD 131.9 %, naive MLSM 133.4 %,
+  MLSM_12 108.0 %, MLSM_10 103.8 % (paper: 1.13e13, 131.9, 132.7, 107.1, 102.7).
+- ``"mlsm"`` — ours: the recipe's global batch, heads only at the N = mask_rate · B · (T − 2)
+  selected positions (mlsm's sparse prediction; the naive recipe's head still at all B·T), relative
+  attention not counted (it costs every objective the same).
 
 Sparse coding is reported separately (the paper leaves it out): per target with s non-zeros
 the active-set solver costs Dᵀx (2dk), about s/4 steps that each compute the KKT gradient of
@@ -28,11 +38,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-KNOWN_SHAPES: dict[str, dict[str, int]] = {  # hub teachers, so the table works offline
-    "bert-base-cased": {"hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 28996},
-    "bert-base-uncased": {"hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 30522},
-    "bert-large-cased": {"hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 4096, "vocab_size": 28996},
+# Hub teachers built from transformers' BertConfig defaults (BERT-base) so the table works
+# offline; only what differs from the defaults is listed (Devlin et al. 2019, Table/appendix).
+KNOWN_SHAPES: dict[str, dict[str, int]] = {
+    "bert-base-cased": {"vocab_size": 28996},
+    "bert-base-uncased": {},  # BertConfig's default vocabulary is bert-base-uncased's 30522
+    "bert-large-cased": {"vocab_size": 28996, "hidden_size": 1024, "num_hidden_layers": 24,
+                         "num_attention_heads": 16, "intermediate_size": 4096},
 }
+PAPER_BATCH = 128  # Berend (2023) Table 3 counts one batch of 128 sequences
+ACCOUNTINGS = ("paper", "mlsm")
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,27 @@ def encoder_flops(s: Shape, batch: int, seq: int, layers: int | None = None) -> 
     tokens = batch * seq
     per_layer = 8 * tokens * s.d**2 + 4 * batch * seq**2 * s.d + 4 * tokens * s.d * s.ffn
     return n_layers * per_layer
+
+
+def relative_attention_flops(config: Any, batch: int, seq: int) -> int:
+    """Forward FLOPs of DeBERTa's disentangled attention terms (He et al. 2021), all layers.
+
+    Per layer and type in pos_att_type (c2p, p2c): scores of the (B·T × d) queries (or keys)
+    against 2s relative-position keys (or queries), 2·B·T·2s·d, plus projecting the 2s relative
+    embeddings, 2·2s·d². s = min(T, max_relative_positions) as DeBERTa v1 computes it. 0 for
+    models without relative attention.
+    """
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if not get("relative_attention", False):
+        return 0
+    types = get("pos_att_type", None) or []
+    types = types.split("|") if isinstance(types, str) else list(types)
+    n_types = sum(t in ("c2p", "p2c") for t in types)
+    max_rel = int(get("max_relative_positions", -1) or -1)
+    span = min(seq, max_rel if max_rel > 0 else int(get("max_position_embeddings", 512)))
+    d = int(get("hidden_size"))
+    per_type = 2 * batch * seq * (2 * span) * d + 2 * (2 * span) * d * d
+    return int(get("num_hidden_layers")) * n_types * per_type
 
 
 def vocab_head_flops(s: Shape, n: int) -> int:
@@ -93,32 +129,45 @@ class FlopRow:
 
 
 def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: int, mask_rate: float,
-                k: int, layer: int, fista_iters: int = 100, teacher_mlm_head: bool = True) -> list[FlopRow]:
+                k: int, layer: int, fista_iters: int = 100, teacher_mlm_head: bool = True,
+                accounting: str = "mlsm") -> list[FlopRow]:
     """FLOPs per training batch of every objective; `total` excludes sparse coding.
 
     student_config / teacher_config: HF configs or dicts (hidden_size, num_hidden_layers,
-    intermediate_size, vocab_size). layer: MLSM_l's early-exit layer. teacher_mlm_head: whether
-    the naive recipe's full teacher forward includes vocabulary logits (BERT checkpoints do).
+    intermediate_size, vocab_size; the student's relative-attention fields are read in the paper
+    accounting). layer: MLSM_l's early-exit layer. teacher_mlm_head: whether the teacher's full
+    forward includes vocabulary logits (BERT checkpoints do). accounting: "paper" or "mlsm" (see
+    the module docstring); "paper" ignores `batch` and uses PAPER_BATCH sequences.
     """
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    paper = accounting == "paper"
+    batch = PAPER_BATCH if paper else batch
     S, T = shape_of(student_config), shape_of(teacher_config)
     n = round(mask_rate * batch * (seq_len - 2))  # selected positions ([CLS]/[SEP] never)
-    enc = encoder_flops(S, batch, seq_len)
-    mlm = 3 * (enc + vocab_head_flops(S, n))
-    latent = 3 * (enc + latent_head_flops(S.d, k, n))
-    naive_head = 3 * (enc + 2 * batch * seq_len * S.d * (S.vocab + k))
+    heads_at = batch * seq_len if paper else n  # rows the student's and KD teacher's heads run on
+    enc = encoder_flops(S, batch, seq_len) + (relative_attention_flops(student_config, batch, seq_len) if paper else 0)
+    latent_head = latent_head_flops(S.d, k, heads_at)
+    mlm = 3 * (enc + vocab_head_flops(S, heads_at))
     t_full = encoder_flops(T, batch, seq_len)
     t_early = encoder_flops(T, batch, seq_len, layers=layer)
     t_logits = vocab_head_flops(T, batch * seq_len) if teacher_mlm_head else 0
     coding = sparse_coding_flops(T.d, k, n)
+    where = "all positions" if paper else "selected positions"
+    if paper:  # the official MTL: one shared transform, decoder d × (|V| + k), two softmaxes
+        mtl = FlopRow(f"MTL (l={layer})", 3 * (enc + 2 * heads_at * (S.d * S.d + S.d * (S.vocab + k))), t_early, coding,
+                      "official head: shared transform + d×(|V|+k) at all positions")
+    else:
+        mtl = FlopRow(f"MTL (l={layer})", 3 * (enc + latent_head + vocab_head_flops(S, n)), t_early, coding,
+                      "both heads at selected positions")
     return [
-        FlopRow("MLM", mlm, 0, 0),
-        FlopRow("KD", mlm, t_full + vocab_head_flops(T, n), 0, "teacher logits at selected positions"),
-        FlopRow("MLSM (naive)", naive_head, t_full + t_logits, fista_flops(T.d, k, n, fista_iters),
-                f"full teacher, head d×(|V|+k) at all positions, FISTA-{fista_iters}"),
-        FlopRow(f"MLSM_L (l={T.layers})", latent, t_full, coding, "teacher to its last layer"),
-        FlopRow(f"MLSM_l (l={layer})", latent, t_early, coding, "early exit"),
-        FlopRow(f"MTL (l={layer})", 3 * (enc + latent_head_flops(S.d, k, n) + vocab_head_flops(S, n)),
-                t_early, coding, "both heads at selected positions"),
+        FlopRow("MLM", mlm, 0, 0, f"vocabulary head at {where}"),
+        FlopRow("KD", mlm, t_full + vocab_head_flops(T, heads_at), 0, f"teacher logits at {where}"),
+        FlopRow("MLSM (naive)", 3 * (enc + 2 * batch * seq_len * S.d * (S.vocab + k)), t_full + t_logits,
+                fista_flops(T.d, k, n, fista_iters), f"full teacher, head d×(|V|+k) at all positions, FISTA-{fista_iters}"),
+        FlopRow(f"MLSM_L (l={T.layers})", 3 * (enc + latent_head), t_full, coding, "teacher to its last layer"),
+        FlopRow(f"MLSM_l (l={layer})", 3 * (enc + latent_head), t_early, coding, "early exit"),
+        mtl,
     ]
 
 
@@ -129,45 +178,59 @@ def _fmt(x: int) -> str:
     return f"{x} FLOP"
 
 
-def format_table(rows: list[FlopRow]) -> str:
-    """Markdown table: absolute FLOPs per batch and % of MLM (first row named MLM)."""
+ACCOUNTING_LABELS = {
+    "paper": "accounting: paper (Berend 2023 Table 3: one batch of 128 sequences, heads at all positions, "
+             "DeBERTa relative attention counted)",
+    "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected positions only, "
+            "relative attention not counted)",
+}
+
+
+def format_table(rows: list[FlopRow], accounting: str | None = None) -> str:
+    """Markdown table: absolute FLOPs per batch and % of MLM (first row named MLM); with
+    `accounting`, a first line saying which accounting it is."""
     base = next(r.total for r in rows if r.objective == "MLM")
-    lines = [
+    lines = [ACCOUNTING_LABELS[accounting], ""] if accounting else []
+    lines += [
         "| Objective | Student (fwd+bwd) | Teacher (fwd) | Total | % of MLM | Sparse coding (not in total) | Note |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         coding = _fmt(r.coding) if r.coding else "–"
+        note = r.note.replace("|", "\\|")  # a bare | would split the Markdown cell
         lines.append(f"| {r.objective} | {_fmt(r.student)} | {_fmt(r.teacher) if r.teacher else '–'} | "
-                     f"{_fmt(r.total)} | {100 * r.total / base:.1f} % | {coding} | {r.note} |")
+                     f"{_fmt(r.total)} | {100 * r.total / base:.1f} % | {coding} | {note} |")
     return "\n".join(lines)
 
 
 def teacher_shape_config(name: str) -> Any:
     """HF config of a teacher: packaged MiniLM for '', a known hub shape, or AutoConfig."""
-    from transformers import AutoConfig
-
     from mlsm.errors import UserError
+    from mlsm.hf import first_line, load_config
     from mlsm.teacher.teacher import default_teacher_path
 
     if not name:
-        return AutoConfig.from_pretrained(default_teacher_path())
+        return load_config(default_teacher_path())
     if name in KNOWN_SHAPES:
-        return {**KNOWN_SHAPES[name], "architectures": ["BertForMaskedLM"]}
+        from transformers import BertConfig
+
+        return BertConfig(**KNOWN_SHAPES[name], architectures=["BertForMaskedLM"])
     try:
-        return AutoConfig.from_pretrained(name)
+        return load_config(name)
     except Exception as exc:  # OSError, ValueError, HTTP errors
-        raise UserError(f"cannot read the config of teacher {name!r} ({type(exc).__name__}); pass --teacher PATH to a local model folder") from None
+        raise UserError(f"cannot read the config of teacher {name!r} ({first_line(exc)}); pass --teacher PATH to a local model folder") from None
 
 
 def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None, layer: int | None = None,
-                  vocab_size: int | None = None) -> list[FlopRow]:
+                  vocab_size: int | None = None, accounting: str = "mlsm") -> list[FlopRow]:
     """`flops_table` for a RunConfig: student from model.*, teacher/k/layer from objective.*.
 
     The student's vocabulary is the teacher's (they must tokenise identically) unless vocab_size
     is given. k defaults to objective.k, the dictionary's k, or 4 × the teacher's hidden size.
     """
     from transformers import AutoConfig
+
+    from mlsm.hf import load_config
 
     obj = cfg.objective
     t_cfg = teacher_shape_config(teacher if teacher is not None else str(obj.get("teacher", "")))
@@ -177,14 +240,13 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
     m = cfg.model
-    student = AutoConfig.from_pretrained(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
-    student_shape = {"hidden_size": student.hidden_size, "num_hidden_layers": student.num_hidden_layers,
-                     "intermediate_size": student.intermediate_size, "vocab_size": vocab_size or t.vocab}
+    student = load_config(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
+    student_shape = {**student.to_dict(), "vocab_size": vocab_size or t.vocab}
     archs = (t_cfg.get("architectures") if isinstance(t_cfg, dict) else getattr(t_cfg, "architectures", None)) or []
     has_head = any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
     mask = cfg.data.mask_rate
     return flops_table(student_shape, t_cfg, cfg.data.max_len, cfg.train.batch_size, mask, k, layer,
-                       teacher_mlm_head=has_head)
+                       teacher_mlm_head=has_head, accounting=accounting)
 
 
 def _dictionary_meta(path: str) -> dict[str, Any]:

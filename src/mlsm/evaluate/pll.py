@@ -94,14 +94,16 @@ def as_scorer(model: Any) -> MaskedScorer:
 
 def load_masked_lm(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of an HF masked-LM folder, in eval mode; UserError if it cannot load."""
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoModelForMaskedLM
+
+    from mlsm.hf import first_line, load_model, load_tokenizer
 
     try:
-        model = AutoModelForMaskedLM.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
+        model = load_model(AutoModelForMaskedLM, path)
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError, KeyError, UserError) as err:
         raise UserError(
-            f"cannot load a masked LM from {path} ({type(err).__name__}): pass a checkpoint folder "
+            f"cannot load a masked LM from {path} ({first_line(err)}): pass a checkpoint folder "
             "with config.json, weights and tokenizer that AutoModelForMaskedLM can read"
         ) from None
     return (model.to(device) if device is not None else model).eval(), tokenizer

@@ -8,16 +8,16 @@ gets the same batches, readiness checkpoints, resume and DDP as any run (Berend 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel
 
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
+from mlsm.hf import load_model, load_tokenizer, read_json
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.objectives.probe import probe_input
@@ -31,8 +31,10 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     info_path = folder / "checkpoint.json"
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
-    info = json.loads(info_path.read_text())
-    raw = dict(info["config"])
+    try:
+        raw = dict(read_json(info_path)["config"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{info_path} is damaged (no readable config); pass another checkpoints/step-* folder") from None
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
     raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),
@@ -62,17 +64,18 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
 
 
 class ProbeScorer(torch.nn.Module):
-    """`MaskedScorer` of an MLSM model with a probe: logits = probe(softmax(latent_head(h)))."""
+    """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))), f = softmax (default),
+    log_softmax or identity as heads.json says."""
 
     def __init__(self, folder: str | Path):
         super().__init__()
         folder = Path(folder)
-        meta = json.loads((folder / "heads.json").read_text())
+        meta = read_json(folder / "heads.json")
         from safetensors.torch import load_file
 
         state = load_file(folder / "heads.safetensors")
         with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
-            self.backbone = AutoModel.from_pretrained(folder)
+            self.backbone = load_model(AutoModel, folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
         self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
@@ -85,13 +88,27 @@ class ProbeScorer(torch.nn.Module):
         return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 
+def _exports_vocab_head(folder: Path) -> bool:
+    """Whether the folder's HF model was saved with its (trained) vocabulary head: MTL, MLM and KD
+    checkpoints save the *ForMaskedLM class, a pure MLSM checkpoint only the encoder (*Model)."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    archs = read_json(config).get("architectures") or []
+    return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
+
+
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
-    """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder."""
+    """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder.
+
+    An MTL checkpoint (latent head + a trained vocabulary head, Berend 2023 Fig. 6 "MLSM+MLM") is
+    scored through its vocabulary head, like an MLM model; it needs no probe.
+    """
     folder = Path(path)
     heads = folder / "heads.json"
-    if heads.is_file() and "probe" in json.loads(heads.read_text()):
+    if heads.is_file() and "probe" in read_json(heads):
         scorer = ProbeScorer(folder)
-        return (scorer.to(device) if device else scorer), AutoTokenizer.from_pretrained(folder)
-    if heads.is_file() and "latent" in json.loads(heads.read_text()):
+        return (scorer.to(device) if device else scorer), load_tokenizer(folder)
+    if heads.is_file() and "latent" in read_json(heads) and not _exports_vocab_head(folder):
         raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
     return load_masked_lm(str(folder), device)

@@ -27,7 +27,7 @@ import gzip
 import io
 import json
 import os
-import tempfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.hf import first_line
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
 # Tolerance on the cumulative energy ratio so that a spectrum reaching tau exactly (up to rounding)
@@ -229,14 +230,16 @@ def layerwise_effective_rank(
 
 def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of an HF encoder folder (AutoModel), eval mode; UserError if unreadable."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
+
+    from mlsm.hf import load_model, load_tokenizer
 
     try:
-        model = AutoModel.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
+        model = load_model(AutoModel, path)
+        tokenizer = load_tokenizer(path)
+    except (OSError, ValueError, KeyError, UserError) as err:
         raise UserError(
-            f"cannot load an encoder from {path} ({type(err).__name__}): pass a checkpoint folder "
+            f"cannot load an encoder from {path} ({first_line(err)}): pass a checkpoint folder "
             "with config.json, weights and tokenizer that AutoModel can read"
         ) from None
     return (model.to(device) if device is not None else model).eval(), tokenizer
@@ -251,8 +254,8 @@ def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[st
     try:
         with opener(p, "rt", encoding="utf-8") as f:
             lines = [line.strip() for line in f if line.strip()]
-    except (UnicodeDecodeError, gzip.BadGzipFile) as err:
-        raise UserError(f"{p} is not UTF-8 text ({type(err).__name__}): pass a .txt or .txt.gz") from None
+    except (UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: gzip.BadGzipFile
+        raise UserError(f"{p} is not readable UTF-8 text ({first_line(err)}): pass a .txt or .txt.gz") from None
     if not lines:
         raise UserError(f"{p} has no non-empty lines: pass a text file with one sentence per line")
     return lines[:limit]
@@ -275,14 +278,10 @@ def plot_rank(table: RankTable, path: str | os.PathLike) -> Path:
            title=f"Effective rank of token representations ({table.mask_rate:.0%} [MASK])")
     ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, out)
+        atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return out
 
 

@@ -7,21 +7,20 @@ pyplot state or global backend is touched (safe inside notebooks and other progr
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mlsm.errors import UserError
 from mlsm.evaluate.stats import SIGNIFICANCE, Comparison, compare_runs
+from mlsm.fileio import atomic_write, atomic_write_text
 
 
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)  # attach the Agg canvas: PNG output without pyplot
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     return path
 
 
@@ -58,14 +57,15 @@ def plot_readiness(cmp: Comparison, path: Path) -> Path:
 
 
 def plot_wilcoxon(cmp: Comparison, path: Path) -> Path:
-    """Fig. 2b/2c: p-value heatmap (colour = -log10 p, * at p < 0.01) beside the win fractions."""
+    """Fig. 2b/2c: one-sided p-value heatmap (colour = -log10 p of "row better than column",
+    * at p < 0.01, so a star always sits on the better model's row) beside the win fractions."""
     m = len(cmp.models)
     fig = Figure(figsize=(4 + 1.6 * m, 1.5 + 0.7 * m))
     with np.errstate(divide="ignore", invalid="ignore"):
         logp = -np.log10(cmp.pvalues)
         frac = np.where(cmp.n_pairs > 0, cmp.wins / np.maximum(cmp.n_pairs, 1), np.nan)
     text = cmp.pvalue_table()
-    panels = [(logp, "-log10 p (Wilcoxon)", "viridis", text),
+    panels = [(logp, "-log10 p (Wilcoxon, row > column)", "viridis", text),
               (frac, "win fraction (row beats column)", "RdBu", None)]
     for k, (values, title, cmap, labels) in enumerate(panels):
         ax = fig.add_subplot(1, 2, k + 1)
@@ -110,17 +110,25 @@ def plot_paired(cmp: Comparison, task: str, path: Path, baseline: str | None = N
     return _save(fig, path)
 
 
+def check_baseline(cmp: Comparison, baseline: str | None, results_path: str | Path) -> None:
+    """--baseline must name a model of the results (else the scatters would use another, silently)."""
+    if baseline is not None and baseline not in cmp.models:
+        raise UserError(f"--baseline {baseline!r} is not a model in {results_path}; models present: "
+                        f"{', '.join(cmp.models)}")
+
+
 def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
     """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
 
     ``baseline``: the model on the x axis of the paired scatters (default: the first model).
     Returns the path of ``report.md``.
     """
+    cmp = compare_runs(results_path)
+    check_baseline(cmp, baseline, results_path)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cmp = compare_runs(results_path, out)
+    cmp.write(out)
     figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
-               (f"Wilcoxon p-values (* p < {SIGNIFICANCE}) and win fractions (Fig. 2b/2c)",
+               (f"One-sided Wilcoxon p-values, row better than column (* p < {SIGNIFICANCE}), and win fractions (Fig. 2b/2c)",
                 plot_wilcoxon(cmp, out / "wilcoxon.png"))]
     for task in dict.fromkeys(t for t, _ in cmp.columns):
         png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)
@@ -130,7 +138,5 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())
     path = out / "report.md"
-    tmp = out / "report.md.tmp"
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(parts))
     return path

@@ -2,8 +2,13 @@
 
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
-both have: a two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``) over the paired
-scores, and the number of cells each model wins. All metrics here are higher-is-better.
+both have: Wilcoxon signed-rank tests (``scipy.stats.wilcoxon``) over the paired scores, and the
+number of cells each model wins. All metrics here are higher-is-better.
+
+Significance is directional, as Berend (2023) reads Fig. 2b/3b and §4.3: a ``*`` at (row i,
+column j) means model i is significantly *better* than model j, i.e. the one-sided test with
+alternative "greater" on the differences (row − column) has p < 0.01. At most one cell of a pair
+carries a star. The two-sided p is kept (``pvalues_two_sided.csv``) for readers who want it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import csv
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +65,8 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{path}: no results file; run `mlsm finetune ... --results {path}` first")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = _decode_line(path, number, raw)
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -69,13 +76,36 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def wilcoxon_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Wilcoxon signed-rank p-value of paired scores; 1.0 when all pairs tie, NaN if none."""
+def _decode_line(path: Path, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}:{number} is not UTF-8 text (byte {exc.start + 1} of the line); "
+                        "remove or fix that line (results files are JSON lines written by mlsm finetune)") from None
+
+
+def read_scores(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of `read_results` whose value is a finite number; the others (NaN, null, text)
+    are skipped and counted in one warning on stderr, so a mean is never silently NaN."""
+    rows = read_results(path)
+    good = [r for r in rows if isinstance(r["value"], int | float) and not isinstance(r["value"], bool)
+            and math.isfinite(r["value"])]
+    if len(good) < len(rows):
+        print(f"mlsm: warning: {path}: skipped {len(rows) - len(good)} of {len(rows)} result rows whose value "
+              "is not a finite number (NaN, null or text)", file=sys.stderr)
+    return good
+
+
+def wilcoxon_p(a: np.ndarray, b: np.ndarray, alternative: str = "two-sided") -> float:
+    """Wilcoxon signed-rank p-value of paired scores; 1.0 when all pairs tie, NaN if none.
+
+    alternative="greater" tests whether ``a`` is better than ``b`` (the median of a − b > 0).
+    """
     if len(a) == 0:
         return math.nan
     if np.all(a == b):
         return 1.0
-    return float(sps.wilcoxon(a, b, alternative="two-sided").pvalue)
+    return float(sps.wilcoxon(a, b, alternative=alternative).pvalue)
 
 
 @dataclass
@@ -87,14 +117,17 @@ class Comparison:
     mean: np.ndarray  # (m, c) mean over seeds (and lrs)
     std: np.ndarray  # (m, c) sample std (ddof=1; 0 for a single run)
     count: np.ndarray  # (m, c) runs per cell
-    pvalues: np.ndarray  # (m, m) Wilcoxon p over the common cells; NaN on the diagonal
+    pvalues: np.ndarray  # (m, m) one-sided Wilcoxon p of "row better than column"; NaN on the diagonal
     wins: np.ndarray  # (m, m) cells where the row model scores strictly higher
     n_pairs: np.ndarray  # (m, m) common cells
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> step/readiness/objective/run
     scores: dict[str, dict[tuple[Any, ...], float]] = field(default_factory=dict)  # model -> cell -> value
+    pvalues_two_sided: np.ndarray | None = None  # (m, m) symmetric two-sided p; NaN on the diagonal
+    ci: np.ndarray | None = None  # (m, m, 3) bootstrap mean difference row − column, CI low, CI high
+    ci_level: float = 0.95
 
     def pvalue_table(self) -> list[list[str]]:
-        """Rows of the p-value matrix as text, ``*`` marking p < 0.01."""
+        """Rows of the directional p-value matrix as text; ``*`` at (i, j): i better than j, p < 0.01."""
         m = len(self.models)
         return [[("—" if i == j or math.isnan(self.pvalues[i, j]) else
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
@@ -118,23 +151,43 @@ class Comparison:
         return "\n".join([
             "## Mean dev scores (×100, mean ± std over seeds)", "",
             _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
-            f"## Wilcoxon signed-rank p-values (row vs column; * p < {SIGNIFICANCE})", "",
+            f"## Wilcoxon signed-rank p-values, one-sided: row better than column (* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
             "## Wins (row beats column / paired runs)", "",
             _md(["model", *self.models], self.models, wins), "",
+            *self._ci_markdown(),
         ])
 
+    def _ci_markdown(self) -> list[str]:
+        """The bootstrap section (empty without `ci`): mean difference ×100 [low, high]."""
+        if self.ci is None:
+            return []
+        m = len(self.models)
+        rows = [[("—" if i == j or math.isnan(self.ci[i, j, 0]) else
+                  f"{100 * self.ci[i, j, 0]:+.2f} [{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
+                 for j in range(m)] for i in range(m)]
+        title = f"## Mean paired difference row − column ×100, {100 * self.ci_level:.0f} % bootstrap CI"
+        return [title, "", _md(["model", *self.models], self.models, rows), ""]
+
     def write(self, out_dir: str | Path) -> dict[str, Path]:
-        """``comparison.md``, ``means.csv``, ``pvalues.csv``, ``wins.csv`` in ``out_dir``."""
+        """``comparison.md``, ``means.csv``, ``pvalues.csv`` (one-sided, row better than column),
+        ``pvalues_two_sided.csv`` and ``wins.csv`` in ``out_dir``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "wins")}
+        paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "pvalues_two_sided", "wins")}
         means = [[t, met, mod, self.mean[i, c], self.std[i, c], int(self.count[i, c])]
                  for c, (t, met) in enumerate(self.columns) for i, mod in enumerate(self.models)
                  if self.count[i, c]]
         _csv(paths["means"], ["task", "metric", "model", "mean", "std", "n"], means)
         _csv(paths["pvalues"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.pvalues.tolist(), strict=True)])
+        two = self.pvalues_two_sided if self.pvalues_two_sided is not None else np.full_like(self.pvalues, math.nan)
+        _csv(paths["pvalues_two_sided"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, two.tolist(), strict=True)])
         _csv(paths["wins"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.wins.astype(int).tolist(), strict=True)])
+        if self.ci is not None:
+            paths["mean_diff_ci"] = out / "mean_diff_ci.csv"
+            _csv(paths["mean_diff_ci"], ["model", "other", "n", "mean_diff", "ci_low", "ci_high", "level"],
+                 [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
+                  for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
         paths["markdown"] = out / "comparison.md"
         _atomic_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
         return paths
@@ -172,9 +225,11 @@ def _scores(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[tuple[Any, ...],
     return scores, info
 
 
-def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, ...]:
+    """(greater, two_sided, wins, n_pairs): greater[i, j] is the one-sided p of "i better than j"."""
     m = len(models)
     pvalues, wins, n_pairs = np.full((m, m), math.nan), np.zeros((m, m)), np.zeros((m, m))
+    two_sided = np.full((m, m), math.nan)
     for i, a in enumerate(models):
         for j, b in enumerate(models):
             if i == j:
@@ -182,21 +237,77 @@ def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]
             common = sorted(scores[a].keys() & scores[b].keys(), key=repr)
             x = np.array([scores[a][k] for k in common])
             y = np.array([scores[b][k] for k in common])
-            pvalues[i, j] = wilcoxon_p(x, y)
+            pvalues[i, j] = wilcoxon_p(x, y, alternative="greater")
+            two_sided[i, j] = wilcoxon_p(x, y)
             wins[i, j] = int(np.sum(x > y))
             n_pairs[i, j] = len(common)
-    return pvalues, wins, n_pairs
+    return pvalues, two_sided, wins, n_pairs
 
 
-def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) -> Comparison:
-    """Paired Wilcoxon p-values, win counts and per-task means of every model in a results file.
+SELECTED_LR = -1.0  # the lr field of a cell after best-lr selection: "the model's best lr"
 
+
+def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
+                   info: dict[str, dict[str, Any]]) -> dict[str, dict[tuple[Any, ...], float]]:
+    """Keep, per (model, task, epochs, batch, max_len, n_train), the runs of the learning rate
+    with the best mean VALIDATION score (over seeds and the task's metrics; ``*_test`` metrics
+    never choose), as a grid search picks one lr per model and task. The kept cells' lr field
+    becomes SELECTED_LR so that models tuned to different lrs still pair by seed; the chosen lrs
+    go to ``info[model]["best_lr"]`` ({task: lr})."""
+    out: dict[str, dict[tuple[Any, ...], float]] = {}
+    lr_at = CELL_FIELDS.index("lr")
+    for model, cells in scores.items():
+        groups: dict[tuple[Any, ...], dict[float, list[float]]] = {}
+        for key, value in cells.items():
+            if not str(key[1]).endswith("_test"):
+                group = (key[0], *key[lr_at + 1:])  # task, epochs, batch, max_len, n_train
+                groups.setdefault(group, {}).setdefault(key[lr_at], []).append(value)
+        best = {g: max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr)) for g, by_lr in groups.items()}
+        out[model] = {(*k[:lr_at], SELECTED_LR, *k[lr_at + 1:]): v for k, v in cells.items()
+                      if best.get((k[0], *k[lr_at + 1:])) == k[lr_at]}
+        info.setdefault(model, {})["best_lr"] = {g[0]: lr for g, lr in best.items()}
+    return out
+
+
+def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]],
+                        n_resamples: int = 10000, level: float = 0.95, seed: int = 0) -> np.ndarray:
+    """(m, m, 3): mean paired difference row − column over the common cells and its percentile
+    bootstrap CI (``scipy.stats.bootstrap``, resampling cells). Every pair resamples with the same
+    seed, so CI(j, i) = −CI(i, j) mirrored. NaN with fewer than 2 common cells."""
+    m = len(models)
+    out = np.full((m, m, 3), math.nan)
+    for i, a in enumerate(models):
+        for j, b in enumerate(models):
+            common = sorted(scores[a].keys() & scores[b].keys(), key=repr)
+            if i == j or len(common) < 2:
+                continue
+            d = np.array([scores[a][k] - scores[b][k] for k in common])
+            out[i, j, 0] = d.mean()
+            if np.all(d == d[0]):  # no spread: the interval is the point
+                out[i, j, 1:] = d[0]
+                continue
+            res = sps.bootstrap((d,), np.mean, n_resamples=n_resamples, confidence_level=level,
+                                method="percentile", random_state=np.random.default_rng(seed))
+            out[i, j, 1:] = res.confidence_interval.low, res.confidence_interval.high
+    return out
+
+
+def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *, select_lr: bool = False,
+                 bootstrap: int = 0, ci_level: float = 0.95) -> Comparison:
+    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of every model in a results file.
+
+    select_lr: per model and task keep only its best learning rate on validation (``select_best_lr``).
+    bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
-    rows = read_results(results_path)
+    rows = read_scores(results_path)
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")
+    if bootstrap < 0 or not 0.0 < ci_level < 1.0:
+        raise UserError(f"--bootstrap must be >= 0 (got {bootstrap}) and the CI level in (0, 1) (got {ci_level})")
     scores, info = _scores(rows)
+    if select_lr:
+        scores = select_best_lr(scores, info)
     models = list(scores)
     columns = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
     shape = (len(models), len(columns))
@@ -208,8 +319,9 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None) ->
             if len(vals):
                 mean[i, c] = vals.mean()
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
-    pvalues, wins, n_pairs = _pairwise(models, scores)
-    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores)
+    pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
+    ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
+    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores, two_sided, ci, ci_level)
     if out_dir is not None:
         report.write(out_dir)
     return report

@@ -161,15 +161,18 @@ def _mrpc_source(folder: Path, split: str) -> tuple[Path, Callable[[list[str]], 
     if (src / "dev_ids.tsv").is_file():
         dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
         return src / "msr_paraphrase_train.txt", lambda r: (tuple(r[1:3]) in dev) == (split == "dev")
-    name = "msr_paraphrase_train.txt" if split == "train" else "msr_paraphrase_test.txt"
-    return _find(src, (name,), "MRPC msr_paraphrase_train.txt / msr_paraphrase_test.txt"), lambda r: True
+    # Without the GLUE split the only other labelled file is the 1,725-pair TEST set: using it as
+    # dev (or all of msr_paraphrase_train.txt as train) would silently change what is measured.
+    raise UserError(f"{src / 'dev_ids.tsv'}: missing; MRPC's GLUE dev split needs it (else dev would be the test "
+                    "set): copy dev_ids.tsv from the GLUE download next to msr_paraphrase_train.txt, or use GLUE's train.tsv/dev.tsv")
 
 
 def _read_mrpc(folder: Path, split: str) -> list[Example]:
     """MRPC from GLUE's train.tsv/dev.tsv, else rebuilt from ``msr_paraphrase_*.txt``.
 
     GLUE's dev is the part of msr_paraphrase_train.txt whose id pair is in dev_ids.tsv (the GLUE
-    download script does the same split); without dev_ids.tsv, msr_paraphrase_test.txt is dev.
+    download script does the same split); without dev_ids.tsv the loader refuses (the only other
+    labelled file, msr_paraphrase_test.txt, is the test set).
     """
     path, keep = _mrpc_source(folder, split)
     return [Example(r[3], r[4], _label_id(r[0], _B, path)) for r in _mrpc_rows(path) if keep(r)]
@@ -256,6 +259,7 @@ class TaskSpec:
     hf_splits: dict[str, str]  # our split -> HF split
     eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})  # metric suffix -> split
     train_split: str = "train"
+    test_split: str = ""  # a labelled test split scored with `eval_test` (CoNLL-2003: Berend 2023 reports test)
 
     @property
     def num_outputs(self) -> int:
@@ -307,7 +311,8 @@ TASKS: dict[str, TaskSpec] = {
                            _glue_reader(_GT, "sentence", None, "label", _B), (), _hf_pair("sentence", None), _GLUE_SPLITS),
     "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
                           _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
-                          {"train": "train", "valid": "validation"}, eval_splits={"": "valid"}),
+                          {"train": "train", "valid": "validation", "test": "test"}, eval_splits={"": "valid"},
+                          test_split="test"),
 }
 
 
@@ -333,12 +338,14 @@ def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
 def _load_hf(spec: TaskSpec, split: str) -> list[Example]:
     import datasets  # imported lazily: only needed when no local files are given
 
+    from mlsm.hf import first_line
+
     errors = []
     for path, config in spec.hf:
         try:
             ds = datasets.load_dataset(path, config, split=spec.hf_splits[split])
         except Exception as exc:  # offline, moved dataset, unsupported script: try the next name
-            errors.append(f"{path}: {type(exc).__name__}")
+            errors.append(f"{path}: {first_line(exc)}")
             continue
         return [spec.from_hf(r) for r in ds]
     raise UserError(

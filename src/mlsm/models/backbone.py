@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, Pre
 
 from mlsm.config import ModelConfig
 from mlsm.errors import UserError
+from mlsm.hf import load_config, load_model
 from mlsm.models.heads import mlm_head_fn
 
 
@@ -63,7 +64,7 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len
     def make(**kw: Any) -> PretrainedConfig:
         # kwargs at construction, not setattr afterwards: some configs derive fields from others
         # (e.g. ModernBERT's layer_types from num_hidden_layers)
-        return AutoConfig.from_pretrained(cfg.config, **kw) if cfg.config else AutoConfig.for_model(cfg.arch, **kw)
+        return load_config(cfg.config, **kw) if cfg.config else AutoConfig.for_model(cfg.arch, **kw)
 
     try:
         default = make()
@@ -91,7 +92,7 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, 
             if not Path(cfg.init_from).is_dir():
                 raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a checkpoint or HF model folder")
             with quiet_head_mismatch(cfg.init_from, with_head=True):
-                hf = AutoModelForMaskedLM.from_pretrained(cfg.init_from)
+                hf = load_model(AutoModelForMaskedLM, cfg.init_from)
             if hf.config.vocab_size != len(tok):
                 raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the token store's tokenizer has {len(tok)}; prepare the corpus with that model's tokenizer")
         else:

@@ -34,7 +34,7 @@ DECODER, LM_HEAD = "mae_decoder", "mae_lm_head"
 class MAEDecoder(nn.Module):
     """Encoder states (B, T, d) + removed mask (B, T) -> decoder states (B, T, d)."""
 
-    def __init__(self, d: int, width: int, layers: int, heads: int, max_positions: int, dropout: float = 0.1):
+    def __init__(self, d: int, width: int, layers: int, heads: int, max_positions: int, dropout: float = 0.0):
         super().__init__()
         if width % heads:
             raise UserError(f"objective.decoder_width={width} is not divisible by objective.decoder_heads={heads}")
@@ -155,19 +155,31 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def attach_decoder(student: Student, layers: int, width: int, heads: int, max_len: int, seed: int) -> None:
+BASE_SIZE = 768  # hidden size from which a student counts as base-size (BERT/DeBERTa-base)
+
+
+def default_decoder_layers(student: Student) -> int:
+    """MAE-LM's decoder depth when objective.decoder_layers = 0: 4 for base-size students (Meng
+    et al. 2024 use a 4-layer decoder with their base encoders), 2 for smaller ones."""
+    return 4 if student.hidden_size >= BASE_SIZE else 2
+
+
+def attach_decoder(student: Student, layers: int, width: int, heads: int, max_len: int, seed: int,
+                   dropout: float = 0.0) -> None:
     """Add the decoder to student.heads (saved in heads.safetensors, rebuilt from head_meta).
 
+    layers = 0: `default_decoder_layers`. dropout: inside the decoder layers (Meng et al. 2024: 0).
     Initialised from its own seed: the loop seeds the backbone's init but not the global RNG
     before `attach`, and two fresh runs must start from the same decoder."""
     check_mae_support(student)
     d = student.hidden_size
     width = width or d
     heads = heads or int(student.config.num_attention_heads)
+    layers = layers or default_decoder_layers(student)
     with seeded(seed):
-        student.heads[DECODER] = MAEDecoder(d, width, layers, heads, max_len)
+        student.heads[DECODER] = MAEDecoder(d, width, layers, heads, max_len, dropout)
     student.head_meta[DECODER] = {"class": "MAEDecoder", "d": d, "width": width, "layers": layers,
-                                  "heads": heads, "max_positions": max_len}
+                                  "heads": heads, "max_positions": max_len, "dropout": dropout}
     # The HF folder holds the encoder only: its MLM head was never trained on encoder outputs.
     student.exports_vocab_head = False
 

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoModelForMaskedLM
 
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import tokenizer_hash
 from mlsm.errors import UserError
+from mlsm.hf import first_line, load_config, load_model, load_tokenizer
 from mlsm.models.backbone import Student
 from mlsm.models.heads import mlm_head_fn
 from mlsm.objectives.base import Context, ObjectiveOutput
@@ -43,7 +44,7 @@ class KDConfig:
 def has_mlm_head(path: str) -> bool:
     """Whether the checkpoint's saved architecture carries a masked-LM head (config.architectures);
     AutoModelForMaskedLM would otherwise load a bare encoder with a *random* head, silently."""
-    archs = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
+    archs = getattr(load_config(path), "architectures", None) or []
     return any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
 
 
@@ -54,11 +55,11 @@ class MLMTeacher:
         if not path:
             raise UserError("objective.teacher is not set; KD needs a teacher with an MLM head: pass objective.teacher=PATH (an AutoModelForMaskedLM folder)")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = load_tokenizer(path)
             mlm = has_mlm_head(path)
-            model = AutoModelForMaskedLM.from_pretrained(path) if mlm else None
+            model = load_model(AutoModelForMaskedLM, path) if mlm else None
         except Exception as exc:  # HF raises OSError, ValueError, HTTP errors, ...
-            raise UserError(f"cannot load {path!r} as a masked LM ({type(exc).__name__}); KD needs an AutoModelForMaskedLM folder") from None
+            raise UserError(f"cannot load {path!r} as a masked LM ({first_line(exc)}); KD needs an AutoModelForMaskedLM folder") from None
         if model is None:
             raise UserError(f"teacher {path!r} has no MLM head (e.g. the packaged MiniLM is a bare encoder); KD needs an AutoModelForMaskedLM checkpoint such as bert-base-cased")
         if tokenizer_hash(tokenizer) != tokenizer_hash(ctx.tokenizer):

@@ -40,12 +40,14 @@ from mlsm.objectives.base import Context, ObjectiveOutput
 class MAELMConfig:
     delta: float = 0.0
     """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all removed)."""
-    decoder_layers: int = 2
-    """Decoder depth (the paper uses 2-4 shallow layers)."""
+    decoder_layers: int = 0
+    """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else 2."""
     decoder_width: int = 0
     """Decoder width; 0 = the encoder's hidden size."""
     decoder_heads: int = 0
     """Decoder attention heads; 0 = the encoder's number of heads."""
+    decoder_dropout: float = 0.0
+    """Dropout inside the decoder layers (Meng et al. 2024: 0)."""
     seed: int = 0
     """Seed of the decoder's initialisation and of the δ draws (the loop does not seed heads)."""
 
@@ -53,8 +55,10 @@ class MAELMConfig:
 def check_mae_options(cfg: MAELMConfig) -> None:
     if not 0.0 <= cfg.delta <= 1.0:
         raise UserError(f"objective.delta={cfg.delta} must be in [0, 1]; 0 removes every selected position")
-    if cfg.decoder_layers < 1 or cfg.decoder_width < 0 or cfg.decoder_heads < 0:
-        raise UserError("objective.decoder_layers must be >= 1 and decoder_width/decoder_heads >= 0 (0 = encoder's)")
+    if cfg.decoder_layers < 0 or cfg.decoder_width < 0 or cfg.decoder_heads < 0:
+        raise UserError("objective.decoder_layers, decoder_width and decoder_heads must be >= 0 (0 = the default / the encoder's)")
+    if not 0.0 <= cfg.decoder_dropout < 1.0:
+        raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); the paper uses 0")
 
 
 class MAEDecoderPass:
@@ -69,7 +73,8 @@ class MAEDecoderPass:
 
     def attach(self, student: Student) -> None:
         cfg = self.cfg
-        attach_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, self.max_len, cfg.seed)
+        attach_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, self.max_len, cfg.seed,
+                       cfg.decoder_dropout)
 
     def __call__(self, student: Student, batch: Batch) -> torch.Tensor:
         """Decoder states (B, T, d)."""

@@ -33,7 +33,8 @@ class MAEMLSM:
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
         self.split = MAEDecoderPass(cfg, ctx)
-        self.coder = MLSM(cfg, ctx).coder  # TargetCoder or StoredTargets, exactly as MLSM chooses
+        mlsm = MLSM(cfg, ctx)
+        self.coder, self.count_zero = mlsm.coder, mlsm.count_zero  # exactly as MLSM chooses
 
     def attach(self, student: Student) -> None:
         self.split.attach(student)
@@ -43,4 +44,4 @@ class MAEMLSM:
     def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
         codes = self.coder.codes(batch)  # (N, k), teacher on the unmasked sequence
         states = self.split(student, batch)  # (B, T, d) decoder output
-        return latent_kl(student, states[batch.selected], codes)
+        return latent_kl(student, states[batch.selected], codes, self.count_zero)

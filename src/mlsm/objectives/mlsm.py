@@ -22,7 +22,7 @@ from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
 from mlsm.objectives.base import Context, ObjectiveOutput
 from mlsm.teacher.dictionary import load_dictionary
-from mlsm.teacher.sparse_coding import sparse_encode
+from mlsm.teacher.sparse_coding import fista, sparse_encode
 from mlsm.teacher.targets import StoredTargets
 from mlsm.teacher.teacher import load_teacher
 
@@ -39,6 +39,26 @@ class MLSMConfig:
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
     targets: str = ""
     """Target store from `mlsm targets`; when set, codes are read from it and no teacher is loaded."""
+    solver: str = "exact"
+    """Sparse coder of the online targets: `exact` (active set, KKT-checked) or `fista` (a fixed
+    `fista_iters` iterations, as the official code: FISTA-100), to reproduce or measure exactness."""
+    fista_iters: int = 100
+    """FISTA iterations when solver=fista (the official code uses 100)."""
+    zero_codes: str = "drop"
+    """Positions whose code is all zero: `drop` (no target, not in the mean) or `count` (loss 0 but
+    counted in the denominator, as the official KLDivLoss(reduction="batchmean") does)."""
+
+
+def check_mlsm_options(cfg: MLSMConfig) -> None:
+    """One-line errors for the fidelity switches (solver, fista_iters, zero_codes)."""
+    if cfg.solver not in ("exact", "fista"):
+        raise UserError(f"objective.solver={cfg.solver!r}; use exact or fista")
+    if cfg.solver == "fista" and cfg.fista_iters < 1:
+        raise UserError(f"objective.fista_iters={cfg.fista_iters} must be >= 1 (the official code uses 100)")
+    if cfg.solver == "fista" and cfg.targets:
+        raise UserError("objective.solver=fista codes online; drop objective.targets (a target store holds exact codes)")
+    if cfg.zero_codes not in ("drop", "count"):
+        raise UserError(f"objective.zero_codes={cfg.zero_codes!r}; use drop or count")
 
 
 class TargetCoder:
@@ -57,6 +77,7 @@ class TargetCoder:
         self.atoms = self.dictionary.atoms.float()  # (d, k)
         self.gram = self.atoms.T @ self.atoms  # (k, k), reused by every call
         self.k = self.dictionary.k
+        self.solver, self.fista_iters = cfg.solver, cfg.fista_iters
 
     @torch.no_grad()
     def codes(self, batch: Batch) -> torch.Tensor:
@@ -64,14 +85,17 @@ class TargetCoder:
         with torch.autocast(batch.input_ids.device.type, enabled=False):
             h = self.teacher.hidden_states(batch.input_ids, batch.attention_mask)  # (B, T, d)
         x = F.normalize(h[batch.selected].float(), dim=-1)  # (N, d), as the dictionary was learned
+        if self.solver == "fista":
+            return fista(x, self.atoms, self.lam, n_iter=self.fista_iters)
         return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
 
 
-def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor) -> ObjectiveOutput:
+def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor, count_zero: bool = False) -> ObjectiveOutput:
     """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).
 
     hidden: (N, d) student states at the selected positions; codes: (N, k). Positions whose code
-    is all zero carry no target and are dropped (counted in the `dropped` metric).
+    is all zero carry no target and are dropped (counted in the `dropped` metric); with
+    count_zero they still count in n_targets (the official batchmean divides by all N).
     """
     mass = codes.sum(1)  # (N,)
     keep = mass > 0
@@ -87,7 +111,8 @@ def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor) -> Ob
             "top1_agreement": (z.argmax(1) == p.argmax(1)).sum().float(),
             "dropped": (~keep).sum().float(),
         }
-    return ObjectiveOutput(kl.sum(), keep.sum(), metrics)
+    n_targets = torch.tensor(len(codes), device=codes.device) if count_zero else keep.sum()
+    return ObjectiveOutput(kl.sum(), n_targets, metrics)
 
 
 def attach_latent_head(student: Student, k: int) -> None:
@@ -99,8 +124,10 @@ class MLSM:
     Config = MLSMConfig
 
     def __init__(self, cfg: MLSMConfig, ctx: Context):
+        check_mlsm_options(cfg)
         # Same targets either way: stored codes were computed by the same teacher + solver.
         self.coder = StoredTargets(cfg, ctx) if cfg.targets else TargetCoder(cfg, ctx)
+        self.count_zero = cfg.zero_codes == "count"
 
     def attach(self, student: Student) -> None:
         attach_latent_head(student, self.coder.k)
@@ -108,4 +135,4 @@ class MLSM:
     def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
         codes = self.coder.codes(batch)  # (N, k)
         hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
-        return latent_kl(student, hidden[batch.selected], codes)
+        return latent_kl(student, hidden[batch.selected], codes, self.count_zero)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForMaskedLM
 
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import tokenizer_hash
 from mlsm.errors import UserError
+from mlsm.hf import first_line, load_model, load_tokenizer
 from mlsm.models.backbone import Student
 from mlsm.objectives.base import Context, ObjectiveOutput
 from mlsm.objectives.kd import has_mlm_head
@@ -47,11 +48,11 @@ class MLSMNaiveConfig:
 def load_full_teacher(path: str) -> tuple[nn.Module, object]:
     """(model, tokenizer) of the whole teacher, with its MLM head when the checkpoint has one."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         cls = AutoModelForMaskedLM if has_mlm_head(path) else AutoModel
-        model = cls.from_pretrained(path)
+        model = load_model(cls, path)
     except Exception as exc:  # HF raises OSError, ValueError, HTTP errors, ...
-        raise UserError(f"cannot load teacher {path!r} ({type(exc).__name__}); pass a local HF model folder") from None
+        raise UserError(f"cannot load teacher {path!r} ({first_line(exc)}); pass a local HF model folder") from None
     return model.eval().requires_grad_(False), tokenizer
 
 

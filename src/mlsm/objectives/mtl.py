@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
 
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
@@ -35,6 +36,37 @@ from mlsm.objectives.mlsm import MLSM, MLSMConfig
 class MTLConfig(MLSMConfig):
     kappa: float = 0.5
     """Weight κ of the MLM loss (the paper tries 0.25, 0.5 and 1)."""
+    head: str = "separate"
+    """`separate` (ours): the latent head has its own transform beside the vocabulary head.
+    `shared` (the official code): one transform (the vocabulary head's) feeds a d × (|V| + k)
+    decoder — the vocabulary decoder plus a d × k block — with separate softmaxes."""
+
+
+class SharedTransformLatent(nn.Module):
+    """Latent logits from the vocabulary head's transform: proj(transform(h)), (N, d) -> (N, k).
+
+    The transform is the masked LM's own (BERT / DeBERTa `cls.predictions.transform`), held by
+    reference and not registered here, so its weights live (and are exported) once, in the HF model.
+    """
+
+    def __init__(self, transform: nn.Module, d: int, k: int):
+        super().__init__()
+        self._transform = (transform,)  # a tuple: not a submodule, no second copy in heads.safetensors
+        self.proj = nn.Linear(d, k)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(self._transform[0](h))
+
+
+def attach_shared_head(student: Student, k: int) -> None:
+    """Replace the latent head by the official MTL head's latent block (one error if unsupported)."""
+    predictions = getattr(getattr(student.hf, "cls", None), "predictions", None)
+    if predictions is None or not hasattr(predictions, "transform"):
+        raise UserError(f"objective.head=shared needs a BERT-style vocabulary head (cls.predictions.transform); "
+                        f"{student.config.model_type} has none: use objective.head=separate")
+    student.heads["latent"] = SharedTransformLatent(predictions.transform, student.hidden_size, k)
+    student.head_meta["latent"] = {"class": "SharedTransformLatent", "d": student.hidden_size, "k": k,
+                                   "transform": "cls.predictions.transform of the exported masked LM"}
 
 
 class _SharedForward:
@@ -56,7 +88,9 @@ class MTL:
     def __init__(self, cfg: MTLConfig, ctx: Context):
         if cfg.kappa < 0:
             raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); the paper uses 0.25, 0.5 or 1")
-        self.kappa = cfg.kappa
+        if cfg.head not in ("separate", "shared"):
+            raise UserError(f"objective.head={cfg.head!r}; use separate (ours) or shared (the official code)")
+        self.kappa, self.shared = cfg.kappa, cfg.head == "shared"
         mlsm_opts = {f.name: getattr(cfg, f.name) for f in fields(MLSMConfig)}
         self.mlsm = MLSM(MLSMConfig(**mlsm_opts), ctx)
         self.mlm = MLM(MLMConfig(), ctx)
@@ -64,6 +98,8 @@ class MTL:
     def attach(self, student: Student) -> None:
         self.mlsm.attach(student)  # latent head
         self.mlm.attach(student)  # vocabulary head, exported with the checkpoint
+        if self.shared:
+            attach_shared_head(student, self.mlsm.coder.k)
 
     def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
         hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d), once

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 from tqdm.auto import tqdm
@@ -78,6 +79,18 @@ def _check_options(k: int, lam: float) -> None:
         raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam 0.05")
 
 
+def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:
+    """Refuse sizes that would learn nonsense (more atoms than vectors) or fail after the slow
+    collection of teacher states, before that collection starts."""
+    if n_vectors < k:
+        raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); collect at least "
+                        f"k vectors (a dictionary is usually learned on >= 100 x k), or lower --k")
+    if batch_size < 1 or (n_iter is not None and n_iter < 1):
+        raise UserError(f"--batch-size and --n-iter must be positive (got {batch_size}, {n_iter})")
+    if max_len < 3:
+        raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two special tokens; use >= 3")
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -109,7 +122,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         ids, mask, content = teacher.batch_from_ids(seqs)
         h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
         if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; load it in float32 (omit --dtype) or check the checkpoint")
+            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint (its weights may hold NaN/inf) or load it in float32")
         norms = h.norm(dim=1, keepdim=True)
         h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
         empty = empty + 1 if h.shape[0] == 0 else 0
@@ -340,6 +353,9 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     """
     k = 4 * teacher.hidden_size if k is None else k
     _check_options(k, lam)
+    _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
+    if out is not None:
+        check_dictionary_out(out)
     X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed).to(teacher.device)
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
@@ -375,14 +391,43 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
     return path, path.with_suffix(".json")
 
 
+def check_dictionary_out(path: str | Path) -> None:
+    """Refuse an --out whose PATH.safetensors / PATH.json exist but are not an mlsm dictionary
+    (checked before minutes of learning; a dictionary of ours may be replaced)."""
+    weights, meta_path = _paths(path)
+    for file in (weights, meta_path):
+        if file.is_dir():
+            raise UserError(f"--out {path}: {file} is a folder; pass a file path such as dict.safetensors")
+    if weights.exists():
+        try:
+            with safe_open(str(weights), "pt") as fh:
+                ours = set(fh.keys()) == {"atoms"} and "meta" in (fh.metadata() or {})
+        except Exception:  # safetensors raises its own error types for a non-safetensors file
+            ours = False
+        if not ours:
+            raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; choose another --out")
+    if meta_path.exists():
+        try:
+            ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            ours = False
+        if not ours:
+            raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's meta; choose another --out")
+
+
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the former."""
+    check_dictionary_out(path)
     weights, meta_path = _paths(path)
-    meta = {**dictionary.meta, "d": dictionary.d, "k": dictionary.k}
+    meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k}
     text = json.dumps(meta, indent=2, sort_keys=True)
     atoms = dictionary.atoms.detach().cpu().float().contiguous()
-    atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
-    atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+    try:
+        atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
+        atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+    except (OSError, SafetensorError) as exc:
+        reason = (getattr(exc, "strerror", None) or str(exc)).splitlines()[0]
+        raise UserError(f"could not write dictionary {weights} ({reason}); free space and re-run") from None
     return weights
 
 

@@ -3,19 +3,24 @@
 The teacher reads *unmasked* text (Berend 2023, §3), so the code of a position depends only on the
 tokens of its packed chunk — not on which positions a run masks, nor on the step or the objective.
 `build_target_store` therefore runs teacher + sparse coding once over every packed chunk
-(`BatchSource.chunk_tokens`, chunk c = the c-th max_len window of the store) and keeps, for each
-body position t = 1 .. max_len − 2, the top-`nnz` entries of the code. Training with
-`objective.targets=DIR` then reads the selected positions' codes from disk and never loads the
-teacher.
+(`BatchSource.chunk_tokens`, chunk c = the c-th max_len window of the store) and keeps the code of
+each body position t = 1 .. max_len − 2. Training with `objective.targets=DIR` then reads the
+selected positions' codes from disk and never loads the teacher.
 
-Layout of DIR:
-  indices.bin   (n_chunks, max_len − 2, nnz) int16 (k ≤ 32767) or int32, atom ids, padding = 0
-  values.bin    (n_chunks, max_len − 2, nnz) float16 code values, sorted descending, padding = 0
+Codes are stored whole by default (variable-length rows, like a CSR matrix): a position keeps
+every non-zero of its code, so stored and online targets have the same support and differ only by
+fp16 rounding of the values. `nnz=N` caps each row at its N largest entries instead (smaller
+files); the share of codes that lose entries is printed and recorded in meta["truncated"].
+
+Layout of DIR (P = max_len − 2 body positions per chunk):
+  counts.bin    (n_chunks, P) uint16, non-zeros kept per position
+  chunk_ptr.bin (n_chunks + 1,) int64, offset of each chunk's first entry in the two files below
+  indices.bin   (n_entries,) int16 (k ≤ 32767) or int32, atom ids; per position, largest value first
+  values.bin    (n_entries,) float16 code values
   build.json    what is being built (written first; a resumed build must match it)
-  progress.json chunks written so far (the build proceeds chunk-range by chunk-range)
+  progress.json chunks and entries written so far (the build proceeds chunk-range by chunk-range)
   meta.json     written last, atomically = the completion marker (build.json + statistics)
-A killed build resumes from progress.json. Codes with more than nnz non-zeros lose their
-smallest entries (counted in meta["truncated"]); the target is renormalised over what is kept.
+A killed build resumes from progress.json, after checking the files hold what it says.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +38,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from mlsm import locking
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_json
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
 from mlsm.teacher.teacher import Teacher
 
 TARGETS_FORMAT = "mlsm-targets"
+TARGETS_VERSION = 2  # 1: fixed top-nnz rows (lossy); 2: variable-length rows
 
 
 def dictionary_hash(dictionary: Dictionary) -> str:
@@ -47,36 +55,34 @@ def dictionary_hash(dictionary: Dictionary) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+_FILES = {"build.json", "progress.json", "meta.json", "counts.bin", "chunk_ptr.bin", "indices.bin", "values.bin"}
 
 
 @dataclass
 class TargetStore:
-    """A complete target store opened read-only: per-chunk, per-position top-nnz codes."""
+    """A complete target store opened read-only: the code of every body position of every chunk."""
 
     path: Path
     meta: dict[str, Any]
-    indices: np.ndarray  # (n_chunks, max_len - 2, nnz) memmap
-    values: np.ndarray  # (n_chunks, max_len - 2, nnz) memmap, float16
+    counts: np.ndarray  # (n_chunks, max_len - 2) uint16 memmap
+    chunk_ptr: np.ndarray  # (n_chunks + 1,) int64 memmap
+    indices: np.ndarray  # (n_entries,) memmap
+    values: np.ndarray  # (n_entries,) float16 memmap
 
     @classmethod
     def open(cls, path: str | Path) -> TargetStore:
         path = Path(path)
         if not (path / "meta.json").is_file():
             raise UserError(f"{path} is not a complete target store (no meta.json); build or resume it with `mlsm targets --out {path}`")
-        meta = json.loads((path / "meta.json").read_text())
+        meta = _read_json(path / "meta.json")
         if meta.get("format") != TARGETS_FORMAT:
             raise UserError(f"{path} is not an mlsm target store; build one with `mlsm targets`")
-        shape = (meta["n_chunks"], meta["max_len"] - 2, meta["nnz"])
-        indices = np.memmap(path / "indices.bin", dtype=meta["index_dtype"], mode="r", shape=shape)
-        values = np.memmap(path / "values.bin", dtype=np.float16, mode="r", shape=shape)
-        return cls(path, meta, indices, values)
+        if meta.get("version") != TARGETS_VERSION:
+            raise UserError(f"{path} was built by another version of mlsm (format {meta.get('version')}, need {TARGETS_VERSION}); rebuild it with `mlsm targets` into a new --out")
+        arrays = _arrays(path, meta, mode="r")
+        if arrays is None or int(arrays[1][-1]) != int(meta["n_entries"]):
+            raise UserError(f"target store {path} is damaged (a data file is missing or has the wrong size); rebuild it with `mlsm targets` into a new --out")
+        return cls(path, meta, *arrays)
 
     @property
     def k(self) -> int:
@@ -84,17 +90,58 @@ class TargetStore:
 
     def dense(self, chunks: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Dense float32 codes (N, k) of sequence positions (1 .. max_len − 2) of packed chunks."""
-        idx = torch.from_numpy(self.indices[chunks, positions - 1].astype(np.int64))  # (N, nnz)
-        val = torch.from_numpy(self.values[chunks, positions - 1].astype(np.float32))  # (N, nnz)
-        return val.new_zeros(len(chunks), self.k).scatter_add_(1, idx, val)
+        rows = np.arange(len(chunks))
+        counts = self.counts[chunks].astype(np.int64)  # (N, P)
+        n = counts[rows, positions - 1]  # (N,) entries of each requested code
+        before = counts.cumsum(1)[rows, positions - 1] - n  # entries of earlier positions in the chunk
+        start = self.chunk_ptr[chunks] + before  # (N,) offset of each code's first entry
+        # flat offsets of all entries: start_r, start_r + 1, ..., start_r + n_r - 1 for each row r
+        first = np.repeat(start - (np.cumsum(n) - n), n)
+        flat = first + np.arange(int(n.sum()))
+        idx = torch.from_numpy(self.indices[flat].astype(np.int64))
+        val = torch.from_numpy(self.values[flat].astype(np.float32))
+        dense = torch.zeros(len(chunks), self.k)
+        dense[torch.from_numpy(np.repeat(rows, n)), idx] = val  # atom ids are unique within a code
+        return dense
 
 
-def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nnz: int, lam: float,
-          n_chunks: int) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path} ({exc}); re-run the `mlsm targets` command that built it (same --out) to repair it") from exc
+    if not isinstance(payload, dict):
+        raise UserError(f"{path} is not a JSON object; re-run the `mlsm targets` command that built it (same --out) to repair it")
+    return payload
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    """A build's own bookkeeping file, or None if missing or torn (then that part is redone)."""
+    try:
+        return _read_json(path) if path.is_file() else None
+    except UserError:
+        return None
+
+
+def check_targets_out(out: str | Path) -> None:
+    """Refuse an --out that is a file or a folder that is not (the start of) a target store."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder path for the target store")
+    names = {e.name for e in out.iterdir()} if out.is_dir() else set()
+    foreign = sorted(names - _FILES)
+    if names and "build.json" not in names:
+        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm only writes into folders it created)")
+    if foreign:
+        raise UserError(f"--out {out} holds files that are not part of a target store ({', '.join(foreign[:3])}); move them or choose another --out")
+
+
+def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nnz: int | None,
+          lam: float, n_chunks: int) -> dict[str, Any]:
     from mlsm.data.corpus import tokenizer_hash  # corpus pulls in the tokenizers stack
 
     return {
-        "format": TARGETS_FORMAT, "version": 1,
+        "format": TARGETS_FORMAT, "version": TARGETS_VERSION,
         "store": str(Path(store.path).resolve()), "store_fingerprint": store.meta.get("fingerprint"),
         "store_n_tokens": store.n_tokens, "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
@@ -104,30 +151,72 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
     }
 
 
-def _open_arrays(out: Path, spec: dict[str, Any]) -> tuple[np.memmap, np.memmap]:
-    shape = (spec["n_chunks"], spec["max_len"] - 2, spec["nnz"])
-    arrays = []
-    for name, dtype in (("indices.bin", spec["index_dtype"]), ("values.bin", "float16")):
+_Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _arrays(out: Path, spec: dict[str, Any], mode: str) -> _Arrays | None:
+    """(counts, chunk_ptr, indices, values) memmaps; None if a file is missing or of the wrong size.
+
+    mode "r": open a finished store; "r+": open a build, creating the fixed-size files if needed.
+    """
+    n, p = spec["n_chunks"], spec["max_len"] - 2
+    fixed = (("counts.bin", np.uint16, (n, p)), ("chunk_ptr.bin", np.int64, (n + 1,)))
+    arrays: list[np.ndarray] = []
+    for name, dtype, shape in fixed:
         path = out / name
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        mode = "r+" if path.is_file() and path.stat().st_size == size else "w+"
-        arrays.append(np.memmap(path, dtype=dtype, mode=mode, shape=shape))
-    return arrays[0], arrays[1]
+        ok = path.is_file() and path.stat().st_size == int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not ok and mode == "r":
+            return None
+        arrays.append(np.memmap(path, dtype=dtype, mode=mode if ok else "w+", shape=shape))
+    for name, dtype in (("indices.bin", spec["index_dtype"]), ("values.bin", np.float16)):
+        path = out / name
+        if not path.is_file():
+            if mode == "r":
+                return None
+            path.touch()
+        size = path.stat().st_size // np.dtype(dtype).itemsize
+        # np.memmap cannot map an empty file
+        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(size,)) if size else np.empty(0, dtype))
+    if mode == "r" and any(len(a) < int(arrays[1][-1]) for a in arrays[2:]):
+        return None
+    return arrays[0], arrays[1], arrays[2], arrays[3]
+
+
+def _verified_prefix(arrays: _Arrays, done: int) -> int:
+    """How many of the first `done` chunks the files really hold (a deleted or truncated file, or
+    a kill between writing data and progress, shortens the prefix; the rest is recomputed)."""
+    counts, ptr, indices, values = arrays
+    per_chunk = counts[:done].astype(np.int64).sum(1)  # (done,)
+    ok = (ptr[1 : done + 1] == ptr[:done] + per_chunk) & (ptr[1 : done + 1] <= min(len(indices), len(values)))
+    if done == 0 or ptr[0] != 0:
+        return 0
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else done
 
 
 def _start(out: Path, spec: dict[str, Any]) -> int:
-    """Create or re-open a build folder; return how many chunks are already written."""
+    """Create or re-open a build folder; return how many chunks are already written and intact."""
+    check_targets_out(out)
     out.mkdir(parents=True, exist_ok=True)
-    build = out / "build.json"
-    if build.is_file():
-        old = json.loads(build.read_text())
-        if old != json.loads(json.dumps(spec)):
-            diff = [k for k in spec if old.get(k) != json.loads(json.dumps(spec[k]))]
-            raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
-    else:
-        _write_json(build, spec)
-    progress = out / "progress.json"
-    return int(json.loads(progress.read_text())["done"]) if progress.is_file() else 0
+    build, expected = out / "build.json", json.loads(json.dumps(spec))
+    old = _read_json_or_none(build)
+    if old is not None and old != expected:
+        diff = [k for k in spec if old.get(k) != expected[k]]
+        raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
+    if old is None:  # new, or torn: only our files are there, so start over
+        for name in ("meta.json", "progress.json"):
+            (out / name).unlink(missing_ok=True)
+        atomic_write_json(build, spec)
+    progress = _read_json_or_none(out / "progress.json") or {}
+    claimed = progress.get("done", 0)
+    claimed = claimed if isinstance(claimed, int) and 0 <= claimed <= spec["n_chunks"] else 0
+    arrays = _arrays(out, spec, mode="r+")
+    done = _verified_prefix(arrays, claimed) if arrays else 0
+    if done < claimed and spec["nnz"] is not None:
+        done = 0  # the truncation count covers all `claimed` chunks: recount it from the start
+    if done < claimed:
+        print(f"mlsm targets: {out} holds {done} of the {claimed} chunks progress.json records; recomputing the rest", file=sys.stderr)
+    return done
 
 
 @torch.no_grad()
@@ -140,11 +229,40 @@ def _encode_chunks(ids: np.ndarray, teacher: Teacher, atoms: torch.Tensor, gram:
     return sparse_encode(h, atoms, lam, gram=gram)
 
 
+def _append(path: Path, offset: int, data: np.ndarray) -> None:
+    """Write `data` at element `offset` of a flat file, cut what follows, and make it durable."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset * data.itemsize)
+        fh.write(data.tobytes())
+        fh.truncate()
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _write_codes(out: Path, spec: dict[str, Any], start: int, codes: torch.Tensor) -> int:
+    """Store the codes (n·P, k) of chunks start .. start + n − 1; returns how many lost entries."""
+    cap = spec["nnz"]
+    support = (codes > 0).sum(1)  # (n·P,)
+    top = top_nnz(codes, cap)  # (n·P, w), largest first, zero padding after the support
+    keep = top.values > 0
+    counts, ptr, _, _ = _arrays(out, spec, mode="r+")
+    n_new = len(codes) // (spec["max_len"] - 2)
+    counts[start : start + n_new] = keep.sum(1).reshape(n_new, -1).numpy().astype(np.uint16)
+    offset = int(ptr[start])
+    _append(out / "indices.bin", offset, top.indices[keep].numpy().astype(spec["index_dtype"]))
+    _append(out / "values.bin", offset, top.values[keep].numpy().astype(np.float16))
+    ptr[start + 1 : start + n_new + 1] = offset + np.cumsum(counts[start : start + n_new].astype(np.int64).sum(1))
+    counts.flush()
+    ptr.flush()
+    return int((support > keep.sum(1)).sum())
+
+
 def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Path, teacher: Teacher,
-                       max_len: int, out: str | Path, nnz: int = 32, batch_size: int = 64,
+                       max_len: int, out: str | Path, nnz: int | None = None, batch_size: int = 64,
                        lam: float | None = None) -> Path:
     """Compute the codes of every body position of every packed chunk of a token store.
 
+    nnz: None keeps every code whole (default); N keeps each code's N largest entries.
     Resumable (re-run with the same arguments after a kill); returns `out`. batch_size = chunks
     per teacher forward and per progress record.
     """
@@ -158,36 +276,47 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     dictionary.check_teacher(teacher)
     if tokenizer_hash(teacher.tokenizer) != store.tokenizer_hash:
         raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
-    if not 1 <= nnz <= dictionary.k:
-        raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); 32 keeps almost every code whole")
+    if nnz is not None and not 1 <= nnz <= dictionary.k:
+        raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to keep every code whole")
     source = BatchSource(store, DataConfig(store=str(store.path), max_len=max_len), store.load_tokenizer())
     lam = float(lam or dictionary.lam)
     spec = _spec(store, dictionary, teacher, max_len, nnz, lam, source.n_sequences)
     out = Path(out)
+    with locking.hold(out, "target store"):
+        try:
+            return _build(out, spec, source, teacher, dictionary, lam, batch_size)
+        except OSError as exc:
+            raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free space and re-run the same command to resume") from None
+
+
+def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
+           lam: float, batch_size: int) -> Path:
+    """Resume (or start) the build at `out`, under its lock; returns `out`."""
+    done = _start(out, spec)  # raises if `out` was built with other settings
     if (out / "meta.json").is_file():
-        TargetStore.open(out)  # validates the format
-        _start(out, spec)  # raises if it was built with other settings
-        return out
-    done = _start(out, spec)
-    indices, values = _open_arrays(out, spec)
+        try:
+            TargetStore.open(out)
+            return out
+        except UserError:  # complete but damaged since: _start found what is intact, redo the rest
+            (out / "meta.json").unlink()
     atoms = dictionary.atoms.to(teacher.device).float()  # (d, k)
     gram = atoms.T @ atoms  # (k, k)
-    truncated = int(json.loads((out / "progress.json").read_text()).get("truncated", 0)) if done else 0
+    progress = _read_json_or_none(out / "progress.json") or {}
+    # _start returns either the recorded prefix or, with a cap, 0 (so the count stays exact)
+    truncated = int(progress.get("truncated", 0)) if done and progress.get("done") == done else 0
+    max_len = spec["max_len"]
     bar = tqdm(total=spec["n_chunks"], initial=done, desc="targets", unit="chunk", disable=None)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
         codes = _encode_chunks(source.chunk_tokens(np.arange(start, stop)), teacher, atoms, gram, lam)
-        truncated += int(((codes > 0).sum(1) > nnz).sum())
-        top = top_nnz(codes, nnz)  # (n, nnz) each, sorted descending
-        shape = (stop - start, max_len - 2, nnz)
-        indices[start:stop] = top.indices.cpu().numpy().astype(indices.dtype).reshape(shape)
-        values[start:stop] = top.values.cpu().numpy().astype(np.float16).reshape(shape)
-        indices.flush()
-        values.flush()
-        _write_json(out / "progress.json", {"done": stop, "truncated": truncated})
+        truncated += _write_codes(out, spec, start, codes.cpu())
+        atomic_write_json(out / "progress.json", {"done": stop, "truncated": truncated})
         bar.update(stop - start)
     bar.close()
-    _write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": spec["n_chunks"] * (max_len - 2)})
+    counts, ptr, _, _ = _arrays(out, spec, mode="r+")
+    n_positions = spec["n_chunks"] * (max_len - 2)
+    atomic_write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": n_positions,
+                                          "n_entries": int(ptr[-1]), "mean_support": float(ptr[-1]) / n_positions})
     return out
 
 

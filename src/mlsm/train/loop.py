@@ -8,8 +8,10 @@ of the mean loss over the whole global batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from mlsm import locking
 from mlsm.config import RunConfig, config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
@@ -35,10 +38,18 @@ from mlsm.train.signals import StopOnSignal
 def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     """Pre-train a student as `cfg` says; returns the run directory.
 
-    resume: None (fresh run), "auto" (newest complete checkpoint of cfg.train.out, fresh if none)
+    resume: None (fresh run), "auto" (newest intact checkpoint of cfg.train.out, fresh if none)
     or a checkpoint folder. A resumed run continues exactly: same batches, RNG, optimizer, schedule.
     """
     dist_info = init_distributed(cfg.train.device)
+    run_dir = Path(cfg.train.out)
+    # One process per run directory; under DDP rank 0 holds the lock for the whole group.
+    with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
+        _check_run_dir(run_dir, resume)  # before minutes of loading
+        return _pretrain(cfg, resume, dist_info, run_dir)
+
+
+def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: Path) -> Path:
     device = _device(cfg.train.device, dist_info)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -55,7 +66,6 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     optimizer = _optimizer(student, cfg)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    run_dir = Path(cfg.train.out)
     start = _start_run(run_dir, cfg, resume, student, optimizer, dist_info)
     model = _wrap_ddp(student, dist_info, device)
     save_steps = _save_steps(cfg)
@@ -191,49 +201,141 @@ def _save_steps(cfg: RunConfig) -> set[int]:
     return steps | {total}
 
 
+RUN_MARKER = "run.json"
+# What makes two configs the same run: everything that changes the weights. Device, threads,
+# precision, micro-batching, logging and checkpoint cadence may change on resume.
+_SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None, "train": ("steps", "batch_size", "seed")}
+
+
 def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Student,
                optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
-    """Create or re-open the run directory; on resume restore state and return the next step."""
-    folder = None
-    if resume == "auto":
-        found = ckpt.list_checkpoints(run_dir)
-        folder = found[-1][1] if found else None
-    elif resume:
-        folder = Path(resume)
-        if not (folder / ckpt.COMPLETE).is_file():
-            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a checkpoints/step-* folder")
-    if folder is None and (run_dir / "metrics.jsonl").exists() and not resume:
-        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
+    """Create or re-open the run directory; on resume restore state and return the next step.
+
+    Nothing in run_dir is written before the resume is validated (same run, intact checkpoint)."""
+    _check_run_dir(run_dir, resume)
+    picked = _pick_checkpoint(run_dir, resume, info) if resume else None
+    _check_same_run(run_dir, cfg, picked)
+    step = 0
+    if picked is not None:
+        folder, _, state = picked
+        ckpt.load_weights(folder, student)
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise UserError(f"the optimizer state of {folder} does not fit this model ({type(exc).__name__}); resume with the config the run was started with") from None
+        step = int(state["step"])
+    barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_stale(run_dir)
-        save_config(cfg, run_dir / "config.yaml")
-        info_path = run_dir / "run.json"
-        if not info_path.exists():
-            info_path.write_text(json.dumps({"git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
-    if folder is None:
-        return 0
-    state = ckpt.load_training_state(folder, student)
-    optimizer.load_state_dict(state["optimizer"])
-    step = int(state["step"])
-    if info.is_main:
-        _truncate_metrics(run_dir / "metrics.jsonl", step)
+        _write_run_files(run_dir, cfg, info, step)
     return step
 
 
+def _check_run_dir(run_dir: Path, resume: str | None) -> None:
+    """Any content of train.out counts: only an mlsm run is continued, and only with --resume."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"train.out={run_dir} is a file; pass a folder path for the run directory")
+    has_content = run_dir.is_dir() and any(run_dir.iterdir())
+    if has_content and not _is_run_dir(run_dir):
+        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another train.out (mlsm never writes into a folder it did not create)")
+    if has_content and not resume:
+        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
+
+
+def _is_run_dir(run_dir: Path) -> bool:
+    try:
+        marker = json.loads((run_dir / RUN_MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(marker, dict) and "started" in marker
+
+
+def _pick_checkpoint(run_dir: Path, resume: str, info: DistInfo) -> tuple[Path, dict, dict] | None:
+    """(folder, checkpoint.json, training state) to resume from: the named folder, or for "auto"
+    the newest intact checkpoint (damaged newer ones are skipped with one line on stderr)."""
+    if resume != "auto":
+        folder = Path(resume)
+        if not (folder / ckpt.COMPLETE).is_file():
+            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a checkpoints/step-* folder")
+        try:
+            return (folder, *ckpt.read_checkpoint(folder))
+        except ckpt.DamagedCheckpoint as exc:
+            raise UserError(f"checkpoint {folder} is damaged ({exc}); pass --resume auto to use the newest intact one") from None
+    found = ckpt.list_checkpoints(run_dir)
+    damaged = []
+    for _, folder in reversed(found):
+        try:
+            picked = (folder, *ckpt.read_checkpoint(folder))
+        except ckpt.DamagedCheckpoint as exc:
+            damaged.append(f"{folder.name}: {exc}")
+            continue
+        if damaged and info.is_main:
+            print(f"mlsm: resuming from {folder.name}, the newest intact checkpoint; skipped damaged {'; '.join(damaged)}", file=sys.stderr, flush=True)
+        return picked
+    if damaged:
+        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'} ({'; '.join(damaged)}); choose another train.out or delete the damaged folders")
+    return None
+
+
+def _same_run_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Dotted keys of `_SAME_RUN` on which configs a and b differ."""
+    diff = []
+    for group, keys in _SAME_RUN.items():
+        ga, gb = (g if isinstance(g, dict) else {} for g in (a.get(group), b.get(group)))
+        for key in keys or sorted(set(ga) | set(gb)):
+            if json.dumps(ga.get(key), sort_keys=True) != json.dumps(gb.get(key), sort_keys=True):
+                diff.append(f"{group}.{key}")
+    return diff
+
+
+def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dict] | None) -> None:
+    """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
+    import yaml
+
+    now = json.loads(json.dumps(config_to_dict(cfg)))
+    refs = []
+    if (run_dir / "config.yaml").is_file():
+        # a damaged config.yaml is rewritten below; the checkpoint's copy still decides
+        with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):
+            refs.append((run_dir / "config.yaml", yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))))
+    if picked is not None:
+        refs.append((picked[0] / ckpt.COMPLETE, picked[1]["config"]))
+    for where, old in refs:
+        diff = _same_run_diff(now, old) if isinstance(old, dict) else []
+        if diff:
+            raise UserError(f"this config differs from the run in {run_dir} ({where.name}) in {', '.join(diff[:4])}; use the run's own config to resume it, or choose another train.out for a new run")
+
+
+def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
+            atomic_write_text(run_dir / RUN_MARKER, json.dumps({"format": "mlsm-run", "git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
+        ckpt.remove_stale(run_dir)
+        save_config(cfg, run_dir / "config.yaml")
+        _truncate_metrics(run_dir / "metrics.jsonl", step)
+    except OSError as exc:
+        raise UserError(f"cannot write to run directory {run_dir} ({exc.strerror or exc}); check space and permissions, then rerun") from None
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint we resume from (they will be logged again)."""
+    """Keep one line per step up to the step we resume from (later lines will be logged again;
+    a step logged twice by an earlier crash keeps its last line)."""
     if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if _logged_step(ln) <= step]
-        atomic_write_text(path, "".join(ln + "\n" for ln in lines))
+        kept = {}
+        for ln in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            s = _logged_step(ln)
+            if s <= step:
+                kept[s] = ln
+        atomic_write_text(path, "".join(kept[s] + "\n" for s in sorted(kept)))
 
 
 def _logged_step(line: str) -> float:
     """Step of a metrics line; a line torn by a crash counts as after every checkpoint."""
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return math.inf
+    return step if isinstance(step, int) else math.inf
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -268,5 +370,8 @@ def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps
               "tokens": step * tokens_per_step, "n_targets": int(totals["n_targets"]),
               "batch_digest": int(totals["batch_digest"])}
     record.update({k: (v / n).item() for k, v in totals.items() if k not in ("loss_sum", "n_targets", "batch_digest")})
-    with open(run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    try:
+        with open(run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot append to {run_dir / 'metrics.jsonl'} ({exc.strerror or exc}); free space and rerun with --resume auto") from None

@@ -1,0 +1,156 @@
+"""The one door through which mlsm loads Hugging Face configs, tokenizers and models.
+
+Every `from_pretrained` in mlsm goes through `load_config`, `load_tokenizer` or `load_model`, so
+three promises hold everywhere (docs/reliability.md, "Nobody in"):
+
+- foreign code never runs: `trust_remote_code=False` is always passed (transformers then never
+  asks "run custom code? [y/N]" on stdin), and a local folder whose config.json or
+  tokenizer_config.json declares `auto_map`, or whose `model_type` is not a built-in
+  transformers architecture, is refused before transformers reads it;
+- no pickles: weights are read by transformers with `torch.load(weights_only=True)` at most; a
+  `pytorch_model.bin` that needs more is refused as "not a safe checkpoint";
+- a folder that cannot be loaded (torn JSON, no weights, unknown format) is a `UserError` of one
+  line that names the file and keeps the cause's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlsm.errors import UserError
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# What a broken folder raises inside transformers/tokenizers/safetensors (JSONDecodeError is a
+# ValueError; the Rust tokenizers library raises a plain Exception, handled in load_tokenizer).
+_LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line (its type name only when it has no message)."""
+    text = " ".join(str(exc).split())
+    return text if text else type(exc).__name__
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a model folder or checkpoint; torn or binary content is one UserError."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text ({first_line(exc)}); is this a model folder?") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is torn or not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                        "restore the file or re-export the model folder") from None
+
+
+def _check_json(path: Path) -> None:
+    """Refuse a config/tokenizer JSON that asks for custom code or names a foreign model_type."""
+    if not path.is_file():
+        return
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object, got {type(data).__name__}; restore the file")
+    if "auto_map" in data:
+        raise UserError(f"{path} declares auto_map (custom Python code shipped with the model); mlsm never "
+                        "runs a folder's code: use a model of a built-in transformers architecture")
+    model_type = data.get("model_type")
+    if path.name != "tokenizer_config.json" and model_type is not None:
+        from transformers import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise UserError(f"{path} has model_type {model_type!r}, which is not a built-in transformers "
+                            "architecture; mlsm never runs a folder's code: use a built-in model type")
+
+
+def check_folder(path: str | os.PathLike) -> None:
+    """Vet a local config file or model/tokenizer folder before transformers reads it.
+
+    Hub ids (not existing paths) pass: transformers itself refuses their code
+    (trust_remote_code=False) and HF_HUB_OFFLINE decides whether they are fetched at all.
+    """
+    p = Path(path)
+    text = str(path)
+    if not p.exists() and (p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or text.endswith(".json")):
+        raise UserError(f"{path} does not exist; pass a local model or tokenizer folder")
+    if p.is_file():
+        _check_json(p)
+    elif p.is_dir():
+        for name in ("config.json", "tokenizer_config.json"):
+            _check_json(p / name)
+
+
+@contextlib.contextmanager
+def quiet(report: bool = False) -> Iterator[None]:
+    """transformers' logging while mlsm loads something: no progress bars (a "Loading weights" bar
+    per load drowns mlsm's own output and error lines) and, unless `report`, nothing below ERROR.
+    Model loads keep their weight-loading report (missing/unexpected keys matter; the expected
+    ones are silenced by backbone.quiet_head_mismatch)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    if not report:
+        hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _refusal(what: str, path: Any, exc: BaseException) -> UserError:
+    text = first_line(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
+        return UserError(f"{path}: the weights are not a safe checkpoint (a pickle that needs more than "
+                         "tensors to load); mlsm loads only safetensors or plain tensor files: re-export "
+                         "the model with save_pretrained(safe_serialization=True)")
+    if "custom code" in text or "trust_remote_code" in text:
+        return UserError(f"{path} needs custom Python code to load; mlsm never runs a folder's code: "
+                         "use a model of a built-in transformers architecture")
+    return UserError(f"cannot load {what} from {path}: {text}")
+
+
+def load_config(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """`AutoConfig.from_pretrained` without remote code; UserError (one line) if it cannot load."""
+    from transformers import AutoConfig
+
+    check_folder(path)
+    try:
+        with quiet():
+            return AutoConfig.from_pretrained(str(path), trust_remote_code=False, **kwargs)
+    except _LOAD_ERRORS as exc:
+        raise _refusal("a model config", path, exc) from None
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """`AutoTokenizer.from_pretrained` without remote code; UserError (one line) if it cannot load."""
+    from transformers import AutoTokenizer
+
+    check_folder(path)
+    try:
+        with quiet():
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:  # the Rust tokenizers library raises a bare Exception for a torn tokenizer.json
+        raise _refusal("a tokenizer", path, exc) from None
+
+
+def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
+    """`cls.from_pretrained` (an Auto* or model class) without remote code or pickled code."""
+    check_folder(path)
+    p = Path(path)
+    if p.is_dir() and not any((p / name).is_file() for name in _WEIGHT_FILES):
+        raise UserError(f"{p} has no weights (model.safetensors); pass a model folder written by "
+                        "save_pretrained or an mlsm checkpoint")
+    try:
+        with quiet(report=True):
+            return cls.from_pretrained(str(path), trust_remote_code=False, **kwargs)
+    except _LOAD_ERRORS as exc:
+        raise _refusal("a model", path, exc) from None

@@ -1,0 +1,122 @@
+"""One writer per output folder: an OS file lock held for the life of the command.
+
+`hold(folder, ...)` takes an exclusive `fcntl.flock` on a hidden sibling file `.NAME.lock` (a
+sibling, not a file inside, because some outputs are built elsewhere and renamed into place).
+A second mlsm process that wants the same folder refuses at once with one line instead of
+waiting or writing over the first one's files. The kernel releases the lock when the process
+ends, however it ends (crash, SIGKILL), so a stale lock never blocks a later run.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mlsm.errors import UserError
+
+
+def lock_path(folder: str | os.PathLike) -> Path:
+    folder = Path(os.path.abspath(folder))  # normalises "out/.." and "." without following links
+    if not folder.name:
+        raise UserError(f"{folder} cannot be an output folder; pass a folder below it")
+    return folder.with_name(f".{folder.name}.lock")
+
+
+def _acquire(path: Path) -> int | None:
+    """An fd holding the lock on `path`, or None if another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        # The holder before us may have unlinked the file after we opened it: then we hold a
+        # lock nobody else can see; retry on the file that is there now.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+_HELD: dict[Path, int] = {}  # locks this process holds -> nesting depth (re-entrant)
+
+
+@contextmanager
+def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator[None]:
+    """Hold the lock of `folder` for the body; `what` names the output in the error
+    (e.g. "run directory", "token store"). enabled=False (DDP ranks > 0) does nothing.
+    Re-entrant within a process, so the CLI may lock before a library call that locks too."""
+    path = lock_path(folder)
+    if not enabled:
+        yield
+        return
+    if path in _HELD:  # this process holds it already (an outer `hold`)
+        _HELD[path] += 1
+        try:
+            yield
+        finally:
+            _HELD[path] -= 1
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path)
+    except OSError as exc:
+        raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its parent folder is writable") from None
+    if fd is None:
+        raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait for it to finish or choose another output folder")
+    _HELD[path] = 1
+    try:
+        yield
+    finally:
+        del _HELD[path]
+        path.unlink(missing_ok=True)  # while still locked: a waiter re-checks the inode
+        os.close(fd)
+
+
+def is_locked(folder: str | os.PathLike) -> bool:
+    """True if some process holds the lock of `folder` (for tests and status displays).
+
+    Reads /proc/locks, so looking never takes the lock (which could make a starting run
+    refuse); elsewhere it falls back to a brief try-lock."""
+    path = lock_path(folder)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    try:
+        with open("/proc/locks") as fh:
+            table = fh.read().split("\n")
+    except OSError:
+        return _try_lock(path)
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in table:
+        fields = line.split()
+        if "FLOCK" in fields and len(fields) > 5 and fields[5].count(":") == 2:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return True
+    return False
+
+
+def _try_lock(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
