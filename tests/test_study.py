@@ -181,7 +181,8 @@ def test_whole_study_writes_a_report_with_every_section(corpus_dir, tokenizer_di
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
     assert {r["seed"] for r in rows} == {0, 1}
-    for section in ("Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png"):
+    for section in ("Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
+                    "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |"):
         assert section in text
     probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())
     blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())

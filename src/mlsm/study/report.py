@@ -130,10 +130,36 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
     parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n", f"![readiness]({plot_readiness(cmp, study.root / 'readiness.png').name})\n",
              "## Fine-tuning: Wilcoxon matrix and win counts (Fig. 2b/2c)\n",
              f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n", cmp.to_markdown()]
+    parts += _headline(study, cmp)
     summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns], "mean": cmp.mean.tolist(),
                "std": cmp.std.tolist(), "count": cmp.count.tolist(), "pvalues": cmp.pvalues.tolist(),
                "wins": cmp.wins.tolist(), "n_pairs": cmp.n_pairs.tolist()}
     return parts, summary
+
+
+def headline_pairs(study: Study) -> list[tuple[str, str]]:
+    """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
+    and at 100 % against every other arm at 100 %, and the latent arms against each other at 100 %."""
+    latent = [a for a in study.spec.arms if study.is_latent(a)]
+    others = [a for a in study.spec.arms if a not in latent]
+    pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others for f in (0.5, 1.0)]
+    pairs += [(f"{a}@100%", f"{b}@100%") for i, a in enumerate(latent) for b in latent[i + 1:]]
+    return pairs
+
+
+def _headline(study: Study, cmp: Any) -> list[str]:
+    rows = []
+    for a, b in headline_pairs(study):
+        if a in cmp.models and b in cmp.models:
+            i, j = cmp.models.index(a), cmp.models.index(b)
+            rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | {int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | "
+                        f"{cmp.pvalues[i, j]:.3g} | {cmp.pvalues[j, i]:.3g} |")
+    if not rows:
+        return []
+    return ["## Headline comparisons (paired fine-tuning runs, all tasks and metrics)\n",
+            "p(A>B) is the Wilcoxon p-value of row A vs column B in the matrix below (and p(B>A) the reverse); "
+            "see the matrix's caption for whether it is one- or two-sided.\n",
+            "| A | B | A wins | B wins | p(A>B) | p(B>A) |", "|---|---|---:|---:|---:|---:|", *rows, ""]
 
 
 def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
