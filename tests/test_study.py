@@ -196,11 +196,11 @@ def test_slurm_executor_through_submitit_local(corpus_dir, tokenizer_dir, teache
     out = tmp_path / "study"
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
                executor={"kind": "slurm", "slurm": {"cluster": "local", "timeout_min": 20}})
-    raw["arms"] = {"mlm": raw["arms"]["mlm"], "bad": {"objective": {"name": "mlm"}, "overrides": {"optim": {"lr": float("nan")}}}}
+    raw["arms"] = {"mlm": raw["arms"]["mlm"], "bad": {"objective": {"name": "mlsm"}}}  # no dictionary: fails in its job
     spec = study_from_dict(raw)
     run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
     status = Study(spec).status()
     assert status["pretrain:mlm"]["state"] == "done"
     assert (out / "runs" / "mlm" / "checkpoints" / "step-0000008").is_dir()
-    assert status["pretrain:bad"]["state"] == "failed"  # non-finite loss inside its job
+    assert status["pretrain:bad"]["state"] == "failed" and "objective.dictionary is not set" in status["pretrain:bad"]["error"]
     assert any((out / "slurm").glob("*_log.out"))  # submitit's own job logs
