@@ -42,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BLIMP = REPO.parent / "shared" / "data" / "blimp"
 DEFAULT_VENV_PYTHON = "/work/venvs/minicons/bin/python"
+PARITY_TOL = 1e-4  # max abs PLL difference to minicons for the run to count
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -189,7 +190,7 @@ def report(ours: dict, anchor: dict, n: int, args: argparse.Namespace) -> str:
         "",
         f"speed ratio (mlsm / minicons): **{rate_ours / rate_anchor:.2f}x** wall clock, "
         f"{anchor['cpu_seconds'] / ours['cpu_seconds']:.2f}x in CPU time; "
-        f"max |delta PLL| = {delta:.2e} (goal <= 1e-4: {'ok' if delta <= 1e-4 else 'FAILED'}); "
+        f"max |delta PLL| = {delta:.2e} (goal <= {PARITY_TOL:.0e}: {'ok' if delta <= PARITY_TOL else 'FAILED'}); "
         f"best of {args.rounds} alternating rounds per side",
     ]
     return "\n".join(lines)
@@ -238,6 +239,9 @@ def main() -> None:
         print(f"{k}: wall / CPU seconds per round: "
               + ", ".join(f"{r['seconds']:.1f} / {r['cpu_seconds']:.1f}" for r in rs))
     print(report(ours, anchor, len(sentences), args))
+    delta = max(abs(a - b) for a, b in zip(ours["scores"], anchor["scores"], strict=True))
+    if delta > PARITY_TOL:
+        sys.exit(f"PARITY FAILED: max |delta PLL| = {delta:.2e} > {PARITY_TOL:.0e}")
 
 
 if __name__ == "__main__":

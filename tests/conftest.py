@@ -57,6 +57,25 @@ def store_dir(corpus_dir: Path, tokenizer_dir: Path, tmp_path_factory: pytest.Te
     return out
 
 
+@pytest.fixture(autouse=True)
+def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
+    """Every UserError raised in any test has a one-line message (the CLI prints it as
+    `mlsm <verb>: error: ...`): recorded where it is made, checked when the test ends."""
+    from mlsm.errors import UserError
+
+    made: list[str] = []
+    init = UserError.__init__
+
+    def recording_init(self: UserError, *args: object) -> None:
+        made.append(str(args[0]) if args else "")
+        init(self, *args)
+
+    monkeypatch.setattr(UserError, "__init__", recording_init)
+    yield made
+    several = [m for m in made if "\n" in m]
+    assert not several, f"UserError message is not one line: {several[0]!r}"
+
+
 TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 
 
@@ -128,3 +147,73 @@ def dictionary_path(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest
     teacher = load_teacher(str(teacher_dir), layer=1)
     learn_dictionary(TokenStore.open(store_dir), teacher, k=64, lam=0.05, n_vectors=3000, max_len=32, out=out)
     return out
+
+
+@pytest.fixture(scope="session")
+def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Codes of every position, whole (the default: nothing is truncated)."""
+    from mlsm.teacher.targets import build_target_store
+    from mlsm.teacher.teacher import load_teacher
+
+    out = tmp_path_factory.mktemp("targets") / "t"
+    teacher = load_teacher(str(teacher_dir), layer=1)
+    return build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+
+
+def read_metrics(run: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _perturb(folder: Path) -> None:
+    """Nudge every floating tensor of a checkpoint's model.safetensors (so a run resumed from it
+    ends elsewhere, unless it ignored the checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6, files: tuple[str, ...] = ("model.safetensors",),
+                 **extra: object) -> None:
+    """Resume must be a resume, not a restart that happens to end in the same place.
+
+    1. A run resumed from checkpoint `at` ends bit-identical to the uninterrupted run and its
+       metrics hold each step exactly once, with the same values as the uninterrupted run.
+    2. Resumed into an empty run directory from a perturbed copy of that checkpoint, the process
+       logs steps at+1..steps only (it started at the checkpoint's step) and ends elsewhere
+       (it started from the checkpoint's weights).
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from mlsm.config import load_config
+    from mlsm.train.loop import pretrain
+
+    cfg = lambda out: load_config(None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))  # noqa: E731
+    full = pretrain(cfg(tmp / "full"))
+    final = f"checkpoints/step-{steps:07d}"
+    part = tmp / "part"
+    shutil.copytree(full, part)
+    for folder in (part / "checkpoints").glob("step-*"):
+        if int(folder.name.removeprefix("step-")) > at:
+            shutil.rmtree(folder)
+    pretrain(cfg(part), resume=str(part / "checkpoints" / f"step-{at:07d}"))
+    for name in files:
+        a, b = load_file(full / final / name), load_file(part / final / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert [m["step"] for m in read_metrics(part)] == list(range(1, steps + 1))
+    assert drop(read_metrics(part)) == drop(read_metrics(full))
+    # 2. perturbed checkpoint, fresh run directory
+    nudged = tmp / "nudged" / f"step-{at:07d}"
+    shutil.copytree(full / "checkpoints" / f"step-{at:07d}", nudged)
+    _perturb(nudged)
+    other = pretrain(cfg(tmp / "other"), resume=str(nudged))
+    assert [m["step"] for m in read_metrics(other)] == list(range(at + 1, steps + 1))
+    a, b = load_file(full / final / "model.safetensors"), load_file(other / final / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a), "a run resumed from a perturbed checkpoint ended unchanged"

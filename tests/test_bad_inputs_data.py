@@ -167,7 +167,7 @@ def _case_prepare_out_holds_source_dir(tmp, fx):
 def _case_prepare_out_is_a_file(tmp, fx):
     path = tmp / "store"
     path.write_text("precious\n")
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=path), [path], "is a file", "--overwrite"
+    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=path), [path], "existing file", "--overwrite"
 
 
 def _case_prepare_store_with_user_files(tmp, fx):
@@ -261,7 +261,7 @@ def _case_probe_out_user_folder(tmp, fx):
 def _case_probe_torn_checkpoint_json(tmp, fx):
     run = _run_copy(tmp, fx)
     _truncate(run / "checkpoints" / "step-0000003" / "checkpoint.json")
-    return ["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is damaged", None
+    return ["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn", None
 
 
 def _case_run_out_is_root(tmp, fx):
@@ -271,7 +271,7 @@ def _case_run_out_is_root(tmp, fx):
 def _case_run_out_is_a_file(tmp, fx):
     path = tmp / "run"
     path.write_text("precious\n")
-    return ["pretrain", *_run_args(fx["store_dir"], path)], [path], "is a file", None
+    return ["pretrain", *_run_args(fx["store_dir"], path)], [path], "existing file", None
 
 
 def _case_run_killed_before_first_log(tmp, fx):
@@ -333,7 +333,7 @@ def _case_targets_out_user_folder(tmp, fx):
 def _case_targets_out_is_a_file(tmp, fx):
     path = tmp / "t"
     path.write_text("precious\n")
-    return fx["targets_cmd"](path), [path], "is a file", None
+    return fx["targets_cmd"](path), [path], "existing file", None
 
 
 def _case_targets_locked(tmp, fx):

@@ -37,11 +37,14 @@ def test_targets_are_exact_codes_of_unmasked_teacher_states(store_dir, teacher_d
     codes = obj.coder.codes(batch)  # (N, k)
     assert codes.shape == (int(batch.selected.sum()), 64) and (codes >= 0).all()
     # recompute from a full (no early exit) teacher run on the *unmasked* ids
+    # D, λ and the layer straight from the dictionary's files, not from the object under test
+    meta = json.loads(dictionary_path.with_suffix(".json").read_text())
+    atoms = load_file(dictionary_path)["atoms"]  # (d, k)
     full = AutoModel.from_pretrained(teacher_dir).eval()
     with torch.no_grad():
-        h = full(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True).hidden_states[1]
+        h = full(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True).hidden_states[meta["layer"]]
     x = torch.nn.functional.normalize(h[batch.selected], dim=-1)
-    assert kkt_violation(x, obj.coder.atoms, codes, obj.coder.lam).max() < 1e-4
+    assert kkt_violation(x, atoms, codes, meta["lam"]).max() < 1e-4
     assert (codes.sum(1) > 0).float().mean() > 0.5
 
 

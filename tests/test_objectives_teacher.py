@@ -20,7 +20,7 @@ from mlsm.teacher.sparse_coding import objective as lasso_objective
 from mlsm.teacher.sparse_coding import sparse_encode
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, overfit_losses, tiny_overrides
+from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
 
 
 def _setup(store_dir: Path, spec: dict):
@@ -75,6 +75,10 @@ def test_kd_needs_an_mlm_head(store_dir) -> None:
         _setup(store_dir, {"name": "kd", "teacher": "x", "temperature": 0.0})
 
 
+def test_kd_run_resumes(store_dir, teacher_dir, tmp_path) -> None:
+    check_resume(store_dir, tmp_path, at=2, steps=4, **{"objective.name": "kd", "objective.teacher": str(teacher_dir)})
+
+
 # ----------------------------------------------------------------------------- MTL
 
 
@@ -99,6 +103,11 @@ def test_mtl_checkpoint_exports_both_heads(store_dir, teacher_dir, dictionary_pa
     assert mlm.config.vocab_size == len(AutoTokenizer.from_pretrained(folder))
     heads = load_file(folder / "heads.safetensors")  # latent head
     assert heads["latent.proj.weight"].shape == (64, 32)
+
+
+def test_mtl_run_resumes(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+    check_resume(store_dir, tmp_path, at=2, steps=4, files=("model.safetensors", "heads.safetensors"), **{
+        "objective.name": "mtl", "objective.dictionary": str(dictionary_path), "objective.teacher": str(teacher_dir)})
 
 
 # ----------------------------------------------------------------------------- naive MLSM

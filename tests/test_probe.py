@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import load_config
+from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.pll import score_pll
 from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.models.backbone import build_student
+from mlsm.objectives import Context
+from mlsm.objectives.probe import Probe, ProbeConfig
 from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides
@@ -39,8 +46,45 @@ def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictiona
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000004", "step-0000010", "step-0000020", "step-0000040"]
     scorer, tok = load_scorer(folder)
     assert isinstance(scorer, ProbeScorer)
-    scores = score_pll(scorer, tok, ["the cat sees a dog.", "dog a sees cat the the."])
+    sentences = ["the cat sees a dog.", "dog a sees cat the the."]
+    scores = score_pll(scorer, tok, sentences)
     assert len(scores) == 2 and all(s < 0 for s in scores)
+    # the scorer computes what the probe was trained on: student + latent head + probe
+    student = _student_with_probe(folder, store_dir)
+    batch = BatchSource(TokenStore.open(store_dir), DataConfig(store=str(store_dir), max_len=32), tok).batch(np.arange(8), 0)
+    with torch.no_grad():
+        mine = scorer.logits_at(batch.corrupted_ids, batch.attention_mask, batch.selected)
+        ref = _probe_logits(student, batch.corrupted_ids, batch.attention_mask, batch.selected)
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    # and PLL through the probe equals a brute-force loop: one masked copy per token
+    for sentence, score in zip(sentences, scores, strict=True):
+        ids = tok(sentence)["input_ids"]
+        brute = 0.0
+        for t in range(1, len(ids) - 1):
+            copy = torch.tensor([ids])
+            copy[0, t] = tok.mask_token_id
+            where = torch.zeros_like(copy, dtype=torch.bool)
+            where[0, t] = True
+            with torch.no_grad():
+                logits = _probe_logits(student, copy, torch.ones_like(copy), where)[0]
+            brute += torch.log_softmax(logits.double(), -1)[ids[t]].item()
+        assert score == pytest.approx(brute, abs=1e-4)
+
+
+def _student_with_probe(folder: Path, store_dir: Path):
+    """The training-time computation: a Student from the folder, the Probe objective's heads."""
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    student = build_student(ModelConfig(init_from=str(folder)), tok, 32, 0)
+    Probe(ProbeConfig(checkpoint=str(folder)), Context(tok, torch.device("cpu"), 1)).attach(student)
+    state = load_file(folder / "heads.safetensors")
+    student.heads["probe"].load_state_dict({k.removeprefix("probe."): v for k, v in state.items() if k.startswith("probe.")})
+    return student.eval()
+
+
+def _probe_logits(student, ids: torch.Tensor, mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    hidden = student.encode(ids, mask)[where]  # (N, d)
+    return student.heads["probe"](torch.softmax(student.heads["latent"](hidden), -1))  # (N, V)
 
 
 def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:

@@ -192,3 +192,42 @@ def test_bootstrap_ci_of_mean_differences(results: Path, tmp_path: Path) -> None
     assert float(ci[("A", "B")]["mean_diff"]) == pytest.approx(UP.mean()) and ci[("A", "B")]["n"] == "9"
     assert "bootstrap CI" in (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
     assert compare_runs(results).ci is None
+
+
+def exact_wilcoxon_p_ties(d: np.ndarray, alternative: str = "two-sided") -> float:
+    """Exact signed-rank p by enumeration, zero differences dropped (Wilcoxon 1945) and tied |d|
+    given their mid-rank; the statistic T+ is compared over all 2^n sign patterns."""
+    d = d[d != 0]
+    order = np.abs(d)
+    ranks = np.array([np.sum(order < v) + (np.sum(order == v) + 1) / 2 for v in order])  # mid-ranks
+    t_obs = ranks[d > 0].sum()
+    dist = np.array([sum(r for r, s in zip(ranks, signs, strict=True) if s)
+                     for signs in itertools.product([0, 1], repeat=len(d))])
+    upper, lower = np.mean(dist >= t_obs - 1e-9), np.mean(dist <= t_obs + 1e-9)
+    return {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}[alternative]
+
+
+def test_pairing_survives_shuffles_dropped_seeds_ties_and_zeros(tmp_path: Path) -> None:
+    # dyadic values (k/128) so that tied differences are exactly tied in floating point
+    cells = [(task, "acc", seed) for task in ("sst2", "mrpc") for seed in range(6)]  # 12 cells
+    base = np.array([90, 95, 93, 88, 91, 97, 70, 72, 75, 71, 74, 73]) / 128
+    diff = np.array([2, 2, -1, 0, 3, -2, 1, 2, 0, 4, 2, -3]) / 128  # ties (|d| = 2, 1) and zeros
+    rows = [_row("Y", c, v) for c, v in zip(cells, base, strict=True)]
+    rows += [_row("X", c, v) for c, v in zip(cells, base + diff, strict=True)]
+    rng = np.random.default_rng(0)
+    rows = [rows[i] for i in rng.permutation(len(rows))]  # any row order
+    rows = [r for r in rows if not (r["model"] == "X" and r["task"] == "mrpc" and r["seed"] == 5)]  # X lacks a seed
+    rows.append(_row("X", cells[0], 0.5, lr=1e-4))  # and has a run no Y run pairs with
+    append_results(tmp_path / "r.jsonl", rows)
+    cmp = compare_runs(tmp_path / "r.jsonl")
+    x, y = cmp.models.index("X"), cmp.models.index("Y")
+    d = diff[:-1]  # the 11 common cells
+    assert cmp.n_pairs[x, y] == cmp.n_pairs[y, x] == 11
+    assert (cmp.wins[x, y], cmp.wins[y, x]) == (int((d > 0).sum()), int((d < 0).sum()))
+    expected = exact_wilcoxon_p_ties(d)
+    assert expected != pytest.approx(exact_wilcoxon_p_ties(diff))  # the dropped seed matters
+    assert cmp.pvalues_two_sided[x, y] == pytest.approx(expected, rel=1e-9)
+    assert cmp.pvalues_two_sided[y, x] == pytest.approx(expected, rel=1e-9)
+    # directional: (row, column) tests "row better than column" (one-sided, Berend 2023 Fig. 2b)
+    assert cmp.pvalues[x, y] == pytest.approx(exact_wilcoxon_p_ties(d, "greater"), rel=1e-9)
+    assert cmp.pvalues[y, x] == pytest.approx(exact_wilcoxon_p_ties(d, "less"), rel=1e-9)

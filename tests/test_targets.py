@@ -19,15 +19,7 @@ from mlsm.teacher.dictionary import load_dictionary, save_dictionary
 from mlsm.teacher.targets import TargetStore, build_target_store
 from mlsm.teacher.teacher import load_teacher
 
-from .conftest import make_text, overfit_losses
-
-
-@pytest.fixture(scope="module")
-def target_dir(store_dir, teacher_dir, dictionary_path, tmp_path_factory) -> Path:
-    """Codes of every position, whole (the default)."""
-    out = tmp_path_factory.mktemp("targets") / "t"
-    teacher = load_teacher(str(teacher_dir), layer=1)
-    return build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+from .conftest import check_resume, make_text, overfit_losses
 
 
 def _objective(store_dir: Path, spec: dict, max_len: int = 32):
@@ -158,3 +150,8 @@ def test_mismatches_are_one_line_errors(store_dir, corpus_dir, tokenizer_dir, di
 def test_mlsm_trains_from_the_store(store_dir, target_dir) -> None:
     losses = overfit_losses({"name": "mlsm", "targets": str(target_dir)}, store_dir, steps=25)
     assert losses[-1] < 0.6 * losses[0]
+
+
+def test_mlsm_run_from_the_store_resumes(store_dir, target_dir, tmp_path) -> None:
+    check_resume(store_dir, tmp_path, at=2, steps=4, files=("model.safetensors", "heads.safetensors"), **{
+        "objective.name": "mlsm", "objective.targets": str(target_dir)})

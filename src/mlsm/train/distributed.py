@@ -35,7 +35,11 @@ def init_distributed(device_pref: str) -> DistInfo:
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over ranks into a new tensor: reducing in place would reduce twice any tensor that
+    shares storage with another one being reduced (an objective's `loss.detach()` metric is a view
+    of its loss sum), which doubled the logged DDP loss."""
     if info.world > 1:
+        t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
