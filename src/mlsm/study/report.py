@@ -126,13 +126,13 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
 
     if not study.results.is_file() or not study.results.read_text().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
-    cmp = compare_runs(study.results, study.root / "comparison")
+    cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)  # one lr per task: no selection
     parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n", f"![readiness]({plot_readiness(cmp, study.root / 'readiness.png').name})\n",
              "## Fine-tuning: Wilcoxon matrix and win counts (Fig. 2b/2c)\n",
              f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n", cmp.to_markdown()]
     parts += _headline(study, cmp)
     summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns], "mean": cmp.mean.tolist(),
-               "std": cmp.std.tolist(), "count": cmp.count.tolist(), "pvalues": cmp.pvalues.tolist(),
+               "std": cmp.std.tolist(), "count": cmp.count.tolist(), "pvalues_row_better": cmp.pvalues.tolist(),
                "wins": cmp.wins.tolist(), "n_pairs": cmp.n_pairs.tolist()}
     return parts, summary
 
@@ -152,14 +152,18 @@ def _headline(study: Study, cmp: Any) -> list[str]:
     for a, b in headline_pairs(study):
         if a in cmp.models and b in cmp.models:
             i, j = cmp.models.index(a), cmp.models.index(b)
+            two = cmp.pvalues_two_sided[i, j] if getattr(cmp, "pvalues_two_sided", None) is not None else math.nan
+            diff = f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, {100 * cmp.ci[i, j, 2]:+.2f}]" \
+                if getattr(cmp, "ci", None) is not None else "—"
             rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | {int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | "
-                        f"{cmp.pvalues[i, j]:.3g} | {cmp.pvalues[j, i]:.3g} |")
+                        f"{cmp.pvalues[i, j]:.3g} | {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
     if not rows:
         return []
     return ["## Headline comparisons (paired fine-tuning runs, all tasks and metrics)\n",
-            "p(A>B) is the Wilcoxon p-value of row A vs column B in the matrix below (and p(B>A) the reverse); "
-            "see the matrix's caption for whether it is one- or two-sided.\n",
-            "| A | B | A wins | B wins | p(A>B) | p(B>A) |", "|---|---|---:|---:|---:|---:|", *rows, ""]
+            "Wilcoxon signed-rank over the paired runs: p(A>B) one-sided (A better than B), p(B>A) the reverse, "
+            "and the two-sided p; mean difference A − B (×100) with its bootstrap CI.\n",
+            "| A | B | A wins | B wins | p(A>B) | p(B>A) | p two-sided | mean A − B [CI] |",
+            "|---|---|---:|---:|---:|---:|---:|---|", *rows, ""]
 
 
 def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
