@@ -147,7 +147,7 @@ def _finetune(a: argparse.Namespace) -> None:
         lrs=a.lrs, epochs=a.epochs, batch_size=a.batch_size,
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
         max_train_examples=a.max_train_examples, device=a.device,
-        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay,
+        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
     )
     print(f"results: {path}")
@@ -277,6 +277,15 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
     return _study
 
 
+def _export(a: argparse.Namespace) -> None:
+    from mlsm.export import export_checkpoint, push_to_hub
+
+    out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe, license=a.license)
+    print(f"exported {a.checkpoint} -> {out} (README.md model card, loads with from_pretrained)")
+    if a.push_to_hub:
+        print(f"pushed: {push_to_hub(out, a.push_to_hub, private=a.private)}")
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", type=out_dir, help="where everything goes (re-running resumes)")
@@ -321,7 +330,10 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
-    p.add_argument("models", nargs="+", metavar="MODEL", help="HF model folders, optionally NAME=PATH")
+    p.add_argument("models", nargs="+", metavar="MODEL",
+                   help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), optionally NAME=MODEL")
+    p.add_argument("--readiness", choices=["final", "all"], default="final",
+                   help="for a run directory: its final checkpoint, or all its readiness checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
     p.add_argument("--seeds", type=positive_int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
@@ -365,7 +377,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
                        description="Train the linear probe of an MLSM checkpoint. group.key=value overrides of the "
                        "probe run may stand anywhere on the command line: mlsm probe CKPT --steps 200 optim.lr=1e-3")
-    p.add_argument("checkpoint", help="checkpoints/step-* folder of an mlsm or mtl run")
+    p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its checkpoints/step-* folder")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
     p.add_argument("--steps", type=non_negative_int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
     p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
@@ -377,7 +389,8 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
-    p.add_argument("model", help="HF masked-LM folder (MLM, KD, MTL checkpoints), or an MLSM checkpoint with its probe (mlsm probe)")
+    p.add_argument("model", help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N): MLM, KD and MTL "
+                   "models use their vocabulary head; an MLSM run is scored through its probe (mlsm probe RUN)")
     p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
     p.add_argument("--out", required=True, type=out_dir, help="folder for blimp.json and blimp.md")
     p.add_argument("--limit", type=positive_int, default=None, help="first N pairs per phenomenon")
@@ -391,7 +404,7 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
-    p.add_argument("model", help="HF encoder folder (AutoModel)")
+    p.add_argument("model", help="HF encoder folder (AutoModel) or a run (RUN, RUN@50%%, RUN@step-N)")
     p.add_argument("--text", required=True, help=".txt or .txt.gz, one sentence per line")
     p.add_argument("--out", required=True, type=out_dir, help="folder for rank.csv/.md/.json/.png")
     p.add_argument("--mask-rate", type=fraction, default=0.15, help="fraction of tokens -> [MASK]")
@@ -450,8 +463,20 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
     return _flops
 
 
+def _add_export(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("export", help="Hub-ready folder + model card from a checkpoint (optionally push it)")
+    p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
+    p.add_argument("--out", required=True, help="folder to write (an earlier export there is replaced)")
+    p.add_argument("--results", default=None, help="results.jsonl of `mlsm finetune`, or a report .md, for the card's table")
+    p.add_argument("--probe", default=None, help="probe checkpoint to ship (default: the newest of <run>/probe-<step>)")
+    p.add_argument("--license", default="unknown", help="license id for the card's metadata (e.g. apache-2.0, mit)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo (needs network and `hf auth login`)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    return _export
+
+
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_study]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.runs import expand_models, resolve_checkpoint
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,12 @@ class ModelRef:
 
 
 def resolve_model(spec: str | Path) -> ModelRef:
-    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``<run>@<step>`` if known, else the folder name."""
+    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``<run>@<step>`` if known, else the folder name.
+
+    ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
     text = str(spec)
     name, _, path = ("", "", text) if "=" not in text or Path(text).is_dir() else text.partition("=")
-    folder = Path(path)
+    folder = resolve_checkpoint(path)
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder}: not an HF model folder (no config.json); pass a save_pretrained folder")
     meta: dict[str, Any] = {}
@@ -363,10 +366,13 @@ def finetune(
     fixed_order: bool = False,
     clip: float = 1.0,
     eval_test: bool = False,
+    readiness: str = "final",
 ) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
 
-    ``models``: HF folders, optionally ``"name=path"``. ``data_dir``: folder holding the task
+    ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: `mlsm.runs`),
+    optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
+    directory (named ``name@<step>``). ``data_dir``: folder holding the task
     folders (``CoLA/``, ``SST-2/``, ``WiC/``, ``conll2003/``...); None loads HF ``datasets``.
     Cells already in ``results`` (same model, task, seed, lr, epochs, batch, max_len, n_train)
     are skipped, so an interrupted grid resumes. Returns the results path.
@@ -380,7 +386,7 @@ def finetune(
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
     _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
-    refs = [resolve_model(m) for m in models]
+    refs = [resolve_model(m) for m in expand_models(models, readiness)]
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")
     specs = [get_task(t) for t in tasks]

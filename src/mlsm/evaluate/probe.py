@@ -21,13 +21,15 @@ from mlsm.hf import load_model, load_tokenizer, read_json
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
 from mlsm.objectives.probe import probe_input
+from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
 
 def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
                  overrides: list[str] | None = None) -> Any:
-    """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder)."""
-    folder = Path(checkpoint)
+    """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder, or a run directory /
+    ``RUN@50%`` / ``RUN@step-N``: `mlsm.runs`)."""
+    folder = resolve_checkpoint(checkpoint)
     info_path = folder / "checkpoint.json"
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
@@ -38,7 +40,7 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
     raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),
-                    "out": out or str(folder.parent.parent / f"probe-{folder.name}"), "save_every": 0,
+                    "out": out or str(probe_run_of(folder)), "save_every": 0,
                     "readiness": [0.1, 0.25, 0.5, 1.0]}
     if store:
         raw["data"] = {**raw["data"], "store": store}
@@ -55,8 +57,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
         from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
-        folder = Path(checkpoint)
-        out = Path(kw.get("out") or folder.parent.parent / f"probe-{folder.name}")
+        folder = resolve_checkpoint(checkpoint)
+        out = Path(kw.get("out") or probe_run_of(folder))
         probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
         train_probe_to_plateau(folder, out)
         return out
@@ -102,13 +104,20 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder.
 
     An MTL checkpoint (latent head + a trained vocabulary head, Berend 2023 Fig. 6 "MLSM+MLM") is
-    scored through its vocabulary head, like an MLM model; it needs no probe.
+    scored through its vocabulary head, like an MLM model; it needs no probe. ``path`` may name a
+    run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the final checkpoint of
+    its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it).
     """
-    folder = Path(path)
+    folder = resolve_checkpoint(path)
     heads = folder / "heads.json"
+    latent_only = heads.is_file() and "probe" not in read_json(heads) and not _exports_vocab_head(folder)
+    if latent_only and is_run_dir(probe_run_of(folder)):
+        folder = resolve_checkpoint(probe_run_of(folder))
+        heads = folder / "heads.json"
     if heads.is_file() and "probe" in read_json(heads):
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), load_tokenizer(folder)
     if heads.is_file() and "latent" in read_json(heads) and not _exports_vocab_head(folder):
-        raise UserError(f"{folder} is an MLSM model without a vocabulary; train its probe first: mlsm probe {folder}")
+        raise UserError(f"{folder} is an MLSM model without a vocabulary and {probe_run_of(folder)} has no probe; "
+                        f"train its probe first: mlsm probe {path}")
     return load_masked_lm(str(folder), device)

