@@ -126,3 +126,13 @@ def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
 
     with pytest.raises(UserError, match="no better than the unigram"):
         _blimp(study, "m", 1.0)
+
+
+def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
+    """`mlsm probe RUN` then `mlsm blimp RUN`: load_scorer finds the plateau probe's checkpoint."""
+    from mlsm.evaluate.probe import ProbeScorer, run_probe
+
+    out = run_probe(mlsm_ckpt)  # default: to a plateau, into <run>/probe-step-N
+    info = json.loads((out / "probe.json").read_text())
+    scorer, _ = load_scorer(mlsm_ckpt.parent.parent)
+    assert isinstance(scorer, ProbeScorer) and scorer.input == info["input"]
