@@ -169,7 +169,15 @@ def _probe(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import run_probe
 
     run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume)
-    print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
+    info = run / "probe.json"
+    if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
+        import json
+
+        p = json.loads(info.read_text())
+        print(f"probe ({p['input']}, {p['steps']} steps): held-out loss {p['heldout_loss']:.3f} nats, top-1 "
+              f"{100 * p['heldout_top1']:.1f} % (unigram {p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']}`")
+    else:
+        print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
 
 
 def _demo(a: argparse.Namespace) -> None:
@@ -247,6 +255,28 @@ def _flops(a: argparse.Namespace) -> None:
     print(format_table(rows, accounting=a.accounting))
 
 
+def _study(a: argparse.Namespace) -> None:
+    from mlsm.study import load_study, run_study
+
+    report_only = a.report_only or a.study[0] == "report"
+    files = a.study[1:] if a.study[0] == "report" else a.study
+    if len(files) != 1:
+        raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study report STUDY.yaml)")
+    spec = load_study(files[0], out=a.out)
+    report = run_study(spec, stages=["report"] if report_only else a.stages or None)
+    print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))
+
+
+def _add_study(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("study", help="run a study file: arms, readiness checkpoints, fine-tuning, BLiMP, report")
+    p.add_argument("study", nargs="+", metavar="STUDY.yaml", help="study file (see studies/); `report STUDY.yaml` only writes the report")
+    p.add_argument("--out", help="study folder (default: the file's `out`)")
+    p.add_argument("--report-only", action="store_true", help="only (re)write the report from what is done")
+    p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"],
+                   help="run only these stages (default: all that are not complete)")
+    return _study
+
+
 def _export(a: argparse.Namespace) -> None:
     from mlsm.export import export_checkpoint, push_to_hub
 
@@ -264,7 +294,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--steps", type=positive_int, default=300, help="pre-training steps per student")
     p.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
     p.add_argument("--seeds", type=positive_int, default=2, help="fine-tuning seeds per model")
-    p.add_argument("--blimp-pairs", type=positive_int, default=20, help="BLiMP pairs per phenomenon")
+    p.add_argument("--blimp-pairs", type=positive_int, default=20, help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
     return _demo
 
 
@@ -349,7 +379,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
                        "probe run may stand anywhere on the command line: mlsm probe CKPT --steps 200 optim.lr=1e-3")
     p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its checkpoints/step-* folder")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
-    p.add_argument("--steps", type=non_negative_int, default=0, help="probe steps (default: 10%% of the pre-training steps)")
+    p.add_argument("--steps", type=non_negative_int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
     p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides of the probe run, anywhere on the command line "
@@ -446,7 +476,7 @@ def _add_export(sub: argparse._SubParsersAction) -> Callable:
 
 
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_export]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -1,8 +1,9 @@
 """`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
 
-Training reuses `pretrain` with the `probe` objective, so the probe gets the same batches,
-readiness checkpoints, resume and DDP as any run. Default length: 10 % of the pre-training steps
-(Berend 2023, §4.3.1).
+By default the probe is trained until its loss on held-out chunks stops improving
+(`mlsm.evaluate.probe_fit`: Berend 2023's 10 % of the pre-training steps leaves it untrained on
+short runs). With a fixed number of steps it reuses `pretrain` with the `probe` objective, so it
+gets the same batches, readiness checkpoints, resume and DDP as any run (Berend 2023, §4.3.1).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, read_json
 from mlsm.models.backbone import quiet_hf_loading
 from mlsm.models.heads import LatentHead
+from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
@@ -46,12 +48,26 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory."""
+    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory.
+
+    Default (no steps, overrides, store or resume): train to a held-out loss plateau
+    (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
+    many steps through the pre-training loop, as Berend 2023 (10 % of the pre-training steps).
+    """
+    if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
+        from mlsm.evaluate.probe_fit import train_probe_to_plateau
+
+        folder = resolve_checkpoint(checkpoint)
+        out = Path(kw.get("out") or probe_run_of(folder))
+        probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
+        train_probe_to_plateau(folder, out)
+        return out
     return pretrain(probe_config(checkpoint, **kw), resume=resume)
 
 
 class ProbeScorer(torch.nn.Module):
-    """`MaskedScorer` of an MLSM model with a probe: logits = probe(softmax(latent_head(h)))."""
+    """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))), f = softmax (default),
+    log_softmax or identity as heads.json says."""
 
     def __init__(self, folder: str | Path):
         super().__init__()
@@ -64,13 +80,14 @@ class ProbeScorer(torch.nn.Module):
             self.backbone = load_model(AutoModel, folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
+        self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})
         self.eval()
 
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
-        return self.probe(torch.softmax(self.latent(hidden[select]), -1))  # (N, V)
+        return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 
 def _exports_vocab_head(folder: Path) -> bool:

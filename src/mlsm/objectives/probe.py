@@ -23,11 +23,28 @@ from mlsm.models.backbone import Student
 from mlsm.objectives.base import Context, ObjectiveOutput
 from mlsm.objectives.mlsm import attach_latent_head
 
+PROBE_INPUTS = ("probs", "logprobs", "logits")
+
 
 @dataclass
 class ProbeConfig:
     checkpoint: str = ""
     """MLSM checkpoint folder whose latent head the probe reads (also set model.init_from to it)."""
+    input: str = "probs"
+    """What the probe reads: `probs` = softmax(z) (Berend 2023's wording), `logprobs` = log_softmax(z)
+    or `logits` = z (see docs/evaluation.md for which trains best)."""
+
+
+def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """The probe's input from the latent head's output z (N, k), in float32."""
+    z = latent_logits.float()
+    if kind == "probs":
+        return torch.softmax(z, -1)
+    if kind == "logprobs":
+        return torch.log_softmax(z, -1)
+    if kind == "logits":
+        return z
+    raise UserError(f"objective.input={kind!r} is not one of {', '.join(PROBE_INPUTS)}")
 
 
 def load_latent_head(student: Student, folder: Path) -> None:
@@ -48,13 +65,15 @@ class Probe:
             raise UserError("objective.checkpoint is not set; pass the MLSM checkpoint folder (mlsm probe CHECKPOINT)")
         self.folder = Path(cfg.checkpoint)
         self.vocab = len(ctx.tokenizer)
+        self.input = cfg.input
+        probe_input(torch.zeros(1, 1), cfg.input)  # a bad name fails before any work
 
     def attach(self, student: Student) -> None:
         load_latent_head(student, self.folder)
         student.requires_grad_(False)  # everything frozen but the probe added below
         k = student.heads["latent"].proj.out_features
         student.heads["probe"] = nn.Linear(k, self.vocab)
-        student.head_meta["probe"] = {"class": "Linear", "in": k, "out": self.vocab}
+        student.head_meta["probe"] = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}
 
     def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
         frozen = [student.backbone, student.heads["latent"]]
@@ -63,7 +82,7 @@ class Probe:
             m.eval()  # a frozen model is probed as it is used: without dropout
         with torch.no_grad():
             hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
-            latent = torch.softmax(student.heads["latent"](hidden).float(), -1)  # (N, k)
+            latent = probe_input(student.heads["latent"](hidden), self.input)  # (N, k)
         for m, mode in zip(frozen, modes, strict=True):
             m.train(mode)
         logits = student.heads["probe"](latent)  # (N, V)

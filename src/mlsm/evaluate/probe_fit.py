@@ -1,0 +1,188 @@
+"""Train an MLSM model's k -> |V| probe until its held-out loss stops improving.
+
+Berend 2023 (§4.3.1) trains the probe for ~10 % of the pre-training steps. On short CPU runs that
+leaves it untrained (10.30 nats ≈ ln |V| after a 500-step run), so here its length is set by the
+data: the probe starts *at* the unigram distribution (weights 0, bias = log unigram frequencies),
+is trained with Adam at a constant lr on the pre-training batches, and stops when the loss on
+held-out chunks (the batches right after the pre-training run, which neither the student nor the
+probe ever saw) has not improved by `min_delta` (relative) for `patience` evaluations. The result
+records held-out loss, top-1 and the unigram loss on the same targets, so every score made
+through the probe can be read next to how good the probe is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mlsm.data.batches import BatchSource
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
+from mlsm.models.backbone import Student, build_student
+from mlsm.objectives.base import Context
+from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
+from mlsm.train import checkpoint as ckpt
+
+
+def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
+    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
+    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
+    cfg = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["train"]
+    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)  # ceil(samples seen / batch_size)
+    return [first + j for j in range(n)]
+
+
+def unigram_log_probs(store: TokenStore, vocab: int, max_tokens: int = 5_000_000) -> torch.Tensor:
+    """log p(token) over the first max_tokens of the store, add-one smoothed: (V,)."""
+    counts = np.bincount(np.asarray(store.tokens[:max_tokens], dtype=np.int64), minlength=vocab)[:vocab] + 1.0
+    return torch.from_numpy(np.log(counts / counts.sum())).float()
+
+
+class _Features:
+    """Frozen student + latent head: batch -> (latent logits z (N, k), labels (N,))."""
+
+    def __init__(self, student: Student):
+        self.student = student
+
+    @torch.no_grad()
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.student
+        s.backbone.eval()
+        s.heads["latent"].eval()
+        hidden = s.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
+        return s.heads["latent"](hidden).float(), batch.input_ids[batch.selected]
+
+
+class _Candidate:
+    """One probe trained on one input kind, with its own plateau bookkeeping.
+
+    It trains on standardised inputs (x - mu) / sigma, with mu, sigma from the first batch, and an
+    Adam lr divided by the mean L1 norm of those inputs, so that `lr` bounds how far one step moves
+    a logit whatever the input's scale (softmax probabilities sum to 1; log-probabilities are
+    ~ -8 each over k = 1536 atoms). The normalisation is folded into the weights when exported.
+    """
+
+    def __init__(self, kind: str, like: torch.nn.Linear, unigram: torch.Tensor, lr: float, z0: torch.Tensor):
+        self.kind = kind
+        x0 = probe_input(z0, kind)
+        self.mu, self.sigma = x0.mean(0), x0.std(0).clamp(min=1e-6)  # (k,)
+        self.probe = torch.nn.Linear(like.in_features, like.out_features)
+        with torch.no_grad():  # start at the unigram distribution: anything learned must beat it
+            self.probe.weight.zero_()
+            self.probe.bias.copy_(unigram)
+        scale = float(((x0 - self.mu) / self.sigma).abs().sum(-1).mean())
+        self.opt = torch.optim.Adam(self.probe.parameters(), lr=lr / max(scale, 1.0))
+        self.best, self.stale, self.steps, self.curve = math.inf, 0, 0, []
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        return self.probe((probe_input(z, self.kind) - self.mu) / self.sigma)
+
+    def exported(self) -> dict[str, torch.Tensor]:
+        """Weights of the equivalent probe on raw inputs: W' = W / sigma, b' = b - W' mu."""
+        w = self.probe.weight.detach() / self.sigma
+        return {"weight": w, "bias": self.probe.bias.detach() - w @ self.mu}
+
+    def step(self, z: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.cross_entropy(self.logits(z), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return loss.item()
+
+    def evaluate(self, held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Mean cross-entropy (nats) and top-1 accuracy on the held-out targets."""
+        loss, correct, n = 0.0, 0, 0
+        with torch.no_grad():
+            for z, y in held:
+                logits = self.logits(z)
+                loss += F.cross_entropy(logits, y, reduction="sum").item()
+                correct += int((logits.argmax(-1) == y).sum())
+                n += y.numel()
+        return loss / n, correct / n
+
+    def check(self, step: int, train_loss: float, held: list, min_delta: float, patience: int) -> None:
+        held_loss, top1 = self.evaluate(held)
+        self.curve.append({"step": step, "train_loss": train_loss, "heldout_loss": held_loss, "heldout_top1": top1})
+        if not math.isfinite(held_loss):
+            self.stale = patience  # diverged: stop this one
+            return
+        self.stale = 0 if held_loss < self.best * (1 - min_delta) else self.stale + 1
+        self.best = min(self.best, held_loss)
+
+    def done(self, patience: int) -> bool:
+        return self.stale >= patience
+
+
+def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | None) -> tuple[Any, Student, Any, BatchSource, Any]:
+    from mlsm.evaluate.probe import probe_config
+
+    cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}"])
+    if batch_size:
+        cfg.train.batch_size = batch_size
+    if threads:
+        torch.set_num_threads(threads)
+    store = TokenStore.open(cfg.data.store)
+    tokenizer = store.load_tokenizer()
+    student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
+    objective = Probe(ProbeConfig(str(checkpoint), kind), Context(tokenizer, torch.device("cpu"), 1, str(store.path), cfg.data.max_len))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed + 1)
+        objective.attach(student)
+    return cfg, student, tokenizer, BatchSource(store, cfg.data, tokenizer), store
+
+
+def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: tuple[str, ...] = PROBE_INPUTS,
+                           lr: float = 0.2, select_steps: int = 100, max_steps: int = 2000, eval_every: int = 50,
+                           patience: int = 3, min_delta: float = 0.005, heldout_batches: int = 4,
+                           batch_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Train the probe of an MLSM checkpoint to a held-out plateau; write OUT/probe.json and a
+    checkpoint folder that `load_scorer` reads.
+
+    One probe per input kind in `inputs` is trained on the same batches for `select_steps`; the one
+    with the lowest held-out loss then continues alone until its plateau (or max_steps).
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    cfg, student, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
+    features, G = _Features(student), cfg.train.batch_size
+    held = [features(source.micro_batches(s, G, G, 0, 1)[0]) for s in heldout_steps(checkpoint, G, heldout_batches)]
+    unigram = unigram_log_probs(store, student.heads["probe"].out_features)
+    z0, _ = features(source.micro_batches(0, G, G, 0, 1)[0])
+    cands = [_Candidate(kind, student.heads["probe"], unigram, lr, z0) for kind in inputs]
+    unigram_loss, unigram_top1 = cands[0].evaluate(held)  # W = 0: the unigram distribution itself
+    live = list(cands)
+    for step in range(1, max_steps + 1):
+        if step == select_steps + 1 and len(live) > 1:  # keep the best candidate only
+            live = [min(live, key=lambda c: c.evaluate(held)[0])]
+        live = [c for c in live if not c.done(patience)]
+        if not live:
+            break
+        z, y = features(source.micro_batches(step - 1, G, G, 0, 1)[0])  # shared by every candidate
+        for c in live:
+            train_loss = c.step(z, y)
+            if step % eval_every == 0 or step == max_steps:
+                c.check(step, train_loss, held, min_delta, patience)
+    best = min(cands, key=lambda c: c.evaluate(held)[0])
+    held_loss, top1 = best.evaluate(held)
+    if not math.isfinite(held_loss):
+        raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower probe.lr (now {lr:g})")
+    student.heads["probe"].load_state_dict(best.exported())
+    student.head_meta["probe"]["input"] = best.kind
+    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", student, tokenizer, {"step": best.steps},
+                                 {"step": best.steps, "readiness": 1.0, "objective": "probe", "run": str(out),
+                                  "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
+    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr, "steps": best.steps,
+            "batch_size": G, "heldout_loss": held_loss, "heldout_top1": top1, "unigram_loss": unigram_loss,
+            "unigram_top1": unigram_top1, "better_than_unigram": held_loss < unigram_loss * (1 - min_delta),
+            "n_heldout_targets": sum(int(y.numel()) for _, y in held),
+            "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.evaluate(held)[0], "curve": c.curve} for c in cands}}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
+    return info

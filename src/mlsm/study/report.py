@@ -1,0 +1,230 @@
+"""`mlsm study report`: what a study folder holds, as Markdown + PNGs (written into the folder).
+
+Sections: pre-training loss curves; readiness curves (Berend 2023 Fig. 4a); the Wilcoxon matrix
+and win counts (Fig. 2b/2c); per-task mean ± std (Table 1); BLiMP vs FLOPs per batch (Fig. 6) with
+each probe's held-out loss and top-1 beside the score; each arm's compute (FLOPs, tokens, wall
+time) and the wall time of every stage; what failed. `summary.json` holds the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mlsm.config import git_revision
+from mlsm.fileio import atomic_write_text
+from mlsm.study.runner import Study, pretrain_done
+from mlsm.study.spec import readiness_label
+
+
+def _save(fig: Figure, path: Path) -> str:
+    FigureCanvasAgg(fig)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path.name
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+    return rows
+
+
+def plot_pretraining(study: Study, path: Path) -> str | None:
+    """Training loss per arm (nats; MLM's is a cross-entropy over words, MLSM's a KL over atoms)."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    drawn = False
+    for k, arm in enumerate(study.spec.arms):
+        rows = _metrics(study.run_dir(arm))
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=arm, color=f"C{k}", linewidth=1)
+            drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def arm_compute(study: Study) -> list[dict[str, Any]]:
+    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall time."""
+    from mlsm.evaluate.flops import flops_for_run
+
+    times = _stage_times(study)
+    out = []
+    for arm in study.spec.arms:
+        cfg = study.arm_config(arm)
+        rows = _metrics(study.run_dir(arm))
+        step = rows[-1]["step"] if rows else 0
+        try:
+            table = flops_for_run(cfg)
+            name = str(cfg.objective.get("name"))
+            match = {"mlm": "MLM", "kd": "KD", "mlsm": "MLSM_l", "mtl": "MTL", "mlsm_naive": "MLSM (naive)"}.get(name, "")
+            flops = next((r.total for r in table if match and r.objective.startswith(match)), math.nan)
+        except Exception:  # a missing dictionary/teacher config: report the rest
+            flops = math.nan
+        out.append({"arm": arm, "objective": cfg.objective.get("name"), "steps_done": step, "steps": cfg.train.steps,
+                    "tokens": step * cfg.train.batch_size * cfg.data.max_len, "flops_per_batch": flops,
+                    "pretrain_seconds": times.get(("pretrain", arm), 0.0),
+                    "final_loss": rows[-1]["loss"] if rows else math.nan})
+    return out
+
+
+def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
+    path = study.root / "stages.jsonl"
+    times: dict[tuple[str, str | None], float] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        key = (row["stage"], row["arm"])
+        times[key] = times.get(key, 0.0) + float(row["seconds"])
+    return times
+
+
+def blimp_rows(study: Study) -> list[dict[str, Any]]:
+    folder = study.root / "blimp"
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+
+
+def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]], path: Path) -> str | None:
+    """Fig. 6: BLiMP overall accuracy vs FLOPs per training batch, one point per arm@readiness."""
+    flops = {c["arm"]: c["flops_per_batch"] for c in compute}
+    pts = [(flops.get(r["arm"], math.nan), 100 * r["overall"], f"{r['arm']}@{readiness_label(r['readiness'])}") for r in rows]
+    pts = [p for p in pts if math.isfinite(p[0])]
+    if not pts:
+        return None
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    for k, (x, y, label) in enumerate(pts):
+        ax.scatter([x / 1e12], [y], color=f"C{k}", label=label)
+    ax.axhline(50, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("training FLOPs per batch (TFLOP, student + teacher)")
+    ax.set_ylabel("BLiMP accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
+    from mlsm.evaluate.report import plot_readiness, plot_wilcoxon
+    from mlsm.evaluate.stats import compare_runs
+
+    if not study.results.is_file() or not study.results.read_text().strip():
+        return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
+    cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)  # one lr per task: no selection
+    parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n", f"![readiness]({plot_readiness(cmp, study.root / 'readiness.png').name})\n",
+             "## Fine-tuning: Wilcoxon matrix and win counts (Fig. 2b/2c)\n",
+             f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n", cmp.to_markdown()]
+    parts += _headline(study, cmp)
+    summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns], "mean": cmp.mean.tolist(),
+               "std": cmp.std.tolist(), "count": cmp.count.tolist(), "pvalues_row_better": cmp.pvalues.tolist(),
+               "wins": cmp.wins.tolist(), "n_pairs": cmp.n_pairs.tolist()}
+    return parts, summary
+
+
+def headline_pairs(study: Study) -> list[tuple[str, str]]:
+    """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
+    and at 100 % against every other arm at 100 %, and the latent arms against each other at 100 %."""
+    latent = [a for a in study.spec.arms if study.is_latent(a)]
+    others = [a for a in study.spec.arms if a not in latent]
+    pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others for f in (0.5, 1.0)]
+    pairs += [(f"{a}@100%", f"{b}@100%") for i, a in enumerate(latent) for b in latent[i + 1:]]
+    return pairs
+
+
+def _headline(study: Study, cmp: Any) -> list[str]:
+    rows = []
+    for a, b in headline_pairs(study):
+        if a in cmp.models and b in cmp.models:
+            i, j = cmp.models.index(a), cmp.models.index(b)
+            two = cmp.pvalues_two_sided[i, j] if getattr(cmp, "pvalues_two_sided", None) is not None else math.nan
+            diff = f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, {100 * cmp.ci[i, j, 2]:+.2f}]" \
+                if getattr(cmp, "ci", None) is not None else "—"
+            rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | {int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | "
+                        f"{cmp.pvalues[i, j]:.3g} | {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
+    if not rows:
+        return []
+    return ["## Headline comparisons (paired fine-tuning runs, all tasks and metrics)\n",
+            "Wilcoxon signed-rank over the paired runs: p(A>B) one-sided (A better than B), p(B>A) the reverse, "
+            "and the two-sided p; mean difference A − B (×100) with its bootstrap CI.\n",
+            "| A | B | A wins | B wins | p(A>B) | p(B>A) | p two-sided | mean A − B [CI] |",
+            "|---|---|---:|---:|---:|---:|---:|---|", *rows, ""]
+
+
+def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x / scale:.{digits}f}"
+
+
+def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
+    lines = ["## Compute per arm\n", "| arm | objective | steps | tokens | GFLOPs / batch | pre-training wall (s) | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | {c['tokens']:,} | "
+              f"{_fmt(c['flops_per_batch'], 1e9, 0)} | {c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
+    names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
+    if len(names) > 1:
+        lines += ["", "## Minimal-pair sets (PLL accuracy %)\n", "| model | " + " | ".join(names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        lines += [f"| {r['arm']}@{readiness_label(r['readiness'])} | " + " | ".join(
+            _fmt(100 * r["sets"][n]["overall"] if n in r.get("sets", {}) else math.nan, 1, 1) for n in names) + " |" for r in blimp]
+    lines += ["", "## BLiMP (PLL; latent arms through their probe; the first pair set)\n",
+              "Held-out masked tokens: chunks after the last pre-training batch, the run's own masking; "
+              "latent arms are scored through their probe.\n",
+              "| model | BLiMP % | pairs | held-out masked top-1 % | held-out loss (nats) | probe input | probe held-out loss (nats) | probe top-1 % | unigram loss | probe steps |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in blimp:
+        p, h = r.get("probe") or {}, r.get("heldout") or {}
+        lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | {r['n_pairs']} | "
+                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
+                     f"{p.get('input', '—') if p else '— (MLM head)'} | {_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
+                     f"{_fmt(100 * p['heldout_top1'] if p.get('heldout_top1') is not None else math.nan, 1, 1)} | "
+                     f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | {p.get('steps', '—') if p else '—'} |")
+    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |", "|---|---|---:|"]
+    lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
+    failed = {k: v for k, v in study.status().items() if v.get("state") == "failed"}
+    if failed:
+        lines += ["", "## Failed\n"] + [f"- `{k}`: {v.get('error', '')}" for k, v in failed.items()]
+    return lines
+
+
+def write_report(study: Study) -> Path:
+    """Write STUDY_OUT/report.md, its PNGs and summary.json; returns the report path."""
+    root = study.root
+    compute, blimp, times = arm_compute(study), blimp_rows(study), _stage_times(study)
+    done = [a for a in study.spec.arms if pretrain_done(study, a)]
+    parts = [f"# Study `{study.spec.name}`\n",
+             f"Generated by `mlsm study report` from `{root}`; mlsm {git_revision()}; machine: {platform.machine()} "
+             f"{platform.processor() or ''}, {os.cpu_count()} CPUs, Python {platform.python_version()}. "
+             f"Arms pre-trained: {', '.join(done) or 'none yet'} of {', '.join(study.spec.arms)}.\n"]
+    if study.spec.notes:
+        parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
+    png = plot_pretraining(study, root / "pretraining.png")
+    if png:
+        parts.append(f"## Pre-training loss\n\n![pre-training]({png})\n")
+    ft_parts, ft_summary = _finetune_section(study)
+    parts += ft_parts
+    png = plot_blimp_flops(blimp, compute, root / "blimp_flops.png")
+    if png:
+        parts.append(f"## BLiMP vs FLOPs per batch (Fig. 6)\n\n![blimp vs flops]({png})\n")
+    parts.append("\n".join(_tables(compute, blimp, times, study)) + "\n")
+    summary = {"git_revision": git_revision(), "compute": compute, "blimp": blimp, "finetune": ft_summary,
+               "stage_seconds": [{"stage": s, "arm": a, "seconds": t} for (s, a), t in times.items()],
+               "status": study.status()}
+    atomic_write_text(root / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    path = root / "report.md"
+    atomic_write_text(path, "\n".join(parts))
+    return path

@@ -1,0 +1,261 @@
+"""The stages of a study, each skipped when its output is complete.
+
+store -> dictionaries (one per (teacher, layer, k, lam), shared by arms) -> pre-training per arm ->
+probes (latent arms, at the BLiMP readiness points) -> fine-tuning of readiness checkpoints ->
+BLiMP -> report. A failing arm is recorded in STUDY_OUT/status.json and the other arms go on; every
+stage's wall time is appended to STUDY_OUT/stages.jsonl, so the report can state what each cost.
+Re-running the same command resumes: finished stages are skipped, an interrupted run continues
+from its last checkpoint (batches depend only on (data.seed, step)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
+from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
+from mlsm.study.spec import StudySpec, readiness_label
+
+LATENT = ("mlsm", "mtl", "mae_mlsm", "mlsm_naive")
+"""Objectives whose model predicts latent properties and needs a probe to score words."""
+_VOLATILE = (("train", "threads"), ("train", "device"))
+"""Config keys that may change between a run and its resumption (they do not change the result)."""
+
+
+class Study:
+    """Paths and bookkeeping of one study folder."""
+
+    def __init__(self, spec: StudySpec, log: Callable[[str], None] = print):
+        self.spec = spec
+        self.root = spec.root
+        self.log = log
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # --- paths ---------------------------------------------------------------------------
+    @property
+    def store(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def results(self) -> Path:
+        return self.root / "results.jsonl"
+
+    def run_dir(self, arm: str) -> Path:
+        return self.root / "runs" / arm
+
+    def dictionary_path(self, arm: str) -> Path | None:
+        d = self.spec.arms[arm].dictionary
+        if not d:
+            return None
+        teacher = (self.spec.dictionary.teacher or "minilm").rstrip("/").replace("/", "_")
+        return self.root / "dictionaries" / f"{teacher}_l{d.get('layer', 5)}_k{d.get('k', 0)}_lam{d.get('lam', 0.05):g}.safetensors"
+
+    def steps(self, arm: str) -> int:
+        return self.arm_config(arm).train.steps
+
+    def checkpoint(self, arm: str, frac: float) -> Path:
+        step = max(1, round(frac * self.steps(arm)))
+        return self.run_dir(arm) / "checkpoints" / f"step-{step:07d}"
+
+    def probe_dir(self, arm: str, frac: float) -> Path:
+        return self.run_dir(arm) / f"probe-{readiness_label(frac).rstrip('%')}"
+
+    def is_latent(self, arm: str) -> bool:
+        return str(self.spec.arms[arm].objective.get("name")) in LATENT
+
+    # --- configs -------------------------------------------------------------------------
+    def arm_config(self, arm: str) -> RunConfig:
+        """The resolved run config of an arm: base, then the arm's overrides and objective."""
+        a = self.spec.arms[arm]
+        objective = dict(a.objective)
+        path = self.dictionary_path(arm)
+        if path is not None:
+            objective.setdefault("dictionary", str(path))
+            objective.setdefault("layer", int(a.dictionary.get("layer", 5)))
+            if self.spec.dictionary.teacher:
+                objective.setdefault("teacher", self.spec.dictionary.teacher)
+        fixed = {"data": {"store": str(self.store)},
+                 "train": {"out": str(self.run_dir(arm)), "readiness": list(self.spec.readiness)}}
+        if self.spec.executor.threads:
+            fixed["train"]["threads"] = self.spec.executor.threads
+        raw = merge(merge(self.spec.base, a.overrides), {**fixed, "objective": objective})
+        return config_from_dict(raw)
+
+    # --- bookkeeping ---------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        path = self.root / "status.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def set_status(self, key: str, value: dict[str, Any]) -> None:
+        status = self.status()
+        status[key] = value
+        atomic_write_text(self.root / "status.json", json.dumps(status, indent=2) + "\n")
+
+    def stage(self, name: str, fn: Callable[[], Any], arm: str | None = None) -> bool:
+        """Run one stage, time it, record success or failure; False when it failed."""
+        key = f"{name}:{arm}" if arm else name
+        start = time.time()
+        self.log(f"[study] {key}: start")
+        try:
+            skipped = fn() == "skipped"
+        except Exception as exc:  # one arm's failure must not stop the others
+            seconds = time.time() - start
+            message = f"{type(exc).__name__}: {exc}"
+            self.set_status(key, {"state": "failed", "error": message, "seconds": round(seconds, 1)})
+            self._append_time(name, arm, seconds, "failed", message)
+            self.log(f"[study] {key}: FAILED ({message})")
+            if not isinstance(exc, UserError):
+                (self.root / "errors.log").open("a").write(f"--- {key}\n{traceback.format_exc()}\n")
+            return False
+        seconds = time.time() - start
+        if not skipped:
+            self._append_time(name, arm, seconds, "done")
+        self.set_status(key, {"state": "done", **({} if skipped else {"seconds": round(seconds, 1)})})
+        self.log(f"[study] {key}: {'already complete' if skipped else f'done in {seconds:.0f} s'}")
+        return True
+
+    def _append_time(self, stage: str, arm: str | None, seconds: float, state: str, error: str = "") -> None:
+        row = {"stage": stage, "arm": arm, "seconds": round(seconds, 1), "state": state,
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_revision": git_revision()}
+        if error:
+            row["error"] = error
+        with (self.root / "stages.jsonl").open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
+    """A run folder written with a different resolved config is an error naming the arm and key."""
+    import yaml
+
+    saved_path = study.run_dir(arm) / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved, now = yaml.safe_load(saved_path.read_text()), config_to_dict(cfg)
+    for group, key in _VOLATILE:
+        saved.get(group, {}).pop(key, None)
+        now.get(group, {}).pop(key, None)
+    diff = _first_difference(saved, now)
+    if diff:
+        key, old, new = diff
+        raise UserError(f"arm {arm}: {key} is {new!r} in the study file but {old!r} in the run already in "
+                        f"{study.run_dir(arm)}; restore it, or rename the arm / delete that run to train anew")
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(a):  # a key only in `b` is a config field added to mlsm since the run: its default applies
+            diff = _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
+            if diff:
+                return diff
+        return None
+    return None if a == b else (prefix, a, b)
+
+
+def pretrain_done(study: Study, arm: str) -> bool:
+    from mlsm.train.checkpoint import list_checkpoints
+
+    return study.steps(arm) in {s for s, _ in list_checkpoints(study.run_dir(arm))}
+
+
+def pretrain_arm(study: Study, arm: str) -> str | None:
+    """Pre-train one arm unless its final checkpoint exists; resume an interrupted run."""
+    from mlsm.train.loop import pretrain
+
+    cfg = study.arm_config(arm)
+    check_same_config(study, arm, cfg)
+    if pretrain_done(study, arm):
+        return "skipped"
+    started = (study.run_dir(arm) / "metrics.jsonl").exists()
+    pretrain(cfg, resume="auto" if started else None)
+    if not pretrain_done(study, arm):  # `pretrain` returns early only when SIGTERM asked it to stop
+        raise KeyboardInterrupt(f"pre-training of {arm} stopped by a signal; run the same command to resume")
+    return None
+
+
+def prepare_store(study: Study) -> str | None:
+    from mlsm.data.corpus import prepare_corpus
+    from mlsm.teacher.teacher import default_teacher_path
+
+    c = study.spec.corpus
+    if not c.sources:
+        raise UserError("corpus.sources is empty; list the corpus files of the study")
+    done = (study.store / "meta.json").is_file()
+    prepare_corpus(list(c.sources), c.tokenizer or str(default_teacher_path()), study.store, text_field=c.text_field)
+    return "skipped" if done else None
+
+
+def learn_dictionary_for(study: Study, arm: str) -> str | None:
+    from mlsm.data.corpus import TokenStore
+    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.teacher import load_teacher
+
+    path = study.dictionary_path(arm)
+    assert path is not None
+    if path.is_file() and path.with_suffix(".json").is_file():
+        return "skipped"
+    d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
+    teacher = load_teacher(ds.teacher or None, int(d.get("layer", 5)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None, lam=float(d.get("lam", 0.05)),
+                     n_vectors=ds.n_vectors, max_len=ds.max_len, seed=ds.seed, out=path)
+    return None
+
+
+def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
+              arms: list[str] | None = None) -> Path | None:
+    """Run every stage of a study that is not complete; returns the report path (None if not reached).
+
+    arms: only these arms (what one slurm job of an evaluation stage runs).
+    """
+    from mlsm.study.executors import run_evaluation
+
+    if arms:
+        unknown = [a for a in arms if a not in spec.arms]
+        if unknown:
+            raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
+        spec = dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
+
+    study = Study(spec, log)
+    atomic_write_text(study.root / "study.json", json.dumps({"spec": _plain(spec), "git_revision": git_revision()}, indent=2) + "\n")
+    wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]
+    if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
+        raise UserError(f"the token store could not be built: {study.status()['store']['error']}")
+    failed: set[str] = set()
+    if "dictionary" in wanted:
+        seen: dict[Path, bool] = {}
+        for arm in spec.arms:
+            path = study.dictionary_path(arm)
+            if path is not None and path not in seen:
+                seen[path] = study.stage("dictionary", lambda a=arm: learn_dictionary_for(study, a), arm)
+            if path is not None and not seen[path]:
+                failed.add(arm)
+    from mlsm.study.executors import run_pretraining
+
+    if "pretrain" in wanted:
+        failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
+    ok = [a for a in spec.arms if a not in failed and pretrain_done(study, a)]
+    no_probe = run_evaluation(study, "probe", ok) if "probe" in wanted else set()
+    if "finetune" in wanted:
+        run_evaluation(study, "finetune", ok)
+    if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
+        run_evaluation(study, "blimp", [a for a in ok if a not in no_probe])
+    if "report" in wanted:
+        from mlsm.study.report import write_report
+
+        report: list[Path] = []
+        study.stage("report", lambda: report.append(write_report(study)))
+        if report:
+            log(f"[study] report: {report[0]}")
+            return report[0]
+    return None
+
+
+def _plain(spec: StudySpec) -> dict[str, Any]:
+    return dataclasses.asdict(spec)

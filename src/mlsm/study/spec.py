@@ -1,0 +1,214 @@
+"""A study file (`mlsm study STUDY.yaml`) as documented dataclasses.
+
+A study is several pre-training **arms** trained on identical batches (they share `base`, so the
+batch of step t depends only on (data.seed, t)), evaluated at readiness checkpoints by paired
+fine-tuning and by BLiMP — the comparison of Berend 2023, Table 1 and Fig. 4. Every key below is
+checked; an unknown one is a one-line error naming the valid keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlsm.config import build_dataclass, config_from_dict, merge
+from mlsm.errors import UserError
+
+
+@dataclass
+class CorpusSpec:
+    sources: list[str] = field(default_factory=list)
+    """Corpus files, folders, globs or hf:NAME, tokenised once into STUDY_OUT/store."""
+    text_field: str = "text"
+    """JSON field holding the text of a .jsonl source."""
+    tokenizer: str = ""
+    """Tokenizer folder / hub id; empty = the packaged teacher's (student and teacher must agree)."""
+
+
+@dataclass
+class DictionarySpec:
+    teacher: str = ""
+    """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
+    n_vectors: int = 200_000
+    """Teacher states the dictionary is learned on (Berend 2023 used far more; see the study notes)."""
+    max_len: int = 128
+    """Sequence length when collecting teacher states."""
+    seed: int = 0
+    """Seed of the state sample and of the atom initialisation."""
+
+
+@dataclass
+class ArmSpec:
+    objective: dict[str, Any] = field(default_factory=lambda: {"name": "mlm"})
+    """objective.* of this arm (name plus the objective's own keys)."""
+    dictionary: dict[str, Any] = field(default_factory=dict)
+    """For latent objectives: {layer, k, lam}; the study learns (and shares) one dictionary per
+    (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Run-config groups merged over `base` for this arm only (e.g. {optim: {lr: 5e-4}})."""
+
+
+@dataclass
+class ProbeSpec:
+    lr: float = 0.2
+    """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
+    roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
+    inputs: list[str] = field(default_factory=lambda: ["probs", "logprobs", "logits"])
+    """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""
+    select_steps: int = 100
+    """Steps every input kind trains before the best is kept."""
+    max_steps: int = 2000
+    """Upper bound on probe steps; training stops earlier at a held-out loss plateau."""
+    eval_every: int = 50
+    """Held-out loss is measured every N steps."""
+    patience: int = 3
+    """Stop after this many evaluations without a relative improvement of `min_delta`."""
+    min_delta: float = 0.005
+    """Relative held-out loss improvement that counts as progress."""
+    heldout_batches: int = 4
+    """Batches of held-out chunks (steps beyond the pre-training run) for the plateau test."""
+    batch_size: int = 16
+    """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
+
+
+@dataclass
+class FinetuneSpec:
+    tasks: list[str] = field(default_factory=list)
+    """Task names (see `mlsm.evaluate.tasks`); empty = no fine-tuning."""
+    data_dir: str = ""
+    """Folder holding the task folders (GLUE layout); empty = HF `datasets`."""
+    readiness: list[float] = field(default_factory=lambda: [1.0])
+    """Fractions of pre-training whose checkpoints are fine-tuned (a subset of `readiness`)."""
+    seeds: int = 3
+    """Fine-tuning seeds per cell (paired across arms: same seed, same head init and order)."""
+    lrs: list[float] = field(default_factory=lambda: [1e-4])
+    """Fine-tuning learning rates (fixed a priori; never chosen on the dev sets)."""
+    epochs: int = 3
+    """Fine-tuning epochs."""
+    batch_size: int = 32
+    """Fine-tuning batch size."""
+    max_len: int = 128
+    """Fine-tuning sequence length."""
+    max_train_examples: int = 0
+    """Cap on training examples per task (0 = all)."""
+    warmup_ratio: float = 0.1
+    """Fraction of fine-tuning steps with linear warmup."""
+    weight_decay: float = 0.01
+    """AdamW weight decay when fine-tuning."""
+
+
+@dataclass
+class BlimpSpec:
+    data: list[str] = field(default_factory=list)
+    """Pair sets in BLiMP's format, each scored by PLL on its own: a folder, a file or an HF name
+    (nyu-mll/blimp). Empty = no BLiMP stage. The first set is the headline score."""
+    readiness: list[float] = field(default_factory=lambda: [1.0])
+    """Fractions of pre-training whose checkpoints are scored (latent arms through their probe)."""
+    limit_per_phenomenon: int = 0
+    """First N pairs of each phenomenon (0 = all 1000)."""
+    limits: list[int] = field(default_factory=list)
+    """Optional per-set limits, one per entry of `data` (0 = limit_per_phenomenon)."""
+    phenomena: list[str] = field(default_factory=list)
+    """UIDs of the first set to score; empty = all (67 for BLiMP)."""
+
+
+@dataclass
+class ExecutorSpec:
+    kind: str = "local"
+    """`local` (in this process, or `jobs` subprocesses) or `slurm` (submitit)."""
+    jobs: int = 1
+    """local: arms pre-trained at once (each a subprocess with `threads` threads)."""
+    threads: int = 0
+    """torch threads per job (0 = torch's default); overrides base train.threads."""
+    slurm: dict[str, Any] = field(default_factory=dict)
+    """slurm: submitit parameters, e.g. {partition: gpu, gpus_per_node: 1, timeout_min: 1440,
+    cpus_per_task: 8, nodes: 1}; `folder` (logs) defaults to STUDY_OUT/slurm."""
+
+
+@dataclass
+class StudySpec:
+    name: str = "study"
+    """Study name (report title)."""
+    out: str = ""
+    """Study folder: store, dictionaries, runs, results.jsonl, report. Empty = studies/NAME next to the file."""
+    notes: str = ""
+    """Free text copied into the report: why each hyper-parameter was fixed as it is."""
+    corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    base: dict[str, Any] = field(default_factory=dict)
+    """Run config shared by every arm (data, model, optim, train groups; see docs/configuration.md)."""
+    readiness: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
+    """Fractions of pre-training kept as checkpoints for evaluation."""
+    arms: dict[str, ArmSpec] = field(default_factory=dict)
+    """Arm name -> objective and overrides."""
+    dictionary: DictionarySpec = field(default_factory=DictionarySpec)
+    probe: ProbeSpec = field(default_factory=ProbeSpec)
+    finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
+    blimp: BlimpSpec = field(default_factory=BlimpSpec)
+    executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.out)
+
+
+_NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
+           "finetune": FinetuneSpec, "blimp": BlimpSpec, "executor": ExecutorSpec}
+
+
+def study_from_dict(raw: dict[str, Any], where: str = "study") -> StudySpec:
+    """Build and validate a StudySpec from a parsed study file."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where} must be a mapping with keys such as base, arms, finetune")
+    raw = dict(raw)
+    groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k) for k, cls in _NESTED.items()}
+    arms_raw = raw.pop("arms", None) or {}
+    if not isinstance(arms_raw, dict) or not arms_raw:
+        raise UserError(f"{where}: `arms` must map at least one arm name to {{objective: {{name: ...}}}}")
+    arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
+    spec = build_dataclass(StudySpec, raw, "study")
+    spec = dataclasses.replace(spec, arms=arms, **groups)
+    _validate(spec)
+    return spec
+
+
+def _validate(spec: StudySpec) -> None:
+    for name, arm in spec.arms.items():
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
+        if "name" not in arm.objective:
+            raise UserError(f"arms.{name}.objective has no name; write e.g. objective: {{name: mlm}}")
+        config_from_dict(merge(spec.base, {**arm.overrides, "objective": arm.objective}))  # checks every key
+        unknown = set(arm.dictionary) - {"layer", "k", "lam"}
+        if unknown:
+            raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; valid keys: layer, k, lam")
+    for key, fracs in (("finetune.readiness", spec.finetune.readiness), ("blimp.readiness", spec.blimp.readiness)):
+        extra = [f for f in fracs if f not in spec.readiness]
+        if extra:
+            raise UserError(f"{key} lists {extra[0]}, which is not in readiness {spec.readiness}; add it there")
+    if spec.blimp.limits and len(spec.blimp.limits) != len(spec.blimp.data):
+        raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has {len(spec.blimp.data)}; give one per set")
+    if spec.executor.kind not in ("local", "slurm"):
+        raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
+
+
+def load_study(path: str | Path, out: str | None = None) -> StudySpec:
+    """Read a study file; `out` (e.g. from --out) replaces the file's `out`."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"study file {p} not found; pass a YAML file such as studies/cpu_replication.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"study file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    spec = study_from_dict(raw, str(p))
+    folder = out or spec.out or str(p.parent / p.stem)
+    return dataclasses.replace(spec, out=str(Path(folder).expanduser()))
+
+
+def readiness_label(frac: float) -> str:
+    """0.25 -> '25%' (how arms@readiness are named in results and plots)."""
+    return f"{100 * frac:g}%"

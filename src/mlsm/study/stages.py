@@ -1,0 +1,151 @@
+"""Evaluation stages of a study: probes, fine-tuning of readiness checkpoints, BLiMP.
+
+Each function takes the arms whose pre-training is complete, runs its stage per arm (a failure is
+recorded for that arm only) and returns the arms that failed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
+from mlsm.study.runner import Study
+from mlsm.study.spec import readiness_label
+
+
+def model_name(arm: str, frac: float) -> str:
+    return f"{arm}@{readiness_label(frac)}"
+
+
+def run_probe(study: Study, arms: list[str]) -> set[str]:
+    """Train the k -> |V| probe of every latent arm at each BLiMP readiness point."""
+    failed = set()
+    for arm in [a for a in arms if study.is_latent(a)]:
+        for frac in study.spec.blimp.readiness if study.spec.blimp.data else []:
+            if not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f), model_name(arm, frac)):
+                failed.add(arm)
+    return failed
+
+
+def _probe(study: Study, arm: str, frac: float) -> str | None:
+    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+
+    out = study.probe_dir(arm, frac)
+    if (out / "probe.json").is_file():
+        return "skipped"
+    p = study.spec.probe
+    train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr, select_steps=p.select_steps,
+                           max_steps=p.max_steps, eval_every=p.eval_every,
+                           patience=p.patience, min_delta=p.min_delta, heldout_batches=p.heldout_batches,
+                           batch_size=p.batch_size or None, threads=study.spec.executor.threads or None)
+    return None
+
+
+def run_finetune(study: Study, arms: list[str]) -> set[str]:
+    """Fine-tune every readiness checkpoint of every arm on the study's task grid (paired seeds)."""
+    ft = study.spec.finetune
+    if not ft.tasks:
+        return set()
+    failed = set()
+    for arm in arms:
+        if not study.stage("finetune", lambda a=arm: _finetune(study, a), arm):
+            failed.add(arm)
+    return failed
+
+
+def _finetune(study: Study, arm: str) -> None:
+    import torch
+
+    from mlsm.evaluate.finetune import finetune
+
+    ft = study.spec.finetune
+    if study.spec.executor.threads:
+        torch.set_num_threads(study.spec.executor.threads)
+    models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
+    finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs, batch_size=ft.batch_size,
+             max_len=ft.max_len, data_dir=ft.data_dir or None, results=study.results,
+             max_train_examples=ft.max_train_examples or None, warmup_ratio=ft.warmup_ratio,
+             weight_decay=ft.weight_decay, device="cpu" if study.spec.executor.kind == "local" else "auto")
+
+
+def blimp_path(study: Study, arm: str, frac: float) -> Path:
+    return study.root / "blimp" / f"{model_name(arm, frac).replace('%', 'pct')}.json"
+
+
+def run_blimp(study: Study, arms: list[str]) -> set[str]:
+    """Score BLiMP by PLL: MLM-type arms directly, latent arms through their probe."""
+    if not study.spec.blimp.data:
+        return set()
+    failed = set()
+    for arm in arms:
+        for frac in study.spec.blimp.readiness:
+            if not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f), model_name(arm, frac)):
+                failed.add(arm)
+    return failed
+
+
+def _blimp(study: Study, arm: str, frac: float) -> str | None:
+    from mlsm.evaluate.blimp import evaluate_blimp
+    from mlsm.evaluate.probe import load_scorer
+
+    path = blimp_path(study, arm, frac)
+    if path.is_file():
+        return "skipped"
+    b = study.spec.blimp
+    probe: dict[str, Any] = {}
+    folder = study.checkpoint(arm, frac)
+    if study.is_latent(arm):
+        info = json.loads((study.probe_dir(arm, frac) / "probe.json").read_text())
+        if not info["better_than_unigram"]:
+            raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss {info['heldout_loss']:.3f}) is no better "
+                            f"than the unigram distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
+        probe, folder = info, Path(info["checkpoint"])
+    model, tokenizer = load_scorer(folder)
+    heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), study.spec.probe.heldout_batches,
+                                    study.spec.probe.batch_size or 16)
+    sets = {}
+    for i, data in enumerate(b.data):
+        limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
+        result = evaluate_blimp(model, tokenizer, data, phenomena=b.phenomena or None if i == 0 else None,
+                                limit_per_phenomenon=limit, progress=None)
+        sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
+                                         "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
+                                         "phenomena": {k: v["accuracy"] for k, v in result["phenomena"].items()}}
+    first = next(iter(sets.values()))
+    row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"], "sets": sets,
+           "heldout": heldout,
+           "probe": {k: probe.get(k) for k in ("heldout_loss", "heldout_top1", "unigram_loss", "steps")} if probe else None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(row, indent=2) + "\n")
+    return None
+
+
+def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int) -> dict[str, float]:
+    """Masked-token loss and top-1 of a scorer on held-out chunks (the batches right after the
+    pre-training run: never trained on), with the run's own masking."""
+    import torch
+    import torch.nn.functional as F
+
+    from mlsm.config import config_from_dict
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+    from mlsm.evaluate.pll import as_scorer
+    from mlsm.evaluate.probe_fit import heldout_steps
+
+    scorer = as_scorer(scorer)
+    cfg = config_from_dict(json.loads((checkpoint / "checkpoint.json").read_text())["config"])
+    store = TokenStore.open(cfg.data.store)
+    source = BatchSource(store, cfg.data, store.load_tokenizer())
+    loss, correct, n = 0.0, 0, 0
+    for step in heldout_steps(checkpoint, batch_size, n_batches):
+        b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
+        with torch.no_grad():
+            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()  # (N, V)
+        y = b.input_ids[b.selected]
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+        n += y.numel()
+    return {"loss": loss / max(n, 1), "top1": correct / max(n, 1), "n": n}

@@ -1,0 +1,138 @@
+"""The probe trained to a held-out plateau: starts at the unigram, beats it, exports exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlsm.config import load_config
+from mlsm.evaluate.probe import load_scorer
+from mlsm.evaluate.probe_fit import heldout_steps, train_probe_to_plateau
+from mlsm.objectives.probe import probe_input
+from mlsm.train.loop import pretrain
+
+from .conftest import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mlsm") / "run"
+    cfg = load_config(None, tiny_overrides(store_dir, out, **{
+        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
+        "objective.teacher": str(teacher_dir), "train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}))
+    return pretrain(cfg) / "checkpoints" / "step-0000030"
+
+
+def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_path: Path) -> None:
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", max_steps=300, eval_every=10, select_steps=20,
+                                  patience=2, heldout_batches=2, batch_size=8)
+    # the fixture corpus is random words: little beyond the unigram is learnable, but the probe
+    # starts exactly at it and must not end above it
+    assert info["heldout_loss"] < info["unigram_loss"]
+    assert info["steps"] < 300  # the plateau ended it, not max_steps
+    assert set(info["candidates"]) == {"probs", "logprobs", "logits"}
+    saved = json.loads((tmp_path / "probe" / "probe.json").read_text())
+    assert saved["input"] == info["input"] and Path(saved["checkpoint"]).is_dir()
+
+
+def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path, store_dir: Path) -> None:
+    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit reported."""
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("logprobs",), max_steps=60, eval_every=20,
+                                  heldout_batches=2, batch_size=8)
+    scorer, _ = load_scorer(info["checkpoint"])
+    assert scorer.input == "logprobs"
+    cfg = json.loads((mlsm_ckpt / "checkpoint.json").read_text())["config"]
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    from mlsm.config import config_from_dict
+
+    source = BatchSource(store, config_from_dict(cfg).data, tok)
+    loss, n = 0.0, 0
+    for step in heldout_steps(mlsm_ckpt, 8, 2):
+        b = source.micro_batches(step, 8, 8, 0, 1)[0]
+        with torch.no_grad():
+            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected)
+        y = b.input_ids[b.selected]
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        n += y.numel()
+    assert loss / n == pytest.approx(info["heldout_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["probs", "logprobs", "logits"])
+def test_probe_fits_a_learnable_map_from_every_input(kind: str) -> None:
+    """When the latent distribution determines the word, the probe must find it from any input kind
+    (the untrained-probe bug: probabilities in [0, 1] moved the logits by lr per step at most)."""
+    from mlsm.evaluate.probe_fit import _Candidate
+
+    gen = torch.Generator().manual_seed(0)
+    k, vocab = 32, 50
+    word_of_atom = torch.randint(0, vocab, (k,), generator=gen)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        atom = torch.randint(0, k, (n,), generator=gen)
+        z = torch.randn(n, k, generator=gen) + 4 * F.one_hot(atom, k)  # (n, k): one dominant atom
+        return z, word_of_atom[atom]
+
+    unigram = torch.log(torch.bincount(word_of_atom, minlength=vocab).float() + 1e-3)
+    unigram = unigram - torch.logsumexp(unigram, 0)
+    cand = _Candidate(kind, torch.nn.Linear(k, vocab), unigram, 0.2, batch(256)[0])
+    held = [batch(512)]
+    start = cand.evaluate(held)[0]
+    for _ in range(300):
+        cand.step(*batch(128))
+    loss, top1 = cand.evaluate(held)
+    assert loss < 0.3 * start and top1 > 0.8
+    # the exported (raw-input) probe gives the same logits as the standardised one
+    lin = torch.nn.Linear(k, vocab)
+    lin.load_state_dict(cand.exported())
+    z = held[0][0]
+    assert torch.allclose(lin(probe_input(z, kind)), cand.logits(z), atol=1e-3)
+
+
+def test_heldout_steps_start_after_the_last_pretraining_sample(mlsm_ckpt: Path) -> None:
+    seen = 30 * 8  # the fixture run: 30 steps x 8 sequences
+    for batch in (3, 8, 16):
+        first = heldout_steps(mlsm_ckpt, batch, 2)[0]
+        assert first * batch >= seen and (first - 1) * batch < seen
+
+
+def test_probe_inputs() -> None:
+    z = torch.randn(3, 5)
+    assert torch.allclose(probe_input(z, "probs").sum(-1), torch.ones(3))
+    assert torch.allclose(probe_input(z, "logprobs").exp(), probe_input(z, "probs"))
+    assert torch.equal(probe_input(z, "logits"), z)
+
+
+def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
+    from mlsm.study.runner import Study
+    from mlsm.study.spec import study_from_dict
+    from mlsm.study.stages import _blimp
+
+    spec = study_from_dict({"out": str(tmp_path), "arms": {"m": {"objective": {"name": "mlsm"}}},
+                            "blimp": {"data": [str(tmp_path)]}, "base": {"train": {"steps": 4}}})
+    study = Study(spec, log=lambda s: None)
+    probe = study.probe_dir("m", 1.0)
+    probe.mkdir(parents=True)
+    (probe / "probe.json").write_text(json.dumps({"better_than_unigram": False, "heldout_loss": 10.3,
+                                                 "unigram_loss": 10.2, "checkpoint": str(tmp_path)}))
+    from mlsm.errors import UserError
+
+    with pytest.raises(UserError, match="no better than the unigram"):
+        _blimp(study, "m", 1.0)
+
+
+def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
+    """`mlsm probe RUN` then `mlsm blimp RUN`: load_scorer finds the plateau probe's checkpoint."""
+    from mlsm.evaluate.probe import ProbeScorer, run_probe
+
+    out = run_probe(mlsm_ckpt)  # default: to a plateau, into <run>/probe-step-N
+    info = json.loads((out / "probe.json").read_text())
+    scorer, _ = load_scorer(mlsm_ckpt.parent.parent)
+    assert isinstance(scorer, ProbeScorer) and scorer.input == info["input"]
