@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ from .conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_RUN = "# not run by the tests:"
-SMALL = {"STEPS": "2", "N_VECTORS": "2000", "TASKS": "cola", "SEEDS": "2", "MAX_TRAIN": "16", "BLIMP_PAIRS": "1"}
+SMALL = {"STEPS": "2", "N_VECTORS": "2000", "TASKS": "cola", "SEEDS": "2", "MAX_TRAIN": "16", "BLIMP_PAIRS": "1", "PROBE_STEPS": "4"}
 CORPUS_DOCS = 30  # documents of the enwiki slice (~100k tokens)
 
 # docs/*.md blocks that the tests run, by file and first line: they take seconds after the Quickstart.
@@ -105,9 +106,12 @@ def test_quickstart_runs_as_written(quickstart: Path) -> None:
         ("mlsm@1", "tiny-mlsm", 1, 0.5), ("mlsm@2", "tiny-mlsm", 2, 1.0)]
     assert {r["seed"] for r in rows} == {0, 1} and {r["task"] for r in rows} == {"cola"}
     for path in ("runs/compare/comparison.md", "runs/report/readiness.png", "runs/report/report.md",
-                 "runs/tiny-mlsm/probe-step-0000002/checkpoints/step-0000001/heads.safetensors",
+                 "runs/tiny-mlsm/probe-step-0000002/probe.json",
                  "runs/blimp-mlsm/blimp.json", "runs/blimp-mlm/blimp.json"):
         assert (quickstart / path).is_file(), path
+    # the probe stopped within the README's PROBE_STEPS budget and left a checkpoint blimp used
+    probe = json.loads((quickstart / "runs/tiny-mlsm/probe-step-0000002/probe.json").read_text())
+    assert 1 <= probe["steps"] <= 4 and (quickstart / probe["checkpoint"] / "heads.safetensors").is_file()
 
 
 def test_every_docs_command_block_is_run_or_marked() -> None:

@@ -168,7 +168,8 @@ def _report(a: argparse.Namespace) -> None:
 def _probe(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import run_probe
 
-    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume)
+    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume,
+                    max_steps=a.max_steps)
     info = run / "probe.json"
     if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
         import json
@@ -380,6 +381,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its checkpoints/step-* folder")
     p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
     p.add_argument("--steps", type=non_negative_int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
+    p.add_argument("--max-steps", type=positive_int, default=2000, help="most steps of the plateau probe (default 2000)")
     p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
     p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides of the probe run, anywhere on the command line "

@@ -48,19 +48,20 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides); returns the probe run directory.
+    """Train the probe (kw: store, steps, out, overrides, max_steps); returns the probe run directory.
 
     Default (no steps, overrides, store or resume): train to a held-out loss plateau
     (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
     many steps through the pre-training loop, as Berend 2023 (10 % of the pre-training steps).
     """
+    max_steps = kw.pop("max_steps", None) or 2000
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
         from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
         folder = resolve_checkpoint(checkpoint)
         out = Path(kw.get("out") or probe_run_of(folder))
         probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
-        train_probe_to_plateau(folder, out)
+        train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out
     return pretrain(probe_config(checkpoint, **kw), resume=resume)
 

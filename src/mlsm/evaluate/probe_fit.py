@@ -150,6 +150,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     with the lowest held-out loss then continues alone until its plateau (or max_steps).
     """
     checkpoint, out = Path(checkpoint), Path(out)
+    select_steps = min(select_steps, max_steps)  # a short budget still compares the input kinds
     cfg, student, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
     features, G = _Features(student), cfg.train.batch_size
     held = [features(source.micro_batches(s, G, G, 0, 1)[0]) for s in heldout_steps(checkpoint, G, heldout_batches)]
