@@ -334,6 +334,11 @@ ARG_CASES = {
     "demo --steps 0": (["demo", "--steps", "0"], "--steps"),
     "probe --out FILE": (["probe", "ckpt", "--out", "{file}"], "--out"),
     "flops --k 0": (["flops", "--k", "0"], "--k"),
+    "probe --max-steps 0": (["probe", "ckpt", "--max-steps", "0"], "--max-steps"),
+    "export --out FILE": (["export", "ckpt", "--out", "{file}"], "--out"),
+    "export not a checkpoint": (["export", "{dir}", "--out", "{dir}/x"], "checkpoint"),
+    "study missing file": (["study", "{dir}/nosuch.yaml"], "nosuch.yaml"),
+    "study file is a folder": (["study", "{dir}"], "study file"),
     "unknown flag": (["compare", "r.jsonl", "--nosuch"], "--nosuch"),
 }
 

@@ -468,7 +468,7 @@ def _add_flops(sub: argparse._SubParsersAction) -> Callable:
 def _add_export(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("export", help="Hub-ready folder + model card from a checkpoint (optionally push it)")
     p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
-    p.add_argument("--out", required=True, help="folder to write (an earlier export there is replaced)")
+    p.add_argument("--out", required=True, type=out_dir, help="folder to write (an earlier export there is replaced)")
     p.add_argument("--results", default=None, help="results.jsonl of `mlsm finetune`, or a report .md, for the card's table")
     p.add_argument("--probe", default=None, help="probe checkpoint to ship (default: the newest of <run>/probe-<step>)")
     p.add_argument("--license", default="unknown", help="license id for the card's metadata (e.g. apache-2.0, mit)")
