@@ -101,6 +101,12 @@ class TrainConfig:
     """Model-init and dropout seed (the data order has its own, data.seed)."""
     threads: int = 0
     """torch CPU threads (0 = torch's default)."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that receive every logged metric, the config and the git revision:
+    any of tensorboard, wandb, mlflow, trackio (`pip install -e ".[tracking]"`); [] = none."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table (CPU: no
+    mfu unless set)."""
 
 
 @dataclass
@@ -120,6 +126,7 @@ _GROUPS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "trai
 _POSITIVE = (lambda v: v > 0, "positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
 _UNIT = (lambda v: 0 <= v <= 1, "between 0 and 1")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACKENDS (test_tracking)
 FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "data.max_len": (lambda v: v >= 4, "at least 4 (special tokens included)"),
     "data.mask_rate": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"),
@@ -136,7 +143,9 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "train.out": (lambda v: bool(v) and not Path(v).is_file(), "a folder (not empty, not an existing file)"),
     "train.readiness": (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"),
     "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE, "train.log_every": _POSITIVE,
-    "train.threads": _NON_NEGATIVE,
+    "train.threads": _NON_NEGATIVE, "train.peak_flops": _NON_NEGATIVE,
+    "train.report_to": (lambda v: set(v) <= set(TRACKERS) and len(set(v)) == len(v),
+                        f"a list of distinct trackers among {', '.join(TRACKERS)}"),
     # objective options (validated against the objective's own Config at config load)
     "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE, "objective.fista_iters": _POSITIVE,
     "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT, "objective.decoder_layers": _POSITIVE,

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from mlsm import locking
@@ -37,6 +36,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
+from mlsm.progress import Progress
 
 STORE_FORMAT = "mlsm-token-store"
 STORE_VERSION = 1
@@ -292,7 +292,7 @@ def _write_store(tmp: Path, docs: Iterator[str], tok: PreTrainedTokenizerBase, c
     n_tokens, n_docs = 0, 0
     with open(tmp / "tokens.bin", "wb") as ftok, open(tmp / "offsets.bin", "wb") as foff:
         np.zeros(1, dtype=np.int64).tofile(foff)
-        bar = tqdm(desc="tokenising", unit="doc", disable=None)
+        bar = Progress(None, "tokenising", "doc")
         for batch in _chunks(docs, chunk_docs):  # bounded memory: one chunk at a time
             encodings = backend.encode_batch(batch, add_special_tokens=False)
             lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
 
 
@@ -393,7 +393,7 @@ def finetune(
     dev = pick_device(device)
     path = Path(results)
     done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
-    bar = tqdm(total=len(refs) * len(specs) * len(seeds) * len(lrs), desc="finetune", disable=None)
+    bar = Progress(len(refs) * len(specs) * len(seeds) * len(lrs), "finetune", "cell")
     for spec in specs:
         train, evals = _task_data(spec, data_dir, max_train_examples, eval_test)
         for ref in refs:

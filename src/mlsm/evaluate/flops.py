@@ -222,8 +222,10 @@ def teacher_shape_config(name: str) -> Any:
 
 
 def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None, layer: int | None = None,
-                  vocab_size: int | None = None, accounting: str = "mlsm") -> list[FlopRow]:
-    """`flops_table` for a RunConfig: student from model.*, teacher/k/layer from objective.*.
+                  vocab_size: int | None = None, accounting: str = "mlsm",
+                  student_config: Any = None) -> list[FlopRow]:
+    """`flops_table` for a RunConfig: student from model.* (or the built model's `student_config`,
+    e.g. when model.init_from is set), teacher/k/layer from objective.*.
 
     The student's vocabulary is the teacher's (they must tokenise identically) unless vocab_size
     is given. k defaults to objective.k, the dictionary's k, or 4 × the teacher's hidden size.
@@ -240,7 +242,9 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
     m = cfg.model
-    student = load_config(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
+    student = student_config
+    if student is None:
+        student = load_config(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
     student_shape = {**student.to_dict(), "vocab_size": vocab_size or t.vocab}
     archs = (t_cfg.get("architectures") if isinstance(t_cfg, dict) else getattr(t_cfg, "architectures", None)) or []
     has_head = any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)

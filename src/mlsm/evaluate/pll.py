@@ -28,9 +28,9 @@ from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from mlsm.errors import UserError
+from mlsm.progress import Progress
 
 Variant = Literal["original", "within_word_l2r"]
 VARIANTS: tuple[str, ...] = ("original", "within_word_l2r")
@@ -286,7 +286,7 @@ def _score_items(
     out = [np.zeros(len(it.targets), dtype=np.float64) for it in items]
     batches = _plan(items, token_budget, max_rows)
     total = sum(len(it.targets) for it in items)
-    bar = tqdm(total=total, desc="PLL", unit="copy", disable=None if progress is None else not progress)
+    bar = Progress(total, "PLL", "copy", enabled=progress)
     for segments in batches:
         ids, attention, select, truth = _build_batch(items, segments, variant, mask_id, pad_id)
         logits = scorer.logits_at(ids.to(device), attention.to(device), select.to(device))

@@ -28,6 +28,7 @@ from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student, build_student
 from mlsm.objectives.base import Context
 from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
+from mlsm.progress import Progress
 from mlsm.train import checkpoint as ckpt
 
 
@@ -159,6 +160,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     cands = [_Candidate(kind, student.heads["probe"], unigram, lr, z0) for kind in inputs]
     unigram_loss, unigram_top1 = cands[0].evaluate(held)  # W = 0: the unigram distribution itself
     live = list(cands)
+    bar = Progress(max_steps, "probe", "step")  # plateau stops may end it early
     for step in range(1, max_steps + 1):
         if step == select_steps + 1 and len(live) > 1:  # keep the best candidate only
             live = [min(live, key=lambda c: c.evaluate(held)[0])]
@@ -170,6 +172,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
             train_loss = c.step(z, y)
             if step % eval_every == 0 or step == max_steps:
                 c.check(step, train_loss, held, min_delta, patience)
+        bar.update(1, loss=train_loss)
+    bar.close()
     best = min(cands, key=lambda c: c.evaluate(held)[0])
     held_loss, top1 = best.evaluate(held)
     if not math.isfinite(held_loss):

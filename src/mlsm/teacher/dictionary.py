@@ -32,10 +32,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
-from tqdm.auto import tqdm
 
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
+from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import encode_with_gram, objective, sparse_encode
@@ -114,7 +114,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     width = max(1, max_len - 2)  # room for the teacher's [CLS] … [SEP]
     out: list[torch.Tensor] = []
     got, empty = 0, 0
-    bar = tqdm(total=n, desc=f"teacher layer {teacher.layer}", unit="vec", disable=None)
+    bar = Progress(n, f"teacher layer {teacher.layer}", "vec")
     while got < n:
         starts = rng.integers(0, n_tokens, size=batch_size)
         ends = np.minimum(starts + width, offsets[np.searchsorted(offsets, starts, side="right")])
@@ -162,7 +162,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
     order, pos = torch.randperm(n, generator=gen), 0
     # Supports of every vector's last code: when X is cycled they warm-start its next code.
     support = _Supports(n, k, X.device) if n_iter * batch_size > n else None
-    for t in tqdm(range(1, n_iter + 1), desc="dictionary", unit="batch", disable=None if progress else True):
+    bar = Progress(n_iter, "dictionary", "batch", enabled=None if progress else False)
+    for t in range(1, n_iter + 1):
         if pos + batch_size > n:  # a new pass over X
             order, pos = torch.randperm(n, generator=gen), 0
             stats.new_pass()
@@ -174,6 +175,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | Non
             support.put(rows, codes)
         stats.add(Xb, codes, beta=(1.0 - 1.0 / t) ** forget)
         _update_atoms(Dt, Gp, stats, Xb, codes, lam, X, gen)
+        bar.update(1)
+    bar.close()
     return Dt.T.contiguous()
 
 

@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from mlsm import locking
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
+from mlsm.progress import Progress
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
 from mlsm.teacher.teacher import Teacher
@@ -305,7 +305,7 @@ def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dicti
     # _start returns either the recorded prefix or, with a cap, 0 (so the count stays exact)
     truncated = int(progress.get("truncated", 0)) if done and progress.get("done") == done else 0
     max_len = spec["max_len"]
-    bar = tqdm(total=spec["n_chunks"], initial=done, desc="targets", unit="chunk", disable=None)
+    bar = Progress(spec["n_chunks"], "targets", "chunk", initial=done)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
         codes = _encode_chunks(source.chunk_tokens(np.arange(start, stop)), teacher, atoms, gram, lam)

@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from mlsm import locking
+from mlsm import locking, tracking
 from mlsm.config import RunConfig, config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
@@ -29,6 +28,8 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student, build_student
 from mlsm.objectives import Context, build_objective
+from mlsm.progress import Progress
+from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
@@ -51,6 +52,7 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
 
 def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: Path) -> Path:
     device = _device(cfg.train.device, dist_info)
+    tracking.require(cfg.train.report_to, "train.report_to")  # before minutes of loading
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     store = TokenStore.open(_require(cfg.data.store, "data.store"))
@@ -71,10 +73,14 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     save_steps = _save_steps(cfg)
     autocast = _autocast(cfg.train.precision, device)
     tokens_per_step = cfg.train.batch_size * cfg.data.max_len
-    bar = tqdm(total=cfg.train.steps, initial=start, desc="pretrain", disable=None if dist_info.is_main else True)
+    meter = FlopMeter(None)
+    if dist_info.is_main:
+        meter = flop_meter(cfg, student.config, device, dist_info.world)
+    tracker = _open_tracker(cfg, run_dir, dist_info)
+    bar = Progress(cfg.train.steps, "pretrain", "step", initial=start, enabled=dist_info.is_main)
     t_last, s_last = time.perf_counter(), start
     stopper = StopOnSignal()
-    with stopper:
+    with stopper, tracker:
         for step in range(start, cfg.train.steps):
             torch.manual_seed(_step_seed(cfg.train.seed, step, dist_info.rank))  # dropout
             lr = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
@@ -90,10 +96,14 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
             done = step + 1
             if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
                 now = time.perf_counter()
-                tps = tokens_per_step * (done - s_last) / max(now - t_last, 1e-9)
+                window, seconds = done - s_last, max(now - t_last, 1e-9)
+                tps = tokens_per_step * window / seconds
                 t_last, s_last = now, done
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step)
+                flops = meter.metrics(window, seconds)  # flops_per_s, mfu
+                record = _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step,
+                              flops)
+                tracker.log(record, done)
             if done in save_steps:
                 _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
             if stopper.requested(dist_info, device):
@@ -363,15 +373,27 @@ def _prune(run_dir: Path, cfg: RunConfig) -> None:
         ckpt.remove_checkpoint(folder)
 
 
+def _open_tracker(cfg: RunConfig, run_dir: Path, info: DistInfo) -> tracking.Tracker:
+    """The run's experiment trackers (`train.report_to`), on rank 0 only; files in run_dir."""
+    if not info.is_main:
+        return tracking.Tracker()
+    config = json.loads(json.dumps(config_to_dict(cfg)))
+    return tracking.open_tracker(cfg.train.report_to, run_dir, config, run_dir.name)
+
+
 def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps: float,
-         totals: dict[str, torch.Tensor], tokens_per_step: int) -> None:
+         totals: dict[str, torch.Tensor], tokens_per_step: int,
+         extra: dict[str, float] | None = None) -> dict[str, Any]:
+    """Append one metrics.jsonl line; returns the record (for the trackers)."""
     n = totals["n_targets"].clamp(min=1)
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
               "tokens": step * tokens_per_step, "n_targets": int(totals["n_targets"]),
               "batch_digest": int(totals["batch_digest"])}
     record.update({k: (v / n).item() for k, v in totals.items() if k not in ("loss_sum", "n_targets", "batch_digest")})
+    record.update(extra or {})
     try:
         with open(run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
     except OSError as exc:
         raise UserError(f"cannot append to {run_dir / 'metrics.jsonl'} ({exc.strerror or exc}); free space and rerun with --resume auto") from None
+    return record

@@ -1,0 +1,121 @@
+"""train.report_to: a tiny pre-training run read back by each tracker's own reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlsm.config import TRACKERS, load_config
+from mlsm.errors import UserError
+from mlsm.tracking import BACKENDS, open_tracker, require
+from mlsm.train.loop import pretrain
+
+from .conftest import tiny_overrides
+
+
+def _run(store: Path, out: Path, trackers: str) -> Path:
+    return pretrain(load_config(None, tiny_overrides(store, out, **{"train.report_to": trackers})))
+
+
+def _losses(run: Path) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["loss"] for m in map(json.loads, lines)}
+
+
+def test_config_names_the_same_trackers_as_the_tracking_module() -> None:
+    assert tuple(TRACKERS) == BACKENDS
+
+
+def test_tensorboard_events_hold_exactly_the_logged_losses(store_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _run(store_dir, tmp_path / "r", "[tensorboard]")
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    read = {e.step: e.value for e in acc.Scalars("loss")}
+    logged = _losses(run)
+    assert sorted(read) == sorted(logged) == [1, 2, 3, 4, 5, 6]
+    # TensorBoard scalars are float32: the logged float64 rounded once, nothing else
+    assert all(read[s] == float(np.float32(logged[s])) for s in logged)
+    assert {"lr", "grad_norm", "tokens_per_s", "flops_per_s"} <= set(acc.Tags()["scalars"])
+    texts = set(acc.Tags()["tensors"])  # add_text is stored as a text-plugin tensor
+    assert {"config/text_summary", "git_revision/text_summary"} <= texts
+
+
+def test_a_missing_tracker_library_is_one_line_before_training(
+        store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if not installed
+    with pytest.raises(UserError, match=r"wandb package is not installed.*\[tracking\]") as err:
+        _run(store_dir, tmp_path / "r", "[wandb]")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # no step was trained
+
+
+def test_unknown_tracker_is_refused_at_config_load(store_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="train.report_to must be a list of distinct trackers"):
+        load_config(None, tiny_overrides(store_dir, tmp_path / "r", **{"train.report_to": "[neptune]"}))
+    with pytest.raises(UserError, match="unknown tracker 'neptune'"):
+        require(["neptune"], "--report-to")
+
+
+def test_mlflow_run_holds_the_logged_metrics_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    with open_tracker(["mlflow"], tmp_path, {"train": {"steps": 2}}, "run-a") as tracker:
+        tracker.log({"loss": 2.5, "note": "text is skipped"}, 1)
+        tracker.log({"loss": 1.25}, 2)
+        run_id = tracker.backends["mlflow"].run_id
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
+    assert sorted(history) == [(1, 2.5), (2, 1.25)]
+    run = client.get_run(run_id)
+    assert run.data.params["train.steps"] == "2" and "mlflow.source.git.commit" in run.data.tags
+
+
+_TRACKIO_SCRIPT = """
+import json
+from mlsm.tracking import open_tracker
+from trackio.sqlite_storage import SQLiteStorage
+with open_tracker(["trackio"], ".", {"train": {"steps": 2}}, "run-a") as tracker:
+    tracker.log({"loss": 2.5}, 1)
+    tracker.log({"loss": 1.25}, 2)
+rows = [(r["step"], r["loss"]) for r in SQLiteStorage.get_logs("mlsm-test", "run-a")]
+print("LOGS", json.dumps(rows))
+"""
+
+
+def test_trackio_run_holds_the_logged_metrics_offline(tmp_path: Path) -> None:
+    pytest.importorskip("trackio")
+    # trackio reads TRACKIO_DIR when it is imported: a fresh process keeps ~/.cache untouched
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "mlsm-test",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _TRACKIO_SCRIPT], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("LOGS ")]  # trackio chats too
+    assert json.loads(line[5:]) == [[1, 2.5], [2, 1.25]]
+
+
+def test_wandb_offline_run_is_written_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored credentials
+    from mlsm.tracking import wandb_mode
+
+    assert wandb_mode() == "offline"
+    with open_tracker(["wandb"], tmp_path, {"train": {"steps": 2}}, "run-a") as tracker:
+        tracker.log({"loss": 2.0625}, 1)
+    (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()  # W&B's record log (protobuf; `wandb sync` uploads it)
+    assert b"loss" in data and b"2.0625" in data and b"git_revision" in data
