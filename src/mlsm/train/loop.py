@@ -92,14 +92,14 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                 raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            bar.update(1)
+            bar.update(1, loss=loss)  # every progress line shows the latest loss
             done = step + 1
             if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
                 now = time.perf_counter()
                 window, seconds = done - s_last, max(now - t_last, 1e-9)
                 tps = tokens_per_step * window / seconds
                 t_last, s_last = now, done
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                bar.set_postfix(tok_s=f"{tps:,.0f}")
                 flops = meter.metrics(window, seconds)  # flops_per_s, mfu
                 record = _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step,
                               flops)
