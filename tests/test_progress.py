@@ -11,7 +11,9 @@ import torch
 
 from mlsm.progress import Progress, interval_seconds
 
-LINE = re.compile(r"^job: (\d+)/5 step \((\d+\.\d)%\) \S+ (step/s|s/step) ETA \S+ elapsed \S+ loss=(\S+)$")
+LINE = re.compile(
+    r"^job: (\d+)/5 step \((\d+\.\d)%\) \S+ (step/s|s/step) ETA \S+ elapsed \S+ loss=(\S+)$"
+)
 
 
 class _Terminal(io.StringIO):
@@ -49,7 +51,9 @@ def test_resumed_job_counts_from_its_initial_step_and_unknown_total() -> None:
     out = io.StringIO()
     with Progress(None, "tokenising", "doc", stream=out, interval=1e-9) as bar:
         bar.update(64, tokens=1000)
-    assert re.match(r"tokenising: 64 doc \S+ doc/s elapsed \S+ tokens=1000$", out.getvalue().splitlines()[0])
+    assert re.match(
+        r"tokenising: 64 doc \S+ doc/s elapsed \S+ tokens=1000$", out.getvalue().splitlines()[0]
+    )
 
 
 def test_terminal_gets_a_tqdm_bar() -> None:
@@ -78,8 +82,12 @@ def test_interval_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert interval_seconds() == 0.5 and interval_seconds(2) == 2.0
 
 
-def test_long_jobs_report_through_progress(store_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_jobs_report_through_progress(
+    store_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """pretrain and dictionary learning print their lines on a redirected stderr."""
     from mlsm.config import load_config
     from mlsm.teacher.dictionary import learn_atoms

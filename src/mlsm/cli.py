@@ -149,6 +149,7 @@ def _finetune(a: argparse.Namespace) -> None:
         max_train_examples=a.max_train_examples, device=a.device,
         warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
+        report_to=[t for t in a.report_to.split(",") if t],
     )
     print(f"results: {path}")
 
@@ -352,6 +353,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="gradient-norm clipping, 0 = off (default 1.0)")
     p.add_argument("--eval-test", action="store_true", help="also score labelled test splits (CoNLL-2003) as <metric>_test")
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--report-to", default="", metavar="TRACKERS",
+                   help="comma-separated trackers, one run per cell: tensorboard, wandb, mlflow, "
+                        "trackio (files in RESULTS_DIR/tracking; pip install -e \".[tracking]\")")
     return _finetune
 
 

@@ -5,7 +5,7 @@ expect from `report_to`.
 `log(metrics, step)` goes to all of them; `close()` ends them. Each backend is the library itself,
 installed with the `tracking` extra (`pip install -e ".[tracking]"`), and works offline:
 
-- tensorboard: event files in FOLDER/tensorboard (`tensorboard --logdir FOLDER`);
+- tensorboard: event files in FOLDER/tensorboard/NAME (`tensorboard --logdir FOLDER/tensorboard`);
 - wandb: a run in FOLDER/wandb; offline unless WANDB_MODE says otherwise or an API key is set
   (`wandb sync FOLDER/wandb/offline-run-*` uploads it later); project $WANDB_PROJECT or "mlsm";
 - mlflow: a file store in FOLDER/mlruns unless $MLFLOW_TRACKING_URI names a server
@@ -78,7 +78,8 @@ class _TensorBoard:
     def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard"))
+        # one sub-folder per run: `tensorboard --logdir FOLDER/tensorboard` compares them
+        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard" / name))
         # 4-space indent: TensorBoard renders text as Markdown, this keeps the YAML a code block
         self.writer.add_text("config", "    " + _config_yaml(config).replace("\n", "\n    "))
         self.writer.add_text("git_revision", revision)
@@ -100,8 +101,8 @@ def wandb_mode() -> str:
         return "online"
     import netrc
 
-    try:
-        hosts = netrc.netrc().hosts
+    try:  # $NETRC is honoured by wandb (via requests) as well
+        hosts = netrc.netrc(os.environ.get("NETRC") or os.path.expanduser("~/.netrc")).hosts
     except (OSError, netrc.NetrcParseError):
         return "offline"
     return "online" if any("wandb" in host for host in hosts) else "offline"

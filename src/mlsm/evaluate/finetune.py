@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mlsm import tracking
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
@@ -186,11 +187,13 @@ def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> to
 
 
 def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
-               seed: int, cfg: dict[str, Any], device: torch.device) -> None:
+               seed: int, cfg: dict[str, Any], device: torch.device, tracker: Any = None) -> int:
     """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs.
+    Returns the number of optimizer steps.
 
     cfg["fixed_order"]: every seed trains on seed 0's data order (Berend 2023 §4.2: seeds differ
-    in the head only); cfg["clip"]: gradient-norm clipping, 0 = none."""
+    in the head only); cfg["clip"]: gradient-norm clipping, 0 = none. tracker: an
+    `mlsm.tracking.Tracker` that gets the training loss and lr every LOG_EVERY steps."""
     torch.manual_seed(seed)  # dropout masks; the data order has its own generator
     order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name, cfg["epochs"])
     clip = float(cfg.get("clip", 1.0))
@@ -202,6 +205,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
         opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
     backbone.train()
     head.train()
+    step = 0
     for perm in order:
         for i in range(0, len(perm), bs):
             inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
@@ -212,6 +216,10 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
                 torch.nn.utils.clip_grad_norm_([*backbone.parameters(), *head.parameters()], clip)
             opt.step()
             sched.step()
+            step += 1
+            if tracker is not None and tracker.backends and step % LOG_EVERY == 0:
+                tracker.log({"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]}, step)
+    return step
 
 
 @torch.no_grad()
@@ -314,13 +322,14 @@ def _load_backbone(path: str) -> nn.Module:
 
 
 def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],
-             device: torch.device) -> list[dict[str, Any]]:
-    """One fine-tuning run (model, task, seed, lr) → one result row per metric."""
+             device: torch.device, tracker: Any = None) -> list[dict[str, Any]]:
+    """One fine-tuning run (model, task, seed, lr) → one result row per metric (also sent to
+    `tracker`, an `mlsm.tracking.Tracker`, as eval/<metric> at the last step)."""
     start = time.time()
     backbone = _load_backbone(model.path).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
     head = build_head(spec, d, seed).to(device)
-    train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device)
+    steps = train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device, tracker)
     rows = []
     for suffix, (examples, feats) in data.evals.items():
         preds = predict(backbone, head, data.tokenizer, spec, feats, examples, device)
@@ -334,7 +343,21 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
                 "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
                 "seconds": round(time.time() - start, 2),
             })
+    if tracker is not None:
+        tracker.log({f"eval/{r['metric']}": r["value"] for r in rows}, steps)
     return rows
+
+
+LOG_EVERY = 10  # training steps between tracker points of a fine-tuning cell
+
+
+def _cell_tracker(report_to: Sequence[str], results: Path, ref: ModelRef, spec: TaskSpec, seed: int,
+                  cfg: dict[str, Any]) -> tracking.Tracker:
+    """One tracker run per cell, named model-task-seed-lr; local files in RESULTS_DIR/tracking."""
+    name = f"{ref.name}-{spec.name}-seed{seed}-lr{cfg['lr']:g}".replace("/", "_")
+    config = {"model": ref.name, "path": ref.path, "task": spec.name, "seed": seed, **cfg}
+    folder = results.parent / "tracking"
+    return tracking.open_tracker(list(report_to), folder, config, name, "--report-to")
 
 
 def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int, max_train_examples: int | None) -> None:
@@ -367,6 +390,7 @@ def finetune(
     clip: float = 1.0,
     eval_test: bool = False,
     readiness: str = "final",
+    report_to: Sequence[str] = (),
 ) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
 
@@ -383,6 +407,7 @@ def finetune(
     """
     if clip < 0:
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
+    tracking.require(list(report_to), "--report-to")  # before any model is loaded
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
     _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
@@ -403,9 +428,11 @@ def finetune(
                        "warmup_ratio": warmup_ratio, "weight_decay": weight_decay, "fixed_order": fixed_order,
                        "clip": clip}
                 if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train)) not in done:
-                    bar.set_postfix_str(f"{ref.name} {spec.name} seed={seed} lr={lr:g}")
+                    bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
                     data = data or prepare(ref, spec, train, evals, max_len)
-                    append_results(path, run_cell(ref, spec, data, seed, cfg, dev))
+                    with _cell_tracker(report_to, path, ref, spec, seed, cfg) as tracker:
+                        rows = run_cell(ref, spec, data, seed, cfg, dev, tracker)
+                    append_results(path, rows)
                 bar.update(1)
     bar.close()
     return path

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlsm import tracking
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
@@ -222,6 +223,9 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
             raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
         spec = dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
 
+    train = spec.base.get("train") if isinstance(spec.base, dict) else None
+    report_to = (train or {}).get("report_to") or []
+    tracking.require(list(report_to), "base.train.report_to of the study file")  # before any stage
     study = Study(spec, log)
     atomic_write_text(study.root / "study.json", json.dumps({"spec": _plain(spec), "git_revision": git_revision()}, indent=2) + "\n")
     wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]

@@ -68,7 +68,9 @@ def _finetune(study: Study, arm: str) -> None:
     finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs, batch_size=ft.batch_size,
              max_len=ft.max_len, data_dir=ft.data_dir or None, results=study.results,
              max_train_examples=ft.max_train_examples or None, warmup_ratio=ft.warmup_ratio,
-             weight_decay=ft.weight_decay, device="cpu" if study.spec.executor.kind == "local" else "auto")
+             weight_decay=ft.weight_decay,
+             device="cpu" if study.spec.executor.kind == "local" else "auto",
+             report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
 
 
 def blimp_path(study: Study, arm: str, frac: float) -> Path:
