@@ -176,3 +176,25 @@ def test_finetune_writes_one_tensorboard_run_per_cell(tmp_path: Path) -> None:
             rows[seed]["value"], abs=1e-7
         )
         assert [e.step for e in acc.Scalars("train/loss")] == [10, 20]
+
+
+def test_study_passes_report_to_and_checks_it_before_any_stage(
+    corpus_dir: Path,
+    tokenizer_dir: Path,
+    teacher_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mlsm.study.runner import Study, run_study
+    from mlsm.study.spec import study_from_dict
+
+    from .test_study import _raw
+
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, tmp_path / "study")
+    raw["base"]["train"]["report_to"] = ["tensorboard", "wandb"]
+    spec = study_from_dict(raw)
+    assert Study(spec, print).arm_config("mlsm").train.report_to == ["tensorboard", "wandb"]
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UserError, match=r"base.train.report_to .* wandb package is not installed"):
+        run_study(spec, log=lambda s: None)
+    assert not (tmp_path / "study" / "stages.jsonl").exists()  # no stage ran
