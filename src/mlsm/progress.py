@@ -57,12 +57,13 @@ class Progress:
 
     total: units of work (None when unknown, e.g. documents of a streamed corpus); initial: units
     already done (a resumed job); enabled: False shows nothing (e.g. non-zero DDP ranks), None
-    decides by the stream; stream: default sys.stderr; interval: seconds between plain lines.
+    decides by the stream; stream: default sys.stderr; interval: seconds between plain lines;
+    leave: False removes the tqdm bar when done (an inner bar under an outer one).
     """
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", *, initial: int = 0,
                  enabled: bool | None = None, stream: IO[str] | None = None,
-                 interval: float | None = None) -> None:
+                 interval: float | None = None, leave: bool = True) -> None:
         self.total, self.desc, self.unit = total, desc, unit
         self.n = self.start_n = initial
         self.stream = stream if stream is not None else sys.stderr
@@ -76,7 +77,8 @@ class Progress:
         if self.enabled and _is_tty(self.stream):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=self.stream)
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=self.stream,
+                            leave=leave)
 
     def __enter__(self) -> Progress:
         return self

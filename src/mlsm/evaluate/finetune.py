@@ -206,6 +206,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     backbone.train()
     head.train()
     step = 0
+    # a cell can take many minutes on a CPU: its own progress under the grid's
+    bar = Progress(total, f"{spec.name} seed {seed}", "step", leave=False)
     for perm in order:
         for i in range(0, len(perm), bs):
             inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
@@ -217,8 +219,13 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
             opt.step()
             sched.step()
             step += 1
-            if tracker is not None and tracker.backends and step % LOG_EVERY == 0:
-                tracker.log({"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]}, step)
+            if step % LOG_EVERY == 0:  # .item() waits for the device: not every step
+                value = loss.item()
+                bar.set_postfix(loss=value)
+                if tracker is not None:
+                    tracker.log({"train/loss": value, "train/lr": sched.get_last_lr()[0]}, step)
+            bar.update(1)
+    bar.close()
     return step
 
 
