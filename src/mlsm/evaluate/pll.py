@@ -334,7 +334,8 @@ def score_pll(
     (special tokens are added and never scored). token_budget: padded tokens per forward pass
     (rows * longest row); max_rows: cap on masked copies per pass (bounds the (rows, |V|) logits).
     device: where inputs go; default the model's. per_token: return `TokenScores` per sentence
-    instead of floats. progress: tqdm bar (None = only on a TTY).
+    instead of floats. progress: None = a tqdm bar on a TTY, plain lines every 30 s otherwise
+    (`mlsm.progress`); False = none.
     """
     if variant not in VARIANTS:
         raise UserError(f"unknown PLL variant {variant!r}: use one of {', '.join(VARIANTS)}")
