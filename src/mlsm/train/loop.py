@@ -103,7 +103,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                 flops = meter.metrics(window, seconds)  # flops_per_s, mfu
                 record = _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step,
                               flops)
-                tracker.log(record, done)
+                tracker.log({k: v for k, v in record.items() if k != "batch_digest"}, done)
             if done in save_steps:
                 _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
             if stopper.requested(dist_info, device):
