@@ -27,7 +27,7 @@ def shards_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
     root = tmp_path_factory.mktemp("shards")
     docs: list[str] = []
     for i, n in enumerate((23, 1, 57, 9)):
-        texts = make_text(n, seed=10 + i, sentences=1 + i)
+        texts = make_text(n, seed=10 + i, sentences=2 + i)  # 3- and 5-line periods
         if i % 2:
             with gzip.open(root / f"s{i}.jsonl.gz", "wt", encoding="utf-8") as fh:
                 fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
