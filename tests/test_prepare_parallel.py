@@ -181,3 +181,26 @@ def test_large_files_are_sampled_head_tail_and_middle(tmp_path: Path, monkeypatc
         assert sources.content_digest(path) != base, at
     path.write_bytes(data)
     assert sources.content_digest(path) == base
+
+
+def test_a_script_without_main_guard_can_prepare(shards_dir, tokenizer_dir: Path,
+                                                 tmp_path: Path) -> None:
+    """Users call `prepare_corpus` from plain scripts; a "spawn" pool would re-run the script in
+    every worker and fail (RuntimeError: "...before the current process has finished its
+    bootstrapping phase")."""
+    import subprocess
+    import sys
+
+    root, docs = shards_dir
+    script = tmp_path / "make_store.py"
+    script.write_text(
+        "from mlsm.data.corpus import prepare_corpus\n"
+        f"store = prepare_corpus({str(root)!r}, {str(tokenizer_dir)!r}, {str(tmp_path / 's')!r},"
+        " chunk_docs=4, num_proc=2)\n"
+        "print(store.n_docs)\n"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == [str(len(docs))], proc.stderr[-2000:]

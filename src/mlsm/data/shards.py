@@ -6,7 +6,7 @@ into documents and token ids by `tokenise_unit`, either in-process or in a pool 
 processes; results come back in submission order, so the store is byte-identical whatever the
 number of processes. At most `2 x workers` units are in flight: memory stays bounded.
 
-This module imports only numpy and `tokenizers`, so spawned workers start quickly.
+Workers are forked on Linux (see `_context`) and run only this module's code.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -99,6 +100,9 @@ def _init_worker(tokenizer_json: str, text_field: str, dtype: str) -> None:
     # One thread per process: N workers each running a rayon pool would oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops us
+    # A handler inherited from the parent (a training loop's "stop at the next step") would keep
+    # Pool.terminate()'s SIGTERM from ending the worker.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker_state(tokenizer_json, text_field, dtype)
 
 
@@ -164,17 +168,26 @@ def _take(it: Iterator[Unit], n: int) -> Iterator[Unit]:
             return
 
 
+def _context() -> mp.context.BaseContext:
+    """fork where the OS has it: "spawn" (and "forkserver") re-run a user's script that calls
+    `prepare_corpus` without an `if __name__ == "__main__"` guard. Forking is safe here although
+    the parent may hold torch/OpenMP or rayon threads: a worker runs only `tokenizers` with its
+    parallelism off (set before the fork, so `tokenizers` does not warn) and numpy."""
+    if sys.platform.startswith("linux"):
+        return mp.get_context("fork")
+    return mp.get_context("spawn")  # macOS system libraries are not fork-safe; Windows has none
+
+
 def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
               num_proc: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Ordered map with a bounded window (Pool.imap would read the whole corpus ahead).
 
-    "spawn", not fork: the parent may hold torch/OpenMP or rayon threads, which fork does not
-    copy safely. An error while reading is raised only after the units read before it are
-    tokenised, so the first error reported is the one a single process would report.
+    An error while reading is raised only after the units read before it are tokenised, so the
+    first error reported is the one a single process would report.
     """
-    ctx = mp.get_context("spawn")
     pending: deque = deque()
-    with ctx.Pool(num_proc, _init_worker, (tokenizer_json, text_field, dtype)) as pool:
+    with _single_threaded(), _context().Pool(num_proc, _init_worker,
+                                             (tokenizer_json, text_field, dtype)) as pool:
         read_error: BaseException | None = None
         while True:
             while read_error is None and len(pending) < 2 * num_proc:
