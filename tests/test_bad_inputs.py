@@ -339,7 +339,7 @@ ARG_CASES = {
     "export --out FILE": (["export", "ckpt", "--out", "{file}"], "--out"),
     "export not a checkpoint": (["export", "{dir}", "--out", "{dir}/x"], "checkpoint"),
     "study missing file": (["study", "{dir}/nosuch.yaml"], "nosuch.yaml"),
-    "study file is a folder": (["study", "{dir}"], "study file"),
+    "study file is a folder": (["study", "{dir}"], "is a folder"),
     "unknown flag": (["compare", "r.jsonl", "--nosuch"], "--nosuch"),
 }
 

@@ -67,6 +67,17 @@ def base_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The last checkpoint of a 2-step MLSM run (it has a latent head: a probe can start)."""
+    out = tmp_path_factory.mktemp("mlsm") / "run"
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
+             "objective.teacher": str(teacher_dir), "train.steps": 2}
+    assert main(["pretrain", *_run_args(store_dir, out, **extra)]) == 0
+    return ckpt.list_checkpoints(out)[-1][1]
+
+
+@pytest.fixture(scope="module")
 def targets_cmd(store_dir: Path, teacher_dir: Path, dictionary_path: Path) -> Callable[[Path], list[str]]:
     def cmd(out: Path) -> list[str]:
         return ["targets", "--store", str(store_dir), "--dictionary", str(dictionary_path), "--teacher", str(teacher_dir),
@@ -264,6 +275,14 @@ def _case_probe_torn_checkpoint_json(tmp, fx):
     return ["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn", None
 
 
+def _case_probe_corrupt_heads(tmp, fx):
+    ckpt = Path(shutil.copytree(fx["mlsm_ckpt"], tmp / "ckpt"))
+    heads = ckpt / "heads.safetensors"
+    heads.write_bytes(b"\xff" * 8 + heads.read_bytes()[8:])  # a header length past the end
+    args = ["probe", str(ckpt), "--out", str(tmp / "probe"), "--max-steps", "1"]
+    return args, [ckpt], "heads.safetensors is missing or damaged", None
+
+
 def _case_run_out_is_root(tmp, fx):
     return ["pretrain", *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder", None
 
@@ -445,6 +464,53 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     assert ckpt.list_checkpoints(run) and not locking.is_locked(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))
+
+
+def _pretrain_until_logged(run: Path, args: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = time.time()
+    while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() - start < 120:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1]
+    return proc
+
+
+def test_ctrl_c_stops_pretraining_with_a_checkpoint_like_sigterm(store_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """SIGINT used to stop mid-step without a checkpoint (KeyboardInterrupt) while SIGTERM saved
+    one; now both finish the step and save it."""
+    run = tmp_path / "run"
+    args = _run_args(store_dir, run, **{"train.steps": 2000, "train.save_every": 0,
+                                        "train.log_every": 1})
+    first = _pretrain_until_logged(run, args)
+    first.send_signal(signal.SIGINT)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert "Traceback" not in err and "stopped by signal" in out
+    saved = ckpt.list_checkpoints(run)
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert saved and saved[-1][0] == steps[-1] < 2000 and not locking.is_locked(run)
+
+
+def test_second_ctrl_c_aborts_at_once() -> None:
+    """The first SIGINT asks for a stop after the step; the second raises KeyboardInterrupt at
+    once. (In a subprocess: a regression must not interrupt the test session itself.)"""
+    check = (
+        "import os, signal, time\n"
+        "from mlsm.train.signals import StopOnSignal\n"
+        "with StopOnSignal() as stopper:\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)\n"
+        "    assert stopper.flag\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('aborted')\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", check], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "aborted\n", proc.stderr
 
 
 def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Path, tmp_path: Path) -> None:

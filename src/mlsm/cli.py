@@ -120,7 +120,8 @@ class _Parser(argparse.ArgumentParser):
 def _prepare(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import prepare_corpus
 
-    store = prepare_corpus(a.sources, a.tokenizer, a.out, text_field=a.text_field, overwrite=a.overwrite)
+    store = prepare_corpus(a.sources, a.tokenizer, a.out, text_field=a.text_field,
+                           overwrite=a.overwrite, num_proc=a.num_proc)
     print(f"token store {store.path}: {store.n_tokens:,} tokens in {store.n_docs:,} documents")
 
 
@@ -307,6 +308,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--out", required=True, type=out_dir, help="token store directory to write")
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store of other inputs")
+    p.add_argument("--num-proc", type=positive_int, default=None,
+                   help="tokenising processes (default: every CPU available; same store)")
     return _prepare
 
 

@@ -6,32 +6,38 @@ separated block of a text file, or one JSON record's text field.
 
 The store is built in a temporary sibling directory and renamed into place only when complete,
 so an interrupted run never leaves a store that looks finished; `meta.json` is its completion
-marker. Re-running with the same inputs (same files, sizes, mtimes, tokenizer) is a no-op.
-Memory stays bounded: documents stream through the tokenizer in chunks and ids are appended to
-disk, so a corpus larger than RAM works.
+marker. Re-running with the same inputs (same file contents in the same order, same tokenizer;
+see `sources.fingerprint`) is a no-op. Memory stays bounded: sources stream through the
+tokenizer in units (on several processes, `shards`) and ids are appended to disk, so a corpus
+larger than RAM works.
 """
 
 from __future__ import annotations
 
-import glob
-import gzip
+import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
 import time
-import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from mlsm import locking
+from mlsm.data.shards import Unit, default_num_proc, tokenise_units
+from mlsm.data.sources import (
+    STORE_VERSION,
+    fingerprint,
+    iter_documents,
+    iter_units,
+    legacy_fingerprint,
+    resolve_paths,
+)
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
 from mlsm.hf import first_line
@@ -39,8 +45,7 @@ from mlsm.hf import load_tokenizer as hf_load_tokenizer
 from mlsm.progress import Progress
 
 STORE_FORMAT = "mlsm-token-store"
-STORE_VERSION = 1
-_TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
+__all__ = ["TokenStore", "iter_documents", "load_tokenizer", "prepare_corpus", "tokenizer_hash"]
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -82,124 +87,6 @@ def tokenizer_hash(tok: PreTrainedTokenizerBase) -> str:
         "model": (spec.get("model") or {}).get("type"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------- sources
-
-
-def _resolve_paths(source: str) -> list[Path]:
-    p = Path(source)
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(_TEXT_SUFFIXES))
-        if not files:
-            raise UserError(f"directory {p} holds no .txt/.txt.gz/.jsonl/.jsonl.gz files; point at text files")
-        return files
-    if p.is_file():
-        return [p]
-    if any(ch in source for ch in "*?["):
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
-        if not files:
-            raise UserError(f"glob {source!r} matches no files; check the pattern")
-        return files
-    raise UserError(f"corpus source {source!r} not found; pass an existing file, directory, glob or hf:NAME")
-
-
-def _open_bytes(path: Path) -> io.BufferedIOBase:
-    """Open a (possibly gzipped) file for binary line reading, refusing binaries up front."""
-    raw = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
-    try:
-        head = raw.peek(8192)[:8192]
-    except BaseException:
-        raw.close()
-        raise
-    if b"\x00" in head:
-        raw.close()
-        raise UserError(f"{path} looks binary (NUL bytes); pass UTF-8 text or .jsonl files only")
-    return raw
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text without the newline) of a UTF-8 file; a bad byte names its line."""
-    with _open_bytes(path) as fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                yield lineno, raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                raise UserError(
-                    f"{path}:{lineno} is not UTF-8 text (bad byte at column {exc.start + 1}); convert "
-                    "the file (e.g. iconv -t utf-8) or leave it out"
-                ) from None
-
-
-def _text_docs(path: Path) -> Iterator[str]:
-    block: list[str] = []
-    for _, line in _lines(path):
-        if line.strip():
-            block.append(line)
-        elif block:
-            yield "\n".join(block)
-            block = []
-    if block:
-        yield "\n".join(block)
-
-
-def _jsonl_docs(path: Path, text_field: str) -> Iterator[str]:
-    for lineno, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise UserError(f"{path}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise UserError(f"{path}:{lineno} has no string field {text_field!r}; pass --text-field NAME")
-        if text.strip():
-            yield text
-
-
-def _hf_docs(spec: str, text_field: str) -> Iterator[str]:
-    name, _, split = spec[3:].partition("@")
-    name, _, config = name.partition(",")
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
-    except Exception as exc:
-        raise UserError(f"cannot load HF dataset {spec!r} ({first_line(exc)}); check the name or use local files") from None
-    for record in ds:
-        text = record.get(text_field)
-        if isinstance(text, str) and text.strip():
-            yield text
-
-
-def iter_documents(sources: list[str], text_field: str = "text") -> Iterator[str]:
-    """Yield documents from every source in order; decoding errors name the file and the fix."""
-    for source in sources:
-        if source.startswith("hf:"):
-            yield from _hf_docs(source, text_field)
-            continue
-        for path in _resolve_paths(source):
-            is_json = ".json" in path.name
-            docs = _jsonl_docs(path, text_field) if is_json else _text_docs(path)
-            try:
-                yield from docs
-            except (OSError, EOFError, zlib.error) as exc:  # gzip: BadGzipFile, EOFError, zlib.error
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UserError(f"cannot read {path} ({reason}); the file is damaged or truncated — restore it or leave it out") from None
-
-
-def _fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
-    items: list[Any] = []
-    for source in sources:
-        if source.startswith("hf:"):
-            items.append(source)
-            continue
-        for path in _resolve_paths(source):
-            st = path.stat()
-            items.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field, "v": STORE_VERSION}
-    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- the store
@@ -282,26 +169,21 @@ def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
     return n_tokens, n_docs
 
 
-def _write_store(tmp: Path, docs: Iterator[str], tok: PreTrainedTokenizerBase, chunk_docs: int) -> tuple[int, int]:
-    """Stream documents through the tokenizer into tmp/tokens.bin and tmp/offsets.bin."""
-    dtype = np.uint16 if len(tok) < 65536 else np.uint32
-    # A copy without the saved truncation/padding settings (MiniLM's truncates at 128).
-    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
-    backend.no_truncation()
-    backend.no_padding()
+def _write_store(tmp: Path, units: Iterator[Unit], tok: PreTrainedTokenizerBase, text_field: str,
+                 num_proc: int) -> tuple[int, int]:
+    """Tokenise `units` (on `num_proc` processes) into tmp/tokens.bin and tmp/offsets.bin."""
+    dtype = "uint16" if len(tok) < 65536 else "uint32"
     n_tokens, n_docs = 0, 0
+    parts = tokenise_units(units, tok.backend_tokenizer.to_str(), text_field, dtype, num_proc)
     with open(tmp / "tokens.bin", "wb") as ftok, open(tmp / "offsets.bin", "wb") as foff:
         np.zeros(1, dtype=np.int64).tofile(foff)
         bar = Progress(None, "tokenising", "doc")
-        for batch in _chunks(docs, chunk_docs):  # bounded memory: one chunk at a time
-            encodings = backend.encode_batch(batch, add_special_tokens=False)
-            lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-            if lengths.sum():
-                np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encodings]).tofile(ftok)
+        for ids, lengths in parts:  # in document order, one unit at a time
+            ids.tofile(ftok)
             (n_tokens + np.cumsum(lengths)).tofile(foff)
-            n_tokens += int(lengths.sum())
-            n_docs += len(batch)
-            bar.update(len(batch))
+            n_tokens += len(ids)
+            n_docs += len(lengths)
+            bar.update(len(lengths))
             bar.set_postfix(tokens=n_tokens)
         bar.close()
         ftok.flush()
@@ -309,17 +191,6 @@ def _write_store(tmp: Path, docs: Iterator[str], tok: PreTrainedTokenizerBase, c
         foff.flush()
         os.fsync(foff.fileno())
     return n_tokens, n_docs
-
-
-def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def prepare_corpus(
@@ -330,11 +201,14 @@ def prepare_corpus(
     text_field: str = "text",
     overwrite: bool = False,
     chunk_docs: int = 512,
+    num_proc: int | None = None,
 ) -> TokenStore:
     """Tokenise `sources` with `tokenizer` into a token store at `out` and return it.
 
     A no-op when `out` already holds a store of the same inputs. `tokenizer` is a fast HF
     tokenizer or a folder / hub id; it must have a mask token (the store feeds masked objectives).
+    `num_proc` tokenising processes (default: every CPU this process may use) write the same
+    store, byte for byte, as one.
     """
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
@@ -344,15 +218,36 @@ def prepare_corpus(
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     require_mask_token(tok)
     tok_hash = tokenizer_hash(tok)
-    fingerprint = _fingerprint(sources, tok_hash, text_field)
+    fp = fingerprint(sources, tok_hash, text_field)
     with locking.hold(out, "token store"):
         existing = _existing_store(out, overwrite)
         if existing is not None and not overwrite:
-            if existing.meta.get("fingerprint") == fingerprint:
+            legacy = lambda: legacy_fingerprint(sources, tok_hash, text_field)  # noqa: E731
+            if _same_inputs(existing, fp, legacy):
                 return existing
             raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite to replace it or choose another --out")
-        _build_store(out, sources, tok, tok_hash, text_field, fingerprint, chunk_docs)
+        num_proc = default_num_proc() if num_proc is None else num_proc
+        _build_store(out, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
     return TokenStore.open(out)
+
+
+def _same_inputs(store: TokenStore, fp: str, legacy: Callable[[], str]) -> bool:
+    """Whether `store` was built from inputs with content fingerprint `fp`.
+
+    A store written before content fingerprints carries only the (path, size, mtime) one; if
+    that matches, the content fingerprint is recorded as `input_fingerprint` so that the store
+    survives a re-mount or a move from then on. `fingerprint` itself is left alone: target
+    stores name their token store by it.
+    """
+    meta = store.meta
+    if fp in (meta.get("input_fingerprint"), meta.get("fingerprint")):
+        return True
+    if "input_fingerprint" in meta or meta.get("fingerprint") != legacy():
+        return False
+    meta["input_fingerprint"] = fp
+    with contextlib.suppress(OSError):  # a read-only store is still right, just not upgraded
+        atomic_write_text(store.path / "meta.json", json.dumps(meta, indent=2))
+    return True
 
 
 _STORE_FILES = {"meta.json", "tokens.bin", "offsets.bin", "tokenizer"}
@@ -368,7 +263,8 @@ def _guard_out(out: Path, sources: list[str]) -> None:
             continue
         root = Path(source).resolve()
         related = Path(source).is_dir() and (root == target or root in target.parents)
-        if related or any(target in f.resolve().parents or f.resolve() == target for f in _resolve_paths(source)):
+        files = resolve_paths(source)
+        if related or any(target in f.resolve().parents or f.resolve() == target for f in files):
             raise UserError(f"--out {out} overlaps the corpus source {source}; write the token store to a folder outside the sources")
         if target in root.parents:
             raise UserError(f"--out {out} contains the corpus source {source}; write the token store to a folder outside the sources")
@@ -401,11 +297,12 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 
 
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
-                 text_field: str, fingerprint: str, chunk_docs: int) -> None:
+                 text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
     """Write the store into a hidden sibling and swap it into place when complete."""
     tmp = make_temp_dir(out, "partial")
     try:
-        n_tokens, n_docs = _write_store(tmp, iter_documents(sources, text_field), tok, chunk_docs)
+        units = iter_units(sources, text_field, chunk_docs)
+        n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc)
         if n_tokens == 0:
             raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
         tok.save_pretrained(tmp / "tokenizer")
@@ -414,7 +311,8 @@ def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, to
             "dtype": "uint16" if len(tok) < 65536 else "uint32",
             "n_tokens": n_tokens, "n_docs": n_docs, "vocab_size": len(tok),
             "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
-            "sources": sources, "text_field": text_field, "fingerprint": fingerprint,
+            "sources": sources, "text_field": text_field,
+            "fingerprint": fp, "input_fingerprint": fp,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))

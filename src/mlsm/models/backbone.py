@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from mlsm.config import ModelConfig
 from mlsm.errors import UserError
-from mlsm.hf import load_config, load_model
+from mlsm.hf import first_line, load_config, load_model
 from mlsm.models.heads import mlm_head_fn
 
 
@@ -134,6 +135,16 @@ def quiet_head_mismatch(folder: str | Path, with_head: bool) -> Iterator[None]:
         yield
 
 
+def read_heads(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `folder/heads.safetensors`; a missing or damaged file is one line."""
+    path = Path(folder) / "heads.safetensors"
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{path} is missing or damaged ({first_line(exc)}); restore it from a "
+                        "copy or use another checkpoint of the run") from None
+
+
 def load_student_weights(student: Student, folder: Path) -> None:
     """Load weights written by `save_student` (exact: used for resume)."""
     state = load_file(folder / "model.safetensors")
@@ -143,4 +154,4 @@ def load_student_weights(student: Student, folder: Path) -> None:
     if unexpected or set(missing) - tied:
         raise UserError(f"checkpoint {folder} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume with the config the run was started with")
     if len(student.heads):
-        student.heads.load_state_dict(load_file(folder / "heads.safetensors"))
+        student.heads.load_state_dict(read_heads(folder))

@@ -198,6 +198,9 @@ def _validate(spec: StudySpec) -> None:
 def load_study(path: str | Path, out: str | None = None) -> StudySpec:
     """Read a study file; `out` (e.g. from --out) replaces the file's `out`."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"study file {p} is a folder; pass its YAML file, e.g. "
+                        "studies/cpu_replication.yaml")
     if not p.is_file():
         raise UserError(f"study file {p} not found; pass a YAML file such as studies/cpu_replication.yaml")
     try:

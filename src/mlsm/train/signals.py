@@ -1,9 +1,11 @@
-"""Graceful stop: SIGTERM (what schedulers and torchrun send) ends the run after the current
-step, with a checkpoint, instead of killing it mid-step."""
+"""Graceful stop: SIGTERM (what schedulers and torchrun send) and SIGINT (Ctrl-C) end the run
+after the current step, with a checkpoint, instead of killing it mid-step. A second SIGINT
+aborts at once (KeyboardInterrupt), for a user who does not want to wait for the step."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType
 
@@ -13,12 +15,18 @@ from mlsm.train.distributed import DistInfo, all_reduce_sum
 
 
 class StopOnSignal:
-    """Context manager; `requested(info, device)` is True on every rank once any rank got SIGTERM."""
+    """Context manager; `requested(info, device)` is True on every rank once any rank got one of
+    `signals` (SIGTERM, SIGINT)."""
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.signals, self.flag, self._old = signals, False, {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            if self.flag:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+            print("mlsm: stopping after this step with a checkpoint (Ctrl-C again to abort now)",
+                  file=sys.stderr, flush=True)
         self.flag = True
 
     def __enter__(self) -> StopOnSignal:

@@ -1,0 +1,206 @@
+"""Parallel tokenisation of corpus shards, in document order.
+
+The reader (the main process) cuts each source into *units*: a few hundred raw lines of one file
+(cut only where a document ends) or a batch of ready documents (`hf:` sources). A unit is turned
+into documents and token ids by `tokenise_unit`, either in-process or in a pool of worker
+processes; results come back in submission order, so the store is byte-identical whatever the
+number of processes. At most `2 x workers` units are in flight: memory stays bounded.
+
+Workers are forked on Linux (see `_context`) and run only this module's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from mlsm.errors import UserError
+
+# (kind, file label for messages, number of the first line, payload):
+#   kind "text": raw lines of a blank-line separated text file (bytes, newline kept)
+#   kind "jsonl": raw lines of a JSON-lines file, one record each
+#   kind "docs": decoded documents (strings), e.g. from an HF dataset
+Unit = tuple[str, str, int, list[Any]]
+
+_WORKER: dict[str, Any] = {}
+
+
+def default_num_proc() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _decoded(unit: Unit) -> Iterator[str]:
+    """Lines of a raw unit as text without the newline; a bad byte names FILE:LINE."""
+    _, label, first, lines = unit
+    for lineno, raw in enumerate(lines, first):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise UserError(
+                f"{label}:{lineno} is not UTF-8 text (bad byte at column {exc.start + 1}); convert "
+                "the file (e.g. iconv -t utf-8) or leave it out"
+            ) from None
+
+
+def _text_blocks(unit: Unit) -> Iterator[str]:
+    block: list[str] = []
+    for line in _decoded(unit):
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "\n".join(block)
+            block = []
+    if block:  # the reader cuts units only at blank lines, so this is the file's last block
+        yield "\n".join(block)
+
+
+def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str]:
+    label, first = unit[1], unit[2]
+    for lineno, line in enumerate(_decoded(unit), first):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise UserError(
+                f"{label}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(
+                f"{label}:{lineno} has no string field {text_field!r}; pass --text-field NAME")
+        if text.strip():
+            yield text
+
+
+def unit_documents(unit: Unit, text_field: str) -> Iterator[str]:
+    """The documents of one unit, in file order."""
+    if unit[0] == "text":
+        return _text_blocks(unit)
+    if unit[0] == "jsonl":
+        return _jsonl_texts(unit, text_field)
+    return iter(unit[3])
+
+
+def _init_worker(tokenizer_json: str, text_field: str, dtype: str) -> None:
+    # One thread per process: N workers each running a rayon pool would oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops us
+    # A handler inherited from the parent (a training loop's "stop at the next step") would keep
+    # Pool.terminate()'s SIGTERM from ending the worker.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker_state(tokenizer_json, text_field, dtype)
+
+
+def tokenise_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids of the unit's documents concatenated, (n_docs,) int64 document lengths)."""
+    docs = list(unit_documents(unit, _WORKER["text_field"]))
+    encodings = _WORKER["tokenizer"].encode_batch(docs, add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+    dtype = _WORKER["dtype"]
+    ids = [np.asarray(e.ids, dtype=dtype) for e in encodings]
+    return (np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)), lengths
+
+
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """TOKENIZERS_PARALLELISM=false for the duration (read by `tokenizers` at each batch call)."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
+                   num_proc: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`tokenise_unit` over `units`, in order, on `num_proc` processes (1: in this process).
+
+    A corpus of a single unit is tokenised in-process: a pool would only add its start-up time.
+    """
+    units = iter(units)
+    head = list(_take(units, 2))
+    if num_proc <= 1 or len(head) < 2:
+        saved = dict(_WORKER)
+        with _single_threaded():
+            _init_worker_state(tokenizer_json, text_field, dtype)
+            try:
+                for unit in itertools.chain(head, units):
+                    yield tokenise_unit(unit)
+            finally:
+                _WORKER.clear()
+                _WORKER.update(saved)
+        return
+    yield from _pool_map(itertools.chain(head, units), tokenizer_json, text_field, dtype, num_proc)
+
+
+def _init_worker_state(tokenizer_json: str, text_field: str, dtype: str) -> None:
+    # A copy without the saved truncation/padding settings (MiniLM's truncates at 128).
+    backend = Tokenizer.from_str(tokenizer_json)
+    backend.no_truncation()
+    backend.no_padding()
+    _WORKER.update(tokenizer=backend, text_field=text_field, dtype=np.dtype(dtype))
+
+
+def _take(it: Iterator[Unit], n: int) -> Iterator[Unit]:
+    for _ in range(n):
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+
+
+def _context() -> mp.context.BaseContext:
+    """fork where the OS has it: "spawn" (and "forkserver") re-run a user's script that calls
+    `prepare_corpus` without an `if __name__ == "__main__"` guard. Forking is safe here although
+    the parent may hold torch/OpenMP or rayon threads: a worker runs only `tokenizers` with its
+    parallelism off (set before the fork, so `tokenizers` does not warn) and numpy."""
+    if sys.platform.startswith("linux"):
+        return mp.get_context("fork")
+    return mp.get_context("spawn")  # macOS system libraries are not fork-safe; Windows has none
+
+
+def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
+              num_proc: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Ordered map with a bounded window (Pool.imap would read the whole corpus ahead).
+
+    An error while reading is raised only after the units read before it are tokenised, so the
+    first error reported is the one a single process would report.
+    """
+    pending: deque = deque()
+    with _single_threaded(), _context().Pool(num_proc, _init_worker,
+                                             (tokenizer_json, text_field, dtype)) as pool:
+        read_error: BaseException | None = None
+        while True:
+            while read_error is None and len(pending) < 2 * num_proc:
+                try:
+                    unit = next(units)
+                except StopIteration:
+                    break
+                except UserError as exc:
+                    read_error = exc
+                    break
+                pending.append(pool.apply_async(tokenise_unit, (unit,)))
+            if not pending:
+                break
+            yield pending.popleft().get()
+        if read_error is not None:
+            raise read_error

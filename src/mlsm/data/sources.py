@@ -1,0 +1,186 @@
+"""Corpus sources: files, directories, globs and `hf:` datasets, read as units of raw lines.
+
+Also the inputs' fingerprint, which decides whether an existing token store can be reused. It
+covers what decides the tokens — each file's bytes, how it is parsed, the source order, the
+tokenizer and the text field — and nothing else: not the absolute path, not the mtime. A
+re-mounted or moved corpus with the same bytes is the same input.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlsm.data.shards import Unit, unit_documents
+from mlsm.errors import UserError
+
+STORE_VERSION = 1
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
+UNIT_BYTES = 4 << 20  # a unit ends after this many raw bytes (or `chunk_docs` lines)
+HASH_WHOLE_BELOW = 64 << 20  # files up to this size are hashed whole
+EDGE_BYTES = 1 << 20  # larger files: their head and tail ...
+SAMPLES, SAMPLE_BYTES = 62, 64 << 10  # ... and this many blocks spread evenly in between
+
+
+def resolve_paths(source: str) -> list[Path]:
+    """The files a (non-hf) source names, sorted; a one-line error if there are none."""
+    p = Path(source)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(TEXT_SUFFIXES))
+        if not files:
+            raise UserError(f"directory {p} holds no .txt/.txt.gz/.jsonl/.jsonl.gz files; "
+                            "point at text files")
+        return files
+    if p.is_file():
+        return [p]
+    if any(ch in source for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
+        if not files:
+            raise UserError(f"glob {source!r} matches no files; check the pattern")
+        return files
+    raise UserError(f"corpus source {source!r} not found; pass an existing file, directory, "
+                    "glob or hf:NAME")
+
+
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    """Open a (possibly gzipped) file for binary line reading, refusing binaries up front."""
+    raw = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    try:
+        head = raw.peek(8192)[:8192]
+    except BaseException:
+        raw.close()
+        raise
+    if b"\x00" in head:
+        raw.close()
+        raise UserError(f"{path} looks binary (NUL bytes); pass UTF-8 text or .jsonl files only")
+    return raw
+
+
+def _kind(path: Path) -> str:
+    return "jsonl" if ".json" in path.name else "text"
+
+
+def _file_units(path: Path, chunk_lines: int) -> Iterator[Unit]:
+    """Raw lines of one file in units; a text unit ends only before an (ASCII-)blank line, so a
+    document never spans two units."""
+    kind, label = _kind(path), str(path)
+    lines: list[bytes] = []
+    size, first = 0, 1
+    with _open_bytes(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            full = len(lines) >= chunk_lines or size >= UNIT_BYTES
+            if full and (kind == "jsonl" or not raw.strip()):
+                yield kind, label, first, lines
+                lines, size, first = [], 0, lineno
+            lines.append(raw)
+            size += len(raw)
+    if lines:
+        yield kind, label, first, lines
+
+
+def _hf_units(spec: str, text_field: str, chunk_docs: int) -> Iterator[Unit]:
+    from mlsm.hf import first_line
+
+    name, _, split = spec[3:].partition("@")
+    name, _, config = name.partition(",")
+    try:
+        import datasets
+
+        # streaming: records are fetched as they are read, never materialised on disk or in RAM
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+    except Exception as exc:
+        raise UserError(f"cannot load HF dataset {spec!r} ({first_line(exc)}); check the name "
+                        "or use local files") from None
+    docs: list[str] = []
+    for record in ds:
+        text = record.get(text_field)
+        if isinstance(text, str) and text.strip():
+            docs.append(text)
+        if len(docs) == chunk_docs:
+            yield "docs", spec, 0, docs
+            docs = []
+    if docs:
+        yield "docs", spec, 0, docs
+
+
+def iter_units(sources: list[str], text_field: str = "text",
+               chunk_docs: int = 512) -> Iterator[Unit]:
+    """Every source's units in order; a damaged file is one line naming it."""
+    for source in sources:
+        if source.startswith("hf:"):
+            yield from _hf_units(source, text_field, chunk_docs)
+            continue
+        for path in resolve_paths(source):
+            try:
+                yield from _file_units(path, chunk_docs)
+            except (OSError, EOFError, zlib.error) as exc:  # gzip: BadGzipFile, EOFError, zlib
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise UserError(f"cannot read {path} ({reason}); the file is damaged or truncated "
+                                "— restore it or leave it out") from None
+
+
+def iter_documents(sources: list[str], text_field: str = "text") -> Iterator[str]:
+    """Yield documents from every source in order; decoding errors name the file and the fix."""
+    for unit in iter_units(sources, text_field):
+        yield from unit_documents(unit, text_field)
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of the file's bytes when it is small; else of its head, tail and evenly spread
+    sampled blocks (a fixed ~6 MiB whatever the size, so a 100 GB corpus costs no full read)."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if size <= HASH_WHOLE_BELOW:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+            return h.hexdigest()
+        step = (size - 2 * EDGE_BYTES - SAMPLE_BYTES) // (SAMPLES + 1)
+        spans = [(0, EDGE_BYTES), (size - EDGE_BYTES, EDGE_BYTES)]
+        spans += [(EDGE_BYTES + (i + 1) * step, SAMPLE_BYTES) for i in range(SAMPLES)]
+        for offset, length in spans:
+            fh.seek(offset)
+            h.update(fh.read(length))
+    return "sampled:" + h.hexdigest()
+
+
+def fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
+    """Content fingerprint of the inputs: per file (in source order) how it is parsed, its size
+    and `content_digest`; `hf:` sources by name."""
+    items: list[Any] = []
+    for source in sources:
+        if source.startswith("hf:"):
+            items.append(source)
+            continue
+        for path in resolve_paths(source):
+            gz = path.name.endswith(".gz")
+            items.append([_kind(path), gz, path.stat().st_size, content_digest(path)])
+    payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field,
+               "v": STORE_VERSION, "scheme": "content"}
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def legacy_fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
+    """The fingerprint stores written before the content scheme carry: (absolute path, size,
+    mtime) per file. Kept only to recognise those stores, never to write new ones."""
+    items: list[Any] = []
+    for source in sources:
+        if source.startswith("hf:"):
+            items.append(source)
+            continue
+        for path in resolve_paths(source):
+            st = path.stat()
+            items.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field,
+               "v": STORE_VERSION}
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]

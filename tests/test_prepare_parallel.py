@@ -1,0 +1,206 @@
+"""`prepare --num-proc`: the same store byte for byte on any number of processes, bounded
+read-ahead; and the content fingerprint (issue 21: a re-mounted corpus is not "other inputs")."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from mlsm.cli import main
+from mlsm.data import shards, sources
+from mlsm.data.corpus import TokenStore, prepare_corpus
+from mlsm.errors import UserError
+
+from .conftest import make_text
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """Uneven shards of both formats, and the documents they hold in reading order."""
+    root = tmp_path_factory.mktemp("shards")
+    docs: list[str] = []
+    for i, n in enumerate((23, 1, 57, 9)):
+        texts = make_text(n, seed=10 + i, sentences=2 + i)  # 3- and 5-line periods
+        if i % 2:
+            with gzip.open(root / f"s{i}.jsonl.gz", "wt", encoding="utf-8") as fh:
+                fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+            docs += texts
+        else:  # multi-line documents separated by blank lines (one holds only spaces)
+            blocks = [t.replace(". ", ".\n") for t in texts]
+            (root / f"s{i}.txt").write_text("\n \n".join(blocks) + "\n")
+            docs += blocks
+    return root, docs
+
+
+def _store_bytes(store: Path) -> dict[str, object]:
+    meta = json.loads((store / "meta.json").read_text())
+    meta.pop("created")
+    return {"tokens": (store / "tokens.bin").read_bytes(),
+            "offsets": (store / "offsets.bin").read_bytes(), "meta": meta}
+
+
+def test_any_num_proc_writes_the_same_store(shards_dir, tokenizer_dir: Path,
+                                            tmp_path: Path) -> None:
+    root, docs = shards_dir
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    stores = {}
+    for n in (1, 2, 3):  # chunk_docs=4: many units of uneven size per shard
+        out = tmp_path / f"p{n}"
+        store = prepare_corpus(str(root), str(tokenizer_dir), out, chunk_docs=4, num_proc=n)
+        assert [store.document(j).tolist() for j in range(store.n_docs)] == expected
+        stores[n] = _store_bytes(out)
+    assert stores[1] == stores[2] == stores[3]
+
+
+def test_cli_num_proc(shards_dir, tokenizer_dir: Path, tmp_path: Path) -> None:
+    root, _ = shards_dir
+    argv = ["prepare", str(root), "--tokenizer", str(tokenizer_dir), "--num-proc"]
+    assert main([*argv, "1", "--out", str(tmp_path / "a")]) == 0
+    assert main([*argv, "2", "--out", str(tmp_path / "b")]) == 0
+    assert _store_bytes(tmp_path / "a") == _store_bytes(tmp_path / "b")
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_read_ahead_is_bounded(tokenizer_dir: Path, num_proc: int) -> None:
+    """At most 2 x num_proc units are in flight: the corpus is streamed, never read ahead."""
+    pulled = []
+
+    def units():
+        for i in range(40):
+            pulled.append(i)
+            yield "docs", "mem", 0, [f"document number {i}"]
+
+    tok_json = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer.to_str()
+    out = shards.tokenise_units(units(), tok_json, "text", "uint16", num_proc=num_proc)
+    first = next(out)
+    assert len(first[1]) == 1 and len(pulled) <= 2 * num_proc + 2
+    assert sum(len(lengths) for _, lengths in out) == 39
+    out.close()
+
+
+def test_worker_errors_name_the_right_line(tokenizer_dir: Path, tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"doc {i}"}) for i in range(30)]
+    lines[21] = '{"text": "broken'
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"c\.jsonl:22 is not valid JSON") as info:
+        prepare_corpus(str(tmp_path / "c.jsonl"), str(tokenizer_dir), tmp_path / "s",
+                       chunk_docs=4, num_proc=2)
+    assert "\n" not in str(info.value) and not (tmp_path / "s").exists()
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def _small_corpus(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "a.txt").write_text("\n\n".join(make_text(30, seed=3)) + "\n")
+    return path
+
+
+def test_same_bytes_new_mtime_and_new_path_are_the_same_input(tokenizer_dir: Path,
+                                                              tmp_path: Path) -> None:
+    corpus = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "store"
+    prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    stamp = (out / "meta.json").stat().st_mtime_ns
+    os.utime(corpus / "a.txt", ns=(1_000_000_000, 1_000_000_000))  # a re-mount: new mtime
+    moved = Path(shutil.copytree(corpus, tmp_path / "elsewhere" / "corpus"))  # and a new path
+    for src in (corpus, moved):
+        prepare_corpus(str(src), str(tokenizer_dir), out, num_proc=1)
+        assert (out / "meta.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_one_changed_byte_is_another_input(tokenizer_dir: Path, tmp_path: Path) -> None:
+    corpus = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "store"
+    prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    data = bytearray((corpus / "a.txt").read_bytes())
+    st = (corpus / "a.txt").stat()
+    middle = len(data) // 2
+    data[middle] = ord("x") if data[middle] != ord("x") else ord("y")
+    (corpus / "a.txt").write_bytes(bytes(data))
+    os.utime(corpus / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    argv = ["prepare", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out)]
+    with pytest.raises(UserError, match="already holds a token store of other inputs"):
+        prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    assert main(argv) == 2
+
+
+def test_source_order_matters(tokenizer_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("first document here\n")
+    (tmp_path / "b.txt").write_text("second document there\n")
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    prepare_corpus([a, b], str(tokenizer_dir), tmp_path / "s", num_proc=1)
+    with pytest.raises(UserError, match="other inputs"):
+        prepare_corpus([b, a], str(tokenizer_dir), tmp_path / "s", num_proc=1)
+
+
+def test_legacy_store_is_reused_and_upgraded(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A store written with the (path, size, mtime) fingerprint is reused when that still
+    matches, and from then on survives a new mtime; its `fingerprint` (which target stores
+    reference) is kept."""
+    corpus = _small_corpus(tmp_path / "corpus")
+    out = tmp_path / "store"
+    store = prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    legacy = sources.legacy_fingerprint([str(corpus)], store.tokenizer_hash, "text")
+    meta = {**store.meta, "fingerprint": legacy}
+    del meta["input_fingerprint"]
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))  # as an older mlsm wrote it
+    tokens = (out / "tokens.bin").stat().st_mtime_ns
+    again = prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    assert again.meta["fingerprint"] == legacy and again.meta["input_fingerprint"] != legacy
+    os.utime(corpus / "a.txt", ns=(1_000_000_000, 1_000_000_000))
+    prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
+    assert (out / "tokens.bin").stat().st_mtime_ns == tokens  # never rebuilt
+    assert TokenStore.open(out).meta["fingerprint"] == legacy
+
+
+def test_large_files_are_sampled_head_tail_and_middle(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sources, "HASH_WHOLE_BELOW", 1000)
+    monkeypatch.setattr(sources, "EDGE_BYTES", 100)
+    monkeypatch.setattr(sources, "SAMPLE_BYTES", 10)
+    monkeypatch.setattr(sources, "SAMPLES", 4)
+    data = np.random.default_rng(0).integers(97, 123, 5000, dtype=np.uint8).tobytes()
+    path = tmp_path / "big.txt"
+    path.write_bytes(data)
+    base = sources.content_digest(path)
+    assert base.startswith("sampled:")
+    step = (5000 - 2 * 100 - 10) // 5
+    for at in (0, 4999, 100 + step + 3, 100 + 4 * step + 9):  # head, tail, first and last sample
+        changed = bytearray(data)
+        changed[at] ^= 1
+        path.write_bytes(bytes(changed))
+        assert sources.content_digest(path) != base, at
+    path.write_bytes(data)
+    assert sources.content_digest(path) == base
+
+
+def test_a_script_without_main_guard_can_prepare(shards_dir, tokenizer_dir: Path,
+                                                 tmp_path: Path) -> None:
+    """Users call `prepare_corpus` from plain scripts; a "spawn" pool would re-run the script in
+    every worker and fail (RuntimeError: "...before the current process has finished its
+    bootstrapping phase")."""
+    import subprocess
+    import sys
+
+    root, docs = shards_dir
+    script = tmp_path / "make_store.py"
+    script.write_text(
+        "from mlsm.data.corpus import prepare_corpus\n"
+        f"store = prepare_corpus({str(root)!r}, {str(tokenizer_dir)!r}, {str(tmp_path / 's')!r},"
+        " chunk_docs=4, num_proc=2)\n"
+        "print(store.n_docs)\n"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == [str(len(docs))], proc.stderr[-2000:]
