@@ -20,9 +20,19 @@ atoms entering per step:
 
 Every step decreases the objective, so the method ends; the few steps (about nnz/q) each cost
 one pass over (rows, k), which is what makes it faster than following the homotopy path one
-event at a time. The small (|A| × |A|) algebra is float64; the wide (rows, k) work uses the
-input dtype. Rows flagged as failed (a violating atom numerically in the span of A, or the step
-cap) are left to the caller's fallback.
+event at a time. The compiled CPU kernel (`active_set_cpu`) follows steps 1–4 exactly.
+
+`active_set_batched` (every device but the CPU) runs the same method as fixed-shape steps, so
+that no step reads a value on the host and a call issues the same operators whatever its rows
+(a GPU pays per kernel launch and per device→host synchronisation, not only per FLOP): every row
+has S slots; each step re-factors G_AA by a batched Cholesky (identity on empty slots) instead
+of rank-one updates, takes one Lawson–Hanson step (a row with a negative z interpolates and drops
+its blocking atoms, and lets nothing enter), then lets the top-q violators of the other rows
+enter all at once (q doubles while no interpolation was needed, else falls to 1, where
+Lawson–Hanson guarantees progress). A finished row is a fixed point of a step, so the loop runs a
+fixed number of steps (`BATCHED_STEPS`) with no data-dependent exit, and is CUDA-graph capturable.
+The small algebra is float64. Rows flagged as failed (a numerically singular G_AA, more than S
+atoms, or not optimal after the last step) are left to the caller's fallback.
 """
 
 from __future__ import annotations
