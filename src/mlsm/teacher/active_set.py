@@ -111,16 +111,21 @@ def _lawson_hanson(idx: torch.Tensor, alpha: torch.Tensor, G64: torch.Tensor, cp
 
     z = G_AA⁻¹(c_A − λ) by a batched Cholesky of G_AA (identity on empty slots). Where z > 0 on
     A, α ← z; else α ← α + t(z − α) with t = min α_s/(α_s − z_s) over z_s ≤ 0, and the atoms that
-    reach 0 there leave. Returns (moved (m,): took the interpolation step, bad (m,): G_AA is
-    numerically singular)."""
+    reach 0 there leave. Returns (moved (m,): α is not yet optimal on A, so nothing may enter;
+    bad (m,): the Cholesky factorisation failed)."""
     sl = idx[:, :-1]  # (m, S)
     ok = sl < k
     Gaa = G64[sl[:, :, None], sl[:, None, :]]  # (m, S, S) G_AA; empty slots read the zero row k
     Gaa.diagonal(dim1=1, dim2=2).add_(~ok)  # identity on empty slots
     L, info = torch.linalg.cholesky_ex(Gaa)
     # an atom whose Schur complement given the slots before it, L_ii², is rounding noise relative to
-    # G_jj is numerically in their span (G is only known to float32 precision): hand the row over
-    weak = (L.diagonal(dim1=1, dim2=2).square() <= 1e-5 * Gaa.diagonal(dim1=1, dim2=2)).any(1)
+    # G_jj is numerically in their span (G is only known to float32 precision): it leaves, and the row
+    # G_jj: such atoms leave (their twin stays), and the row skips this step's update
+    cols = torch.arange(sl.shape[1], device=sl.device)
+    piv = torch.where(cols < torch.where(info > 0, info - 1, sl.shape[1])[:, None], L.diagonal(dim1=1, dim2=2), 0.0)
+    weak_slot = ok & (piv.square() <= 1e-5 * Gaa.diagonal(dim1=1, dim2=2))  # first failed pivot included
+    weak_slot &= weak_slot.cumsum(1) == 1  # only the first: later ones are judged once it has left
+    weak = weak_slot.any(1, keepdim=True)
     rhs = cpad.gather(1, sl).unsqueeze(2)  # (m, S, 1) c_A − λ, 0 on empty slots
     # two triangular solves: cholesky_solve would read its error flags on the host
     z = torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, rhs, upper=False), upper=True).squeeze(2)
@@ -128,12 +133,13 @@ def _lawson_hanson(idx: torch.Tensor, alpha: torch.Tensor, G64: torch.Tensor, cp
     neg = ok & (z <= 0)
     ratio = torch.where(neg, a / (a - z).clamp(min=1e-300), float("inf"))
     t = ratio.amin(1, keepdim=True)  # (m, 1); inf: no blocking atom
-    moved = t.squeeze(1).isfinite()
-    a.copy_(torch.where(moved[:, None], a + t.clamp(max=1.0) * (z - a), z).clamp_(min=0).mul_(ok))
-    leave = neg & (ratio <= t)
+    moved = t.isfinite()
+    step = torch.where(moved, a + t.clamp(max=1.0) * (z - a), z).clamp_(min=0)
+    a.copy_(torch.where(weak, a, step).mul_(ok))
+    leave = torch.where(weak, weak_slot, neg & (ratio <= t))
     sl.masked_fill_(leave, k)
     a.masked_fill_(leave, 0.0)
-    return moved, (info > 0) | weak
+    return (moved | weak).squeeze(1), (info > 0) & ~weak.squeeze(1)
 
 
 def _violators(idx: torch.Tensor, alpha: torch.Tensor, G64: torch.Tensor, cpad: torch.Tensor,
