@@ -111,10 +111,10 @@ def test_same_codes_as_the_compiled_kernel_on_minilm_states() -> None:
     from mlsm.teacher.teacher import load_teacher
 
     teacher = load_teacher(None, 5)
-    atoms = _states(teacher, "train", 60)
+    atoms = _states(teacher, "train", 16)  # ~2,000 states
     pick = torch.randperm(len(atoms), generator=torch.Generator().manual_seed(0))[:1536]
     D = atoms[pick].T.contiguous()  # (384, 1536): a real dictionary of the teacher's space
-    X = _states(teacher, "valid", 8)[:512]
+    X = _states(teacher, "valid", 3)[:256]
     c, Gp, k = X @ D, padded_gram(D=D), D.shape[1]
     # At a tight tolerance the optimum is unique: the same support, values to 1e-4 relative.
     ref = _dense(active_set_rows(c, Gp, LAM, 1e-7, 1000, 8, None), k)
