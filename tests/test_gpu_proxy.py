@@ -125,3 +125,23 @@ def test_same_codes_as_the_compiled_kernel_on_minilm_states() -> None:
     # At the default tolerance every row is exact by the caller's own check (no fallback needed).
     _, viol = sc._checked(active_set_fixed(c, Gp, LAM, sc.TOL), c, Gp, LAM)
     assert (viol <= sc.TOL).all()
+
+
+def test_warm_start_only_saves_steps() -> None:
+    X, D = _problem(200, d=64, k=256, seed=5)
+    c, Gp, k = X @ D, padded_gram(D=D), D.shape[1]
+    ref = _dense(active_set_rows(c, Gp, LAM, 1e-9, 1000, 8, None), k)
+    vals, atoms = ref.topk(int((ref > 0).sum(1).max()), dim=1)
+    exact = torch.where(vals > 0, atoms, -1)  # the supports, largest first
+    # from the exact supports one step finishes every row, from scratch none
+    one = _dense(active_set_fixed(c, Gp, LAM, 1e-9, 1, warm=exact), k)
+    assert torch.equal(one > 0, ref > 0)
+    torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-6)
+    assert (_dense(active_set_fixed(c, Gp, LAM, 1e-9, 1), k) > 0).sum(1).max() <= 16
+    # bad guesses (repeats, "none" markers, out-of-range atoms) cost steps, not exactness
+    g = torch.Generator().manual_seed(5)
+    junk = torch.randint(-2, k + 3, (X.shape[0], 24), generator=g)
+    junk[:, 1] = junk[:, 0]
+    ours = _dense(active_set_fixed(c, Gp, LAM, 1e-9, warm=junk), k)
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-7)
