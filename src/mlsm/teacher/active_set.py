@@ -68,8 +68,9 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
     codes of the same rows, most important first: the method then starts from their first
     `WARM_MAX` atoms instead of from α = 0.
     Returns (idx (n, S), alpha (n, S), fail (n,)) as `homotopy.homotopy` does: row i's code has
-    alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
-    KKT gradient above `tol`.
+    alpha[i, s] at atom idx[i, s] (k on empty slots). On CPU a row that is not failed has no atom
+    with KKT gradient above `tol`; the fixed-shape path flags no row (it would cost a sync to
+    know), so callers check the codes themselves, as `sparse_coding.encode_with_gram` does.
 
     On CPU every row runs to its own end in compiled code (`active_set_cpu`, 3–4× faster there);
     on other devices (CUDA) all rows go in lock-step through `active_set_fixed.active_set_fixed`:
