@@ -68,11 +68,14 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
     codes of the same rows, most important first: the method then starts from their first
     `WARM_MAX` atoms instead of from α = 0.
     Returns (idx (n, S), alpha (n, S), fail (n,)) as `homotopy.homotopy` does: row i's code has
-    alpha[i, s] at atom idx[i, s] (k on empty slots). A row that is not failed has no atom with
-    KKT gradient above `tol`.
+    alpha[i, s] at atom idx[i, s] (k on empty slots). On CPU a row that is not failed has no atom
+    with KKT gradient above `tol`; the fixed-shape path flags no row (it would cost a sync to
+    know), so callers check the codes themselves, as `sparse_coding.encode_with_gram` does.
 
     On CPU every row runs to its own end in compiled code (`active_set_cpu`, 3–4× faster there);
-    on other devices all rows go in lock-step through `active_set_batched`.
+    on other devices (CUDA) all rows go in lock-step through `active_set_fixed.active_set_fixed`:
+    a fixed sequence of operators with no host synchronisation (GPUs pay per launch and per sync).
+    `active_set_batched` is the earlier lock-step path, kept as an option.
     """
     if warm is not None:
         warm = warm[:, :WARM_MAX]
@@ -80,7 +83,9 @@ def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_st
         from mlsm.teacher.active_set_cpu import active_set_rows  # numba: imported when first needed
 
         return active_set_rows(c, Gp, lam, tol, max_steps, q_max, warm)
-    return active_set_batched(c, Gp, lam, tol, max_steps, q_max, warm)
+    from mlsm.teacher.active_set_fixed import active_set_fixed
+
+    return active_set_fixed(c, Gp, lam, tol, warm=warm)
 
 
 def active_set_batched(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
