@@ -48,7 +48,7 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     log = study.root / "logs" / f"pretrain-{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe the CPU
+    if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"]
     with log.open("a") as fh:
