@@ -61,7 +61,8 @@ def test_without_local_data_the_hub_datasets_are_used_when_reachable(tmp_path) -
     assert select_eval_data(None, online=lambda: True, log=logged.append) == ("", "nyu-mll/blimp")
     # only BLiMP local: SST-2 from the Hub, BLiMP from the folder
     shared = _shared(tmp_path, glue=False, blimp=True)
-    assert select_eval_data(shared, online=lambda: True, log=logged.append) == ("", str(shared / "blimp"))
+    chosen = select_eval_data(shared, online=lambda: True, log=logged.append)
+    assert chosen == ("", str(shared / "blimp"))
     assert logged == []
 
 
@@ -88,11 +89,13 @@ def _blimp_row(arm: str, overall: float, top1: float) -> dict:
 
 
 def test_summary_skips_nan_rows_with_one_warning(tmp_path) -> None:
-    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None, 8, 4, 2, 3)
+    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None,
+                      8, 4, 2, 3)
     study = Study(spec, log=lambda s: None)
     (study.root / "blimp").mkdir()
     (study.root / "blimp" / "mlm@100pct.json").write_text(json.dumps(_blimp_row("mlm", 0.71, 0.25)))
-    (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(_blimp_row("mlsm", math.nan, math.nan)))
+    nan_row = _blimp_row("mlsm", math.nan, math.nan)
+    (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(nan_row))
     rows = [{"model": "mlm@100%", "task": "sst2", "metric": "acc", "seed": s, "value": v}
             for s, v in enumerate([0.6, math.nan, 0.7])]
     study.results.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN

@@ -35,7 +35,8 @@ from mlsm.study.spec import StudySpec, study_from_dict
 # Sizes fixed from training signals only (pre-training loss and masked-LM loss on held-out
 # chunks of the *training* documents, never the pairs' documents): see docs/study.md.
 STUDENT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-           "intermediate_size": 512, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+           "intermediate_size": 512, "hidden_dropout_prob": 0.0,
+           "attention_probs_dropout_prob": 0.0}
 """No dropout: minutes of training on a tiny model underfit; dropout would only slow them
 (Geiping & Goldstein 2023 drop it for short budgets too)."""
 STEPS, BATCH, LR, WARMUP = 500, 16, 2e-3, 0.05
