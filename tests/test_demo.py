@@ -115,3 +115,34 @@ def test_binomial_p_is_scipys_two_sided_test(k, n, expected) -> None:
 
     assert binomial_p(k, n, 0.5) == pytest.approx(expected, abs=1e-4)
     assert math.isnan(binomial_p(0, 0, 0.5))
+
+
+def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_path) -> None:
+    """A scorer that predicts the training store's unigram distribution scores exactly the
+    reported unigram baseline on the same targets (loss, top-1, p = 1): the baseline is computed
+    on the targets the model is scored on."""
+    from mlsm.config import config_from_dict
+    from mlsm.data.corpus import TokenStore
+    from mlsm.evaluate.probe_fit import unigram_log_probs
+    from mlsm.study.stages import heldout_masked_tokens
+    from mlsm.train.loop import pretrain
+    from tests.conftest import TINY_MODEL
+
+    cfg = config_from_dict({
+        "data": {"store": str(store_dir), "max_len": 32},
+        "model": {"arch": "bert", "overrides": dict(TINY_MODEL)},
+        "train": {"steps": 2, "batch_size": 4, "out": str(tmp_path / "run"), "readiness": [1.0],
+                  "device": "cpu"}})
+    pretrain(cfg)
+    store = TokenStore.open(store_dir)
+    unigram = unigram_log_probs(store, len(store.load_tokenizer()))  # (V,)
+
+    class UnigramScorer:
+        def logits_at(self, input_ids, attention_mask, select):
+            return unigram.expand(int(select.sum()), -1)  # (N, V)
+
+    ck = tmp_path / "run" / "checkpoints" / "step-0000002"
+    h = heldout_masked_tokens(UnigramScorer(), ck, 3, 4, store=str(store_dir))
+    assert h["n"] > 0
+    assert h["loss"] == pytest.approx(h["unigram_loss"], rel=1e-5)
+    assert h["top1"] == h["unigram_top1"] and h["p_vs_unigram"] == pytest.approx(1.0)
