@@ -184,9 +184,10 @@ def _probe(a: argparse.Namespace) -> None:
 
 
 def _demo(a: argparse.Namespace) -> None:
-    from mlsm.demo import run_demo
+    from mlsm.demo import BATCH, STEPS, run_demo
 
-    run_demo(a.out, corpus=a.corpus, data=a.data, steps=a.steps, batch=a.batch, seeds=a.seeds, blimp_pairs=a.blimp_pairs)
+    run_demo(a.out, corpus=a.corpus, data=a.data, steps=a.steps or STEPS, batch=a.batch or BATCH,
+             seeds=a.seeds, blimp_pairs=a.blimp_pairs)
 
 
 def _blimp(a: argparse.Namespace) -> None:
@@ -293,11 +294,16 @@ def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
     p.add_argument("--out", default="runs/demo", type=out_dir, help="where everything goes (re-running resumes)")
     p.add_argument("--corpus", default=None, help="text files / hf:NAME (default: Python's own documentation prose)")
-    p.add_argument("--data", default=None, help="folder with glue/ and blimp/ (default: ../shared/data if present)")
-    p.add_argument("--steps", type=positive_int, default=300, help="pre-training steps per student")
-    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    p.add_argument("--data", default=None,
+                   help="folder with glue/ and blimp/ (default: ../shared/data if present, "
+                        "else HF datasets when the Hub is reachable)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="pre-training steps per student (default: mlsm.demo.STEPS)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="sequences per step (default: mlsm.demo.BATCH)")
     p.add_argument("--seeds", type=positive_int, default=2, help="fine-tuning seeds per model")
-    p.add_argument("--blimp-pairs", type=positive_int, default=20, help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
+    p.add_argument("--blimp-pairs", type=positive_int, default=10,
+                   help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
     return _demo
 
 

@@ -4,14 +4,15 @@ The demo is a small study (`mlsm.study`, the code path of `mlsm study`):
 1. corpus: English prose every Python installation carries (pydoc's topic pages and the standard
    library's docstrings), or --corpus PATH / hf:NAME; 300 documents are held out;
 2. a token store with the packaged all-MiniLM-L6-v2 tokenizer (student and teacher must agree);
-3. a dictionary (k = 4d = 1536, λ = 0.05) on the teacher's layer-5 states;
-4. two tiny students pre-trained on identical batches: MLSM and MLM;
+3. a dictionary (k = 512, λ = 0.05) on the teacher's layer-3 states;
+4. two tiny students pre-trained on identical batches, at once: MLSM and MLM;
 5. the MLSM model's linear probe, trained to a held-out plateau, so both can be scored by PLL;
 6. zero-shot minimal pairs from the held-out prose (a real sentence vs its words shuffled, vs two
-   words swapped) scored by PLL, and held-out masked-token accuracy — signal even offline;
-   with GLUE / BLiMP data (--data, ../shared/data, or HF `datasets` when online) also SST-2
-   fine-tuning with paired seeds and a BLiMP subset;
-7. the study report (Markdown + PNGs) and a summary table.
+   words swapped) scored by PLL, and masked-token accuracy on the held-out prose next to the
+   unigram's, each with a binomial test — signal even offline; with GLUE / BLiMP data (--data,
+   ../shared/data, or HF `datasets` when the Hub is reachable) also SST-2 fine-tuning with
+   paired seeds and a BLiMP subset;
+7. the study report (Markdown + PNGs) and a summary with every stage's time.
 Every stage is skipped when its output already exists, so an interrupted demo resumes.
 """
 
@@ -19,16 +20,41 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
 
-STUDENT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 512}
+# Sizes fixed from training signals only (pre-training loss and masked-LM loss on held-out
+# chunks of the *training* documents, never the pairs' documents): see docs/study.md.
+STUDENT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 512, "hidden_dropout_prob": 0.0,
+           "attention_probs_dropout_prob": 0.0}
+"""No dropout: minutes of training on a tiny model underfit; dropout would only slow them
+(Geiping & Goldstein 2023 drop it for short budgets too)."""
+STEPS, BATCH, LR, WARMUP = 500, 16, 2e-3, 0.05
+DICTIONARY = {"layer": 3, "k": 512, "lam": 0.05}
+"""The MLSM arm's teacher layer (early exit: 3 of MiniLM's 6 layers) and k (a third of Berend
+2023's 4d = 1536): the teacher's forward and the k x |V| probe dominate the MLSM arm's cost."""
+N_VECTORS = 4096
+HELD_OUT = 300
+"""Documents held out of the corpus: the minimal pairs and the held-out masked tokens."""
+NOTES = ("Tiny students (2 layers x 128, no dropout, sequences of 64, batch 16, AdamW lr 2e-3 "
+         "with 5 % warmup) pre-trained for minutes, both arms at "
+         "once on one thread each; sizes, steps and lr fixed from training signals only "
+         "(pre-training loss and masked-LM loss on held-out chunks of the training documents, "
+         "never the evaluation text). MLSM: the teacher's layer 3, k = 512, lambda = 0.05. "
+         "SST-2 (when its data is there): lr 1e-4 for 2 epochs on <= 1000 examples, fixed a "
+         "priori. Zero-shot pairs: a sentence of the held-out documents vs the same words "
+         "shuffled, and vs two of its words swapped (PLL, chance 50 %); held-out masked tokens "
+         "come from the same held-out documents.")
 
 
 def stdlib_prose(min_words: int = 20) -> list[str]:
@@ -52,8 +78,9 @@ def stdlib_prose(min_words: int = 20) -> list[str]:
     return docs
 
 
-def _write_corpus(out: Path, held_out: int = 300) -> tuple[Path, list[str]]:
-    """Training text (blank-line separated) and held-out documents for the word-order task."""
+def _write_corpus(out: Path, held_out: int = HELD_OUT) -> tuple[Path, list[str]]:
+    """Training text (blank-line separated) and the held-out documents (never trained on): the
+    source of the minimal pairs and of the held-out masked-token score."""
     docs = stdlib_prose()
     random.Random(0).shuffle(docs)
     train, held = docs[held_out:], docs[:held_out]
@@ -62,6 +89,19 @@ def _write_corpus(out: Path, held_out: int = 300) -> tuple[Path, list[str]]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n\n".join(train) + "\n")
     return path, held
+
+
+def _heldout_store(held: list[str], out: Path) -> Path:
+    """A token store of the held-out documents, for the held-out masked-token score."""
+    from mlsm.data.corpus import prepare_corpus
+    from mlsm.teacher.teacher import default_teacher_path
+
+    text = out / "corpus" / "heldout_prose.txt"
+    if not text.exists():
+        text.parent.mkdir(parents=True, exist_ok=True)
+        text.write_text("\n\n".join(held) + "\n")
+    prepare_corpus([str(text)], str(default_teacher_path()), out / "heldout_store")
+    return out / "heldout_store"
 
 
 def _word_order_task(held: list[str], out: Path, n: int = 1600) -> Path:
@@ -90,77 +130,111 @@ def _word_order_task(held: list[str], out: Path, n: int = 1600) -> Path:
 
 def find_shared_data(explicit: str | None) -> Path | None:
     """A folder with glue/ and/or blimp/ (like ../shared/data), if one is given or nearby."""
-    candidates = [Path(explicit)] if explicit else [Path.cwd() / "../shared/data", Path(__file__).resolve().parents[3] / "../shared/data"]
+    here = Path(__file__).resolve().parents[3] / "../shared/data"
+    candidates = [Path(explicit)] if explicit else [Path.cwd() / "../shared/data", here]
     for path in candidates:
         if (path / "glue").is_dir() or (path / "blimp").is_dir():
             return path.resolve()
     if explicit:
-        raise UserError(f"--data {explicit} has neither glue/ nor blimp/; point it at a folder holding them")
+        raise UserError(f"--data {explicit} has neither glue/ nor blimp/; "
+                        "point it at a folder holding them")
     return None
 
 
-def _online() -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether HF `datasets` may download: never with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set
+    (then no connection is even tried), else a TCP connection to the Hub within `timeout`."""
     import os
+    import socket
 
-    return not any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    flags = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    if any(os.environ.get(v, "") not in ("", "0") for v in flags):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
-def demo_study(out: Path, corpus: str, pairs: Path, shared: Path | None, steps: int, batch: int,
-               seeds: int, blimp_pairs: int, dictionary_vectors: int) -> StudySpec:
-    """The demo as a study: MLM vs MLSM (l = 5) on identical batches, the same stages as `mlsm study`."""
-    if shared is not None and (shared / "glue" / "SST-2").is_dir():
-        glue: str | None = str(shared / "glue")
-    else:
-        glue = "" if _online() else None  # "" = HF datasets (nyu-mll/glue)
-    blimp = [str(pairs)]
-    if shared is not None and (shared / "blimp").is_dir():
-        blimp.append(str(shared / "blimp"))
-    elif _online():
-        blimp.append("nyu-mll/blimp")
+def select_eval_data(shared: Path | None, online: Callable[[], bool] = hub_reachable,
+                     log: Callable[[str], None] = print) -> tuple[str | None, str | None]:
+    """(GLUE folder or "" = HF `datasets` nyu-mll/glue or None = no SST-2; BLiMP folder or
+    "nyu-mll/blimp" or None): local data first, else the Hub when reachable, else neither with
+    one line saying so. `online` is asked at most once, and only when local data is missing."""
+    glue = str(shared / "glue") if shared and (shared / "glue" / "SST-2").is_dir() else None
+    blimp = str(shared / "blimp") if shared and (shared / "blimp").is_dir() else None
+    if glue is None or blimp is None:
+        if online():
+            glue = "" if glue is None else glue
+            blimp = "nyu-mll/blimp" if blimp is None else blimp
+        else:
+            missing = " and ".join(n for n, v in (("SST-2", glue), ("BLiMP", blimp)) if v is None)
+            log(f"demo: no local data for {missing} and the HF Hub is offline or unreachable: "
+                f"skipping {missing} (pass --data PATH holding glue/ and blimp/ to include them)")
+    return glue, blimp
+
+
+def demo_study(out: Path, corpus: str, pairs: Path, heldout: Path, glue: str | None,
+               blimp_data: str | None, steps: int, batch: int, seeds: int,
+               blimp_pairs: int) -> StudySpec:
+    """The demo as a study: MLM vs MLSM on identical batches, the same stages as `mlsm study`."""
+    blimp = [str(pairs)] + ([blimp_data] if blimp_data is not None else [])
     return study_from_dict({
-        "name": "demo", "out": str(out),
-        "notes": "Tiny students (2 layers x 128) pre-trained for minutes; fixed a priori: lr 1e-3 with 5 % warmup, "
-                 "fine-tuning lr 1e-4 for 3 epochs on <= 2000 examples. Zero-shot pairs: a held-out sentence of "
-                 "prose vs the same words shuffled, and vs two of its words swapped (PLL, no training).",
+        "name": "demo", "out": str(out), "notes": NOTES,
         "corpus": {"sources": [corpus]},
-        "base": {"data": {"max_len": 128, "seed": 0}, "model": {"arch": "bert", "overrides": dict(STUDENT)},
-                 "optim": {"lr": 1e-3, "warmup": 0.05}, "train": {"steps": steps, "batch_size": batch, "log_every": 5}},
+        "base": {"data": {"max_len": 64, "seed": 0},
+                 "model": {"arch": "bert", "overrides": dict(STUDENT)},
+                 "optim": {"lr": LR, "warmup": WARMUP},
+                 "train": {"steps": steps, "batch_size": batch, "log_every": 10}},
         "readiness": [0.5, 1.0],
-        "arms": {"mlsm": {"objective": {"name": "mlsm"}, "dictionary": {"layer": 5, "k": 1536, "lam": 0.05}},
+        "arms": {"mlsm": {"objective": {"name": "mlsm"}, "dictionary": dict(DICTIONARY)},
                  "mlm": {"objective": {"name": "mlm"}}},
-        "dictionary": {"n_vectors": dictionary_vectors},
-        # one input kind: on demo-sized students the three kinds tie (measured: 5.874 nats each after
-        # 30 steps, unigram 6.206), and each candidate costs a k x |V| = 1536 x 30522 update per step
-        "probe": {"inputs": ["probs"], "max_steps": 90, "eval_every": 15, "patience": 2, "heldout_batches": 4, "batch_size": 8},
-        "finetune": {"tasks": ["sst2"] if glue is not None else [], "data_dir": glue or "", "readiness": [1.0],
-                     "seeds": seeds, "lrs": [1e-4], "epochs": 3, "max_train_examples": 2000},
-        "blimp": {"data": blimp, "readiness": [1.0], "limits": [0] + [blimp_pairs] * (len(blimp) - 1)},
-        "executor": {"kind": "local", "threads": 0},
+        "dictionary": {"n_vectors": N_VECTORS, "max_len": 64},
+        # one input kind: on demo-sized students the three kinds tie (measured: 5.874 nats each
+        # after 30 steps, unigram 6.206), and each candidate costs a k x |V| update per step
+        "probe": {"inputs": ["probs"], "max_steps": 150, "eval_every": 25, "patience": 2,
+                  "heldout_batches": 8, "batch_size": 16},
+        "finetune": {"tasks": ["sst2"] if glue is not None else [], "data_dir": glue or "",
+                     "readiness": [1.0], "seeds": seeds, "lrs": [1e-4], "epochs": 2,
+                     "max_len": 64, "max_train_examples": 1000},
+        "blimp": {"data": blimp, "readiness": [1.0], "heldout_store": str(heldout),
+                  "limits": [0] + [blimp_pairs] * (len(blimp) - 1)},
+        # the two arms pre-train at once, one thread each (tiny models use a second thread
+        # poorly); the evaluation stages then use both
+        "executor": {"kind": "local", "jobs": 2, "threads": 1},
     })
 
 
 def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str | None = None,
-             steps: int = 300, batch: int = 16, dictionary_vectors: int = 8192,
-             seeds: int = 2, blimp_pairs: int = 20) -> Path:
+             steps: int = STEPS, batch: int = BATCH, seeds: int = 2, blimp_pairs: int = 10) -> Path:
     """Run the whole demo as a small study; returns the path of the Markdown report."""
     from mlsm.demo_report import print_summary, write_pairs
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    corpus_path, held = (corpus, []) if corpus else _write_corpus(out)
-    if not held:
-        held = stdlib_prose()[:300]
-    pairs = write_pairs(held, out / "pairs")
-    spec = demo_study(out, str(corpus_path), pairs, find_shared_data(data), steps, batch, seeds, blimp_pairs, dictionary_vectors)
 
     def log(text: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f} s] {text}", flush=True)
 
+    corpus_path, held = (corpus, []) if corpus else _write_corpus(out)
+    if not held:
+        held = stdlib_prose()[:HELD_OUT]
+    pairs = write_pairs(held, out / "pairs")
+    glue, blimp = select_eval_data(find_shared_data(data), log=log)
+    spec = demo_study(out, str(corpus_path), pairs, _heldout_store(held, out), glue, blimp,
+                      steps, batch, seeds, blimp_pairs)
+    log(f"[demo] pre-training both arms at once; their logs: {out / 'logs'}")
     report = run_study(spec, log=log)
     if report is None:
-        raise UserError(f"the demo stopped before its report; see {out / 'status.json'} and re-run the same command")
+        raise UserError(f"the demo stopped before its report; see {out / 'status.json'} "
+                        "and re-run the same command")
     print_summary(Study(spec, log=log))
-    print(f"report: {report}")
-    (out / "demo.json").write_text(json.dumps({"report": str(report), "seconds": round(time.perf_counter() - start, 1)}, indent=2))
+    t = os.times()  # this process and its finished children (the pre-training subprocesses)
+    cpu = t.user + t.system + t.children_user + t.children_system
+    seconds = {"report": str(report), "seconds": round(time.perf_counter() - start, 1),
+               "cpu_seconds": round(cpu, 1)}
+    atomic_write_text(out / "demo.json", json.dumps(seconds, indent=2) + "\n")
+    print(f"report: {report}  ({seconds['seconds']:.0f} s wall, {cpu:.0f} s CPU)")
     return report

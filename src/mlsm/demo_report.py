@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
+from typing import Any
 
 from mlsm.study.runner import Study
 from mlsm.study.spec import readiness_label
@@ -32,7 +34,7 @@ def _swap_two(words: list[str], rng: random.Random) -> list[str]:
     return words
 
 
-def write_pairs(held: list[str], folder: Path, n: int = 150, seed: int = 0) -> Path:
+def write_pairs(held: list[str], folder: Path, n: int = 200, seed: int = 0) -> Path:
     """Two pair sets in BLiMP's format from held-out prose: a real sentence (good) vs its words
     shuffled, and vs two of its words swapped (bad). A model that learned English word order puts
     the real sentence's PLL higher; chance is 50 %."""
@@ -53,12 +55,78 @@ def write_pairs(held: list[str], folder: Path, n: int = 150, seed: int = 0) -> P
     return folder
 
 
-def print_summary(study: Study) -> None:
-    """One line per scored model: held-out masked-token top-1 and every pair set's accuracy."""
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def summary_lines(study: Study) -> list[str]:
+    """The demo's summary: per scored model its masked top-1 on held-out prose next to the
+    unigram's, each pair set's accuracy, with two-sided binomial p-values (vs the unigram's rate,
+    vs chance 50 %); per fine-tuned model its mean dev score; every stage's wall time. Rows
+    whose score is NaN (an empty pair set, a diverged fine-tuning run) are left out, with one
+    warning that counts them."""
+    lines, skipped = [], []
     folder = study.root / "blimp"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         row = json.loads(path.read_text())
+        name = f"{row['arm']}@{readiness_label(row['readiness'])}"
+        sets = {k: v for k, v in row.get("sets", {}).items() if _finite(v.get("overall"))}
+        skipped += [f"{name} {k}" for k in row.get("sets", {}) if k not in sets]
         h = row.get("heldout") or {}
-        sets = ", ".join(f"{name} {100 * s['overall']:.1f} %" for name, s in row.get("sets", {}).items())
-        print(f"{row['arm']}@{readiness_label(row['readiness'])}: held-out masked top-1 {100 * h.get('top1', float('nan')):.1f} %; "
-              f"pairs (chance 50 %): {sets}")
+        parts = []
+        if _finite(h.get("top1")):
+            uni = 100 * h.get("unigram_top1", math.nan)
+            parts.append(f"held-out masked top-1 {100 * h['top1']:.1f} % (unigram {uni:.1f} %, "
+                         f"p {_p(h.get('p_vs_unigram'))}, n {h.get('n', 0)})")
+        elif h:
+            skipped.append(f"{name} held-out masked tokens")
+        parts += [f"{k} {100 * v['overall']:.1f} % of {v['n_pairs']} (p {_p(v.get('p_vs_chance'))})"
+                  for k, v in sets.items()]
+        if parts:
+            lines.append(f"{name}: " + "; ".join(parts))
+    lines += _finetune_lines(study, skipped)
+    if skipped:
+        lines.insert(0, f"warning: left out {len(skipped)} result(s) with a NaN score: "
+                        + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
+    if lines:
+        lines.insert(1 if skipped else 0, "pairs: chance 50 %; p: two-sided exact binomial test")
+    return lines + _stage_lines(study)
+
+
+def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:
+    """Mean dev score per (model, task, metric) over seeds, NaN runs left out (and counted)."""
+    if not study.results.is_file():
+        return []
+    cells: dict[tuple[str, str, str], list[float]] = {}
+    for line in study.results.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+        key = (r.get("model", "?"), r.get("task", "?"), r.get("metric", "?"))
+        if _finite(r.get("value")):
+            cells.setdefault(key, []).append(float(r["value"]))
+        else:
+            skipped.append(f"{key[0]} {key[1]} seed {r.get('seed')}")
+    return [f"{m} {t} {metric}: {100 * sum(v) / len(v):.1f} (mean of {len(v)} seeds)"
+            for (m, t, metric), v in sorted(cells.items())]
+
+
+def _stage_lines(study: Study) -> list[str]:
+    path = study.root / "stages.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    if not rows:
+        return []
+    times = ", ".join(f"{r['stage']}{':' + r['arm'] if r.get('arm') else ''} {r['seconds']:.0f} s"
+                      for r in rows)
+    return [f"stage wall times: {times}"]
+
+
+def _p(p: float | None) -> str:
+    return "—" if p is None or not math.isfinite(p) else f"{p:.2g}"
+
+
+def print_summary(study: Study) -> None:
+    """Print `summary_lines` (see there)."""
+    for line in summary_lines(study):
+        print(line)

@@ -83,6 +83,24 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         os.close(fd)
 
 
+@contextmanager
+def exclusive(path: str | os.PathLike) -> Iterator[None]:
+    """Wait for an exclusive lock on the file `path` for the body: for short read-modify-write
+    updates of a file that several processes or threads share (a study's status.json).
+
+    Unlike `hold` it blocks instead of refusing, is not re-entrant, and never removes the lock
+    file (removing it would let a waiter lock an unlinked inode). Each call opens its own file
+    description, so threads of one process exclude each other as processes do."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
 def is_locked(folder: str | os.PathLike) -> bool:
     """True if some process holds the lock of `folder` (for tests and status displays).
 

@@ -12,6 +12,7 @@ environment), which is what `torchrun` would do by hand.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -46,9 +47,12 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     save_config(cfg, path)
     log = study.root / "logs" / f"pretrain-{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
+        env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
+    command = [sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"]
     with log.open("a") as fh:
-        code = subprocess.call([sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"],
-                               stdout=fh, stderr=subprocess.STDOUT)
+        code = subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT, env=env)
     if code != 0 or not pretrain_done(study, arm):
         raise RuntimeError(f"mlsm pretrain exited with {code}; see {log}")
     return None

@@ -170,6 +170,18 @@ def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{x / scale:.{digits}f}"
 
 
+def _p(p: float | None) -> str:
+    """A p-value for a table: 3 significant digits, '—' when missing."""
+    return "—" if p is None or not math.isfinite(p) else f"{p:.3g}"
+
+
+def _set_cells(s: dict[str, Any] | None) -> str:
+    """'accuracy % | p' of one pair set (p from the pooled pairs; '—' for rows written before)."""
+    if not s:
+        return "— | —"
+    return f"{_fmt(100 * s['overall'], 1, 1)} | {_p(s.get('p_vs_chance'))}"
+
+
 def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
     lines = ["## Compute per arm\n", "| arm | objective | steps | tokens | GFLOPs / batch | pre-training wall (s) | final loss |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -177,19 +189,32 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
               f"{_fmt(c['flops_per_batch'], 1e9, 0)} | {c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
-        lines += ["", "## Minimal-pair sets (PLL accuracy %)\n", "| model | " + " | ".join(names) + " |",
-                  "|---|" + "---:|" * len(names)]
-        lines += [f"| {r['arm']}@{readiness_label(r['readiness'])} | " + " | ".join(
-            _fmt(100 * r["sets"][n]["overall"] if n in r.get("sets", {}) else math.nan, 1, 1) for n in names) + " |" for r in blimp]
+        lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
+                  "p: two-sided exact binomial test of the pooled pairs against 50 % "
+                  "(scipy.stats.binomtest).\n",
+                  "| model | " + " | ".join(f"{n} | p" for n in names) + " |",
+                  "|---|" + "---:|---:|" * len(names)]
+        for r in blimp:
+            cells = " | ".join(_set_cells(r.get("sets", {}).get(n)) for n in names)
+            lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {cells} |")
+    where = study.spec.blimp.heldout_store and "a store of held-out documents" or \
+        "the chunks after the last pre-training batch (held out only within the run's first epoch)"
     lines += ["", "## BLiMP (PLL; latent arms through their probe; the first pair set)\n",
-              "Held-out masked tokens: chunks after the last pre-training batch, the run's own masking; "
-              "latent arms are scored through their probe.\n",
-              "| model | BLiMP % | pairs | held-out masked top-1 % | held-out loss (nats) | probe input | probe held-out loss (nats) | probe top-1 % | unigram loss | probe steps |",
-              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+              f"Held-out masked tokens: {where}, the run's own masking; latent arms are scored "
+              "through their probe. Unigram: the training store's token frequencies on the same "
+              "targets (the plateau of an MLM that does not use context); p: two-sided binomial "
+              "test of the model's top-1 against the unigram's rate.\n",
+              "| model | BLiMP % | pairs | held-out masked top-1 % | unigram top-1 % | p "
+              "| held-out loss (nats) | unigram loss (nats) | probe input "
+              "| probe held-out loss (nats) | probe top-1 % | probe unigram loss | probe steps |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in blimp:
         p, h = r.get("probe") or {}, r.get("heldout") or {}
         lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | {r['n_pairs']} | "
-                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
+                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
+                     f"{_fmt(100 * h.get('unigram_top1', math.nan), 1, 1)} | "
+                     f"{_p(h.get('p_vs_unigram'))} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
+                     f"{_fmt(h.get('unigram_loss', math.nan), 1, 3)} | "
                      f"{p.get('input', '—') if p else '— (MLM head)'} | {_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
                      f"{_fmt(100 * p['heldout_top1'] if p.get('heldout_top1') is not None else math.nan, 1, 1)} | "
                      f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | {p.get('steps', '—') if p else '—'} |")

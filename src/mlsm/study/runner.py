@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlsm import tracking
+from mlsm import locking, tracking
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
@@ -95,9 +95,14 @@ class Study:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def set_status(self, key: str, value: dict[str, Any]) -> None:
-        status = self.status()
-        status[key] = value
-        atomic_write_text(self.root / "status.json", json.dumps(status, indent=2) + "\n")
+        """Record one stage's outcome. A locked read-modify-write: local jobs (threads) and slurm
+        jobs (processes, maybe on other nodes of a shared file system) update the same file,
+        and an unlocked update would drop the records another writer added meanwhile."""
+        path = self.root / "status.json"
+        with locking.exclusive(self.root / ".status.json.lock"):
+            status = self.status()
+            status[key] = value
+            atomic_write_text(path, json.dumps(status, indent=2) + "\n")
 
     def stage(self, name: str, fn: Callable[[], Any], arm: str | None = None) -> bool:
         """Run one stage, time it, record success or failure; False when it failed."""

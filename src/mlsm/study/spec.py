@@ -114,6 +114,9 @@ class BlimpSpec:
     """Optional per-set limits, one per entry of `data` (0 = limit_per_phenomenon)."""
     phenomena: list[str] = field(default_factory=list)
     """UIDs of the first set to score; empty = all (67 for BLiMP)."""
+    heldout_store: str = ""
+    """Token store of held-out documents for the masked-token score reported beside each pair
+    score; empty = the chunks after the run's last batch (held out only within its first epoch)."""
 
 
 @dataclass
@@ -123,7 +126,8 @@ class ExecutorSpec:
     jobs: int = 1
     """local: arms pre-trained at once (each a subprocess with `threads` threads)."""
     threads: int = 0
-    """torch threads per job (0 = torch's default); overrides base train.threads."""
+    """torch threads per job (0 = torch's default); overrides base train.threads. Local
+    evaluation stages (one model at a time) use jobs x threads."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """slurm: submitit parameters, e.g. {partition: gpu, gpus_per_node: 1, timeout_min: 1440,
     cpus_per_task: 8, nodes: 1}; `folder` (logs) defaults to STUDY_OUT/slurm."""

@@ -15,6 +15,16 @@ from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study
 from mlsm.study.spec import readiness_label
 
+PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
+"""What a BLiMP row keeps of its probe's record: the score travels with the probe's quality."""
+
+
+def eval_threads(study: Study) -> int | None:
+    """torch threads of an evaluation stage run here: the study's whole budget (jobs x threads),
+    since local evaluation runs one model at a time; None = torch's default."""
+    e = study.spec.executor
+    return e.threads * max(1, e.jobs) if e.threads and e.kind == "local" else e.threads or None
+
 
 def model_name(arm: str, frac: float) -> str:
     return f"{arm}@{readiness_label(frac)}"
@@ -40,7 +50,7 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
     train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr, select_steps=p.select_steps,
                            max_steps=p.max_steps, eval_every=p.eval_every,
                            patience=p.patience, min_delta=p.min_delta, heldout_batches=p.heldout_batches,
-                           batch_size=p.batch_size or None, threads=study.spec.executor.threads or None)
+                           batch_size=p.batch_size or None, threads=eval_threads(study))
     return None
 
 
@@ -62,8 +72,8 @@ def _finetune(study: Study, arm: str) -> None:
     from mlsm.evaluate.finetune import finetune
 
     ft = study.spec.finetune
-    if study.spec.executor.threads:
-        torch.set_num_threads(study.spec.executor.threads)
+    if eval_threads(study):
+        torch.set_num_threads(eval_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
     finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs, batch_size=ft.batch_size,
              max_len=ft.max_len, data_dir=ft.data_dir or None, results=study.results,
@@ -90,6 +100,8 @@ def run_blimp(study: Study, arms: list[str]) -> set[str]:
 
 
 def _blimp(study: Study, arm: str, frac: float) -> str | None:
+    import torch
+
     from mlsm.evaluate.blimp import evaluate_blimp
     from mlsm.evaluate.probe import load_scorer
 
@@ -105,29 +117,52 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
             raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss {info['heldout_loss']:.3f}) is no better "
                             f"than the unigram distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
         probe, folder = info, Path(info["checkpoint"])
+    if eval_threads(study):
+        torch.set_num_threads(eval_threads(study))
     model, tokenizer = load_scorer(folder)
-    heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), study.spec.probe.heldout_batches,
-                                    study.spec.probe.batch_size or 16)
+    p = study.spec.probe
+    heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), p.heldout_batches,
+                                    p.batch_size or 16, store=b.heldout_store or None)
     sets = {}
     for i, data in enumerate(b.data):
         limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
         result = evaluate_blimp(model, tokenizer, data, phenomena=b.phenomena or None if i == 0 else None,
                                 limit_per_phenomenon=limit, progress=None)
+        correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
+                                         "correct": correct,
+                                         "p_vs_chance": binomial_p(correct, result["n_pairs"], 0.5),
                                          "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
                                          "phenomena": {k: v["accuracy"] for k, v in result["phenomena"].items()}}
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"], "sets": sets,
            "heldout": heldout,
-           "probe": {k: probe.get(k) for k in ("heldout_loss", "heldout_top1", "unigram_loss", "steps")} if probe else None}
+           "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
 
 
-def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int) -> dict[str, float]:
-    """Masked-token loss and top-1 of a scorer on held-out chunks (the batches right after the
-    pre-training run: never trained on), with the run's own masking."""
+def binomial_p(k: int, n: int, p: float) -> float:
+    """Two-sided exact binomial test of k successes in n trials against rate p (SciPy's
+    binomtest): how surprising the score would be at chance (pairs: p = 0.5) or at the unigram's
+    rate (masked tokens). NaN when there is nothing to test."""
+    from scipy.stats import binomtest
+
+    if n <= 0 or not 0 < p < 1:
+        return float("nan")
+    return float(binomtest(int(k), int(n), p).pvalue)
+
+
+def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int,
+                          store: str | None = None) -> dict[str, float]:
+    """Masked-token loss and top-1 of a scorer on held-out text, with the run's own masking, next
+    to the unigram distribution of the training store on the same targets (the plateau an MLM
+    sits on before it uses context) and a binomial test of top-1 against the unigram's rate.
+
+    store: a token store of held-out documents (batches 0, 1, ... of it); None = the chunks right
+    after the pre-training run's last batch, which are held out only while the run stays within
+    its first epoch of the corpus."""
     import torch
     import torch.nn.functional as F
 
@@ -135,19 +170,30 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.evaluate.pll import as_scorer
-    from mlsm.evaluate.probe_fit import heldout_steps
+    from mlsm.evaluate.probe_fit import heldout_steps, unigram_log_probs
 
     scorer = as_scorer(scorer)
     cfg = config_from_dict(json.loads((checkpoint / "checkpoint.json").read_text())["config"])
-    store = TokenStore.open(cfg.data.store)
-    source = BatchSource(store, cfg.data, store.load_tokenizer())
-    loss, correct, n = 0.0, 0, 0
-    for step in heldout_steps(checkpoint, batch_size, n_batches):
+    train = TokenStore.open(cfg.data.store)
+    source_store = TokenStore.open(store) if store else train
+    source = BatchSource(source_store, cfg.data, source_store.load_tokenizer())
+    steps = list(range(n_batches)) if store else heldout_steps(checkpoint, batch_size, n_batches)
+    unigram = None
+    loss, correct, uni_loss, uni_correct, n = 0.0, 0, 0.0, 0, 0
+    for step in steps:
         b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
         with torch.no_grad():
             logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()  # (N, V)
+        if unigram is None:
+            unigram = unigram_log_probs(train, logits.shape[-1])  # (V,)
         y = b.input_ids[b.selected]
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         correct += int((logits.argmax(-1) == y).sum())
+        uni_loss -= unigram[y].sum().item()
+        uni_correct += int((y == unigram.argmax()).sum())
         n += y.numel()
-    return {"loss": loss / max(n, 1), "top1": correct / max(n, 1), "n": n}
+    m = max(n, 1)
+    return {"loss": loss / m, "top1": correct / m, "n": n, "correct": correct,
+            "unigram_loss": uni_loss / m, "unigram_top1": uni_correct / m,
+            "p_vs_unigram": binomial_p(correct, n, uni_correct / m),
+            "text": "held-out store" if store else "chunks after the run"}

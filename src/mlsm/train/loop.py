@@ -319,7 +319,10 @@ def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
-            atomic_write_text(run_dir / RUN_MARKER, json.dumps({"format": "mlsm-run", "git_revision": git_revision(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": info.world}, indent=2))
+            marker = {"format": "mlsm-run", "git_revision": git_revision(),
+                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "world_size": info.world, "threads": torch.get_num_threads()}
+            atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker, indent=2))
         ckpt.remove_stale(run_dir)
         save_config(cfg, run_dir / "config.yaml")
         _truncate_metrics(run_dir / "metrics.jsonl", step)

@@ -1,0 +1,148 @@
+"""`mlsm demo`: where its evaluation data comes from (without network) and its summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+from mlsm.demo import demo_study, hub_reachable, select_eval_data
+from mlsm.demo_report import summary_lines
+from mlsm.study.runner import Study
+
+
+def _no_network(*args, **kwargs):
+    raise AssertionError("tried to open a connection")
+
+
+def test_hub_offline_never_touches_the_network(monkeypatch) -> None:
+    monkeypatch.setattr(socket, "create_connection", _no_network)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+        monkeypatch.setenv(var, "1")
+        assert hub_reachable() is False
+
+
+def test_unreachable_hub_is_false_within_the_timeout(monkeypatch) -> None:
+    seen = {}
+
+    def refuse(address, timeout=None):
+        seen["timeout"] = timeout
+        raise OSError("network is unreachable")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    assert hub_reachable(timeout=2.0) is False
+    assert seen["timeout"] == 2.0  # a bounded wait, never the OS's minutes-long default
+
+
+def _shared(tmp_path: Path, glue: bool, blimp: bool) -> Path:
+    root = tmp_path / "shared"
+    if glue:
+        (root / "glue" / "SST-2").mkdir(parents=True)
+    if blimp:
+        (root / "blimp").mkdir(parents=True)
+    return root
+
+
+def test_local_data_comes_first_and_the_hub_is_not_asked(tmp_path) -> None:
+    shared = _shared(tmp_path, glue=True, blimp=True)
+    glue, blimp = select_eval_data(shared, online=_no_network, log=_no_network)
+    assert (glue, blimp) == (str(shared / "glue"), str(shared / "blimp"))
+
+
+def test_without_local_data_the_hub_datasets_are_used_when_reachable(tmp_path) -> None:
+    logged: list[str] = []
+    assert select_eval_data(None, online=lambda: True, log=logged.append) == ("", "nyu-mll/blimp")
+    # only BLiMP local: SST-2 from the Hub, BLiMP from the folder
+    shared = _shared(tmp_path, glue=False, blimp=True)
+    chosen = select_eval_data(shared, online=lambda: True, log=logged.append)
+    assert chosen == ("", str(shared / "blimp"))
+    assert logged == []
+
+
+def test_offline_without_local_data_is_one_line_naming_the_flag(tmp_path) -> None:
+    logged: list[str] = []
+    assert select_eval_data(None, online=lambda: False, log=logged.append) == (None, None)
+    assert len(logged) == 1 and "SST-2 and BLiMP" in logged[0] and "--data" in logged[0]
+
+
+def test_demo_study_uses_what_was_selected(tmp_path) -> None:
+    pairs, held = tmp_path / "pairs", tmp_path / "held"
+    spec = demo_study(tmp_path / "out", "corpus.txt", pairs, held, "", "nyu-mll/blimp", 8, 4, 2, 3)
+    assert spec.finetune.tasks == ["sst2"] and spec.finetune.data_dir == ""  # "" = HF datasets
+    assert spec.blimp.data == [str(pairs), "nyu-mll/blimp"] and spec.blimp.limits == [0, 3]
+    assert spec.blimp.heldout_store == str(held)
+    spec = demo_study(tmp_path / "out", "corpus.txt", pairs, held, None, None, 8, 4, 2, 3)
+    assert spec.finetune.tasks == [] and spec.blimp.data == [str(pairs)]
+
+
+def _blimp_row(arm: str, overall: float, top1: float) -> dict:
+    return {"arm": arm, "readiness": 1.0, "overall": overall, "n_pairs": 400,
+            "sets": {"pairs": {"overall": overall, "n_pairs": 400, "p_vs_chance": 1e-6}},
+            "heldout": {"top1": top1, "unigram_top1": 0.05, "p_vs_unigram": 1e-9, "n": 1000}}
+
+
+def test_summary_skips_nan_rows_with_one_warning(tmp_path) -> None:
+    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None,
+                      8, 4, 2, 3)
+    study = Study(spec, log=lambda s: None)
+    (study.root / "blimp").mkdir()
+    (study.root / "blimp" / "mlm@100pct.json").write_text(json.dumps(_blimp_row("mlm", 0.71, 0.25)))
+    nan_row = _blimp_row("mlsm", math.nan, math.nan)
+    (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(nan_row))
+    rows = [{"model": "mlm@100%", "task": "sst2", "metric": "acc", "seed": s, "value": v}
+            for s, v in enumerate([0.6, math.nan, 0.7])]
+    study.results.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN
+    lines = summary_lines(study)
+    warnings = [x for x in lines if x.startswith("warning")]
+    assert len(warnings) == 1 and "3 result(s)" in warnings[0]
+    body = [x for x in lines if not x.startswith("warning")]
+    assert not any("nan" in x.lower() for x in body)
+    assert "mlm@100% sst2 acc: 65.0 (mean of 2 seeds)" in body
+    assert any(x.startswith("mlm@100%: held-out masked top-1 25.0 % (unigram 5.0 %") for x in body)
+    assert not any(x.startswith("mlsm@100%:") for x in body)
+
+
+@pytest.mark.parametrize("k,n,expected", [(60, 100, 0.0569), (50, 100, 1.0)])
+def test_binomial_p_is_scipys_two_sided_test(k, n, expected) -> None:
+    from mlsm.study.stages import binomial_p
+
+    assert binomial_p(k, n, 0.5) == pytest.approx(expected, abs=1e-4)
+    assert math.isnan(binomial_p(0, 0, 0.5))
+
+
+def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_path) -> None:
+    """A scorer that predicts the training store's unigram distribution scores exactly the
+    reported unigram baseline on the same targets (loss, top-1, p = 1): the baseline is computed
+    on the targets the model is scored on."""
+    from mlsm.config import config_from_dict
+    from mlsm.data.corpus import TokenStore
+    from mlsm.evaluate.probe_fit import unigram_log_probs
+    from mlsm.study.stages import heldout_masked_tokens
+    from mlsm.train.loop import pretrain
+    from tests.conftest import TINY_MODEL
+
+    cfg = config_from_dict({
+        "data": {"store": str(store_dir), "max_len": 32},
+        "model": {"arch": "bert", "overrides": dict(TINY_MODEL)},
+        "train": {"steps": 2, "batch_size": 4, "out": str(tmp_path / "run"), "readiness": [1.0],
+                  "device": "cpu"}})
+    pretrain(cfg)
+    store = TokenStore.open(store_dir)
+    unigram = unigram_log_probs(store, len(store.load_tokenizer()))  # (V,)
+
+    class UnigramScorer:
+        def logits_at(self, input_ids, attention_mask, select):
+            return unigram.expand(int(select.sum()), -1)  # (N, V)
+
+    ck = tmp_path / "run" / "checkpoints" / "step-0000002"
+    h = heldout_masked_tokens(UnigramScorer(), ck, 3, 4, store=str(store_dir))
+    assert h["n"] > 0
+    assert h["loss"] == pytest.approx(h["unigram_loss"], rel=1e-5)
+    assert h["top1"] == h["unigram_top1"] and h["p_vs_unigram"] == pytest.approx(1.0)
