@@ -102,7 +102,7 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, a
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.models.backbone import build_student
-    from mlsm.objectives import Context, build_objective
+    from mlsm.objectives import Context, build_objective, forward_step
 
     st = TokenStore.open(store)
     tok = st.load_tokenizer()
@@ -115,7 +115,7 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, a
     torch.manual_seed(0)
     losses = []
     for _ in range(steps):
-        out = student(objective, batch)
+        out = forward_step(student, objective, batch)
         loss = out.loss_sum / out.n_targets.clamp(min=1)
         loss.backward()
         opt.step()
