@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM
 
-from mlsm.config import DataConfig, ModelConfig, build_dataclass, load_config
+from mlsm.config import DataConfig, ModelConfig, load_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from mlsm.errors import UserError
+from mlsm.objectives import forward_step
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import fista, sparse_encode
 
