@@ -75,8 +75,8 @@ def test_mae_decoder_depth_and_dropout_defaults() -> None:
     cfg = MAELMConfig()
     for hidden, heads, depth in ((768, 12, 4), (64, 4, 2)):
         student = _student(hidden, heads)
-        decoder, meta = build_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, 32, 0,
-                                      cfg.decoder_dropout)
+        decoder, meta = build_decoder(student, cfg.decoder_layers, cfg.decoder_width,
+                                      cfg.decoder_heads, 32, 0, cfg.decoder_dropout)
         layers = decoder.layers
         assert len(layers) == depth and meta["layers"] == depth
         assert all(m.p == 0.0 for m in layers.modules() if isinstance(m, torch.nn.Dropout))

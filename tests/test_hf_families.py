@@ -49,7 +49,8 @@ def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, stor
         opt.step()
         opt.zero_grad()
     assert any(not torch.equal(v, init[k]) for k, v in student.hf.state_dict().items())
-    folder = save_checkpoint(tmp_path / "step-0000003", TrainModule(student, obj), tok, {"step": 3}, {"step": 3})
+    module = TrainModule(student, obj)
+    folder = save_checkpoint(tmp_path / "step-0000003", module, tok, {"step": 3}, {"step": 3})
     hf, info = AutoModelForMaskedLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     student.eval()

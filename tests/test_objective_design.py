@@ -34,7 +34,8 @@ def test_saved_recipe_round_trips_with_every_objective_default(path: Path, tmp_p
 
 def test_partial_objective_of_an_older_run_resolves_to_its_full_form() -> None:
     old = config_from_dict({"objective": {"name": "mtl", "kappa": 0.25}})
-    assert old.objective.lam == 0.0 and old.objective.head == "separate" and old.objective.kappa == 0.25
+    assert old.objective.lam == 0.0 and old.objective.head == "separate"
+    assert old.objective.kappa == 0.25
     full = config_from_dict(json.loads(json.dumps(dataclasses.asdict(old))))
     assert full == old
 

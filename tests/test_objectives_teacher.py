@@ -86,7 +86,8 @@ def test_mtl_is_mean_mlsm_plus_kappa_mean_mlm(store_dir, teacher_dir, dictionary
     obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.25))
     assert "latent" in obj.exported_heads() and obj.exports_vocab_head
     out = forward_step(student, obj, batch)
-    a, b = forward_step(student, obj.mlsm, batch), forward_step(student, obj.mlm, batch)  # the two parts, separately
+    # the two parts, separately
+    a, b = forward_step(student, obj.mlsm, batch), forward_step(student, obj.mlm, batch)
     expected = a.loss_sum / a.n_targets + 0.25 * b.loss_sum / b.n_targets
     torch.testing.assert_close((out.loss_sum / out.n_targets).detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     assert int(out.n_targets) == int(batch.selected.sum())

@@ -79,11 +79,13 @@ def _student_with_probe(folder: Path, store_dir: Path):
     probe = Probe(ProbeConfig(checkpoint=str(folder)), Context(tok, torch.device("cpu"), 1))
     probe.attach(student)
     state = load_file(folder / "heads.safetensors")
-    probe.heads["probe"].load_state_dict({k.removeprefix("probe."): v for k, v in state.items() if k.startswith("probe.")})
+    probe.heads["probe"].load_state_dict({k.removeprefix("probe."): v for k, v in state.items()
+                                          if k.startswith("probe.")})
     return TrainModule(student, probe).eval()
 
 
-def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor,
+                  where: torch.Tensor) -> torch.Tensor:
     heads = module.objective.heads
     hidden = module.student.encode(ids, mask)[where]  # (N, d)
     return heads["probe"](torch.softmax(heads["latent"](hidden), -1))  # (N, V)

@@ -109,7 +109,8 @@ class TrainConfig:
 
 
 # objective name -> its Config dataclass (a `name: Literal[...]` tag first, then its options).
-# Filled by `mlsm.objectives` (register_objective); INTERNAL names load but are not offered to users.
+# Filled by `mlsm.objectives` (register_objective); INTERNAL names load but are not offered
+# to users.
 OBJECTIVE_CONFIGS: dict[str, type] = {}
 INTERNAL_OBJECTIVES: set[str] = set()
 
@@ -184,7 +185,8 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "train.threads": _NON_NEGATIVE,
     # objective options (validated against the objective's own Config at config load)
     "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE, "objective.fista_iters": _POSITIVE,
-    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT, "objective.decoder_layers": _NON_NEGATIVE,
+    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
+    "objective.decoder_layers": _NON_NEGATIVE,
     "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
 }
 # model.overrides keys that must be positive integers when given (HF config sizes).

@@ -120,7 +120,8 @@ class _Candidate:
         return self.stale >= patience
 
 
-def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | None) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
+def _setup(checkpoint: Path, kind: str, batch_size: int | None,
+           threads: int | None) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
     from mlsm.evaluate.probe import probe_config
 
     cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}"])
@@ -136,7 +137,8 @@ def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | N
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)
         objective.attach(student)
-    return cfg, TrainModule(student, objective), tokenizer, BatchSource(store, cfg.data, tokenizer), store
+    source = BatchSource(store, cfg.data, tokenizer)
+    return cfg, TrainModule(student, objective), tokenizer, source, store
 
 
 def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: tuple[str, ...] = PROBE_INPUTS,
@@ -177,7 +179,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower probe.lr (now {lr:g})")
     probe.load_state_dict(best.exported())
     module.objective.input = best.kind
-    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer, {"step": best.steps},
+    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
+                                 {"step": best.steps},
                                  {"step": best.steps, "readiness": 1.0, "objective": "probe", "run": str(out),
                                   "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
     info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr, "steps": best.steps,

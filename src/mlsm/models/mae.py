@@ -145,7 +145,8 @@ def encoder_inputs(student: Student, split: EncoderSplit) -> dict[str, torch.Ten
     """Student inputs for the kept tokens only, with their original position ids (B, K)."""
     check_mae_support(student)
     pos = _POSITION_IDS[student.config.model_type](student.config, split.positions)
-    return {"input_ids": split.input_ids, "attention_mask": split.attention_mask, "position_ids": pos}
+    return {"input_ids": split.input_ids, "attention_mask": split.attention_mask,
+            "position_ids": pos}
 
 
 @contextmanager

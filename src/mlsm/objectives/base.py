@@ -49,7 +49,8 @@ class Context:
     store_path: str = ""
     max_len: int = 128
     store: Any = None
-    """The opened token store (`TokenStore`) when the caller has one; else opened from store_path."""
+    """The opened token store (`TokenStore`) when the caller has one; else opened from
+    store_path."""
 
     def token_store(self) -> Any:
         """The run's token store, opened once."""

@@ -123,8 +123,10 @@ class CLM(Objective):
 
     def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
         """The uncorrupted sequence under causal self-attention."""
-        return {"input_ids": batch.input_ids, "attention_mask": causal_mask(student, batch.attention_mask)}
+        mask = causal_mask(student, batch.attention_mask)
+        return {"input_ids": batch.input_ids, "attention_mask": mask}
 
     def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
         where, labels = targets
-        return vocab_loss(self.vocab_logits(hidden[where]), labels, "clm_loss", "clm_accuracy")  # (N, V) logits
+        logits = self.vocab_logits(hidden[where])  # (N, V)
+        return vocab_loss(logits, labels, "clm_loss", "clm_accuracy")

@@ -33,7 +33,8 @@ class CLMThenMLMConfig:
 
     def check(self) -> None:
         if not 0.0 <= self.clm_fraction <= 1.0:
-            raise UserError(f"objective.clm_fraction={self.clm_fraction} must be in [0, 1], e.g. 0.25")
+            raise UserError(f"objective.clm_fraction={self.clm_fraction} must be in [0, 1], "
+                            "e.g. 0.25")
 
 
 class CLMThenMLM(Objective):

@@ -86,12 +86,15 @@ class MAEDecoderPass(Objective):
 
     def attach(self, student: Student) -> None:
         cfg = self.cfg
-        self.add_head(DECODER, *build_decoder(student, cfg.decoder_layers, cfg.decoder_width,
-                                              cfg.decoder_heads, self.max_len, cfg.seed, cfg.decoder_dropout))
+        decoder, meta = build_decoder(student, cfg.decoder_layers, cfg.decoder_width,
+                                      cfg.decoder_heads, self.max_len, cfg.seed,
+                                      cfg.decoder_dropout)
+        self.add_head(DECODER, decoder, meta)
 
     def targets(self, batch: Batch) -> Any:
         keep = delta_keep(batch.selected, batch.samples, self.cfg.delta, self.cfg.seed)
-        return mae_split(batch.input_ids, batch.attention_mask, batch.selected, keep, self.mask_id, self.pad_id)
+        return mae_split(batch.input_ids, batch.attention_mask, batch.selected, keep,
+                         self.mask_id, self.pad_id)
 
     def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
         return encoder_inputs(student, targets)
@@ -113,8 +116,9 @@ class MAELM(Objective):
         self.split.attach(student)
         with seeded(self.split.cfg.seed + 1):
             head = TiedLMHead(student.hidden_size, self.vocab)
-        self.add_head(LM_HEAD, head, {"class": "TiedLMHead", "d": student.hidden_size, "vocab": self.vocab,
-                                      "tied_to": "encoder input embeddings", "after": DECODER})
+        meta = {"class": "TiedLMHead", "d": student.hidden_size, "vocab": self.vocab,
+                "tied_to": "encoder input embeddings", "after": DECODER}
+        self.add_head(LM_HEAD, head, meta)
         self.embeddings = student.backbone.get_input_embeddings  # bound method: tied output matrix
 
     def exported_heads(self) -> dict[str, Any]:

@@ -98,7 +98,8 @@ class TargetCoder:
         return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
 
 
-def latent_kl(head: nn.Module, hidden: torch.Tensor, codes: torch.Tensor, count_zero: bool = False) -> ObjectiveOutput:
+def latent_kl(head: nn.Module, hidden: torch.Tensor, codes: torch.Tensor,
+              count_zero: bool = False) -> ObjectiveOutput:
     """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).
 
     head: the latent head (N, d) -> (N, k); hidden: (N, d) student states at the selected
@@ -133,7 +134,8 @@ def stored_targets(cfg: MLSMConfig, ctx: Context) -> StoredTargets:
     """The target store of `cfg.targets`, checked against this run's token store and options."""
     store = ctx.token_store()
     if store is None:
-        raise UserError("objective.targets needs data.store to be set (the targets belong to one token store)")
+        raise UserError("objective.targets needs data.store to be set "
+                        "(the targets belong to one token store)")
     return StoredTargets(cfg.targets, store, ctx.tokenizer, ctx.max_len,
                          dictionary=cfg.dictionary, layer=cfg.layer, lam=cfg.lam)
 

@@ -58,7 +58,8 @@ def load_latent_head(folder: Path, d: int) -> tuple[nn.Module, dict[str, Any]]:
     meta = json.loads(meta_path.read_text())["latent"]
     head, _ = latent_head(d, int(meta["k"]))  # d: the student's hidden size
     state = load_file(folder / "heads.safetensors")
-    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items() if k.startswith("latent.")})
+    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
+                          if k.startswith("latent.")})
     return head, meta
 
 
@@ -80,8 +81,8 @@ class Probe(Objective):
         self.add_head("latent", *load_latent_head(self.folder, student.hidden_size))
         self.heads["latent"].requires_grad_(False)
         k = self.heads["latent"].proj.out_features
-        self.add_head("probe", nn.Linear(k, self.vocab), {"class": "Linear", "in": k, "out": self.vocab,
-                                                          "input": self.input})
+        meta = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}
+        self.add_head("probe", nn.Linear(k, self.vocab), meta)
 
     def head_meta(self) -> dict[str, dict[str, Any]]:
         meta = super().head_meta()
@@ -101,4 +102,5 @@ class Probe(Objective):
         logits = self.heads["probe"](latent)  # (N, V)
         loss = F.cross_entropy(logits.float(), targets, reduction="sum")
         correct = (logits.detach().argmax(-1) == targets).sum().float()
-        return ObjectiveOutput(loss, targets.new_tensor(targets.numel()), {"mlm_loss": loss.detach(), "accuracy": correct})
+        metrics = {"mlm_loss": loss.detach(), "accuracy": correct}
+        return ObjectiveOutput(loss, targets.new_tensor(targets.numel()), metrics)

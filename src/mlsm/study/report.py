@@ -79,7 +79,8 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
             flops = next((r.total for r in table if match and r.objective.startswith(match)), math.nan)
         except Exception:  # a missing dictionary/teacher config: report the rest
             flops = math.nan
-        out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step, "steps": cfg.train.steps,
+        out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step,
+                    "steps": cfg.train.steps,
                     "tokens": step * cfg.train.batch_size * cfg.data.max_len, "flops_per_batch": flops,
                     "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "final_loss": rows[-1]["loss"] if rows else math.nan})

@@ -328,24 +328,31 @@ class StoredTargets:
     teacher is never loaded.
     """
 
-    def __init__(self, path: str, tokens: Any, tokenizer: Any, max_len: int, *, dictionary: str = "",
-                 layer: int = -1, lam: float = 0.0):
+    def __init__(self, path: str, tokens: Any, tokenizer: Any, max_len: int, *,
+                 dictionary: str = "", layer: int = -1, lam: float = 0.0):
         from mlsm.data.corpus import tokenizer_hash
 
         self.store = TargetStore.open(path)
         meta = self.store.meta
         if (tokens.meta.get("fingerprint"), tokens.n_tokens) != (meta["store_fingerprint"], meta["store_n_tokens"]):
-            raise UserError(f"target store {path} was built from another token store ({meta['store']}); rebuild it with `mlsm targets --store {tokens.path}`")
+            raise UserError(f"target store {path} was built from another token store "
+                            f"({meta['store']}); rebuild it with "
+                            f"`mlsm targets --store {tokens.path}`")
         if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
-            raise UserError(f"target store {path} was built with another tokenizer; rebuild it for this token store")
+            raise UserError(f"target store {path} was built with another tokenizer; "
+                            "rebuild it for this token store")
         if int(max_len) != int(meta["max_len"]):
-            raise UserError(f"target store {path} was built for max_len={meta['max_len']} but data.max_len={max_len}; rebuild it with --max-len {max_len}")
+            raise UserError(f"target store {path} was built for max_len={meta['max_len']} but "
+                            f"data.max_len={max_len}; rebuild it with --max-len {max_len}")
         if dictionary and dictionary_hash(load_dictionary(dictionary)) != meta["dictionary_hash"]:
-            raise UserError(f"target store {path} was built with another dictionary than {dictionary}; rebuild it or drop objective.dictionary")
+            raise UserError(f"target store {path} was built with another dictionary than "
+                            f"{dictionary}; rebuild it or drop objective.dictionary")
         if layer >= 0 and layer != int(meta["layer"]):
-            raise UserError(f"target store {path} holds layer-{meta['layer']} codes but objective.layer={layer}; rebuild it with --layer {layer}")
+            raise UserError(f"target store {path} holds layer-{meta['layer']} codes but "
+                            f"objective.layer={layer}; rebuild it with --layer {layer}")
         if lam and abs(lam - float(meta["lam"])) > 1e-12:
-            raise UserError(f"target store {path} was coded with λ={meta['lam']} but objective.lam={lam}; drop objective.lam or rebuild")
+            raise UserError(f"target store {path} was coded with λ={meta['lam']} but "
+                            f"objective.lam={lam}; drop objective.lam or rebuild")
         self.k = self.store.k
 
     @torch.no_grad()

@@ -39,8 +39,10 @@ class DamagedCheckpoint(Exception):
     """A checkpoint folder whose files are missing, torn or truncated (the reason is the message)."""
 
 
-def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Write the HF folder + heads (what users load), as the objective declares; no training state."""
+def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
+                      folder: Path) -> None:
+    """Write the HF folder + heads (what users load), as the objective declares; no training
+    state."""
     model = module.exported_model()
     hf_logging.disable_progress_bar()  # one bar per checkpoint shard is noise in a training log
     try:
@@ -50,7 +52,8 @@ def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase, f
     tokenizer.save_pretrained(folder)
     heads = module.exported_heads().state_dict()
     if heads:
-        save_file({k: v.detach().contiguous().cpu() for k, v in heads.items()}, folder / "heads.safetensors")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in heads.items()}
+        save_file(tensors, folder / "heads.safetensors")
         (folder / "heads.json").write_text(json.dumps(module.objective.head_meta(), indent=2))
 
 

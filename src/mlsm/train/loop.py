@@ -57,7 +57,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     store = TokenStore.open(_require(cfg.data.store, "data.store"))
     tokenizer = store.load_tokenizer()
     require_mask_token(tokenizer, f"the tokenizer of {store.path}")
-    ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len, store=store)
+    ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len,
+                  store=store)
     objective = build_objective(cfg.objective, ctx)
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
     with torch.random.fork_rng(devices=[]):
@@ -82,7 +83,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
-            loss, grad_norm, totals = _train_step(model, batches, autocast, device, dist_info, cfg.optim.clip)
+            loss, grad_norm, totals = _train_step(model, batches, autocast, device, dist_info,
+                                                  cfg.optim.clip)
             if not math.isfinite(loss):
                 raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
             optimizer.step()
@@ -99,7 +101,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                 _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps, dist_info)
             if stopper.requested(dist_info, device):
                 if done not in save_steps:
-                    _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps, dist_info)
+                    _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps,
+                                dist_info)
                 print(f"stopped by signal after step {done}; continue with --resume auto", flush=True)
                 break
     bar.close()
@@ -175,7 +178,8 @@ def _wrap_ddp(module: TrainModule, info: DistInfo, device: torch.device) -> torc
         return module
     ids = [device.index] if device.type == "cuda" else None
     # TrainModule.forward runs the whole data flow, so DDP sees a normal forward/backward pair.
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids,
+                                                     find_unused_parameters=True)
 
 
 def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
@@ -184,7 +188,8 @@ def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
         totals[key] = totals[key] + value if key in totals else value
 
 
-def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: DistInfo, clip: float) -> float:
+def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: DistInfo,
+                      clip: float) -> float:
     """Turn accumulated gradients of loss sums into the gradient of the global mean; clip."""
     scale = info.world / n_targets  # DDP already averaged over ranks: undo that, divide by N
     grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -358,9 +363,11 @@ def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, t
     if info.is_main:
         state = {"step": step, "optimizer": optimizer.state_dict()}
         readiness = step / cfg.train.steps
-        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name, "run": str(run_dir),
+        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name,
+                "run": str(run_dir),
                 "tokens": step * cfg.train.batch_size * cfg.data.max_len, "config": config_to_dict(cfg)}
-        ckpt.save_checkpoint(run_dir / "checkpoints" / f"step-{step:07d}", module, tokenizer, state, meta)
+        folder = run_dir / "checkpoints" / f"step-{step:07d}"
+        ckpt.save_checkpoint(folder, module, tokenizer, state, meta)
         _prune(run_dir, cfg)
     barrier(info)
 
