@@ -399,4 +399,8 @@ def config_reference() -> str:
 
 
 if __name__ == "__main__":
-    print(config_reference())
+    # `python -m` runs this file as __main__, a second copy: the registry that mlsm.objectives
+    # fills is the one of the imported `mlsm.config`
+    from mlsm.config import config_reference as reference
+
+    print(reference())
