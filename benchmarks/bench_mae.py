@@ -27,7 +27,7 @@ from transformers import BertConfig, BertForMaskedLM
 from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
 from mlsm.models.backbone import Student
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, TrainModule, build_objective
 
 
 class Runner:
@@ -42,7 +42,8 @@ class Runner:
         spec = {"name": name, **({"decoder_layers": args.decoder_layers} if name == "mae_lm" else {})}
         self.objective = build_objective(spec, Context(tok, torch.device("cpu"), 1, max_len=args.seq))
         self.objective.attach(self.student)
-        self.opt = torch.optim.AdamW(self.student.parameters(), lr=1e-4)
+        self.module = TrainModule(self.student, self.objective).train()
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
         self.source, self.batch = source, args.batch
         self.padded: list[int] = []
         self.real: list[int] = []
@@ -58,7 +59,7 @@ class Runner:
         for step in range(start, start + steps):
             batch = self.source.batch(np.arange(step * self.batch, (step + 1) * self.batch), step)
             t, c = time.perf_counter(), time.process_time()
-            out = self.student(self.objective, batch)
+            out = self.module(batch)
             (out.loss_sum / out.n_targets).backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)

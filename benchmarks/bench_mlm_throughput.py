@@ -25,7 +25,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageMod
 from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
 from mlsm.models.backbone import Student
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, TrainModule, build_objective
 
 
 def make_model(args: argparse.Namespace, vocab: int) -> BertForMaskedLM:
@@ -40,11 +40,12 @@ def time_ours(model: BertForMaskedLM, source: BatchSource, tok, args, start: int
     student = Student(model)
     objective = build_objective({"name": "mlm"}, Context(tok, torch.device("cpu"), 1))
     objective.attach(student)
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    module = TrainModule(student, objective).train()
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
     t = time.perf_counter()
     for step in range(start, start + args.steps):
         batch = source.batch(np.arange(step * args.batch, (step + 1) * args.batch), step)
-        out = student(objective, batch)
+        out = module(batch)
         (out.loss_sum / out.n_targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

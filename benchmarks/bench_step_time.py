@@ -60,10 +60,10 @@ def _setup(tmp: Path, args: argparse.Namespace):
 
 
 def _runners(store, teacher_path: Path, tmp: Path, args: argparse.Namespace) -> dict:
-    """name -> (objective, student, optimizer); identical students (same seed) per objective."""
+    """name -> (objective, TrainModule, optimizer); identical students (same seed) per objective."""
     from mlsm.config import ModelConfig
     from mlsm.models.backbone import build_student
-    from mlsm.objectives import Context, build_objective
+    from mlsm.objectives import Context, TrainModule, build_objective
 
     tok = store.load_tokenizer()
     ctx = Context(tok, torch.device("cpu"), 100, str(store.path), args.seq)
@@ -80,14 +80,14 @@ def _runners(store, teacher_path: Path, tmp: Path, args: argparse.Namespace) -> 
         objective = build_objective(spec, ctx)
         student = build_student(ModelConfig(arch="bert", overrides=shape), tok, args.seq, seed=0)
         objective.attach(student)
-        student.train()
-        out[name] = (objective, student, torch.optim.AdamW(student.parameters(), lr=1e-4))
+        module = TrainModule(student, objective).train()
+        out[name] = (objective, module, torch.optim.AdamW(module.parameters(), lr=1e-4))
     return out
 
 
-def _step(objective, student, optimizer, batch) -> float:
+def _step(objective, module, optimizer, batch) -> float:
     start = time.perf_counter()
-    out = student(objective, batch)
+    out = module(batch)  # TrainModule: targets -> student -> loss
     (out.loss_sum / out.n_targets.clamp(min=1)).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

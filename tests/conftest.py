@@ -102,7 +102,7 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, a
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.models.backbone import build_student
-    from mlsm.objectives import Context, build_objective
+    from mlsm.objectives import Context, TrainModule, build_objective, forward_step
 
     st = TokenStore.open(store)
     tok = st.load_tokenizer()
@@ -111,11 +111,11 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, a
     student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
     objective.attach(student)
     batch = BatchSource(st, DataConfig(store=str(store), max_len=32), tok).batch(np.arange(8), 0)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr)
+    opt = torch.optim.AdamW(TrainModule(student, objective).parameters(), lr=lr)  # heads included
     torch.manual_seed(0)
     losses = []
     for _ in range(steps):
-        out = student(objective, batch)
+        out = forward_step(student, objective, batch)
         loss = out.loss_sum / out.n_targets.clamp(min=1)
         loss.backward()
         opt.step()

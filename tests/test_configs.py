@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.config import build_dataclass, load_config
-from mlsm.objectives import OBJECTIVES
-from mlsm.objectives.base import options_of
+from mlsm.config import load_config
+from mlsm.objectives import INTERNAL, OBJECTIVES
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -21,7 +20,7 @@ def test_there_are_recipes() -> None:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(p.parents[1]).as_posix())
 def test_recipe_loads_and_objective_validates(path: Path) -> None:
     cfg = load_config(path)
-    name = cfg.objective.get("name", "mlm")
-    assert name in OBJECTIVES, f"{path}: unknown objective {name!r}"
-    build_dataclass(OBJECTIVES[name].Config, options_of(cfg.objective), "objective")
+    name = cfg.objective.name
+    assert name in {**OBJECTIVES, **INTERNAL}, f"{path}: unknown objective {name!r}"
+    assert isinstance(cfg.objective, {**OBJECTIVES, **INTERNAL}[name].Config)
     assert cfg.train.batch_size % (cfg.train.micro_batch_size or cfg.train.batch_size) == 0

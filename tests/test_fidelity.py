@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoModel
 
 from mlsm.errors import UserError
+from mlsm.objectives import forward_step
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import fista, sparse_encode
 
@@ -43,8 +44,8 @@ def test_zero_codes_count_in_the_denominator(store_dir, teacher_dir, dictionary_
     hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]
     from mlsm.objectives.mlsm import latent_kl
 
-    a = latent_kl(student, hidden, codes, drop.count_zero)
-    b = latent_kl(student, hidden, codes, count.count_zero)
+    a = latent_kl(drop.heads["latent"], hidden, codes, drop.count_zero)
+    b = latent_kl(drop.heads["latent"], hidden, codes, count.count_zero)
     n, zero = len(codes), int((codes.sum(1) == 0).sum())
     assert zero >= n // 3 and int(a.n_targets) == n - zero and int(b.n_targets) == n
     torch.testing.assert_close(a.loss_sum, b.loss_sum)  # the official batchmean: same sum, over all N
@@ -68,26 +69,27 @@ def _student(hidden: int, heads: int):
 
 def test_mae_decoder_depth_and_dropout_defaults() -> None:
     """Meng et al. 2024: a 4-layer decoder for base-size encoders (2 for small ones), dropout 0."""
-    from mlsm.models.mae import DECODER, attach_decoder
+    from mlsm.models.mae import build_decoder
     from mlsm.objectives.mae_lm import MAELMConfig
 
     cfg = MAELMConfig()
     for hidden, heads, depth in ((768, 12, 4), (64, 4, 2)):
         student = _student(hidden, heads)
-        attach_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, 32, 0, cfg.decoder_dropout)
-        layers = student.heads[DECODER].layers
-        assert len(layers) == depth and student.head_meta[DECODER]["layers"] == depth
+        decoder, meta = build_decoder(student, cfg.decoder_layers, cfg.decoder_width,
+                                      cfg.decoder_heads, 32, 0, cfg.decoder_dropout)
+        layers = decoder.layers
+        assert len(layers) == depth and meta["layers"] == depth
         assert all(m.p == 0.0 for m in layers.modules() if isinstance(m, torch.nn.Dropout))
     student = _student(64, 4)
-    attach_decoder(student, 2, 0, 0, 32, 0, dropout=0.1)  # both stay options
-    assert len(student.heads[DECODER].layers) == 2
-    assert {m.p for m in student.heads[DECODER].modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
+    decoder, _ = build_decoder(student, 2, 0, 0, 32, 0, dropout=0.1)  # both stay options
+    assert len(decoder.layers) == 2
+    assert {m.p for m in decoder.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
 
 
 def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, teacher_dir, dictionary_path) -> None:
     """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two softmaxes."""
     obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.5, head="shared"))
-    latent = student.heads["latent"]
+    latent = obj.exported_heads()["latent"]
     assert sorted(n for n, _ in latent.named_parameters()) == ["proj.bias", "proj.weight"]  # no own transform
     pred = student.hf.cls.predictions
     hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
@@ -104,7 +106,7 @@ def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, 
     log_q = F.log_softmax(joint[keep, vocab.shape[1]:], -1)
     kl = (torch.xlogy(p, p) - p * log_q).sum(1).mean()
     ce = F.cross_entropy(joint[:, :vocab.shape[1]], batch.input_ids[batch.selected])
-    out = student(obj, batch)
+    out = forward_step(student, obj, batch)
     torch.testing.assert_close(out.loss_sum / out.n_targets, kl + 0.5 * ce, rtol=1e-4, atol=1e-4)
     (out.loss_sum / out.n_targets).backward()
     assert pred.transform.dense.weight.grad is not None and latent.proj.weight.grad is not None
@@ -125,7 +127,7 @@ def test_hitchhiker_recipes_are_the_papers_setting() -> None:
     for name in ("mlm", "kd", "mlsm", "mtl"):
         cfg = load_config(root / f"{name}.yaml")
         assert cfg.data.exact_count and cfg.data.mask_split == [1.0, 0.0, 0.0], name
-    assert load_config(root / "kd.yaml").objective["teacher_input"] == "original"
+    assert load_config(root / "kd.yaml").objective.teacher_input == "original"
     m = load_config(root / "mlsm.yaml").model
     config = AutoConfig.for_model(m.arch, **{**m.overrides, "num_hidden_layers": 1, "vocab_size": 28996})
     layer = AutoModel.from_config(config).encoder.layer[0]

@@ -16,7 +16,7 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import mlm_logits_at
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, TrainModule, build_objective, forward_step
 from mlsm.train.checkpoint import save_checkpoint
 
 from .conftest import TINY_MODEL
@@ -44,12 +44,13 @@ def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, stor
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     init = {k: v.clone() for k, v in student.hf.state_dict().items()}
     for _ in range(3):  # train every tensor away from its initialisation, heads included
-        out = student(obj, batch)
+        out = forward_step(student, obj, batch)
         (out.loss_sum / out.n_targets).backward()
         opt.step()
         opt.zero_grad()
     assert any(not torch.equal(v, init[k]) for k, v in student.hf.state_dict().items())
-    folder = save_checkpoint(tmp_path / "step-0000003", student, tok, {"step": 3}, {"step": 3})
+    module = TrainModule(student, obj)
+    folder = save_checkpoint(tmp_path / "step-0000003", module, tok, {"step": 3}, {"step": 3})
     hf, info = AutoModelForMaskedLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     student.eval()
@@ -67,7 +68,7 @@ def test_mlm_loss_equals_hf_masked_lm_loss(arch: str, store_dir: Path) -> None:
     student, obj, batch, _ = _setup(arch, store_dir)
     student.eval()
     with torch.no_grad():
-        out = obj(student, batch)
+        out = forward_step(student, obj, batch)
         # HF's reference: labels are the ORIGINAL ids at the selected positions, -100 elsewhere
         labels = torch.where(batch.selected, batch.input_ids, torch.full_like(batch.input_ids, -100))
         ref = student.hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask, labels=labels).loss

@@ -17,7 +17,7 @@ from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import build_student
 from mlsm.models.mae import DECODER, split_encoder_input
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, build_objective, forward_step
 from mlsm.train.loop import pretrain
 
 from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
@@ -46,7 +46,7 @@ def test_encoder_never_receives_mask_and_keeps_positions(arch: str, store_dir: P
     student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm"}, arch, mask_rate=0.4)
     ids, kwargs = _record_encoder_inputs(student)
     with torch.no_grad():
-        obj(student, batch)
+        forward_step(student, obj, batch)
     seen, kw = ids[0], kwargs[0]
     real = kw["attention_mask"].bool()  # (B, K)
     assert not (seen == tok.mask_token_id).any()
@@ -62,12 +62,12 @@ def test_delta_keeps_that_fraction_as_mask(store_dir: Path) -> None:
     student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm", "delta": 1.0})
     ids, _ = _record_encoder_inputs(student)
     with torch.no_grad():
-        obj(student, batch)
+        forward_step(student, obj, batch)
     assert int((ids[0] == tok.mask_token_id).sum()) == int(batch.selected.sum())  # δ=1: all kept as [MASK]
     student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm", "delta": 0.5}, mask_rate=0.4)
     ids, _ = _record_encoder_inputs(student)
     with torch.no_grad():
-        obj(student, batch)
+        forward_step(student, obj, batch)
     frac = int((ids[0] == tok.mask_token_id).sum()) / int(batch.selected.sum())
     assert 0.3 < frac < 0.7
     with pytest.raises(UserError, match="delta"):
@@ -137,11 +137,11 @@ def test_mae_lm_loss_recomputed_row_by_row(store_dir: Path) -> None:
     # positions), written back into a full-length sequence by hand, the decoder's layers applied
     # step by step, the tied head as a plain matmul, cross-entropy with the ORIGINAL ids
     student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm"}, mask_rate=0.3)
-    dec, head = student.heads[DECODER], student.heads["mae_lm_head"]
+    dec, head = obj.exported_heads()[DECODER], obj.exported_heads()["mae_lm_head"]
     emb = student.backbone.get_input_embeddings().weight  # (V, d)
     total = torch.zeros(())
     with torch.no_grad():
-        out = obj(student, batch)
+        out = forward_step(student, obj, batch)
         for b in range(len(batch.input_ids)):
             sel = batch.selected[b]  # (T,)
             pos = torch.nonzero(~sel).T  # (1, n_b) original positions of the kept tokens

@@ -16,7 +16,7 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.heads import LatentHead
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, build_objective, forward_step
 from mlsm.teacher.sparse_coding import kkt_violation
 from mlsm.train.loop import pretrain
 
@@ -63,16 +63,16 @@ def test_loss_is_kl_and_falls(store_dir, teacher_dir, dictionary_path) -> None:
 
     student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), obj.coder.teacher.tokenizer, 32, 0)
     obj.attach(student)
-    assert isinstance(student.heads["latent"], LatentHead) and not student.exports_vocab_head
+    assert isinstance(obj.heads["latent"], LatentHead) and not obj.exports_vocab_head
     student.eval()  # no dropout: the two passes below must see the same network
-    out = student(obj, batch)
+    out = forward_step(student, obj, batch)
     # independent KL: p from the codes, q from the head; scipy-free: sum p (log p - log q)
     codes = obj.coder.codes(batch)
     keep = codes.sum(1) > 0
     p = codes[keep] / codes[keep].sum(1, keepdim=True)
     with torch.no_grad():
         h = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected][keep]
-        q = torch.softmax(student.heads["latent"](h), -1)
+        q = torch.softmax(obj.heads["latent"](h), -1)
     expected = torch.where(p > 0, p * (p.log() - q.log()), torch.zeros_like(p)).sum()
     torch.testing.assert_close(out.loss_sum.detach(), expected, rtol=1e-4, atol=1e-4)
     assert out.loss_sum >= 0 and int(out.n_targets) == int(keep.sum())

@@ -15,7 +15,7 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import build_student
-from mlsm.objectives import Context, build_objective
+from mlsm.objectives import Context, build_objective, forward_step
 from mlsm.teacher.sparse_coding import objective as lasso_objective
 from mlsm.teacher.sparse_coding import sparse_encode
 from mlsm.train.loop import pretrain
@@ -44,8 +44,8 @@ def _mlsm_spec(name: str, teacher_dir: Path, dictionary_path: Path, **extra) -> 
 
 def test_kd_is_scaled_kl_to_the_full_teacher(store_dir, teacher_dir) -> None:
     obj, student, batch = _setup(store_dir, {"name": "kd", "teacher": str(teacher_dir), "temperature": 2.0})
-    assert student.exports_vocab_head
-    out = student(obj, batch)
+    assert obj.exports_vocab_head
+    out = forward_step(student, obj, batch)
     # independent reference: the teacher's *full* HF forward (logits at every position)
     full = AutoModelForMaskedLM.from_pretrained(teacher_dir).eval()
     with torch.no_grad():
@@ -84,9 +84,10 @@ def test_kd_run_resumes(store_dir, teacher_dir, tmp_path) -> None:
 
 def test_mtl_is_mean_mlsm_plus_kappa_mean_mlm(store_dir, teacher_dir, dictionary_path) -> None:
     obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.25))
-    assert "latent" in student.heads and student.exports_vocab_head
-    out = student(obj, batch)
-    a, b = obj.mlsm(student, batch), obj.mlm(student, batch)  # the two parts, separately
+    assert "latent" in obj.exported_heads() and obj.exports_vocab_head
+    out = forward_step(student, obj, batch)
+    # the two parts, separately
+    a, b = forward_step(student, obj.mlsm, batch), forward_step(student, obj.mlm, batch)
     expected = a.loss_sum / a.n_targets + 0.25 * b.loss_sum / b.n_targets
     torch.testing.assert_close((out.loss_sum / out.n_targets).detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     assert int(out.n_targets) == int(batch.selected.sum())
@@ -121,9 +122,9 @@ def test_naive_runs_every_teacher_layer_and_its_logits(store_dir, teacher_dir, d
     for i, layer in enumerate(layers):
         layer.register_forward_hook(lambda *_, i=i: ran.append(f"layer{i}"))
     obj.teacher.cls.register_forward_hook(lambda *_: ran.append("mlm_head"))
-    head = student.heads["naive"]
+    head = obj.heads["naive"]
     assert head.out_features == 200 + 64  # |V| + k
-    out = student(obj, batch)
+    out = forward_step(student, obj, batch)
     assert ran == ["layer0", "layer1", "mlm_head"]
     assert out.loss_sum >= 0
     # FISTA-100 codes are close to the exact optimum of the same problem

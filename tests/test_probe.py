@@ -16,7 +16,7 @@ from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.pll import score_pll
 from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
 from mlsm.models.backbone import build_student
-from mlsm.objectives import Context
+from mlsm.objectives import Context, TrainModule
 from mlsm.objectives.probe import Probe, ProbeConfig
 from mlsm.train.loop import pretrain
 
@@ -76,15 +76,19 @@ def _student_with_probe(folder: Path, store_dir: Path):
     store = TokenStore.open(store_dir)
     tok = store.load_tokenizer()
     student = build_student(ModelConfig(init_from=str(folder)), tok, 32, 0)
-    Probe(ProbeConfig(checkpoint=str(folder)), Context(tok, torch.device("cpu"), 1)).attach(student)
+    probe = Probe(ProbeConfig(checkpoint=str(folder)), Context(tok, torch.device("cpu"), 1))
+    probe.attach(student)
     state = load_file(folder / "heads.safetensors")
-    student.heads["probe"].load_state_dict({k.removeprefix("probe."): v for k, v in state.items() if k.startswith("probe.")})
-    return student.eval()
+    probe.heads["probe"].load_state_dict({k.removeprefix("probe."): v for k, v in state.items()
+                                          if k.startswith("probe.")})
+    return TrainModule(student, probe).eval()
 
 
-def _probe_logits(student, ids: torch.Tensor, mask: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    hidden = student.encode(ids, mask)[where]  # (N, d)
-    return student.heads["probe"](torch.softmax(student.heads["latent"](hidden), -1))  # (N, V)
+def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor,
+                  where: torch.Tensor) -> torch.Tensor:
+    heads = module.objective.heads
+    hidden = module.student.encode(ids, mask)[where]  # (N, d)
+    return heads["probe"](torch.softmax(heads["latent"](hidden), -1))  # (N, V)
 
 
 def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:

@@ -2,9 +2,14 @@
 
 A run is described by five groups of plain dataclasses (data, model, objective, optim, train).
 Recipes are YAML files in `configs/`; command-line overrides are `group.key=value` pairs whose
-values are parsed as YAML. Every field has a docstring right below it. The objective group is
-special: `objective.name` picks an entry of `mlsm.objectives.OBJECTIVES`, and the remaining keys
-are validated against that objective's own `Config` dataclass.
+values are parsed as YAML. Every field has a docstring right below it. The objective group is a
+tagged union: `objective.name` picks one of the objective `Config` dataclasses registered in
+`OBJECTIVE_CONFIGS`, and the remaining keys are validated against it and defaulted, so a resolved
+config (and the config.yaml of a run) holds every option of its objective.
+
+This module imports no objective: `mlsm.objectives` registers its configs here
+(`register_objective`), and `resolve_objective` imports `mlsm.objectives` when it first needs the
+registry (at config load), so there is no import cycle between the two.
 """
 
 from __future__ import annotations
@@ -109,12 +114,53 @@ class TrainConfig:
     mfu unless set)."""
 
 
+# objective name -> its Config dataclass (a `name: Literal[...]` tag first, then its options).
+# Filled by `mlsm.objectives` (register_objective); INTERNAL names load but are not offered
+# to users.
+OBJECTIVE_CONFIGS: dict[str, type] = {}
+INTERNAL_OBJECTIVES: set[str] = set()
+
+
+def register_objective(config_cls: type, internal: bool = False) -> None:
+    """Make `config_cls` (a dataclass whose first field is its literal `name`) loadable."""
+    name = dataclasses.fields(config_cls)[0].default
+    OBJECTIVE_CONFIGS[name] = config_cls
+    if internal:
+        INTERNAL_OBJECTIVES.add(name)
+
+
+def user_objectives() -> list[str]:
+    """The objective names offered to users (help, docs, error messages)."""
+    _registry()
+    return [n for n in OBJECTIVE_CONFIGS if n not in INTERNAL_OBJECTIVES]
+
+
+def _registry() -> dict[str, type]:
+    if not OBJECTIVE_CONFIGS:
+        import mlsm.objectives  # noqa: F401  (registers every objective's Config here)
+    return OBJECTIVE_CONFIGS
+
+
+def resolve_objective(raw: Any) -> Any:
+    """The objective group as its typed Config: name checked, options validated and defaulted."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"objective must be a mapping, got {raw!r}; write objective.name={raw} "
+                        "(or `objective: {name: ...}` in YAML)")
+    raw = {"name": "mlm", **raw}
+    name = raw["name"]
+    if not isinstance(name, str) or name not in _registry():
+        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(user_objectives())}")
+    return build_dataclass(OBJECTIVE_CONFIGS[name], raw, "objective")
+
+
 @dataclass
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    objective: dict[str, Any] = field(default_factory=lambda: {"name": "mlm"})
-    """Objective name plus that objective's own options (see `mlsm.objectives`)."""
+    objective: Any = field(default_factory=lambda: resolve_objective({}))
+    """The objective's typed Config (one of OBJECTIVE_CONFIGS, tagged by its `name`)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -148,7 +194,8 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
                         f"a list of distinct trackers among {', '.join(TRACKERS)}"),
     # objective options (validated against the objective's own Config at config load)
     "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE, "objective.fista_iters": _POSITIVE,
-    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT, "objective.decoder_layers": _POSITIVE,
+    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
+    "objective.decoder_layers": _NON_NEGATIVE,
     "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
 }
 # model.overrides keys that must be positive integers when given (HF config sizes).
@@ -168,12 +215,9 @@ def check_config(cfg: RunConfig) -> None:
     if cfg.train.micro_batch_size > cfg.train.batch_size:
         raise UserError(f"train.micro_batch_size={cfg.train.micro_batch_size} is larger than "
                         f"train.batch_size={cfg.train.batch_size}; lower it or set it to 0")
-    from mlsm.objectives import OBJECTIVES  # here: mlsm.objectives imports this module
-
-    name = cfg.objective.get("name", "mlm")
-    if not isinstance(name, str) or name not in OBJECTIVES:
-        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(OBJECTIVES)}")
-    build_dataclass(OBJECTIVES[name].Config, {k: v for k, v in cfg.objective.items() if k != "name"}, "objective")
+    check = getattr(cfg.objective, "check", None)
+    if check is not None:  # options that depend on each other (e.g. solver=fista without targets)
+        check()
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -187,6 +231,11 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
         except ValueError:
             pass
     if origin in (types.UnionType, typing.Union):
+        return value
+    if origin is typing.Literal:
+        valid = typing.get_args(hint)
+        if value not in valid:
+            raise UserError(f"{where} must be one of {', '.join(map(str, valid))}, got {value!r}")
         return value
     if origin is list and isinstance(value, list):  # element types too: mask_split=[a, b] is an error here
         (item,) = typing.get_args(hint) or (Any,)
@@ -228,11 +277,7 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
         if key not in valid:
             raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
     groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name) for name, cls in _GROUPS.items()}
-    objective = raw.get("objective") or {"name": "mlm"}
-    if not isinstance(objective, dict):
-        raise UserError(f"objective must be a mapping, got {objective!r}; write objective.name={objective} "
-                        "(or `objective: {name: ...}` in YAML)")
-    cfg = RunConfig(objective=dict(objective), **groups)
+    cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
     check_config(cfg)
     return cfg
 
@@ -344,14 +389,12 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def config_reference() -> str:
     """Markdown reference of every config key: default and docstring (docs/configuration.md)."""
-    from mlsm.objectives import OBJECTIVES
-
     lines = ["# Configuration reference", "",
              "Generated from the dataclasses in `src/mlsm/config.py` and `src/mlsm/objectives/`",
              "(`python -m mlsm.config > docs/configuration.md`). Set keys in a YAML recipe or on the",
              "command line as `group.key=value`.", ""]
     groups: list[tuple[str, type]] = [*_GROUPS.items()]
-    groups += [(f"objective ({name})", cls.Config) for name, cls in OBJECTIVES.items()]
+    groups += [(f"objective ({name})", _registry()[name]) for name in user_objectives()]
     for title, cls in groups:
         lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
@@ -365,4 +408,8 @@ def config_reference() -> str:
 
 
 if __name__ == "__main__":
-    print(config_reference())
+    # `python -m` runs this file as __main__, a second copy: the registry that mlsm.objectives
+    # fills is the one of the imported `mlsm.config`
+    from mlsm.config import config_reference as reference
+
+    print(reference())

@@ -150,7 +150,10 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None, pooler: 
 def _teacher(objective: dict[str, Any]) -> dict[str, Any] | None:
     if objective.get("name") not in _TEACHER_OBJECTIVES:
         return None
-    return {"name": objective.get("teacher") or DEFAULT_TEACHER, "layer": objective.get("layer")}
+    layer = objective.get("layer")
+    # -1, the saved default, means the dictionary's layer: unknown here, as when it was not saved
+    layer = None if layer is None or int(layer) < 0 else layer
+    return {"name": objective.get("teacher") or DEFAULT_TEACHER, "layer": layer}
 
 
 def _dictionary(path: str) -> dict[str, Any] | None:

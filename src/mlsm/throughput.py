@@ -62,13 +62,13 @@ def flops_per_step(cfg: Any, student_config: Any) -> int | None:
     not cover: clm, clm_then_mlm, mae_lm, mae_mlsm, probe)."""
     from mlsm.evaluate.flops import flops_for_run
 
-    label = _ROWS.get(str(cfg.objective.get("name", "mlm")))
+    label = _ROWS.get(cfg.objective.name)
     if label is None:
         return None
     vocab = int(student_config.vocab_size)
     rows = flops_for_run(cfg, vocab_size=vocab, student_config=student_config)
     row = next(r for r in rows if r.objective.split(" (")[0] == label or r.objective == label)
-    if cfg.objective.get("targets"):  # MLSM from a target store: no teacher runs during training
+    if getattr(cfg.objective, "targets", ""):  # MLSM from a target store: no teacher runs during training
         return row.student
     return row.total
 

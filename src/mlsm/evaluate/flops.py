@@ -230,11 +230,13 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     The student's vocabulary is the teacher's (they must tokenise identically) unless vocab_size
     is given. k defaults to objective.k, the dictionary's k, or 4 × the teacher's hidden size.
     """
+    import dataclasses
+
     from transformers import AutoConfig
 
     from mlsm.hf import load_config
 
-    obj = cfg.objective
+    obj = dataclasses.asdict(cfg.objective)  # options of its objective (not every one has them)
     t_cfg = teacher_shape_config(teacher if teacher is not None else str(obj.get("teacher", "")))
     t = shape_of(t_cfg)
     meta = _dictionary_meta(str(obj.get("dictionary", "")))

@@ -25,8 +25,8 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.models.backbone import Student, build_student
-from mlsm.objectives.base import Context
+from mlsm.models.backbone import build_student
+from mlsm.objectives.base import Context, TrainModule
 from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
 from mlsm.progress import Progress
 from mlsm.train import checkpoint as ckpt
@@ -49,16 +49,15 @@ def unigram_log_probs(store: TokenStore, vocab: int, max_tokens: int = 5_000_000
 class _Features:
     """Frozen student + latent head: batch -> (latent logits z (N, k), labels (N,))."""
 
-    def __init__(self, student: Student):
-        self.student = student
+    def __init__(self, module: TrainModule):
+        self.student, self.latent = module.student, module.objective.heads["latent"]
 
     @torch.no_grad()
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.student
-        s.backbone.eval()
-        s.heads["latent"].eval()
-        hidden = s.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
-        return s.heads["latent"](hidden).float(), batch.input_ids[batch.selected]
+        self.student.eval()
+        self.latent.eval()
+        hidden = self.student(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
+        return self.latent(hidden).float(), batch.input_ids[batch.selected]
 
 
 class _Candidate:
@@ -122,7 +121,8 @@ class _Candidate:
         return self.stale >= patience
 
 
-def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | None) -> tuple[Any, Student, Any, BatchSource, Any]:
+def _setup(checkpoint: Path, kind: str, batch_size: int | None,
+           threads: int | None) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
     from mlsm.evaluate.probe import probe_config
 
     cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}"])
@@ -133,11 +133,13 @@ def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | N
     store = TokenStore.open(cfg.data.store)
     tokenizer = store.load_tokenizer()
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
-    objective = Probe(ProbeConfig(str(checkpoint), kind), Context(tokenizer, torch.device("cpu"), 1, str(store.path), cfg.data.max_len))
+    ctx = Context(tokenizer, torch.device("cpu"), 1, str(store.path), cfg.data.max_len, store=store)
+    objective = Probe(ProbeConfig(checkpoint=str(checkpoint), input=kind), ctx)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)
         objective.attach(student)
-    return cfg, student, tokenizer, BatchSource(store, cfg.data, tokenizer), store
+    source = BatchSource(store, cfg.data, tokenizer)
+    return cfg, TrainModule(student, objective), tokenizer, source, store
 
 
 def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: tuple[str, ...] = PROBE_INPUTS,
@@ -152,12 +154,13 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     """
     checkpoint, out = Path(checkpoint), Path(out)
     select_steps = min(select_steps, max_steps)  # a short budget still compares the input kinds
-    cfg, student, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
-    features, G = _Features(student), cfg.train.batch_size
+    cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
+    probe = module.objective.heads["probe"]
+    features, G = _Features(module), cfg.train.batch_size
     held = [features(source.micro_batches(s, G, G, 0, 1)[0]) for s in heldout_steps(checkpoint, G, heldout_batches)]
-    unigram = unigram_log_probs(store, student.heads["probe"].out_features)
+    unigram = unigram_log_probs(store, probe.out_features)
     z0, _ = features(source.micro_batches(0, G, G, 0, 1)[0])
-    cands = [_Candidate(kind, student.heads["probe"], unigram, lr, z0) for kind in inputs]
+    cands = [_Candidate(kind, probe, unigram, lr, z0) for kind in inputs]
     unigram_loss, unigram_top1 = cands[0].evaluate(held)  # W = 0: the unigram distribution itself
     live = list(cands)
     bar = Progress(max_steps, "probe", "step")  # plateau stops may end it early
@@ -178,9 +181,10 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     held_loss, top1 = best.evaluate(held)
     if not math.isfinite(held_loss):
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower probe.lr (now {lr:g})")
-    student.heads["probe"].load_state_dict(best.exported())
-    student.head_meta["probe"]["input"] = best.kind
-    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", student, tokenizer, {"step": best.steps},
+    probe.load_state_dict(best.exported())
+    module.objective.input = best.kind
+    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
+                                 {"step": best.steps},
                                  {"step": best.steps, "readiness": 1.0, "objective": "probe", "run": str(out),
                                   "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
     info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr, "steps": best.steps,

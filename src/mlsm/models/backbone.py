@@ -1,10 +1,11 @@
-"""The student: any HF encoder built from an AutoConfig (or loaded for continued pre-training),
-plus the heads that objectives attach to it.
+"""The student: any HF encoder built from an AutoConfig (or loaded for continued pre-training).
 
 The student always wraps an `AutoModelForMaskedLM`, so an MLM-family checkpoint is a folder that
-`AutoModelForMaskedLM.from_pretrained` loads with exactly our head. Objectives that predict
-something else (MLSM's latent head, MAE-LM's decoder) add modules to `student.heads`; those are
-saved beside the HF files in `heads.safetensors`.
+`AutoModelForMaskedLM.from_pretrained` loads with exactly our head. Its `forward` is a plain
+encoder forward (ids, mask, ... -> last hidden states), so hooks, torch.compile and FSDP see a
+normal module. Objectives that predict something else (MLSM's latent head, MAE-LM's decoder) own
+those heads themselves (`mlsm.objectives.base.Objective`); they are saved beside the HF files in
+`heads.safetensors`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ class Student(nn.Module):
     def __init__(self, hf: nn.Module):
         super().__init__()
         self.hf = hf  # an HF *ForMaskedLM: backbone + vocabulary head
-        self.heads = nn.ModuleDict()  # objective-specific heads, saved to heads.safetensors
-        self.head_meta: dict[str, Any] = {}  # how to rebuild them (JSON, saved with the heads)
-        self.exports_vocab_head = False  # set by objectives that train the vocabulary head
         self._vocab_head = mlm_head_fn(hf)
 
     @property
@@ -48,13 +46,14 @@ class Student(nn.Module):
     def backbone(self) -> nn.Module:
         return self.hf.base_model
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> torch.Tensor:
-        """Last hidden states (B, T, d)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any, **kw: Any) -> torch.Tensor:
+        """Last hidden states (B, T, d). attention_mask: (B, T), or a prepared 4-D mask (CLM);
+        kw: further encoder inputs (e.g. position_ids)."""
         return self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
 
-    def forward(self, objective: Any, batch: Any) -> Any:
-        """Run an objective on this student; lets DDP wrap the student and still see the forward."""
-        return objective(self, batch)
+    def encode(self, input_ids: torch.Tensor, attention_mask: Any, **kw: Any) -> torch.Tensor:
+        """Same as calling the student (kept for readability at call sites)."""
+        return self(input_ids, attention_mask, **kw)
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """(N, d) hidden states at target positions -> (N, |V|) logits of the HF MLM head."""
@@ -145,13 +144,13 @@ def read_heads(folder: Path) -> dict[str, torch.Tensor]:
                         "copy or use another checkpoint of the run") from None
 
 
-def load_student_weights(student: Student, folder: Path) -> None:
-    """Load weights written by `save_student` (exact: used for resume)."""
+def load_student_weights(model: nn.Module, heads: nn.Module, folder: Path) -> None:
+    """Load weights written by `save_model_folder` into the exported HF `model` (the masked LM or
+    its encoder) and the objective's `heads` (exact: used for resume)."""
     state = load_file(folder / "model.safetensors")
-    target = student.hf if student.exports_vocab_head else student.backbone
-    missing, unexpected = target.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith(("decoder.weight", "decoder.bias"))}
     if unexpected or set(missing) - tied:
         raise UserError(f"checkpoint {folder} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume with the config the run was started with")
-    if len(student.heads):
-        student.heads.load_state_dict(read_heads(folder))
+    if len(heads.state_dict()):
+        heads.load_state_dict(read_heads(folder))

@@ -6,8 +6,8 @@ removed positions, adds position embeddings and predicts there.
 Why the decoder is a small module of `nn.TransformerEncoderLayer`s and not the student's own HF
 class with fewer layers: it must work identically behind every encoder family (BERT, RoBERTa,
 DeBERTa-v2, ModernBERT have different layer signatures, mask formats and position schemes), it
-must not carry an unused |V| x d embedding table, and it lives in `student.heads` so it is saved in
-heads.safetensors (exact resume) and rebuilt from the JSON in head_meta — while the HF folder holds
+must not carry an unused |V| x d embedding table, and it is one of the objective's heads, so it is
+saved in heads.safetensors (exact resume) and described in heads.json — while the HF folder holds
 the encoder only. Its output is projected back to the encoder width d, so the heads on top (the
 decoder-owned vocabulary head here, MLSM's latent head) are the usual d-wide ones.
 """
@@ -65,7 +65,7 @@ class MAEDecoder(nn.Module):
 
 class TiedLMHead(nn.Module):
     """Decoder-owned vocabulary head: transform + output matrix tied to the encoder's input
-    embeddings (as BERT's head), + its own bias. Lives in student.heads, so it is saved and
+    embeddings (as BERT's head), + its own bias. An objective head, so it is saved and
     restored with the decoder; the HF MLM head of the student is never used by MAE-LM."""
 
     def __init__(self, d: int, vocab: int):
@@ -141,10 +141,12 @@ def check_mae_support(student: Student) -> None:
         raise UserError(f"MAE-LM needs explicit position ids, which model.arch={kind!r} does not take; use one of {', '.join(sorted(_POSITION_IDS))}")
 
 
-def encode_kept(student: Student, split: EncoderSplit) -> torch.Tensor:
-    """Run the encoder on the kept tokens only, with their original position ids: (B, K, d)."""
+def encoder_inputs(student: Student, split: EncoderSplit) -> dict[str, torch.Tensor]:
+    """Student inputs for the kept tokens only, with their original position ids (B, K)."""
+    check_mae_support(student)
     pos = _POSITION_IDS[student.config.model_type](student.config, split.positions)
-    return student.encode(split.input_ids, split.attention_mask, position_ids=pos)
+    return {"input_ids": split.input_ids, "attention_mask": split.attention_mask,
+            "position_ids": pos}
 
 
 @contextmanager
@@ -164,9 +166,9 @@ def default_decoder_layers(student: Student) -> int:
     return 4 if student.hidden_size >= BASE_SIZE else 2
 
 
-def attach_decoder(student: Student, layers: int, width: int, heads: int, max_len: int, seed: int,
-                   dropout: float = 0.0) -> None:
-    """Add the decoder to student.heads (saved in heads.safetensors, rebuilt from head_meta).
+def build_decoder(student: Student, layers: int, width: int, heads: int, max_len: int, seed: int,
+                  dropout: float = 0.0) -> tuple[MAEDecoder, dict[str, Any]]:
+    """The decoder for `student` and its heads.json description.
 
     layers = 0: `default_decoder_layers`. dropout: inside the decoder layers (Meng et al. 2024: 0).
     Initialised from its own seed: the loop seeds the backbone's init but not the global RNG
@@ -177,23 +179,23 @@ def attach_decoder(student: Student, layers: int, width: int, heads: int, max_le
     heads = heads or int(student.config.num_attention_heads)
     layers = layers or default_decoder_layers(student)
     with seeded(seed):
-        student.heads[DECODER] = MAEDecoder(d, width, layers, heads, max_len, dropout)
-    student.head_meta[DECODER] = {"class": "MAEDecoder", "d": d, "width": width, "layers": layers,
-                                  "heads": heads, "max_positions": max_len, "dropout": dropout}
-    # The HF folder holds the encoder only: its MLM head was never trained on encoder outputs.
-    student.exports_vocab_head = False
+        decoder = MAEDecoder(d, width, layers, heads, max_len, dropout)
+    meta = {"class": "MAEDecoder", "d": d, "width": width, "layers": layers,
+            "heads": heads, "max_positions": max_len, "dropout": dropout}
+    return decoder, meta
 
 
-def mae_forward(student: Student, input_ids: torch.Tensor, attention_mask: torch.Tensor, selected: torch.Tensor,
-                keep_as_mask: torch.Tensor, mask_id: int, pad_id: int) -> torch.Tensor:
-    """Encoder on the kept tokens + decoder on the full length: decoder states (B, T, d).
-
-    selected: (B, T) positions to predict; keep_as_mask ⊆ selected stay in the encoder input as
-    [MASK] (δ of Meng et al. 2024, §4.2); the rest of `selected` is removed.
-    """
+def mae_split(input_ids: torch.Tensor, attention_mask: torch.Tensor, selected: torch.Tensor,
+              keep_as_mask: torch.Tensor, mask_id: int, pad_id: int) -> EncoderSplit:
+    """The encoder's kept tokens. selected: (B, T) positions to predict; keep_as_mask ⊆ selected
+    stay in the encoder input as [MASK] (δ of Meng et al. 2024, §4.2); the rest is removed."""
     removed = selected & ~keep_as_mask  # (B, T)
     ids = torch.where(keep_as_mask, mask_id, input_ids)
-    split = split_encoder_input(ids, attention_mask, removed, pad_id)
-    encoded = encode_kept(student, split)  # (B, K, d)
-    full = scatter_back(encoded, split, input_ids.shape[1])  # (B, T, d)
-    return student.heads[DECODER](full, removed, attention_mask)
+    return split_encoder_input(ids, attention_mask, removed, pad_id)
+
+
+def decode(decoder: MAEDecoder, encoded: torch.Tensor, split: EncoderSplit,
+           attention_mask: torch.Tensor) -> torch.Tensor:
+    """Encoder states of the kept tokens (B, K, d) -> decoder states (B, T, d) at full length."""
+    full = scatter_back(encoded, split, attention_mask.shape[1])  # (B, T, d)
+    return decoder(full, split.removed, attention_mask)

@@ -1,12 +1,17 @@
-"""Objectives behind one literal registry. Adding one = one module + one line here + its test."""
+"""Objectives behind one literal registry. Adding one = one module + one line here + its test.
+
+Each objective registers its typed `Config` with `mlsm.config` (the tagged union of the
+`objective` group): the config module never imports an objective. `OBJECTIVES` is what users pick
+from (`mlsm pretrain --help`, docs/configuration.md); `INTERNAL` objectives load the same way but
+serve mlsm itself: `probe` (the probe fitted on a frozen MLSM model by `mlsm probe`) and
+`mlsm_naive` (the official recipe, for the FLOPs / step-time comparison).
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from mlsm.config import build_dataclass
+from mlsm.config import register_objective
 from mlsm.errors import UserError
-from mlsm.objectives.base import Context, Objective, ObjectiveOutput, options_of
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput, TrainModule, forward_step
 from mlsm.objectives.clm import CLM
 from mlsm.objectives.clm_then_mlm import CLMThenMLM
 from mlsm.objectives.kd import KD
@@ -18,27 +23,32 @@ from mlsm.objectives.mlsm_naive import MLSMNaive
 from mlsm.objectives.mtl import MTL
 from mlsm.objectives.probe import Probe
 
-OBJECTIVES: dict[str, type] = {
+OBJECTIVES: dict[str, type[Objective]] = {
     "mlm": MLM,
     "mlsm": MLSM,
-    "mlsm_naive": MLSMNaive,
     "kd": KD,
     "mtl": MTL,
     "clm": CLM,
     "clm_then_mlm": CLMThenMLM,
     "mae_lm": MAELM,
     "mae_mlsm": MAEMLSM,
-    "probe": Probe,
 }
+INTERNAL: dict[str, type[Objective]] = {"mlsm_naive": MLSMNaive, "probe": Probe}
+
+for _name, _cls in {**OBJECTIVES, **INTERNAL}.items():
+    register_objective(_cls.Config, internal=_name in INTERNAL)
 
 
-def build_objective(spec: dict[str, Any], ctx: Context) -> Objective:
-    """Instantiate `spec['name']` with the rest of `spec` as its validated options."""
-    name = spec.get("name", "mlm")
-    if name not in OBJECTIVES:
-        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    return cls(build_dataclass(cls.Config, options_of(spec), "objective"), ctx)
+def build_objective(spec: object, ctx: Context) -> Objective:
+    """Instantiate the objective of `spec`: its typed Config, or a dict {name: ..., options}."""
+    from mlsm.config import resolve_objective
+
+    cfg = spec if not isinstance(spec, dict) else resolve_objective(spec)
+    cls = {**OBJECTIVES, **INTERNAL}.get(getattr(cfg, "name", None))
+    if cls is None:
+        raise UserError(f"unknown objective {spec!r}; valid: {', '.join(OBJECTIVES)}")
+    return cls(cfg, ctx)
 
 
-__all__ = ["OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "build_objective"]
+__all__ = ["INTERNAL", "OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "TrainModule",
+           "build_objective", "forward_step"]

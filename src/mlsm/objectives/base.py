@@ -1,17 +1,30 @@
-"""The objective contract: the only thing the training loop knows about an objective.
+"""The objective contract, and the training module that runs it.
 
-An objective is built from its own `Config` dataclass and a `Context`; `attach` adds whatever
-trainable heads it needs to the student; calling it on a batch returns the *sum* of its loss over
-its targets and the number of targets. The loop divides by the global number of targets (summed
-over accumulation steps and ranks), so accumulation and DDP give exactly the full-batch gradient.
+An objective is an `nn.Module` built from its own typed `Config` and a `Context`. `attach(student)`
+builds the heads it trains (its own modules, in `self.heads`) and binds what it reads of the
+student (e.g. the vocabulary head). One training step on a micro-batch is
+
+    targets = objective.targets(batch)                   # teacher / labels, no grad
+    hidden  = student(**objective.student_inputs(student, batch, targets))   # (B, T, d)
+    out     = objective.loss(hidden, targets, batch)     # ObjectiveOutput
+
+`TrainModule` does exactly that (and is what DDP wraps); the student's forward stays a plain
+encoder forward. `loss` returns the *sum* of the loss over its targets and the number of targets;
+the loop divides by the global number of targets (summed over accumulation steps and ranks), so
+accumulation and DDP give exactly the full-batch gradient.
+
+What a checkpoint holds is declared, not set by side effect: `exports_vocab_head` (class-level:
+does the HF folder keep the student's masked-LM head?) and `exported_heads()` (name -> module,
+saved in heads.safetensors, described by `head_meta()` in heads.json).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from mlsm.data.batches import Batch
@@ -35,16 +48,92 @@ class Context:
     total_steps: int
     store_path: str = ""
     max_len: int = 128
+    store: Any = None
+    """The opened token store (`TokenStore`) when the caller has one; else opened from
+    store_path."""
+
+    def token_store(self) -> Any:
+        """The run's token store, opened once."""
+        if self.store is None and self.store_path:
+            from mlsm.data.corpus import TokenStore
+
+            self.store = TokenStore.open(self.store_path)
+        return self.store
 
 
-class Objective(Protocol):
+class Objective(nn.Module):
+    """Base class: default student inputs (the corrupted sequence), no targets, no heads."""
+
     Config: ClassVar[type]
+    exports_vocab_head: ClassVar[bool] = False
+    """Whether the checkpoint's HF folder is the masked LM (encoder + the vocabulary head this
+    objective trains) rather than the bare encoder."""
+    trains_student: ClassVar[bool] = True
+    """False: the student is frozen (eval mode, no grad) and only the objective's heads learn."""
 
-    def attach(self, student: Student) -> None: ...
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict()  # the heads this objective trains (built by attach)
+        self._head_meta: dict[str, dict[str, Any]] = {}
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput: ...
+    def attach(self, student: Student) -> None:
+        """Build this objective's heads for `student` and bind what it reads of the student."""
+
+    def add_head(self, name: str, module: nn.Module, meta: dict[str, Any]) -> None:
+        self.heads[name] = module
+        self._head_meta[name] = meta
+
+    def exported_heads(self) -> dict[str, nn.Module]:
+        """name -> head saved in heads.safetensors (compositions add their members')."""
+        return dict(self.heads)
+
+    def head_meta(self) -> dict[str, dict[str, Any]]:
+        """name -> JSON description of each exported head (heads.json)."""
+        return dict(self._head_meta)
+
+    def targets(self, batch: Batch) -> Any:
+        """What the loss compares with (teacher codes, labels, ...) and any grad-free data derived
+        from the batch that the student inputs need; computed under no_grad."""
+        return None
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        """Keyword arguments of `student.forward`; default: the corrupted sequence."""
+        return {"input_ids": batch.corrupted_ids, "attention_mask": batch.attention_mask}
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        raise NotImplementedError
 
 
-def options_of(spec: dict[str, Any]) -> dict[str, Any]:
-    """The objective's own options: the spec without its name."""
-    return {k: v for k, v in spec.items() if k != "name"}
+def forward_step(student: Student, objective: Objective, batch: Batch) -> ObjectiveOutput:
+    """One micro-batch through the data flow: batch -> targets -> student -> loss."""
+    with torch.no_grad():
+        targets = objective.targets(batch)
+    inputs = objective.student_inputs(student, batch, targets)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and objective.trains_student):
+        hidden = student(**inputs)  # (B, T', d); T' < T for MAE's kept tokens
+    return objective.loss(hidden, targets, batch)
+
+
+class TrainModule(nn.Module):
+    """Student + objective: batch -> targets -> student -> loss. DDP wraps this module."""
+
+    def __init__(self, student: Student, objective: Objective):
+        super().__init__()
+        self.student = student  # registered first: parameter order = student, then heads
+        self.objective = objective
+
+    def forward(self, batch: Batch) -> ObjectiveOutput:
+        return forward_step(self.student, self.objective, batch)
+
+    def train(self, mode: bool = True) -> TrainModule:
+        super().train(mode)
+        if not self.objective.trains_student:
+            self.student.eval()  # a frozen model is used as it is evaluated: without dropout
+        return self
+
+    def exported_model(self) -> nn.Module:
+        """The HF model saved in the checkpoint folder, as the objective declares."""
+        return self.student.hf if self.objective.exports_vocab_head else self.student.backbone
+
+    def exported_heads(self) -> nn.ModuleDict:
+        return nn.ModuleDict(self.objective.exported_heads())

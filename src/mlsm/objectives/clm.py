@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
+from mlsm.objectives.mlm import vocab_loss
 
 
 def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -81,11 +82,15 @@ def check_causal_support(student: Student) -> None:
         raise UserError(f"causal attention is not supported for model.arch={kind!r}; use one of {', '.join(sorted(_CAUSAL_MASKS))}")
 
 
+def causal_mask(student: Student, attention_mask: torch.Tensor) -> Any:
+    """The (B, T) padding mask as the causal mask the student's HF family takes."""
+    check_causal_support(student)
+    return _CAUSAL_MASKS[student.config.model_type](student, causal_allowed(attention_mask))
+
+
 def causal_encode(student: Student, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states (B, T, d) of the student run with causal self-attention."""
-    check_causal_support(student)
-    mask = _CAUSAL_MASKS[student.config.model_type](student, causal_allowed(attention_mask))
-    return student.encode(input_ids, mask)
+    return student(input_ids, causal_mask(student, attention_mask))
 
 
 def next_token_targets(batch: Batch) -> torch.Tensor:
@@ -96,27 +101,32 @@ def next_token_targets(batch: Batch) -> torch.Tensor:
 
 @dataclass
 class CLMConfig:
-    pass
+    name: Literal["clm"] = "clm"
+    """Objective name (the tag of the objective group)."""
 
 
-class CLM:
+class CLM(Objective):
     Config = CLMConfig
+    exports_vocab_head = True  # the vocabulary head is trained (as a next-token head)
 
     def __init__(self, cfg: CLMConfig, ctx: Context):
+        super().__init__()
         self.cfg = cfg
 
     def attach(self, student: Student) -> None:
         check_causal_support(student)
-        # The vocabulary head is trained (as a next-token head); export it with the encoder.
-        student.exports_vocab_head = True
+        self.vocab_logits = student.vocab_logits  # a bound method: the head stays the student's
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        hidden = causal_encode(student, batch.input_ids, batch.attention_mask)  # (B, T, d)
+    def targets(self, batch: Batch) -> Any:
         where = next_token_targets(batch)  # (B, T)
-        labels = batch.input_ids[:, 1:][where[:, :-1]]  # (N,), row-major like hidden[where]
-        logits = student.vocab_logits(hidden[where])  # (N, V)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels).sum().float()
-        metrics = {"clm_loss": loss.detach(), "clm_accuracy": correct}
-        return ObjectiveOutput(loss, labels.new_tensor(labels.numel()), metrics)
+        return where, batch.input_ids[:, 1:][where[:, :-1]]  # (N,), row-major like hidden[where]
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        """The uncorrupted sequence under causal self-attention."""
+        mask = causal_mask(student, batch.attention_mask)
+        return {"input_ids": batch.input_ids, "attention_mask": mask}
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        where, labels = targets
+        logits = self.vocab_logits(hidden[where])  # (N, V)
+        return vocab_loss(logits, labels, "clm_loss", "clm_accuracy")

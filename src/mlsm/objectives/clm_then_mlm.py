@@ -5,33 +5,45 @@ stable plateau, not during a decay).
 A composition of the two objectives, not a copy: each batch goes to `CLM` or `MLM` by its
 optimizer step (`batch.step`), so the phase is a pure function of the step and resuming on either
 side of the switch is exact. Metrics keep each phase's own names (clm_loss / mlm_loss), so
-metrics.jsonl shows where the switch happened.
+metrics.jsonl shows where the switch happened. Both phases train the vocabulary head, so the
+masked LM is exported (declared here, whatever the phase).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
 
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.objectives.clm import CLM, CLMConfig
 from mlsm.objectives.mlm import MLM, MLMConfig
 
 
 @dataclass
 class CLMThenMLMConfig:
+    name: Literal["clm_then_mlm"] = "clm_then_mlm"
+    """Objective name (the tag of the objective group)."""
     clm_fraction: float = 0.25
     """Fraction of train.steps trained with CLM (causal mask) before switching to MLM."""
 
+    def check(self) -> None:
+        if not 0.0 <= self.clm_fraction <= 1.0:
+            raise UserError(f"objective.clm_fraction={self.clm_fraction} must be in [0, 1], "
+                            "e.g. 0.25")
 
-class CLMThenMLM:
+
+class CLMThenMLM(Objective):
     Config = CLMThenMLMConfig
+    exports_vocab_head = True
 
     def __init__(self, cfg: CLMThenMLMConfig, ctx: Context):
-        if not 0.0 <= cfg.clm_fraction <= 1.0:
-            raise UserError(f"objective.clm_fraction={cfg.clm_fraction} must be in [0, 1], e.g. 0.25")
+        super().__init__()
+        cfg.check()
         self.switch_step = round(cfg.clm_fraction * ctx.total_steps)
         """First optimizer step (0-based) trained with MLM."""
         self.clm = CLM(CLMConfig(), ctx)
@@ -44,6 +56,14 @@ class CLMThenMLM:
     def phase(self, step: int) -> str:
         return "clm" if step < self.switch_step else "mlm"
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        objective = self.clm if self.phase(batch.step) == "clm" else self.mlm
-        return objective(student, batch)
+    def _member(self, batch: Batch) -> Objective:
+        return self.clm if self.phase(batch.step) == "clm" else self.mlm
+
+    def targets(self, batch: Batch) -> Any:
+        return self._member(batch).targets(batch)
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        return self._member(batch).student_inputs(student, batch, targets)
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        return self._member(batch).loss(hidden, targets, batch)

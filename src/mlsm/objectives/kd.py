@@ -17,6 +17,7 @@ smoothing); `teacher_input: original` gives it the unmasked text instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,16 +29,18 @@ from mlsm.errors import UserError
 from mlsm.hf import first_line, load_config, load_model, load_tokenizer
 from mlsm.models.backbone import Student
 from mlsm.models.heads import mlm_head_fn
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 
 
 @dataclass
 class KDConfig:
+    name: Literal["kd"] = "kd"
+    """Objective name (the tag of the objective group)."""
     teacher: str = ""
     """Teacher folder or hub id with a masked-LM head (AutoModelForMaskedLM); required."""
     temperature: float = 1.0
     """Softmax temperature T of both distributions; the loss is scaled by T²."""
-    teacher_input: str = "corrupted"
+    teacher_input: Literal["corrupted", "original"] = "corrupted"
     """What the teacher reads: `corrupted` (the student's input, DistilBERT) or `original`."""
 
 
@@ -84,10 +87,12 @@ def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     return temperature**2 * (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-class KD:
+class KD(Objective):
     Config = KDConfig
+    exports_vocab_head = True  # KD trains the student's vocabulary head
 
     def __init__(self, cfg: KDConfig, ctx: Context):
+        super().__init__()
         if not cfg.temperature > 0:
             raise UserError(f"objective.temperature must be > 0 (got {cfg.temperature}); use e.g. 1 or 2")
         if cfg.teacher_input not in ("corrupted", "original"):
@@ -97,18 +102,21 @@ class KD:
         self.vocab = len(ctx.tokenizer)
 
     def attach(self, student: Student) -> None:
-        student.exports_vocab_head = True  # KD trains the student's vocabulary head
+        self.vocab_logits = student.vocab_logits  # a bound method: the head stays the student's
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
+    def targets(self, batch: Batch) -> Any:
+        """The teacher's logits (N, V_t) at the selected positions, and the labels (N,)."""
         ids = batch.corrupted_ids if self.cfg.teacher_input == "corrupted" else batch.input_ids
         with torch.autocast(ids.device.type, enabled=False):
             t_logits = self.teacher.logits(ids, batch.attention_mask, batch.selected)  # (N, V_t)
-        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
-        s_logits = student.vocab_logits(hidden[batch.selected])  # (N, V_s)
+        return t_logits, batch.input_ids[batch.selected]
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        t_logits, labels = targets
+        s_logits = self.vocab_logits(hidden[batch.selected])  # (N, V_s)
         # Some checkpoints pad the vocabulary matrix (e.g. to a multiple of 8); the extra rows
         # are never real tokens, so both sides are cut to the tokenizer's size.
         kl = distill_kl(s_logits[:, : self.vocab], t_logits[:, : self.vocab], self.cfg.temperature)  # (N,)
-        labels = batch.input_ids[batch.selected]  # (N,)
         with torch.no_grad():
             metrics = {
                 "kd_loss": kl.sum().detach(),

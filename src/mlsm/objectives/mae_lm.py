@@ -11,15 +11,15 @@ selected position is either removed or (δ) a [MASK].
 
 Export: only the encoder (AutoModel folder). The decoder and its head are in heads.safetensors for
 resume, and are dropped after pre-training as in the paper; the student's HF MLM head is never
-trained, so it is not exported (student.exports_vocab_head = False).
+trained, so it is not exported (`exports_vocab_head = False`, declared by the class).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
@@ -28,16 +28,21 @@ from mlsm.models.mae import (
     DECODER,
     LM_HEAD,
     TiedLMHead,
-    attach_decoder,
+    build_decoder,
+    decode,
     delta_keep,
-    mae_forward,
+    encoder_inputs,
+    mae_split,
     seeded,
 )
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
+from mlsm.objectives.mlm import vocab_loss
 
 
 @dataclass
 class MAELMConfig:
+    name: Literal["mae_lm"] = "mae_lm"
+    """Objective name (the tag of the objective group)."""
     delta: float = 0.0
     """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all removed)."""
     decoder_layers: int = 0
@@ -51,6 +56,9 @@ class MAELMConfig:
     seed: int = 0
     """Seed of the decoder's initialisation and of the δ draws (the loop does not seed heads)."""
 
+    def check(self) -> None:
+        check_mae_options(self)
+
 
 def check_mae_options(cfg: MAELMConfig) -> None:
     if not 0.0 <= cfg.delta <= 1.0:
@@ -61,10 +69,15 @@ def check_mae_options(cfg: MAELMConfig) -> None:
         raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); the paper uses 0")
 
 
-class MAEDecoderPass:
-    """What MAE-LM and MAE-MLSM share: options, special ids, attaching and running the split."""
+class MAEDecoderPass(Objective):
+    """What MAE-LM and MAE-MLSM share: the encoder/decoder split and the decoder (its head).
+
+    targets(batch): the split (which tokens the encoder keeps), student_inputs: the kept tokens
+    with their position ids, decode: encoder states -> decoder states (B, T, d). No loss of its own.
+    """
 
     def __init__(self, cfg: MAELMConfig, ctx: Context):
+        super().__init__()
         check_mae_options(cfg)
         self.cfg, self.max_len = cfg, ctx.max_len
         tok = ctx.tokenizer
@@ -73,37 +86,56 @@ class MAEDecoderPass:
 
     def attach(self, student: Student) -> None:
         cfg = self.cfg
-        attach_decoder(student, cfg.decoder_layers, cfg.decoder_width, cfg.decoder_heads, self.max_len, cfg.seed,
-                       cfg.decoder_dropout)
+        decoder, meta = build_decoder(student, cfg.decoder_layers, cfg.decoder_width,
+                                      cfg.decoder_heads, self.max_len, cfg.seed,
+                                      cfg.decoder_dropout)
+        self.add_head(DECODER, decoder, meta)
 
-    def __call__(self, student: Student, batch: Batch) -> torch.Tensor:
-        """Decoder states (B, T, d)."""
+    def targets(self, batch: Batch) -> Any:
         keep = delta_keep(batch.selected, batch.samples, self.cfg.delta, self.cfg.seed)
-        return mae_forward(student, batch.input_ids, batch.attention_mask, batch.selected, keep,
-                           self.mask_id, self.pad_id)
+        return mae_split(batch.input_ids, batch.attention_mask, batch.selected, keep,
+                         self.mask_id, self.pad_id)
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        return encoder_inputs(student, targets)
+
+    def decode(self, hidden: torch.Tensor, split: Any, batch: Batch) -> torch.Tensor:
+        """Encoder states (B, K, d) of the kept tokens -> decoder states (B, T, d)."""
+        return decode(self.heads[DECODER], hidden, split, batch.attention_mask)
 
 
-class MAELM:
+class MAELM(Objective):
     Config = MAELMConfig
 
     def __init__(self, cfg: MAELMConfig, ctx: Context):
-        self.split = MAEDecoderPass(cfg, ctx)
+        super().__init__()
+        self.split = MAEDecoderPass(cfg, ctx)  # registered first: the decoder's parameters lead
         self.vocab = len(ctx.tokenizer)
 
     def attach(self, student: Student) -> None:
         self.split.attach(student)
         with seeded(self.split.cfg.seed + 1):
-            student.heads[LM_HEAD] = TiedLMHead(student.hidden_size, self.vocab)
-        student.head_meta[LM_HEAD] = {"class": "TiedLMHead", "d": student.hidden_size, "vocab": self.vocab,
-                                      "tied_to": "encoder input embeddings", "after": DECODER}
+            head = TiedLMHead(student.hidden_size, self.vocab)
+        meta = {"class": "TiedLMHead", "d": student.hidden_size, "vocab": self.vocab,
+                "tied_to": "encoder input embeddings", "after": DECODER}
+        self.add_head(LM_HEAD, head, meta)
+        self.embeddings = student.backbone.get_input_embeddings  # bound method: tied output matrix
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        states = self.split(student, batch)  # (B, T, d)
-        emb = student.backbone.get_input_embeddings().weight  # (V, d), tied output matrix
-        logits = student.heads[LM_HEAD](states[batch.selected], emb)  # (N, V)
-        labels = batch.input_ids[batch.selected]  # (N,)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels).sum().float()
-        metrics = {"mae_loss": loss.detach(), "accuracy": correct}
-        return ObjectiveOutput(loss, labels.new_tensor(labels.numel()), metrics)
+    def exported_heads(self) -> dict[str, Any]:
+        return {**self.split.exported_heads(), **self.heads}
+
+    def head_meta(self) -> dict[str, dict[str, Any]]:
+        return {**self.split.head_meta(), **self._head_meta}
+
+    def targets(self, batch: Batch) -> Any:
+        return self.split.targets(batch), batch.input_ids[batch.selected]  # split, labels (N,)
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        return self.split.student_inputs(student, batch, targets[0])
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        split, labels = targets
+        states = self.split.decode(hidden, split, batch)  # (B, T, d)
+        emb = self.embeddings().weight  # (V, d), tied output matrix
+        logits = self.heads[LM_HEAD](states[batch.selected], emb)  # (N, V)
+        return vocab_loss(logits, labels, "mae_loss")

@@ -5,43 +5,70 @@ the shallow decoder rebuilds the full length from the encoder outputs plus [MASK
 MLSM's latent head on the *decoder* output predicts the sparse-code distribution of the frozen
 teacher's layer-l state at each selected position; loss = KL(p ‖ softmax(z)) (Berend 2023, Eq. 2).
 
-Targets, the KL and the latent head are MLSM's own: the target source is the one `MLSM` picks
-(online teacher with early exit, or the target store with `objective.targets`), and `latent_kl`
-/ `attach_latent_head` come from objectives/mlsm.py. The options are MLSM's plus MAE-LM's, by
-inheritance, so options added to MLSM are accepted here too.
+A composition of two parts: the MAE split (`MAEDecoderPass`: which tokens the encoder keeps, the
+decoder) and an `MLSM` member, whose own `targets` (online teacher with early exit, or the target
+store with `objective.targets`) and `loss` (latent head + KL) run on the decoder states. The
+options are MLSM's plus MAE-LM's, by inheritance, so options added to MLSM are accepted here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from torch import nn
 
 from mlsm.data.batches import Batch
 from mlsm.models.backbone import Student
 from mlsm.models.mae import seeded
-from mlsm.objectives.base import Context, ObjectiveOutput
-from mlsm.objectives.mae_lm import MAEDecoderPass, MAELMConfig
-from mlsm.objectives.mlsm import MLSM, MLSMConfig, attach_latent_head, latent_kl
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
+from mlsm.objectives.mae_lm import MAEDecoderPass, MAELMConfig, check_mae_options
+from mlsm.objectives.mlsm import MLSM, MLSMConfig, check_mlsm_options
 
 
 @dataclass
 class MAEMLSMConfig(MLSMConfig, MAELMConfig):
     """MLSM's options (dictionary, teacher, layer, λ, ...) and MAE-LM's (δ, decoder shape)."""
 
+    name: Literal["mae_mlsm"] = "mae_mlsm"  # type: ignore[assignment]
+    """Objective name (the tag of the objective group)."""
 
-class MAEMLSM:
+    def check(self) -> None:
+        check_mlsm_options(self)
+        check_mae_options(self)
+
+
+def _part(cls: type, cfg: Any) -> Any:
+    """The `cls` config holding cfg's values of cls's own options (its default name)."""
+    return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name != "name"})
+
+
+class MAEMLSM(Objective):
     Config = MAEMLSMConfig
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
-        self.split = MAEDecoderPass(cfg, ctx)
-        mlsm = MLSM(cfg, ctx)
-        self.coder, self.count_zero = mlsm.coder, mlsm.count_zero  # exactly as MLSM chooses
+        super().__init__()
+        self.split = MAEDecoderPass(_part(MAELMConfig, cfg), ctx)  # first: decoder params lead
+        self.mlsm = MLSM(_part(MLSMConfig, cfg), ctx)
 
     def attach(self, student: Student) -> None:
         self.split.attach(student)
         with seeded(self.split.cfg.seed + 1):  # reproducible fresh runs (the loop seeds no heads)
-            attach_latent_head(student, self.coder.k)
+            self.mlsm.attach(student)
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        codes = self.coder.codes(batch)  # (N, k), teacher on the unmasked sequence
-        states = self.split(student, batch)  # (B, T, d) decoder output
-        return latent_kl(student, states[batch.selected], codes, self.count_zero)
+    def exported_heads(self) -> dict[str, nn.Module]:
+        return {**self.split.exported_heads(), **self.mlsm.exported_heads()}
+
+    def head_meta(self) -> dict[str, dict[str, Any]]:
+        return {**self.split.head_meta(), **self.mlsm.head_meta()}
+
+    def targets(self, batch: Batch) -> Any:
+        return self.split.targets(batch), self.mlsm.targets(batch)  # split, codes (N, k)
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        return self.split.student_inputs(student, batch, targets[0])
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        states = self.split.decode(hidden, targets[0], batch)  # (B, T, d) decoder output
+        return self.mlsm.loss(states, targets[1], batch)

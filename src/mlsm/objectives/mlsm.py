@@ -11,16 +11,18 @@ The output layer is d × k; no vocabulary logits are ever computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import fista, sparse_encode
 from mlsm.teacher.targets import StoredTargets
@@ -29,6 +31,8 @@ from mlsm.teacher.teacher import load_teacher
 
 @dataclass
 class MLSMConfig:
+    name: Literal["mlsm"] = "mlsm"
+    """Objective name (the tag of the objective group)."""
     dictionary: str = ""
     """Dictionary file from `mlsm dictionary` (PATH.safetensors + PATH.json)."""
     teacher: str = ""
@@ -39,14 +43,18 @@ class MLSMConfig:
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
     targets: str = ""
     """Target store from `mlsm targets`; when set, codes are read from it and no teacher is loaded."""
-    solver: str = "exact"
+    solver: Literal["exact", "fista"] = "exact"
     """Sparse coder of the online targets: `exact` (active set, KKT-checked) or `fista` (a fixed
     `fista_iters` iterations, as the official code: FISTA-100), to reproduce or measure exactness."""
     fista_iters: int = 100
     """FISTA iterations when solver=fista (the official code uses 100)."""
-    zero_codes: str = "drop"
+    zero_codes: Literal["drop", "count"] = "drop"
     """Positions whose code is all zero: `drop` (no target, not in the mean) or `count` (loss 0 but
     counted in the denominator, as the official KLDivLoss(reduction="batchmean") does)."""
+
+    def check(self) -> None:
+        """One-line errors for the fidelity switches (solver, fista_iters, zero_codes)."""
+        check_mlsm_options(self)
 
 
 def check_mlsm_options(cfg: MLSMConfig) -> None:
@@ -90,17 +98,19 @@ class TargetCoder:
         return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
 
 
-def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor, count_zero: bool = False) -> ObjectiveOutput:
+def latent_kl(head: nn.Module, hidden: torch.Tensor, codes: torch.Tensor,
+              count_zero: bool = False) -> ObjectiveOutput:
     """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).
 
-    hidden: (N, d) student states at the selected positions; codes: (N, k). Positions whose code
-    is all zero carry no target and are dropped (counted in the `dropped` metric); with
-    count_zero they still count in n_targets (the official batchmean divides by all N).
+    head: the latent head (N, d) -> (N, k); hidden: (N, d) student states at the selected
+    positions; codes: (N, k). Positions whose code is all zero carry no target and are dropped
+    (counted in the `dropped` metric); with count_zero they still count in n_targets (the
+    official batchmean divides by all N).
     """
     mass = codes.sum(1)  # (N,)
     keep = mass > 0
     p = codes[keep] / mass[keep, None]  # (M, k)
-    z = student.heads["latent"](hidden[keep]).float()  # (M, k)
+    z = head(hidden[keep]).float()  # (M, k)
     log_q = F.log_softmax(z, dim=-1)
     kl = (torch.xlogy(p, p) - p * log_q).sum(1)  # (M,): p log p - p log q, with 0 log 0 = 0
     with torch.no_grad():
@@ -115,24 +125,36 @@ def latent_kl(student: Student, hidden: torch.Tensor, codes: torch.Tensor, count
     return ObjectiveOutput(kl.sum(), n_targets, metrics)
 
 
-def attach_latent_head(student: Student, k: int) -> None:
-    student.heads["latent"] = LatentHead(student.hidden_size, k)
-    student.head_meta["latent"] = {"class": "LatentHead", "d": student.hidden_size, "k": k}
+def latent_head(d: int, k: int) -> tuple[LatentHead, dict[str, Any]]:
+    """MLSM's latent head d -> k and its heads.json description."""
+    return LatentHead(d, k), {"class": "LatentHead", "d": d, "k": k}
 
 
-class MLSM:
+def stored_targets(cfg: MLSMConfig, ctx: Context) -> StoredTargets:
+    """The target store of `cfg.targets`, checked against this run's token store and options."""
+    store = ctx.token_store()
+    if store is None:
+        raise UserError("objective.targets needs data.store to be set "
+                        "(the targets belong to one token store)")
+    return StoredTargets(cfg.targets, store, ctx.tokenizer, ctx.max_len,
+                         dictionary=cfg.dictionary, layer=cfg.layer, lam=cfg.lam)
+
+
+class MLSM(Objective):
     Config = MLSMConfig
 
     def __init__(self, cfg: MLSMConfig, ctx: Context):
+        super().__init__()
         check_mlsm_options(cfg)
         # Same targets either way: stored codes were computed by the same teacher + solver.
-        self.coder = StoredTargets(cfg, ctx) if cfg.targets else TargetCoder(cfg, ctx)
+        self.coder = stored_targets(cfg, ctx) if cfg.targets else TargetCoder(cfg, ctx)
         self.count_zero = cfg.zero_codes == "count"
 
     def attach(self, student: Student) -> None:
-        attach_latent_head(student, self.coder.k)
+        self.add_head("latent", *latent_head(student.hidden_size, self.coder.k))
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        codes = self.coder.codes(batch)  # (N, k)
-        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
-        return latent_kl(student, hidden[batch.selected], codes, self.count_zero)
+    def targets(self, batch: Batch) -> torch.Tensor:
+        return self.coder.codes(batch)  # (N, k), teacher on the unmasked sequence
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        return latent_kl(self.heads["latent"], hidden[batch.selected], targets, self.count_zero)

@@ -13,6 +13,7 @@ Use `mlsm` for real runs; this objective exists for benchmarks/bench_step_time.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from mlsm.data.corpus import tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_model, load_tokenizer
 from mlsm.models.backbone import Student
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.objectives.kd import has_mlm_head
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import fista
@@ -33,6 +34,8 @@ from mlsm.teacher.teacher import default_teacher_path
 
 @dataclass
 class MLSMNaiveConfig:
+    name: Literal["mlsm_naive"] = "mlsm_naive"
+    """Objective name (the tag of the objective group)."""
     dictionary: str = ""
     """Dictionary file from `mlsm dictionary` (PATH.safetensors + PATH.json)."""
     teacher: str = ""
@@ -56,10 +59,11 @@ def load_full_teacher(path: str) -> tuple[nn.Module, object]:
     return model.eval().requires_grad_(False), tokenizer
 
 
-class MLSMNaive:
+class MLSMNaive(Objective):
     Config = MLSMNaiveConfig
 
     def __init__(self, cfg: MLSMNaiveConfig, ctx: Context):
+        super().__init__()
         if not cfg.dictionary:
             raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
         if cfg.fista_iters < 1:
@@ -78,19 +82,22 @@ class MLSMNaive:
         dict_layer = self.dictionary.meta.get("layer")
         if dict_layer is not None and int(dict_layer) != self.layer:
             raise UserError(f"the dictionary was learned on layer {dict_layer} but objective.layer={self.layer}; use layer={dict_layer} or learn a new dictionary")
-        self.teacher = model.to(ctx.device)
+        self._teacher = (model.to(ctx.device),)  # a tuple: frozen, not a submodule of the objective
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)
         self.k = self.dictionary.k
         self.vocab = len(ctx.tokenizer)
 
-    def attach(self, student: Student) -> None:
-        d = student.hidden_size
-        student.heads["naive"] = nn.Linear(d, self.vocab + self.k)  # d → |V| + k, as the official code
-        student.head_meta["naive"] = {"class": "Linear", "d": d, "out": self.vocab + self.k, "latent": "last k"}
+    @property
+    def teacher(self) -> nn.Module:
+        return self._teacher[0]
 
-    @torch.no_grad()
-    def codes(self, batch: Batch) -> torch.Tensor:
+    def attach(self, student: Student) -> None:
+        d = student.hidden_size  # d → |V| + k, as the official code
+        self.add_head("naive", nn.Linear(d, self.vocab + self.k),
+                      {"class": "Linear", "d": d, "out": self.vocab + self.k, "latent": "last k"})
+
+    def targets(self, batch: Batch) -> torch.Tensor:
         """FISTA codes (N, k) of the full teacher's layer-l states at the selected positions."""
         with torch.autocast(batch.input_ids.device.type, enabled=False):
             out = self.teacher(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -98,10 +105,13 @@ class MLSMNaive:
             x = F.normalize(out.hidden_states[self.layer][batch.selected].float(), dim=-1)  # (N, d)
             return fista(x, self.atoms, self.lam, n_iter=self.cfg.fista_iters)
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        codes = self.codes(batch)  # (N, k)
-        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d)
-        z_all = student.heads["naive"](hidden)  # (B, T, |V| + k): every position, as HF heads do
+    def codes(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return self.targets(batch)
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        codes = targets  # (N, k)
+        z_all = self.heads["naive"](hidden)  # (B, T, |V| + k): every position, as HF heads do
         z = z_all[batch.selected][:, -self.k :].float()  # (N, k): the latent part
         mass = codes.sum(1)  # (N,)
         keep = mass > 0  # all-zero codes carry no target

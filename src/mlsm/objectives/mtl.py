@@ -1,9 +1,10 @@
 """Multi-task MLSM + MLM (Berend 2023, §5 "MTL"): L = L_MLSM + κ · L_MLM.
 
-A composition, not a copy: an `MLSM` and an `MLM` objective are instantiated and both read one
-shared student forward (a thin proxy hands them the cached hidden states), so the student runs
-once per batch and both heads — the latent head and the vocabulary head — are trained and
-exported (the checkpoint is an AutoModelForMaskedLM folder plus heads.safetensors).
+A composition, not a copy: an `MLSM` and an `MLM` objective are members; MTL's targets are both
+members' targets, and both members' losses read the one student forward (both take the corrupted
+sequence as input, checked at construction), so the student runs once per batch and both heads —
+the latent head and the vocabulary head — are trained and exported (the checkpoint is an
+AutoModelForMaskedLM folder plus heads.safetensors).
 
 Normalisation. The loop divides the summed loss by the number of targets. MLM counts every
 selected position (n_mlm); MLSM drops positions whose code is all zero (n_mlsm ≤ n_mlm). We return
@@ -19,7 +20,7 @@ fraction is the same in every micro-batch, and within a fraction of a percent in
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,16 +28,18 @@ from torch import nn
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
-from mlsm.objectives.base import Context, ObjectiveOutput
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.objectives.mlm import MLM, MLMConfig
 from mlsm.objectives.mlsm import MLSM, MLSMConfig
 
 
 @dataclass
 class MTLConfig(MLSMConfig):
+    name: Literal["mtl"] = "mtl"  # type: ignore[assignment]
+    """Objective name (the tag of the objective group)."""
     kappa: float = 0.5
     """Weight κ of the MLM loss (the paper tries 0.25, 0.5 and 1)."""
-    head: str = "separate"
+    head: Literal["separate", "shared"] = "separate"
     """`separate` (ours): the latent head has its own transform beside the vocabulary head.
     `shared` (the official code): one transform (the vocabulary head's) feeds a d × (|V| + k)
     decoder — the vocabulary decoder plus a d × k block — with separate softmaxes."""
@@ -58,54 +61,55 @@ class SharedTransformLatent(nn.Module):
         return self.proj(self._transform[0](h))
 
 
-def attach_shared_head(student: Student, k: int) -> None:
-    """Replace the latent head by the official MTL head's latent block (one error if unsupported)."""
+def shared_head(student: Student, k: int) -> tuple[nn.Module, dict[str, Any]]:
+    """The official MTL head's latent block (one error if the student's head has no transform)."""
     predictions = getattr(getattr(student.hf, "cls", None), "predictions", None)
     if predictions is None or not hasattr(predictions, "transform"):
         raise UserError(f"objective.head=shared needs a BERT-style vocabulary head (cls.predictions.transform); "
                         f"{student.config.model_type} has none: use objective.head=separate")
-    student.heads["latent"] = SharedTransformLatent(predictions.transform, student.hidden_size, k)
-    student.head_meta["latent"] = {"class": "SharedTransformLatent", "d": student.hidden_size, "k": k,
-                                   "transform": "cls.predictions.transform of the exported masked LM"}
+    meta = {"class": "SharedTransformLatent", "d": student.hidden_size, "k": k,
+            "transform": "cls.predictions.transform of the exported masked LM"}
+    return SharedTransformLatent(predictions.transform, student.hidden_size, k), meta
 
 
-class _SharedForward:
-    """Looks like the student, but `encode` returns hidden states computed once (B, T, d)."""
-
-    def __init__(self, student: Student, hidden: torch.Tensor):
-        self._student, self._hidden = student, hidden
-
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> torch.Tensor:
-        return self._hidden
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._student, name)
-
-
-class MTL:
+class MTL(Objective):
     Config = MTLConfig
+    exports_vocab_head = True  # MLM's vocabulary head is trained and exported
 
     def __init__(self, cfg: MTLConfig, ctx: Context):
+        super().__init__()
         if cfg.kappa < 0:
             raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); the paper uses 0.25, 0.5 or 1")
         if cfg.head not in ("separate", "shared"):
             raise UserError(f"objective.head={cfg.head!r}; use separate (ours) or shared (the official code)")
         self.kappa, self.shared = cfg.kappa, cfg.head == "shared"
-        mlsm_opts = {f.name: getattr(cfg, f.name) for f in fields(MLSMConfig)}
+        mlsm_opts = {f.name: getattr(cfg, f.name) for f in fields(MLSMConfig) if f.name != "name"}
         self.mlsm = MLSM(MLSMConfig(**mlsm_opts), ctx)
         self.mlm = MLM(MLMConfig(), ctx)
+        # One student forward feeds both losses: only sound if both read the same inputs.
+        assert type(self.mlsm).student_inputs is type(self.mlm).student_inputs
 
     def attach(self, student: Student) -> None:
         self.mlsm.attach(student)  # latent head
-        self.mlm.attach(student)  # vocabulary head, exported with the checkpoint
+        self.mlm.attach(student)  # the student's vocabulary head
         if self.shared:
-            attach_shared_head(student, self.mlsm.coder.k)
+            self.mlsm.add_head("latent", *shared_head(student, self.mlsm.coder.k))
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        hidden = student.encode(batch.corrupted_ids, batch.attention_mask)  # (B, T, d), once
-        shared = _SharedForward(student, hidden)
-        a = self.mlsm(shared, batch)  # type: ignore[arg-type]
-        b = self.mlm(shared, batch)  # type: ignore[arg-type]
+    def exported_heads(self) -> dict[str, nn.Module]:
+        return {**self.mlsm.exported_heads(), **self.mlm.exported_heads()}
+
+    def head_meta(self) -> dict[str, dict[str, Any]]:
+        return {**self.mlsm.head_meta(), **self.mlm.head_meta()}
+
+    def targets(self, batch: Batch) -> Any:
+        return self.mlsm.targets(batch), self.mlm.targets(batch)
+
+    def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
+        return self.mlm.student_inputs(student, batch, targets[1])
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
+        a = self.mlsm.loss(hidden, targets[0], batch)  # hidden: (B, T, d), computed once
+        b = self.mlm.loss(hidden, targets[1], batch)
         n_mlsm, n_mlm = a.n_targets.float(), b.n_targets
         scale = n_mlm.float() / n_mlsm.clamp(min=1)  # mean_MLSM expressed per MLM target
         loss = a.loss_sum * scale + self.kappa * b.loss_sum

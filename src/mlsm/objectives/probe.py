@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +20,19 @@ from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.hf import read_json
 from mlsm.models.backbone import Student, read_heads
-from mlsm.objectives.base import Context, ObjectiveOutput
-from mlsm.objectives.mlsm import attach_latent_head
+from mlsm.objectives.base import Context, Objective, ObjectiveOutput
+from mlsm.objectives.mlsm import latent_head
 
 PROBE_INPUTS = ("probs", "logprobs", "logits")
 
 
 @dataclass
 class ProbeConfig:
+    name: Literal["probe"] = "probe"
+    """Objective name (the tag of the objective group)."""
     checkpoint: str = ""
     """MLSM checkpoint folder whose latent head the probe reads (also set model.init_from to it)."""
-    input: str = "probs"
+    input: Literal["probs", "logprobs", "logits"] = "probs"
     """What the probe reads: `probs` = softmax(z) (Berend 2023's wording), `logprobs` = log_softmax(z)
     or `logits` = z (see docs/evaluation.md for which trains best)."""
 
@@ -46,21 +49,26 @@ def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
     raise UserError(f"objective.input={kind!r} is not one of {', '.join(PROBE_INPUTS)}")
 
 
-def load_latent_head(student: Student, folder: Path) -> None:
-    """Attach the latent head saved in an MLSM checkpoint folder to `student`."""
+def load_latent_head(folder: Path, d: int) -> tuple[nn.Module, dict[str, Any]]:
+    """The latent head saved in an MLSM checkpoint folder, with its heads.json description."""
     meta_path = folder / "heads.json"
     meta = read_json(meta_path) if meta_path.is_file() else {}
     if not isinstance(meta, dict) or "latent" not in meta:
         raise UserError(f"{folder} has no MLSM latent head (heads.json); pass a checkpoint of an mlsm/mtl run")
-    attach_latent_head(student, int(meta["latent"]["k"]))
+    meta = meta["latent"]
+    head, _ = latent_head(d, int(meta["k"]))  # d: the student's hidden size
     state = read_heads(folder)
-    student.heads["latent"].load_state_dict({k.removeprefix("latent."): v for k, v in state.items() if k.startswith("latent.")})
+    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
+                          if k.startswith("latent.")})
+    return head, meta
 
 
-class Probe:
+class Probe(Objective):
     Config = ProbeConfig
+    trains_student = False  # backbone and latent head frozen (eval, no grad); only the probe learns
 
     def __init__(self, cfg: ProbeConfig, ctx: Context):
+        super().__init__()
         if not cfg.checkpoint:
             raise UserError("objective.checkpoint is not set; pass the MLSM checkpoint folder (mlsm probe CHECKPOINT)")
         self.folder = Path(cfg.checkpoint)
@@ -69,24 +77,30 @@ class Probe:
         probe_input(torch.zeros(1, 1), cfg.input)  # a bad name fails before any work
 
     def attach(self, student: Student) -> None:
-        load_latent_head(student, self.folder)
         student.requires_grad_(False)  # everything frozen but the probe added below
-        k = student.heads["latent"].proj.out_features
-        student.heads["probe"] = nn.Linear(k, self.vocab)
-        student.head_meta["probe"] = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}
+        self.add_head("latent", *load_latent_head(self.folder, student.hidden_size))
+        self.heads["latent"].requires_grad_(False)
+        k = self.heads["latent"].proj.out_features
+        meta = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}
+        self.add_head("probe", nn.Linear(k, self.vocab), meta)
 
-    def __call__(self, student: Student, batch: Batch) -> ObjectiveOutput:
-        frozen = [student.backbone, student.heads["latent"]]
-        modes = [m.training for m in frozen]
-        for m in frozen:
-            m.eval()  # a frozen model is probed as it is used: without dropout
+    def head_meta(self) -> dict[str, dict[str, Any]]:
+        meta = super().head_meta()
+        return {**meta, "probe": {**meta["probe"], "input": self.input}}  # the input it reads now
+
+    def train(self, mode: bool = True) -> Probe:
+        super().train(mode)
+        self.heads["latent"].eval()  # a frozen head is used as it is evaluated
+        return self
+
+    def targets(self, batch: Batch) -> torch.Tensor:
+        return batch.input_ids[batch.selected]  # (N,) original tokens
+
+    def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
         with torch.no_grad():
-            hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
-            latent = probe_input(student.heads["latent"](hidden), self.input)  # (N, k)
-        for m, mode in zip(frozen, modes, strict=True):
-            m.train(mode)
-        logits = student.heads["probe"](latent)  # (N, V)
-        labels = batch.input_ids[batch.selected]
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        correct = (logits.detach().argmax(-1) == labels).sum().float()
-        return ObjectiveOutput(loss, labels.new_tensor(labels.numel()), {"mlm_loss": loss.detach(), "accuracy": correct})
+            latent = probe_input(self.heads["latent"](hidden[batch.selected]), self.input)  # (N, k)
+        logits = self.heads["probe"](latent)  # (N, V)
+        loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        correct = (logits.detach().argmax(-1) == targets).sum().float()
+        metrics = {"mlm_loss": loss.detach(), "accuracy": correct}
+        return ObjectiveOutput(loss, targets.new_tensor(targets.numel()), metrics)

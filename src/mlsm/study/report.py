@@ -74,12 +74,13 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
         step = rows[-1]["step"] if rows else 0
         try:
             table = flops_for_run(cfg)
-            name = str(cfg.objective.get("name"))
+            name = cfg.objective.name
             match = {"mlm": "MLM", "kd": "KD", "mlsm": "MLSM_l", "mtl": "MTL", "mlsm_naive": "MLSM (naive)"}.get(name, "")
             flops = next((r.total for r in table if match and r.objective.startswith(match)), math.nan)
         except Exception:  # a missing dictionary/teacher config: report the rest
             flops = math.nan
-        out.append({"arm": arm, "objective": cfg.objective.get("name"), "steps_done": step, "steps": cfg.train.steps,
+        out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step,
+                    "steps": cfg.train.steps,
                     "tokens": step * cfg.train.batch_size * cfg.data.max_len, "flops_per_batch": flops,
                     "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "final_loss": rows[-1]["loss"] if rows else math.nan})

@@ -323,31 +323,37 @@ def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dicti
 class StoredTargets:
     """MLSM target provider reading a target store: same `codes(batch)` as the online TargetCoder.
 
-    cfg: the MLSM config (targets, dictionary, layer, lam); the teacher is never loaded.
+    tokens: the run's opened token store; tokenizer, max_len: the run's. dictionary / layer / lam:
+    the run's MLSM options when given (checked against what the store was built with); the
+    teacher is never loaded.
     """
 
-    def __init__(self, cfg: Any, ctx: Any):
-        from mlsm.data.corpus import TokenStore, tokenizer_hash
+    def __init__(self, path: str, tokens: Any, tokenizer: Any, max_len: int, *,
+                 dictionary: str = "", layer: int = -1, lam: float = 0.0):
+        from mlsm.data.corpus import tokenizer_hash
 
-        self.store = TargetStore.open(cfg.targets)
+        self.store = TargetStore.open(path)
         meta = self.store.meta
-        if not ctx.store_path:
-            raise UserError("objective.targets needs data.store to be set (the targets belong to one token store)")
-        tokens = TokenStore.open(ctx.store_path)
         if (tokens.meta.get("fingerprint"), tokens.n_tokens) != (meta["store_fingerprint"], meta["store_n_tokens"]):
-            raise UserError(f"target store {cfg.targets} was built from another token store ({meta['store']}); rebuild it with `mlsm targets --store {ctx.store_path}`")
-        if tokenizer_hash(ctx.tokenizer) != meta["tokenizer_hash"]:
-            raise UserError(f"target store {cfg.targets} was built with another tokenizer; rebuild it for this token store")
-        if int(ctx.max_len) != int(meta["max_len"]):
-            raise UserError(f"target store {cfg.targets} was built for max_len={meta['max_len']} but data.max_len={ctx.max_len}; rebuild it with --max-len {ctx.max_len}")
-        if cfg.dictionary and dictionary_hash(load_dictionary(cfg.dictionary)) != meta["dictionary_hash"]:
-            raise UserError(f"target store {cfg.targets} was built with another dictionary than {cfg.dictionary}; rebuild it or drop objective.dictionary")
-        if cfg.layer >= 0 and cfg.layer != int(meta["layer"]):
-            raise UserError(f"target store {cfg.targets} holds layer-{meta['layer']} codes but objective.layer={cfg.layer}; rebuild it with --layer {cfg.layer}")
-        if cfg.lam and abs(cfg.lam - float(meta["lam"])) > 1e-12:
-            raise UserError(f"target store {cfg.targets} was coded with λ={meta['lam']} but objective.lam={cfg.lam}; drop objective.lam or rebuild")
+            raise UserError(f"target store {path} was built from another token store "
+                            f"({meta['store']}); rebuild it with "
+                            f"`mlsm targets --store {tokens.path}`")
+        if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
+            raise UserError(f"target store {path} was built with another tokenizer; "
+                            "rebuild it for this token store")
+        if int(max_len) != int(meta["max_len"]):
+            raise UserError(f"target store {path} was built for max_len={meta['max_len']} but "
+                            f"data.max_len={max_len}; rebuild it with --max-len {max_len}")
+        if dictionary and dictionary_hash(load_dictionary(dictionary)) != meta["dictionary_hash"]:
+            raise UserError(f"target store {path} was built with another dictionary than "
+                            f"{dictionary}; rebuild it or drop objective.dictionary")
+        if layer >= 0 and layer != int(meta["layer"]):
+            raise UserError(f"target store {path} holds layer-{meta['layer']} codes but "
+                            f"objective.layer={layer}; rebuild it with --layer {layer}")
+        if lam and abs(lam - float(meta["lam"])) > 1e-12:
+            raise UserError(f"target store {path} was coded with λ={meta['lam']} but "
+                            f"objective.lam={lam}; drop objective.lam or rebuild")
         self.k = self.store.k
-        self.device = ctx.device
 
     @torch.no_grad()
     def codes(self, batch: Any) -> torch.Tensor:

@@ -29,7 +29,8 @@ from transformers.utils import logging as hf_logging
 
 from mlsm.errors import UserError
 from mlsm.fileio import fsync_tree, replace_dir, umask
-from mlsm.models.backbone import Student, load_student_weights
+from mlsm.models.backbone import load_student_weights
+from mlsm.objectives.base import TrainModule
 
 COMPLETE = "checkpoint.json"
 
@@ -38,24 +39,27 @@ class DamagedCheckpoint(Exception):
     """A checkpoint folder whose files are missing, torn or truncated (the reason is the message)."""
 
 
-def save_model_folder(student: Student, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Write the HF folder + heads (what users load); no training state."""
-    model = student.hf if student.exports_vocab_head else student.backbone
+def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
+                      folder: Path) -> None:
+    """Write the HF folder + heads (what users load), as the objective declares; no training
+    state."""
+    model = module.exported_model()
     hf_logging.disable_progress_bar()  # one bar per checkpoint shard is noise in a training log
     try:
         model.save_pretrained(folder, safe_serialization=True)
     finally:
         hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
-    if len(student.heads):
-        state = {k: v.detach().contiguous().cpu() for k, v in student.heads.state_dict().items()}
-        save_file(state, folder / "heads.safetensors")
-        (folder / "heads.json").write_text(json.dumps(student.head_meta, indent=2))
+    heads = module.exported_heads().state_dict()
+    if heads:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in heads.items()}
+        save_file(tensors, folder / "heads.safetensors")
+        (folder / "heads.json").write_text(json.dumps(module.objective.head_meta(), indent=2))
 
 
 def save_checkpoint(
     folder: Path,
-    student: Student,
+    module: TrainModule,
     tokenizer: PreTrainedTokenizerBase,
     training_state: dict[str, Any],
     info: dict[str, Any],
@@ -68,7 +72,7 @@ def save_checkpoint(
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_folder(student, tokenizer, tmp)
+        save_model_folder(module, tokenizer, tmp)
         tmp.chmod(0o777 & ~umask())
         torch.save(training_state, tmp / "training_state.pt")
         (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
@@ -160,21 +164,21 @@ def read_training_state(folder: Path) -> Any:
         raise DamagedCheckpoint("training_state.pt is truncated or unreadable") from None
 
 
-def load_weights(folder: Path, student: Student) -> None:
-    """Restore student weights from `folder`; a checkpoint of another model size is one line."""
+def load_weights(folder: Path, module: TrainModule) -> None:
+    """Restore student and head weights from `folder`; another model size is one line."""
     try:
-        load_student_weights(student, folder)
+        load_student_weights(module.exported_model(), module.exported_heads(), folder)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()
         detail = next((ln.strip() for ln in first if "size mismatch" in ln), first[0] if first else "")
         raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume with the model config the run was started with") from None
 
 
-def load_training_state(folder: Path, student: Student) -> dict[str, Any]:
-    """Restore student weights from `folder` and return its training state."""
+def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
+    """Restore student and head weights from `folder` and return its training state."""
     try:
         _, state = read_checkpoint(folder)
     except DamagedCheckpoint as exc:
         raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another checkpoints/step-* folder") from None
-    load_weights(folder, student)
+    load_weights(folder, module)
     return state

@@ -1,9 +1,10 @@
 """Pre-training: one function, `pretrain`, readable top to bottom.
 
-The loop knows objectives only through their contract (`mlsm.objectives.base`): each micro-batch
-returns a loss *sum* and a target count; gradients of the sums are accumulated and divided by the
-global number of targets once per step, so gradient accumulation and DDP give exactly the gradient
-of the mean loss over the whole global batch.
+The loop knows objectives only through their contract (`mlsm.objectives.base`): a `TrainModule`
+(student + objective, what DDP wraps) turns each micro-batch into a loss *sum* and a target
+count; gradients of the sums are accumulated and divided by the global number of targets once per
+step, so gradient accumulation and DDP give exactly the gradient of the mean loss over the whole
+global batch.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import numpy as np
 import torch
 
 from mlsm import locking, tracking
-from mlsm.config import RunConfig, config_to_dict, git_revision, save_config
+from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.models.backbone import Student, build_student
-from mlsm.objectives import Context, build_objective
+from mlsm.models.backbone import build_student
+from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
 from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
@@ -58,18 +59,19 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     store = TokenStore.open(_require(cfg.data.store, "data.store"))
     tokenizer = store.load_tokenizer()
     require_mask_token(tokenizer, f"the tokenizer of {store.path}")
-    ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len)
+    ctx = Context(tokenizer, device, cfg.train.steps, str(store.path), cfg.data.max_len,
+                  store=store)
     objective = build_objective(cfg.objective, ctx)
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)  # heads an objective adds start the same in every run
         objective.attach(student)
-    student.to(device).train()  # from_pretrained returns eval mode: dropout must be on
-    optimizer = _optimizer(student, cfg)
+    module = TrainModule(student, objective).to(device).train()  # from_pretrained gives eval mode
+    optimizer = _optimizer(module, cfg)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    start = _start_run(run_dir, cfg, resume, student, optimizer, dist_info)
-    model = _wrap_ddp(student, dist_info, device)
+    start = _start_run(run_dir, cfg, resume, module, optimizer, dist_info)
+    model = _wrap_ddp(module, dist_info, device)
     save_steps = _save_steps(cfg)
     autocast = _autocast(cfg.train.precision, device)
     tokens_per_step = cfg.train.batch_size * cfg.data.max_len
@@ -87,7 +89,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
-            loss, grad_norm, totals = _train_step(model, objective, batches, autocast, device, dist_info, cfg.optim.clip)
+            loss, grad_norm, totals = _train_step(model, batches, autocast, device, dist_info,
+                                                  cfg.optim.clip)
             if not math.isfinite(loss):
                 raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
             optimizer.step()
@@ -105,10 +108,11 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                               flops)
                 tracker.log({k: v for k, v in record.items() if k != "batch_digest"}, done)
             if done in save_steps:
-                _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+                _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps, dist_info)
             if stopper.requested(dist_info, device):
                 if done not in save_steps:
-                    _checkpoint(run_dir, done, cfg, student, tokenizer, optimizer, save_steps, dist_info)
+                    _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps,
+                                dist_info)
                 print(f"stopped by signal after step {done}; continue with --resume auto", flush=True)
                 break
     bar.close()
@@ -116,24 +120,24 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     return run_dir
 
 
-def _train_step(model: torch.nn.Module, objective: Any, batches: list, autocast: Any,
+def _train_step(model: torch.nn.Module, batches: list, autocast: Any,
                 device: torch.device, info: DistInfo, clip: float) -> tuple[float, float, dict[str, torch.Tensor]]:
     """Forward/backward every micro-batch, then turn the summed gradients into the gradient of
     the global mean loss. Returns (loss, grad norm, globally summed totals)."""
-    student = model.module if info.world > 1 else model
+    module = model.module if info.world > 1 else model
     # float64 holds the digest (a sum of < 2^32 CRCs) exactly up to ~2^21 sequences per step
     totals: dict[str, torch.Tensor] = {"batch_digest": torch.zeros((), dtype=torch.float64)}
     for i, batch in enumerate(batches):
         sync = model.no_sync() if info.world > 1 and i < len(batches) - 1 else nullcontext()
         with sync:
             with autocast:
-                out = model(objective, batch.to(device))  # = objective(student, batch)
+                out = model(batch.to(device))  # TrainModule: batch -> targets -> student -> loss
             out.loss_sum.backward()
         _accumulate(totals, out)
         totals["batch_digest"] += batch.digest()
     totals = {k: all_reduce_sum(v.to(device), info) for k, v in totals.items()}
     n_targets = totals["n_targets"].clamp(min=1)
-    grad_norm = _finish_gradients(student, n_targets, info, clip)
+    grad_norm = _finish_gradients(module, n_targets, info, clip)
     return (totals["loss_sum"] / n_targets).item(), grad_norm, totals
 
 
@@ -170,21 +174,22 @@ def _autocast(precision: str, device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=dtypes[precision])
 
 
-def _optimizer(student: Student, cfg: RunConfig) -> torch.optim.Optimizer:
+def _optimizer(module: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as in BERT."""
-    params = [p for p in student.parameters() if p.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
 
 
-def _wrap_ddp(student: Student, info: DistInfo, device: torch.device) -> torch.nn.Module:
+def _wrap_ddp(module: TrainModule, info: DistInfo, device: torch.device) -> torch.nn.Module:
     if info.world == 1:
-        return student
+        return module
     ids = [device.index] if device.type == "cuda" else None
-    # The objective runs inside Student.forward, so DDP sees a normal forward/backward pair.
-    return torch.nn.parallel.DistributedDataParallel(student, device_ids=ids, find_unused_parameters=True)
+    # TrainModule.forward runs the whole data flow, so DDP sees a normal forward/backward pair.
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids,
+                                                     find_unused_parameters=True)
 
 
 def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
@@ -193,13 +198,14 @@ def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
         totals[key] = totals[key] + value if key in totals else value
 
 
-def _finish_gradients(student: Student, n_targets: torch.Tensor, info: DistInfo, clip: float) -> float:
+def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: DistInfo,
+                      clip: float) -> float:
     """Turn accumulated gradients of loss sums into the gradient of the global mean; clip."""
     scale = info.world / n_targets  # DDP already averaged over ranks: undo that, divide by N
-    grads = [p.grad for p in student.parameters() if p.grad is not None]
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, scale.to(grads[0].device))
     if clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(student.parameters(), clip))
+        return float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip))
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
@@ -217,7 +223,7 @@ RUN_MARKER = "run.json"
 _SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None, "train": ("steps", "batch_size", "seed")}
 
 
-def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Student,
+def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainModule,
                optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
     """Create or re-open the run directory; on resume restore state and return the next step.
 
@@ -228,7 +234,7 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
     step = 0
     if picked is not None:
         folder, _, state = picked
-        ckpt.load_weights(folder, student)
+        ckpt.load_weights(folder, module)
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
@@ -301,7 +307,7 @@ def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dic
     """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
     import yaml
 
-    now = json.loads(json.dumps(config_to_dict(cfg)))
+    now = json.loads(json.dumps(config_to_dict(cfg)))  # resolved: every objective option
     refs = []
     if (run_dir / "config.yaml").is_file():
         # a damaged config.yaml is rewritten below; the checkpoint's copy still decides
@@ -310,9 +316,18 @@ def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dic
     if picked is not None:
         refs.append((picked[0] / ckpt.COMPLETE, picked[1]["config"]))
     for where, old in refs:
-        diff = _same_run_diff(now, old) if isinstance(old, dict) else []
+        diff = _same_run_diff(now, _resolved(old)) if isinstance(old, dict) else []
         if diff:
             raise UserError(f"this config differs from the run in {run_dir} ({where.name}) in {', '.join(diff[:4])}; use the run's own config to resume it, or choose another train.out for a new run")
+
+
+def _resolved(old: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with its objective defaults filled in, so that a config.yaml written before
+    objectives were saved in full (a partial objective dict) equals its resolved form."""
+    try:
+        return json.loads(json.dumps(config_to_dict(config_from_dict(old))))
+    except UserError:  # an old option this version rejects: compare what was written
+        return old
 
 
 def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -> None:
@@ -356,14 +371,16 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, student: Student, tokenizer: Any,
+def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, tokenizer: Any,
                 optimizer: torch.optim.Optimizer, save_steps: set[int], info: DistInfo) -> None:
     if info.is_main:
         state = {"step": step, "optimizer": optimizer.state_dict()}
         readiness = step / cfg.train.steps
-        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.get("name"), "run": str(run_dir),
+        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name,
+                "run": str(run_dir),
                 "tokens": step * cfg.train.batch_size * cfg.data.max_len, "config": config_to_dict(cfg)}
-        ckpt.save_checkpoint(run_dir / "checkpoints" / f"step-{step:07d}", student, tokenizer, state, meta)
+        folder = run_dir / "checkpoints" / f"step-{step:07d}"
+        ckpt.save_checkpoint(folder, module, tokenizer, state, meta)
         _prune(run_dir, cfg)
     barrier(info)
 
