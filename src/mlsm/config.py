@@ -90,7 +90,7 @@ class TrainConfig:
     out: str = "runs/run"
     """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
     readiness: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
-    """Fractions of train.steps at which a checkpoint is kept (seed 000 compares at these)."""
+    """Fractions of train.steps at which a checkpoint is kept (Berend 2023 compares at these)."""
     save_every: int = 0
     """Also write a checkpoint every N steps (0 = only at readiness levels)."""
     keep_last: int = 2

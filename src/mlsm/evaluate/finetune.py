@@ -1,4 +1,4 @@
-"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (seed paper 000 §4.2).
+"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (Berend 2023 §4.2).
 
 Protocol: AdamW, linear schedule (no warmup unless asked), batch 32, 3 epochs, lr 2e-5, the dev
 metric after the last epoch, 5 seeds. What makes the runs *paired* across models:

@@ -1,6 +1,6 @@
 """tau-effective rank of token representations per layer, with and without [MASK] in the input.
 
-Seed 003 (Meng et al. 2024, "Representation Deficiency in Masked Language Modeling", §2, Def. 2.1
+Meng et al. 2024 ("Representation Deficiency in Masked Language Modeling", §2, Def. 2.1
 and Fig. 1): the tau-effective rank of a representation matrix H (n, d) is the smallest k whose
 best rank-k approximation keeps a fraction tau of the energy:
 

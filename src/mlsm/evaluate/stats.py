@@ -1,4 +1,4 @@
-"""Results files and paired comparisons (seed paper 000: Fig. 2b p-values, Fig. 2c wins, Table 1).
+"""Results files and paired comparisons (Berend 2023, Fig. 2b p-values, Fig. 2c wins, Table 1).
 
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
@@ -33,7 +33,7 @@ try:  # POSIX advisory lock: several finetune processes may append to one result
 except ImportError:  # Windows: appends of one write() call are still whole in practice
     fcntl = None
 
-SIGNIFICANCE = 0.01  # seed 000 marks p < 0.01
+SIGNIFICANCE = 0.01  # Berend 2023 marks p < 0.01
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
 
 
