@@ -84,6 +84,23 @@ def tokenizer_hash(tok: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def require_same_tokenizer(teacher_tok: PreTrainedTokenizerBase, store_hash: str, store: str) -> None:
+    """Refuse a teacher whose tokenisation differs from a token store's (`tokenizer_hash`, the
+    store's own definition): its states would describe other tokens than the student sees.
+
+    store_hash: `TokenStore.tokenizer_hash` (or the hash of the store's tokenizer); store: the
+    store's path as the user named it (data.store, --store), for the message.
+    """
+    if tokenizer_hash(teacher_tok) == store_hash:
+        return
+    teacher = getattr(teacher_tok, "name_or_path", "") or "TEACHER"
+    raise UserError(
+        f"teacher {teacher} tokenises differently from token store {store or '(data.store)'} "
+        "(another tokenizer); prepare a store with the teacher's tokenizer: "
+        f"mlsm prepare SOURCES --tokenizer {teacher} --out NEW_STORE"
+    )
+
+
 # --------------------------------------------------------------------------- sources
 
 

@@ -104,8 +104,10 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     """
     if n < 1:
         raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
-    if store.load_tokenizer().get_vocab() != teacher.tokenizer.get_vocab():
-        raise UserError("the token store was made with another tokenizer than the teacher's; prepare a store with the teacher's tokenizer (`mlsm prepare --tokenizer <teacher>`)")
+    from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash  # the tokenizers stack
+
+    store_hash = tokenizer_hash(store.load_tokenizer())
+    require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
     tokens, offsets = store.tokens, np.asarray(store.offsets)
     n_tokens = int(offsets[-1])
     if n_tokens == 0:

@@ -1,0 +1,58 @@
+"""One helper per concept: each shared check, write and loader behaves the same from every caller."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.teacher.dictionary import collect_vectors
+from mlsm.teacher.targets import build_target_store
+from mlsm.teacher.teacher import default_teacher_path, load_teacher
+
+
+def _teacher_with(tokenizer, out: Path) -> Path:
+    """A tiny random BERT encoder saved with `tokenizer`."""
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------- tokenizer agreement
+
+
+def test_tokenizer_refusal_is_one_message_from_dictionary_and_targets(
+        store_dir, dictionary_path, tmp_path) -> None:
+    foreign = _teacher_with(AutoTokenizer.from_pretrained(default_teacher_path()), tmp_path / "t")
+    teacher = load_teacher(str(foreign), layer=1)
+    with pytest.raises(UserError) as by_dictionary:
+        collect_vectors(teacher, TokenStore.open(store_dir), 10)
+    with pytest.raises(UserError) as by_targets:
+        build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "targets")
+    message = str(by_dictionary.value)
+    assert message == str(by_targets.value)
+    assert str(foreign) in message and str(store_dir) in message  # both sides named
+    assert f"--tokenizer {foreign}" in message and "mlsm prepare" in message  # and the fix
+
+
+def test_same_vocabulary_other_normaliser_is_another_tokenizer(store_dir, tmp_path) -> None:
+    """"Same tokenizer" means the store's hash (vocabulary + normaliser + pre-tokeniser), so a
+    lowercasing copy of the store's tokenizer (same vocabulary) is refused by the dictionary too."""
+    store = TokenStore.open(store_dir)
+    tok = store.load_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    spec = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    spec["normalizer"]["lowercase"] = not spec["normalizer"]["lowercase"]
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(spec))
+    lowered = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert lowered.get_vocab() == tok.get_vocab()
+    teacher = load_teacher(str(_teacher_with(lowered, tmp_path / "t")), layer=1)
+    with pytest.raises(UserError, match="tokenises differently"):
+        collect_vectors(teacher, store, 10)
