@@ -56,3 +56,23 @@ def test_same_vocabulary_other_normaliser_is_another_tokenizer(store_dir, tmp_pa
     teacher = load_teacher(str(_teacher_with(lowered, tmp_path / "t")), layer=1)
     with pytest.raises(UserError, match="tokenises differently"):
         collect_vectors(teacher, store, 10)
+
+
+# ------------------------------------------------------------------------------ atomic folders
+
+
+def test_building_dir_failure_keeps_the_old_folder_and_leaves_nothing(tmp_path) -> None:
+    from mlsm.fileio import building_dir
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "a.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"), building_dir(target, "partial") as tmp:
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("disk full")
+    assert (target / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with building_dir(target, "partial") as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert (target / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

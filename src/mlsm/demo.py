@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
 
@@ -162,5 +163,6 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
         raise UserError(f"the demo stopped before its report; see {out / 'status.json'} and re-run the same command")
     print_summary(Study(spec, log=log))
     print(f"report: {report}")
-    (out / "demo.json").write_text(json.dumps({"report": str(report), "seconds": round(time.perf_counter() - start, 1)}, indent=2))
+    seconds = round(time.perf_counter() - start, 1)
+    atomic_write_text(out / "demo.json", json.dumps({"report": str(report), "seconds": seconds}, indent=2))
     return report

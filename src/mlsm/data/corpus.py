@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import time
 import zlib
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mlsm import locking
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
+from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
 
@@ -420,26 +419,26 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
                  text_field: str, fingerprint: str, chunk_docs: int) -> None:
     """Write the store into a hidden sibling and swap it into place when complete."""
-    tmp = make_temp_dir(out, "partial")
     try:
-        n_tokens, n_docs = _write_store(tmp, iter_documents(sources, text_field), tok, chunk_docs)
-        if n_tokens == 0:
-            raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
-        tok.save_pretrained(tmp / "tokenizer")
-        meta = {
-            "format": STORE_FORMAT, "version": STORE_VERSION,
-            "dtype": "uint16" if len(tok) < 65536 else "uint32",
-            "n_tokens": n_tokens, "n_docs": n_docs, "vocab_size": len(tok),
-            "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
-            "sources": sources, "text_field": text_field, "fingerprint": fingerprint,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))
-        fsync_tree(tmp)
-        replace_dir(tmp, out)
+        with building_dir(out, "partial") as tmp:
+            _fill_store(tmp, sources, tok, tok_hash, text_field, fingerprint, chunk_docs)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was replaced — free space and re-run") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
+                text_field: str, fingerprint: str, chunk_docs: int) -> None:
+    """Write tokens, offsets, tokenizer and meta.json of a store into the folder `tmp`."""
+    n_tokens, n_docs = _write_store(tmp, iter_documents(sources, text_field), tok, chunk_docs)
+    if n_tokens == 0:
+        raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
+    tok.save_pretrained(tmp / "tokenizer")
+    meta = {
+        "format": STORE_FORMAT, "version": STORE_VERSION,
+        "dtype": "uint16" if len(tok) < 65536 else "uint32",
+        "n_tokens": n_tokens, "n_docs": n_docs, "vocab_size": len(tok),
+        "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
+        "sources": sources, "text_field": text_field, "fingerprint": fingerprint,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))

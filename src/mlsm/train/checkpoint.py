@@ -25,10 +25,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from mlsm.errors import UserError
-from mlsm.fileio import fsync_tree, replace_dir, umask
+from mlsm.fileio import building_dir
+from mlsm.hf import quiet
 from mlsm.models.backbone import Student, load_student_weights
 
 COMPLETE = "checkpoint.json"
@@ -41,11 +41,8 @@ class DamagedCheckpoint(Exception):
 def save_model_folder(student: Student, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
     """Write the HF folder + heads (what users load); no training state."""
     model = student.hf if student.exports_vocab_head else student.backbone
-    hf_logging.disable_progress_bar()  # one bar per checkpoint shard is noise in a training log
-    try:
+    with quiet(report=True):  # one bar per checkpoint shard is noise in a training log
         model.save_pretrained(folder, safe_serialization=True)
-    finally:
-        hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
     if len(student.heads):
         state = {k: v.detach().contiguous().cpu() for k, v in student.heads.state_dict().items()}
@@ -64,23 +61,14 @@ def save_checkpoint(
 
     A failed write (disk full: OSError from Python, RuntimeError from torch.save,
     SafetensorError from safetensors) is one line; older checkpoints are never touched."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_folder(student, tokenizer, tmp)
-        tmp.chmod(0o777 & ~umask())
-        torch.save(training_state, tmp / "training_state.pt")
-        (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
-        fsync_tree(tmp)
-        replace_dir(tmp, folder)
+        with building_dir(folder, "tmp") as tmp:
+            save_model_folder(student, tokenizer, tmp)
+            torch.save(training_state, tmp / "training_state.pt")
+            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
     except (OSError, RuntimeError, SafetensorError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
         raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints are intact — free space and rerun with --resume auto") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
