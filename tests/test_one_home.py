@@ -91,3 +91,25 @@ def test_teacher_load_shows_no_loading_weights_bar(teacher_dir, capfd) -> None:
     load_teacher(str(teacher_dir), layer=1)
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()
+
+
+# -------------------------------------------------------------------------- latent head
+
+
+def test_latent_head_is_read_back_exactly_and_a_shared_head_is_refused(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from mlsm.models.heads import LatentHead, read_latent_head
+
+    torch.manual_seed(0)
+    head = LatentHead(8, 12)
+    state = {f"latent.{k}": v for k, v in head.state_dict().items()}
+    save_file({**state, "probe.weight": torch.zeros(3, 12)}, tmp_path / "heads.safetensors")
+    (tmp_path / "heads.json").write_text(json.dumps({"latent": {"class": "LatentHead", "d": 8, "k": 12}}))
+    loaded, meta = read_latent_head(tmp_path)
+    h = torch.randn(5, 8)
+    torch.testing.assert_close(loaded(h), head(h), rtol=0, atol=0)
+    assert meta == {"class": "LatentHead", "d": 8, "k": 12}
+    (tmp_path / "heads.json").write_text(json.dumps({"latent": {"class": "SharedTransformLatent", "d": 8, "k": 12}}))
+    with pytest.raises(UserError, match="vocabulary head"):
+        read_latent_head(tmp_path)

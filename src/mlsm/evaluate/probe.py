@@ -18,7 +18,7 @@ from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet, read_json
-from mlsm.models.heads import LatentHead
+from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
@@ -78,8 +78,7 @@ class ProbeScorer(torch.nn.Module):
         state = load_file(folder / "heads.safetensors")
         with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, folder)
-        self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
-        self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
+        self.latent, _ = read_latent_head(folder)
         self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})

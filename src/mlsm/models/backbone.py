@@ -28,7 +28,8 @@ class Student(nn.Module):
         super().__init__()
         self.hf = hf  # an HF *ForMaskedLM: backbone + vocabulary head
         self.heads = nn.ModuleDict()  # objective-specific heads, saved to heads.safetensors
-        self.head_meta: dict[str, Any] = {}  # how to rebuild them (JSON, saved with the heads)
+        # each head's class and sizes, saved as heads.json (read back by heads.read_latent_head)
+        self.head_meta: dict[str, Any] = {}
         self.exports_vocab_head = False  # set by objectives that train the vocabulary head
         self._vocab_head = mlm_head_fn(hf)
 

@@ -8,10 +8,16 @@ selected positions first, (N, d), and the head runs on those rows only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
+
+from mlsm.errors import UserError
+from mlsm.hf import read_json
 
 # model_type -> how that family's AutoModelForMaskedLM maps hidden states (N, d) to logits (N, V).
 # One line per family; the functions call the HF modules themselves, so the weights (and any
@@ -63,3 +69,26 @@ class LatentHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, d) -> (N, k)
         return self.proj(self.norm(self.act(self.dense(h))))
+
+
+def read_latent_head(folder: Path) -> tuple[LatentHead, dict[str, Any]]:
+    """The MLSM latent head saved in a checkpoint folder and its heads.json entry (the one loader:
+    the probe objective and `ProbeScorer` both use it).
+
+    heads.json says which class each head is and its sizes; the latent head is rebuilt from
+    that entry and its weights from heads.safetensors.
+    """
+    meta_path = folder / "heads.json"
+    latent = read_json(meta_path).get("latent") if meta_path.is_file() else None
+    if not isinstance(latent, dict):
+        raise UserError(f"{folder} has no MLSM latent head (heads.json); "
+                        "pass a checkpoint of an mlsm/mtl run")
+    if latent.get("class", "LatentHead") != "LatentHead":
+        raise UserError(f"{folder} holds an MTL latent head that shares the vocabulary head's "
+                        f"transform ({latent['class']}); score it through its vocabulary head, "
+                        "it needs no probe")
+    head = LatentHead(int(latent["d"]), int(latent["k"]))
+    state = load_file(folder / "heads.safetensors")
+    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
+                          if k.startswith("latent.")})
+    return head, latent

@@ -7,7 +7,7 @@ Why the decoder is a small module of `nn.TransformerEncoderLayer`s and not the s
 class with fewer layers: it must work identically behind every encoder family (BERT, RoBERTa,
 DeBERTa-v2, ModernBERT have different layer signatures, mask formats and position schemes), it
 must not carry an unused |V| x d embedding table, and it lives in `student.heads` so it is saved in
-heads.safetensors (exact resume) and rebuilt from the JSON in head_meta — while the HF folder holds
+heads.safetensors (exact resume) and described (class, sizes) in heads.json — while the HF folder holds
 the encoder only. Its output is projected back to the encoder width d, so the heads on top (the
 decoder-owned vocabulary head here, MLSM's latent head) are the usual d-wide ones.
 """
@@ -166,7 +166,7 @@ def default_decoder_layers(student: Student) -> int:
 
 def attach_decoder(student: Student, layers: int, width: int, heads: int, max_len: int, seed: int,
                    dropout: float = 0.0) -> None:
-    """Add the decoder to student.heads (saved in heads.safetensors, rebuilt from head_meta).
+    """Add the decoder to student.heads (saved in heads.safetensors, described in heads.json).
 
     layers = 0: `default_decoder_layers`. dropout: inside the decoder layers (Meng et al. 2024: 0).
     Initialised from its own seed: the loop seeds the backbone's init but not the global RNG

@@ -8,20 +8,18 @@ head stay frozen (eval mode, no grad); only the probe learns.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
+from mlsm.models.heads import read_latent_head
 from mlsm.objectives.base import Context, ObjectiveOutput
-from mlsm.objectives.mlsm import attach_latent_head
 
 PROBE_INPUTS = ("probs", "logprobs", "logits")
 
@@ -49,12 +47,7 @@ def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
 
 def load_latent_head(student: Student, folder: Path) -> None:
     """Attach the latent head saved in an MLSM checkpoint folder to `student`."""
-    meta_path = folder / "heads.json"
-    if not meta_path.is_file() or "latent" not in json.loads(meta_path.read_text()):
-        raise UserError(f"{folder} has no MLSM latent head (heads.json); pass a checkpoint of an mlsm/mtl run")
-    attach_latent_head(student, int(json.loads(meta_path.read_text())["latent"]["k"]))
-    state = load_file(folder / "heads.safetensors")
-    student.heads["latent"].load_state_dict({k.removeprefix("latent."): v for k, v in state.items() if k.startswith("latent.")})
+    student.heads["latent"], student.head_meta["latent"] = read_latent_head(folder)
 
 
 class Probe:
