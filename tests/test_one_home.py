@@ -113,3 +113,25 @@ def test_latent_head_is_read_back_exactly_and_a_shared_head_is_refused(tmp_path)
     (tmp_path / "heads.json").write_text(json.dumps({"latent": {"class": "SharedTransformLatent", "d": 8, "k": 12}}))
     with pytest.raises(UserError, match="vocabulary head"):
         read_latent_head(tmp_path)
+
+
+# ---------------------------------------------------------------------------- defaults
+
+
+def test_dictionary_defaults_have_one_home() -> None:
+    """The CLI, the teacher loader, the dictionary learner and a dictionary without a saved layer
+    all take layer, λ and k from mlsm.defaults."""
+    import inspect
+
+    from mlsm import defaults
+    from mlsm.cli import build_parser
+    from mlsm.teacher.dictionary import Dictionary, learn_atoms, learn_dictionary
+
+    parser, _ = build_parser()
+    args = parser.parse_args(["dictionary", "--store", "S", "--out", str(Path("d.safetensors"))])
+    assert (args.layer, args.lam, args.k) == (defaults.TEACHER_LAYER, defaults.LAM, None)
+    assert inspect.signature(load_teacher).parameters["layer"].default == defaults.TEACHER_LAYER
+    for fn in (learn_atoms, learn_dictionary):
+        assert inspect.signature(fn).parameters["lam"].default == defaults.LAM
+    assert Dictionary(torch.zeros(4, 16), {"lam": 0.1}).layer == defaults.TEACHER_LAYER
+    assert defaults.default_k(768) == 3072

@@ -68,7 +68,7 @@ class TargetCoder:
         if not cfg.dictionary:
             raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
-        layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)
         self.dictionary.check_teacher(self.teacher)
         require_same_tokenizer(self.teacher.tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)

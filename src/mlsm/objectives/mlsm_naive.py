@@ -66,7 +66,7 @@ class MLSMNaive:
             raise UserError(f"objective.fista_iters must be >= 1 (got {cfg.fista_iters}); the official code uses 100")
         self.cfg = cfg
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
-        self.layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        self.layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         model, tokenizer = load_full_teacher(cfg.teacher or str(default_teacher_path()))
         require_same_tokenizer(tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
         n_layers = int(model.config.num_hidden_layers)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mlsm.defaults import LAM
 from mlsm.errors import UserError
 from mlsm.teacher.active_set import active_set
 from mlsm.teacher.homotopy import homotopy
@@ -65,7 +66,7 @@ def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     if D.shape[1] < 1:
         raise UserError("the dictionary has no atoms; learn one with k >= 1")
     if not lam > 0:
-        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam 0.05")
+        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
     if not bool(torch.isfinite(X).all()):
         raise UserError("input vectors contain NaN or inf; check the teacher outputs / input data")
     if not bool(torch.isfinite(D).all()):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
+from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_model, load_tokenizer, quiet_head_mismatch
 
@@ -122,7 +123,7 @@ class Teacher:
         return ids, mask, content
 
 
-def load_teacher(name_or_path: str | Path | None = None, layer: int = 5, *,
+def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LAYER, *,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Teacher:
     """Load a frozen teacher truncated at `layer` (HF numbering: 0 = embeddings).
 
