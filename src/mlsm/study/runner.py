@@ -22,6 +22,7 @@ from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revisio
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.runs import readiness_step
 from mlsm.study.spec import StudySpec, readiness_label
 
 LATENT = ("mlsm", "mtl", "mae_mlsm", "mlsm_naive")
@@ -63,7 +64,7 @@ class Study:
         return self.arm_config(arm).train.steps
 
     def checkpoint(self, arm: str, frac: float) -> Path:
-        step = max(1, round(frac * self.steps(arm)))
+        step = readiness_step(frac, self.steps(arm))
         return self.run_dir(arm) / "checkpoints" / f"step-{step:07d}"
 
     def probe_dir(self, arm: str, frac: float) -> Path:

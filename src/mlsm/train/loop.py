@@ -29,6 +29,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student, build_student
 from mlsm.objectives import Context, build_objective
+from mlsm.runs import readiness_steps
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
@@ -195,7 +196,7 @@ def _finish_gradients(student: Student, n_targets: torch.Tensor, info: DistInfo,
 
 def _save_steps(cfg: RunConfig) -> set[int]:
     total = cfg.train.steps
-    steps = {max(1, round(r * total)) for r in cfg.train.readiness}
+    steps = readiness_steps(cfg.train.readiness, total)
     if cfg.train.save_every:
         steps |= set(range(cfg.train.save_every, total + 1, cfg.train.save_every))
     return steps | {total}
@@ -357,7 +358,7 @@ def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, student: Student, toke
 
 def _prune(run_dir: Path, cfg: RunConfig) -> None:
     """Keep readiness checkpoints and the last `keep_last` periodic ones."""
-    keep = {max(1, round(r * cfg.train.steps)) for r in cfg.train.readiness} | {cfg.train.steps}
+    keep = readiness_steps(cfg.train.readiness, cfg.train.steps) | {cfg.train.steps}
     periodic = [(s, f) for s, f in ckpt.list_checkpoints(run_dir) if s not in keep]
     for _, folder in periodic[: max(0, len(periodic) - cfg.train.keep_last)]:
         ckpt.remove_checkpoint(folder)
