@@ -38,7 +38,7 @@ class DataConfig:
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
     """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official MLSM code
-    (Berend 2023), with static shapes; false = Bernoulli(mask_rate) per token, as BERT."""
+    (Berend 2023); false = Bernoulli(mask_rate) per token, as BERT."""
 
 
 @dataclass

@@ -45,18 +45,6 @@ def mlm_head_fn(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor
     return lambda h: fn(model, h)
 
 
-def mlm_logits_at(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
-) -> torch.Tensor:
-    """Vocabulary logits of an HF masked-LM model at the selected positions only.
-
-    input_ids, attention_mask, select: (B, T); select is bool. Returns (N, |V|), N = select.sum(),
-    rows in row-major order of `select`.
-    """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return mlm_head_fn(model)(hidden[select])  # (N, d) -> (N, V)
-
-
 class LatentHead(nn.Module):
     """MLSM's output layer: transform + d x k projection (Berend 2023, §3), no vocabulary."""
 

@@ -51,11 +51,6 @@ class SparseCodes:
     indices: torch.Tensor  # (n, nnz) int64
     values: torch.Tensor  # (n, nnz)
 
-    def to_dense(self, k: int) -> torch.Tensor:
-        """Scatter back to a dense (n, k) tensor."""
-        out = self.values.new_zeros(self.values.shape[0], k)
-        return out.scatter_add_(1, self.indices, self.values)
-
 
 def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     """Raise UserError for inputs the solvers cannot handle."""
@@ -146,12 +141,6 @@ def sparse_encode(
                          None if warm_start is None else warm_start[start : start + batch_size])
            for start in range(0, X.shape[0], batch_size)]
     return torch.cat(out) if out else X.new_zeros(0, D.shape[1])
-
-
-def sparse_encode_topk(X: torch.Tensor, D: torch.Tensor, lam: float, nnz: int | None = None,
-                       **kwargs) -> SparseCodes:
-    """`sparse_encode` followed by `top_nnz`: the compact (indices, values) target form."""
-    return top_nnz(sparse_encode(X, D, lam, **kwargs), nnz)
 
 
 def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float = TOL,
