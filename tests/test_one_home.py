@@ -135,3 +135,29 @@ def test_dictionary_defaults_have_one_home() -> None:
         assert inspect.signature(fn).parameters["lam"].default == defaults.LAM
     assert Dictionary(torch.zeros(4, 16), {"lam": 0.1}).layer == defaults.TEACHER_LAYER
     assert defaults.default_k(768) == 3072
+
+
+# ------------------------------------------------------------------------------ error causes
+
+
+def test_damaged_store_error_keeps_the_cause(store_dir, tmp_path) -> None:
+    """Not just the exception's type name: the decoder's own message reaches the user."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(store_dir, copy)
+    (copy / "meta.json").write_bytes(b"\xff{}")
+    with pytest.raises(UserError) as err:
+        TokenStore.open(copy)
+    assert "can't decode byte 0xff" in str(err.value) and str(copy) in str(err.value)
+
+
+def test_study_dictionary_errors_name_study_keys_not_cli_flags(tmp_path) -> None:
+    from mlsm.study.spec import study_from_dict
+
+    arm = {"objective": {"name": "mlsm"}, "dictionary": {"k": 5000}}
+    raw = {"out": str(tmp_path), "arms": {"m": arm}, "dictionary": {"n_vectors": 1000}}
+    with pytest.raises(UserError) as err:
+        study_from_dict(raw)
+    assert "dictionary.n_vectors" in str(err.value) and "arms.m.dictionary.k" in str(err.value)
+    assert "--" not in str(err.value)

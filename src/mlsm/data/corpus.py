@@ -165,8 +165,9 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[str]:
             continue
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise UserError(f"{path}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise UserError(f"{path}:{lineno} is not valid JSON ({first_line(exc)}); "
+                            "fix the line or use a .txt file") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise UserError(f"{path}:{lineno} has no string field {text_field!r}; pass --text-field NAME")
@@ -276,7 +277,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise _damaged(path, f"meta.json is unreadable: {type(exc).__name__}") from None
+        raise _damaged(path, f"meta.json is unreadable: {first_line(exc)}") from None
     if not isinstance(meta, dict):
         raise _damaged(path, "meta.json is not a JSON object")
     return meta

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
-from mlsm.defaults import LAM, TEACHER_LAYER
+from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.runs import readiness_step
-from mlsm.study.spec import StudySpec, readiness_label
+from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
 
 LATENT = ("mlsm", "mtl", "mae_mlsm", "mlsm_naive")
 """Objectives whose model predicts latent properties and needs a probe to score words."""
@@ -205,6 +205,7 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
         return "skipped"
     d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
     teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)))
+    check_arm_dictionary(arm, d, ds.n_vectors, default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
     learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None, lam=float(d.get("lam", LAM)),
                      n_vectors=ds.n_vectors, max_len=ds.max_len, seed=ds.seed, out=path)

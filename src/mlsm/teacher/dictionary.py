@@ -40,7 +40,7 @@ from mlsm.fileio import atomic_write
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import encode_with_gram, objective, sparse_encode
-from mlsm.teacher.teacher import Teacher
+from mlsm.teacher.teacher import LAYER_SETTING, Teacher
 
 DICT_FORMAT = "mlsm-dictionary"
 
@@ -75,7 +75,7 @@ class Dictionary:
             raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is {teacher.hidden_size}; learn a dictionary with this teacher (`mlsm dictionary --teacher ...`)")
         layer = self.meta.get("layer")
         if layer is not None and int(layer) != teacher.layer:
-            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at layer {teacher.layer}; use --layer {layer} or learn a new dictionary")
+            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at layer {teacher.layer}; use layer {layer} ({LAYER_SETTING}) or learn a new dictionary")
 
 
 def _check_options(k: int, lam: float) -> None:

@@ -61,7 +61,7 @@ def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     if D.shape[1] < 1:
         raise UserError("the dictionary has no atoms; learn one with k >= 1")
     if not lam > 0:
-        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
+        raise UserError(f"lambda must be > 0 (got {lam}); Berend 2023 uses {LAM}")
     if not bool(torch.isfinite(X).all()):
         raise UserError("input vectors contain NaN or inf; check the teacher outputs / input data")
     if not bool(torch.isfinite(D).all()):

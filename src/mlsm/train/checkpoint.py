@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
-from mlsm.hf import quiet
+from mlsm.hf import first_line, quiet
 from mlsm.models.backbone import Student, load_student_weights
 
 COMPLETE = "checkpoint.json"
@@ -122,7 +122,7 @@ def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {type(exc).__name__}") from None
+        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {first_line(exc)}") from None
     if not isinstance(info, dict) or not isinstance(info.get("step"), int) or not isinstance(info.get("config"), dict):
         raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
     _check_safetensors(folder / "model.safetensors")
@@ -143,9 +143,9 @@ def read_training_state(folder: Path) -> Any:
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond tensors, which mlsm never runs); delete that checkpoint folder and resume from another") from None
-        raise DamagedCheckpoint("training_state.pt is unreadable") from None
-    except (RuntimeError, EOFError, OSError, ValueError):
-        raise DamagedCheckpoint("training_state.pt is truncated or unreadable") from None
+        raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise DamagedCheckpoint(f"training_state.pt is truncated or unreadable: {first_line(exc)}") from None
 
 
 def load_weights(folder: Path, student: Student) -> None:

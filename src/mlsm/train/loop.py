@@ -27,6 +27,7 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.hf import first_line
 from mlsm.models.backbone import Student, build_student
 from mlsm.objectives import Context, build_objective
 from mlsm.runs import readiness_steps
@@ -223,7 +224,7 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise UserError(f"the optimizer state of {folder} does not fit this model ({type(exc).__name__}); resume with the config the run was started with") from None
+            raise UserError(f"the optimizer state of {folder} does not fit this model ({first_line(exc)}); resume with the config the run was started with") from None
         step = int(state["step"])
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
