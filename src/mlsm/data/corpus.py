@@ -46,14 +46,8 @@ _TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """Load a fast HF tokenizer from a folder or hub id, with a readable error."""
-    try:
-        tok = hf_load_tokenizer(name_or_path)
-    except Exception as exc:  # HF raises many types; the user needs one line
-        raise UserError(
-            f"cannot load tokenizer {name_or_path!r} ({first_line(exc)}); pass a local "
-            "tokenizer folder, or train one with `mlsm train-tokenizer`"
-        ) from None
+    """A fast HF tokenizer from a folder or hub id (`mlsm.hf` words the error if it cannot load)."""
+    tok = hf_load_tokenizer(name_or_path)
     if not tok.is_fast:
         raise UserError(f"tokenizer {name_or_path!r} is not a fast tokenizer; convert it or train one with `mlsm train-tokenizer`")
     return tok
