@@ -1,4 +1,4 @@
-"""One helper per concept: each shared check, write and loader behaves the same from every caller."""
+"""One helper per concept: each shared check, write and loader behaves alike from every caller."""
 
 from __future__ import annotations
 
@@ -105,12 +105,14 @@ def test_latent_head_is_read_back_exactly_and_a_shared_head_is_refused(tmp_path)
     head = LatentHead(8, 12)
     state = {f"latent.{k}": v for k, v in head.state_dict().items()}
     save_file({**state, "probe.weight": torch.zeros(3, 12)}, tmp_path / "heads.safetensors")
-    (tmp_path / "heads.json").write_text(json.dumps({"latent": {"class": "LatentHead", "d": 8, "k": 12}}))
+    entry = {"class": "LatentHead", "d": 8, "k": 12}
+    (tmp_path / "heads.json").write_text(json.dumps({"latent": entry}))
     loaded, meta = read_latent_head(tmp_path)
     h = torch.randn(5, 8)
     torch.testing.assert_close(loaded(h), head(h), rtol=0, atol=0)
-    assert meta == {"class": "LatentHead", "d": 8, "k": 12}
-    (tmp_path / "heads.json").write_text(json.dumps({"latent": {"class": "SharedTransformLatent", "d": 8, "k": 12}}))
+    assert meta == entry
+    shared = {**entry, "class": "SharedTransformLatent"}
+    (tmp_path / "heads.json").write_text(json.dumps({"latent": shared}))
     with pytest.raises(UserError, match="vocabulary head"):
         read_latent_head(tmp_path)
 

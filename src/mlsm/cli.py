@@ -425,10 +425,12 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--store", required=True, help="token store prepared with the teacher's tokenizer")
     p.add_argument("--teacher", default=None, help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=non_negative_int, default=TEACHER_LAYER,
-                   help=f"teacher layer, HF hidden_states numbering (0 = embeddings; default {TEACHER_LAYER})")
+                   help=f"teacher layer, HF hidden_states numbering (0 = embeddings; "
+                   f"default {TEACHER_LAYER})")
     p.add_argument("--k", type=positive_int, default=None,
                    help=f"number of atoms (default: {ATOMS_PER_DIM} x hidden size)")
-    p.add_argument("--lam", type=positive_float, default=LAM, help=f"lambda of the l1 penalty (default {LAM})")
+    p.add_argument("--lam", type=positive_float, default=LAM,
+                   help=f"lambda of the l1 penalty (default {LAM})")
     p.add_argument("--n-vectors", type=positive_int, default=2_000_000, help="teacher states to collect")
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--batch-size", type=positive_int, default=512)

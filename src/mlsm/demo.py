@@ -164,5 +164,6 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     print_summary(Study(spec, log=log))
     print(f"report: {report}")
     seconds = round(time.perf_counter() - start, 1)
-    atomic_write_text(out / "demo.json", json.dumps({"report": str(report), "seconds": seconds}, indent=2))
+    summary = {"report": str(report), "seconds": seconds}
+    atomic_write_text(out / "demo.json", json.dumps(summary, indent=2))
     return report

@@ -77,7 +77,8 @@ def tokenizer_hash(tok: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def require_same_tokenizer(teacher_tok: PreTrainedTokenizerBase, store_hash: str, store: str) -> None:
+def require_same_tokenizer(teacher_tok: PreTrainedTokenizerBase, store_hash: str,
+                           store: str) -> None:
     """Refuse a teacher whose tokenisation differs from a token store's (`tokenizer_hash`, the
     store's own definition): its states would describe other tokens than the student sees.
 

@@ -7,9 +7,9 @@ Why the decoder is a small module of `nn.TransformerEncoderLayer`s and not the s
 class with fewer layers: it must work identically behind every encoder family (BERT, RoBERTa,
 DeBERTa-v2, ModernBERT have different layer signatures, mask formats and position schemes), it
 must not carry an unused |V| x d embedding table, and it lives in `student.heads` so it is saved in
-heads.safetensors (exact resume) and described (class, sizes) in heads.json — while the HF folder holds
-the encoder only. Its output is projected back to the encoder width d, so the heads on top (the
-decoder-owned vocabulary head here, MLSM's latent head) are the usual d-wide ones.
+heads.safetensors (exact resume) and described (class, sizes) in heads.json — while the HF folder
+holds the encoder only. Its output is projected back to the encoder width d, so the heads on top
+(the decoder-owned vocabulary head here, MLSM's latent head) are the usual d-wide ones.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class TargetCoder:
         layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)
         self.dictionary.check_teacher(self.teacher)
-        require_same_tokenizer(self.teacher.tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
+        store_hash = tokenizer_hash(ctx.tokenizer)
+        require_same_tokenizer(self.teacher.tokenizer, store_hash, ctx.store_path)
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)
         self.gram = self.atoms.T @ self.atoms  # (k, k), reused by every call

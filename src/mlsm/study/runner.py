@@ -57,7 +57,8 @@ class Study:
         if not d:
             return None
         teacher = (self.spec.dictionary.teacher or "minilm").rstrip("/").replace("/", "_")
-        name = f"{teacher}_l{d.get('layer', TEACHER_LAYER)}_k{d.get('k', 0)}_lam{d.get('lam', LAM):g}"
+        layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", LAM)
+        name = f"{teacher}_l{layer}_k{d.get('k', 0)}_lam{lam:g}"
         return self.root / "dictionaries" / f"{name}.safetensors"
 
     def steps(self, arm: str) -> int:
@@ -207,7 +208,8 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)))
     check_arm_dictionary(arm, d, ds.n_vectors, default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
-    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None, lam=float(d.get("lam", LAM)),
+    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None,
+                     lam=float(d.get("lam", LAM)),
                      n_vectors=ds.n_vectors, max_len=ds.max_len, seed=ds.seed, out=path)
     return None
 

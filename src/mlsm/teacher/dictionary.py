@@ -75,7 +75,9 @@ class Dictionary:
             raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is {teacher.hidden_size}; learn a dictionary with this teacher (`mlsm dictionary --teacher ...`)")
         layer = self.meta.get("layer")
         if layer is not None and int(layer) != teacher.layer:
-            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at layer {teacher.layer}; use layer {layer} ({LAYER_SETTING}) or learn a new dictionary")
+            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at "
+                            f"layer {teacher.layer}; use layer {layer} ({LAYER_SETTING}) or learn "
+                            "a new dictionary")
 
 
 def _check_options(k: int, lam: float) -> None:

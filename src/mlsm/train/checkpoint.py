@@ -145,7 +145,8 @@ def read_training_state(folder: Path) -> Any:
             raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond tensors, which mlsm never runs); delete that checkpoint folder and resume from another") from None
         raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise DamagedCheckpoint(f"training_state.pt is truncated or unreadable: {first_line(exc)}") from None
+        why = first_line(exc)
+        raise DamagedCheckpoint(f"training_state.pt is truncated or unreadable: {why}") from None
 
 
 def load_weights(folder: Path, student: Student) -> None:

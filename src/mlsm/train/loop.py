@@ -224,7 +224,9 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, student: Stude
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise UserError(f"the optimizer state of {folder} does not fit this model ({first_line(exc)}); resume with the config the run was started with") from None
+            raise UserError(f"the optimizer state of {folder} does not fit this model "
+                            f"({first_line(exc)}); resume with the config the run was started "
+                            "with") from None
         step = int(state["step"])
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
