@@ -58,7 +58,8 @@ def time_hf(model: BertForMaskedLM, source: BatchSource, tok, args, start: int) 
     t = time.perf_counter()
     for step in range(start, start + args.steps):
         # grouped texts: the same packed sequences, handed over as run_mlm's dataset rows
-        ids = source.sequence_ids(np.arange(step * args.batch, (step + 1) * args.batch))
+        samples = np.arange(step * args.batch, (step + 1) * args.batch)
+        ids = source.chunk_tokens(source.chunk_ids(samples))
         batch = collator([{"input_ids": row.tolist()} for row in ids])
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         loss.backward()

@@ -517,7 +517,7 @@ def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Pat
     run = tmp_path / "run"
     args = _run_args(store_dir, run, **{"train.log_every": 1})
     # SIGKILL this process once the first checkpoint is written but not yet renamed into place
-    kill = ("import os, signal, sys; from mlsm.train import checkpoint as c; "
+    kill = ("import os, signal, sys; from mlsm import fileio as c; "
             "c.replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL); "
             "from mlsm.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", kill, "pretrain", *args], env=ENV, capture_output=True, text=True, timeout=300)

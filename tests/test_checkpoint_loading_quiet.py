@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import BertConfig, BertForMaskedLM, BertModel
 from transformers.utils import logging as hf_logging
 
-from mlsm.models.backbone import quiet_head_mismatch
+from mlsm.hf import quiet_head_mismatch
 
 TINY = {"vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
 

@@ -15,7 +15,7 @@ from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.models.backbone import build_student
-from mlsm.models.heads import mlm_logits_at
+from mlsm.models.heads import mlm_head_fn
 from mlsm.objectives import Context, TrainModule, build_objective, forward_step
 from mlsm.train.checkpoint import save_checkpoint
 
@@ -58,7 +58,8 @@ def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, stor
     with torch.no_grad():
         mine = student.vocab_logits(student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected])
         theirs = hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask).logits[batch.selected]
-        sparse = mlm_logits_at(hf, batch.corrupted_ids, batch.attention_mask, batch.selected)
+        hidden = hf.base_model(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask)
+        sparse = mlm_head_fn(hf)(hidden.last_hidden_state[batch.selected])  # (N, d) -> (N, V)
     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sparse, theirs, rtol=1e-5, atol=1e-5)
 

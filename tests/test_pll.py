@@ -259,5 +259,5 @@ def test_load_masked_lm(bert, tok, tmp_path):
     assert not model.training
     assert score_pll(model, tokenizer, SENTENCES[:2]) == pytest.approx(
         score_pll(bert, tok, SENTENCES[:2]), abs=1e-5)
-    with pytest.raises(UserError, match="cannot load a masked LM"):
+    with pytest.raises(UserError, match="missing does not exist"):
         load_masked_lm(str(tmp_path / "missing"))

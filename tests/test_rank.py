@@ -152,5 +152,5 @@ def test_load_encoder(encoder, tok, tmp_path):
     model, tokenizer = load_encoder(str(tmp_path / "enc"))
     a = layerwise_effective_rank(model, tokenizer, SENTENCES, seed=3)
     assert a.ranks == layerwise_effective_rank(encoder, tok, SENTENCES, seed=3).ranks
-    with pytest.raises(UserError, match="cannot load an encoder"):
+    with pytest.raises(UserError, match="missing does not exist"):
         load_encoder(str(tmp_path / "missing"))

@@ -23,7 +23,6 @@ from mlsm.teacher.sparse_coding import (
     kkt_violation,
     objective,
     sparse_encode,
-    sparse_encode_topk,
     top_nnz,
 )
 
@@ -197,8 +196,9 @@ def test_internal_kkt_check_matches_kkt_violation():
     # the public definition, also for slots holding a zero coefficient and for empty slots.
     X, D = _problem(n=40, seed=14)
     k = D.shape[1]
-    exact = top_nnz(sparse_encode(X, D, LAM))
-    idle = (exact.to_dense(k) == 0).int().argmax(1, keepdim=True)  # an atom off every support
+    dense = sparse_encode(X, D, LAM)
+    exact = top_nnz(dense)
+    idle = (dense == 0).int().argmax(1, keepdim=True)  # an atom off every support
     idx = torch.cat([torch.where(exact.values > 0, exact.indices, k), idle, torch.full_like(idle, k)], 1)
     alpha = torch.cat([exact.values, torch.zeros(40, 2, dtype=X.dtype)], 1)
     alpha[:5, 0] = 0.0  # a support atom loses its coefficient but keeps its slot: now violating
@@ -243,10 +243,12 @@ def test_top_nnz_round_trip():
     codes = sparse_encode(X, D, LAM)
     compact = top_nnz(codes)
     assert compact.indices.shape[1] == int((codes > 0).sum(1).max())
-    torch.testing.assert_close(compact.to_dense(D.shape[1]), codes)
+    back = codes.new_zeros(codes.shape).scatter_add_(1, compact.indices, compact.values)
+    torch.testing.assert_close(back, codes)
     assert (compact.values[:, :-1] >= compact.values[:, 1:]).all()  # sorted by value
-    short = sparse_encode_topk(X, D, LAM, nnz=2)
+    short = top_nnz(codes, 2)
     assert short.values.shape == (X.shape[0], 2)
+    torch.testing.assert_close(short.values, compact.values[:, :2])
 
 
 @pytest.mark.parametrize(

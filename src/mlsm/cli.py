@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 
 # --------------------------------------------------------------------------- argument types
@@ -240,7 +241,7 @@ def _targets(a: argparse.Namespace) -> None:
     check_targets_out(a.out)  # the folder and its lock before loading the teacher
     with hold(a.out, "target store"):
         dictionary = load_dictionary(a.dictionary)
-        layer = a.layer if a.layer is not None else int(dictionary.meta.get("layer", 5))
+        layer = a.layer if a.layer is not None else dictionary.layer
         teacher = load_teacher(a.teacher, layer, device=a.device)
         out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
     meta = TargetStore.open(out).meta
@@ -436,9 +437,13 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("dictionary", help="learn the MLSM dictionary on teacher states of a token store")
     p.add_argument("--store", required=True, help="token store prepared with the teacher's tokenizer")
     p.add_argument("--teacher", default=None, help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--layer", type=non_negative_int, default=5, help="teacher layer, HF hidden_states numbering (0 = embeddings)")
-    p.add_argument("--k", type=positive_int, default=None, help="number of atoms (default: 4 x hidden size)")
-    p.add_argument("--lam", type=positive_float, default=0.05, help="lambda of the l1 penalty")
+    p.add_argument("--layer", type=non_negative_int, default=TEACHER_LAYER,
+                   help=f"teacher layer, HF hidden_states numbering (0 = embeddings; "
+                   f"default {TEACHER_LAYER})")
+    p.add_argument("--k", type=positive_int, default=None,
+                   help=f"number of atoms (default: {ATOMS_PER_DIM} x hidden size)")
+    p.add_argument("--lam", type=positive_float, default=LAM,
+                   help=f"lambda of the l1 penalty (default {LAM})")
     p.add_argument("--n-vectors", type=positive_int, default=2_000_000, help="teacher states to collect")
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--batch-size", type=positive_int, default=512)

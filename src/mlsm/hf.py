@@ -89,7 +89,7 @@ def quiet(report: bool = False) -> Iterator[None]:
     """transformers' logging while mlsm loads something: no progress bars (a "Loading weights" bar
     per load drowns mlsm's own output and error lines) and, unless `report`, nothing below ERROR.
     Model loads keep their weight-loading report (missing/unexpected keys matter; the expected
-    ones are silenced by backbone.quiet_head_mismatch)."""
+    ones are silenced by `quiet_head_mismatch`). The one switch mlsm uses for HF's logging."""
     from transformers.utils import logging as hf_logging
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -102,6 +102,28 @@ def quiet(report: bool = False) -> Iterator[None]:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def quiet_head_mismatch(folder: str | os.PathLike, with_head: bool) -> Iterator[None]:
+    """Silence transformers' weight-loading report when only the head is expected to differ.
+
+    MLSM and MAE-LM checkpoints export the encoder alone (architectures "BertModel" etc.), so
+    loading one into a masked-LM class (with_head=True) necessarily reports the head as missing,
+    which reads like a corrupted checkpoint; loading a masked-LM folder as a bare encoder
+    (with_head=False: a teacher, a fine-tuning backbone) reports the unused head. Other folders
+    keep the report.
+    """
+    try:
+        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    bare = bool(archs) and all(str(a).endswith("Model") for a in archs)
+    if not archs or bare != with_head:
+        yield
+        return
+    with quiet():
+        yield
 
 
 def _refusal(what: str, path: Any, exc: BaseException) -> UserError:
@@ -153,4 +175,4 @@ def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
         with quiet(report=True):
             return cls.from_pretrained(str(path), trust_remote_code=False, **kwargs)
     except _LOAD_ERRORS as exc:
-        raise _refusal("a model", path, exc) from None
+        raise _refusal(f"a model ({getattr(cls, '__name__', cls)})", path, exc) from None

@@ -28,6 +28,17 @@ _SUFFIX = re.compile(r"(?:(?P<pct>\d+(?:\.\d+)?)%|step-(?P<step>\d+))")
 SYNTAX = "RUN, RUN@<percent>% (e.g. @50%) or RUN@step-<N> (e.g. @step-100)"
 
 
+def readiness_step(fraction: float, total_steps: int) -> int:
+    """The step at which a run of `total_steps` keeps its readiness-`fraction` checkpoint (the one
+    rounding the training loop, `RUN@50%`, `--readiness all` and studies share)."""
+    return max(1, round(fraction * total_steps))
+
+
+def readiness_steps(fractions: list[float] | tuple[float, ...], total_steps: int) -> set[int]:
+    """The steps of every readiness checkpoint of a run."""
+    return {readiness_step(f, total_steps) for f in fractions}
+
+
 @dataclass(frozen=True)
 class RunCheckpoint:
     """One complete checkpoint of a run."""
@@ -49,8 +60,8 @@ class Run:
         return next((c for c in self.checkpoints if c.step == step), None)
 
     def readiness_step(self, fraction: float) -> int:
-        """The step the training loop saves for readiness ``fraction`` (same rounding as the loop)."""
-        return max(1, round(fraction * self.total_steps))
+        """The step the training loop saves for readiness ``fraction``."""
+        return readiness_step(fraction, self.total_steps)
 
     def describe(self) -> str:
         """``step-20 (10%), step-200 (100%)``: what exists, for error messages."""
@@ -132,7 +143,7 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
         raise UserError(f"{spec}: --readiness all needs a run directory without @ suffix (a folder "
                         "with checkpoints/), not a checkpoint")
     run = open_run(base)
-    steps = sorted({run.readiness_step(r) for r in run.readiness})
+    steps = sorted(readiness_steps(run.readiness, run.total_steps))
     missing = [s for s in steps if run.at_step(s) is None]
     if missing:
         raise UserError(f"{base}: readiness checkpoints {', '.join(f'step-{s}' for s in missing)} are "

@@ -103,10 +103,6 @@ class BatchSource:
             chunks[here] = self._permutation(int(epoch))[samples[here] % self.n_sequences]
         return chunks
 
-    def sequence_ids(self, samples: np.ndarray) -> np.ndarray:
-        """Token ids (B, max_len) of the given global sample indices."""
-        return self.chunk_tokens(self.chunk_ids(samples))
-
     def chunk_tokens(self, chunks: np.ndarray) -> np.ndarray:
         """Token ids (B, max_len) of packed chunks: [CLS] + max_len - 2 stream tokens + [SEP]."""
         vpos = chunks[:, None] * self.chunk + np.arange(self.chunk)[None, :]  # (B, C)

@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from mlsm.data.sources import (
     resolve_paths,
 )
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text, fsync_tree, make_temp_dir, replace_dir
+from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
 from mlsm.progress import Progress
@@ -52,14 +51,8 @@ __all__ = ["TokenStore", "iter_documents", "load_tokenizer", "prepare_corpus", "
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """Load a fast HF tokenizer from a folder or hub id, with a readable error."""
-    try:
-        tok = hf_load_tokenizer(name_or_path)
-    except Exception as exc:  # HF raises many types; the user needs one line
-        raise UserError(
-            f"cannot load tokenizer {name_or_path!r} ({first_line(exc)}); pass a local "
-            "tokenizer folder, or train one with `mlsm train-tokenizer`"
-        ) from None
+    """A fast HF tokenizer from a folder or hub id (`mlsm.hf` words the error if it cannot load)."""
+    tok = hf_load_tokenizer(name_or_path)
     if not tok.is_fast:
         raise UserError(f"tokenizer {name_or_path!r} is not a fast tokenizer; convert it or train one with `mlsm train-tokenizer`")
     return tok
@@ -87,6 +80,24 @@ def tokenizer_hash(tok: PreTrainedTokenizerBase) -> str:
         "model": (spec.get("model") or {}).get("type"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def require_same_tokenizer(teacher_tok: PreTrainedTokenizerBase, store_hash: str,
+                           store: str) -> None:
+    """Refuse a teacher whose tokenisation differs from a token store's (`tokenizer_hash`, the
+    store's own definition): its states would describe other tokens than the student sees.
+
+    store_hash: `TokenStore.tokenizer_hash` (or the hash of the store's tokenizer); store: the
+    store's path as the user named it (data.store, --store), for the message.
+    """
+    if tokenizer_hash(teacher_tok) == store_hash:
+        return
+    teacher = getattr(teacher_tok, "name_or_path", "") or "TEACHER"
+    raise UserError(
+        f"teacher {teacher} tokenises differently from token store {store or '(data.store)'} "
+        "(another tokenizer); prepare a store with the teacher's tokenizer: "
+        f"mlsm prepare SOURCES --tokenizer {teacher} --out NEW_STORE"
+    )
 
 
 # --------------------------------------------------------------------------- the store
@@ -147,7 +158,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise _damaged(path, f"meta.json is unreadable: {type(exc).__name__}") from None
+        raise _damaged(path, f"meta.json is unreadable: {first_line(exc)}") from None
     if not isinstance(meta, dict):
         raise _damaged(path, "meta.json is not a JSON object")
     return meta
@@ -299,28 +310,28 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
                  text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
     """Write the store into a hidden sibling and swap it into place when complete."""
-    tmp = make_temp_dir(out, "partial")
     try:
-        units = iter_units(sources, text_field, chunk_docs)
-        n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc)
-        if n_tokens == 0:
-            raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
-        tok.save_pretrained(tmp / "tokenizer")
-        meta = {
-            "format": STORE_FORMAT, "version": STORE_VERSION,
-            "dtype": "uint16" if len(tok) < 65536 else "uint32",
-            "n_tokens": n_tokens, "n_docs": n_docs, "vocab_size": len(tok),
-            "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
-            "sources": sources, "text_field": text_field,
-            "fingerprint": fp, "input_fingerprint": fp,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))
-        fsync_tree(tmp)
-        replace_dir(tmp, out)
+        with building_dir(out, "partial") as tmp:
+            _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was replaced — free space and re-run") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
+                text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
+    """Write tokens, offsets, tokenizer and meta.json of a store into the folder `tmp`."""
+    units = iter_units(sources, text_field, chunk_docs)
+    n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc)
+    if n_tokens == 0:
+        raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
+    tok.save_pretrained(tmp / "tokenizer")
+    meta = {
+        "format": STORE_FORMAT, "version": STORE_VERSION,
+        "dtype": "uint16" if len(tok) < 65536 else "uint32",
+        "n_tokens": n_tokens, "n_docs": n_docs, "vocab_size": len(tok),
+        "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
+        "sources": sources, "text_field": text_field,
+        "fingerprint": fp, "input_fingerprint": fp,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))

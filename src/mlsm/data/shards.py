@@ -26,6 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from mlsm.errors import UserError
+from mlsm.hf import first_line
 
 # (kind, file label for messages, number of the first line, payload):
 #   kind "text": raw lines of a blank-line separated text file (bytes, newline kept)
@@ -76,9 +77,9 @@ def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str]:
             continue
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise UserError(
-                f"{label}:{lineno} is not valid JSON; fix the line or use a .txt file") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise UserError(f"{label}:{lineno} is not valid JSON ({first_line(exc)}); "
+                            "fix the line or use a .txt file") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise UserError(

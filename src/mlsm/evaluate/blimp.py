@@ -6,7 +6,7 @@ pairs each; each paradigm has a `field` (morphology, syntax, semantics, syntax_s
 prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); a tie counts
 as wrong. Reported: accuracy per phenomenon, per field (mean over the field's phenomena), per
 `linguistics_term` (the paper's phenomenon groups) and overall (mean over phenomena, as in
-seed 000 §4.3.1 and the BLiMP paper).
+Berend 2023 §4.3.1 and the BLiMP paper).
 
 Data: a folder of `<UID>.jsonl` / `<UID>.jsonl.gz` files (the layout of ../shared/data/blimp and of
 the BLiMP repository), a single such file, or the HF dataset (`blimp` / `nyu-mll/blimp`, one

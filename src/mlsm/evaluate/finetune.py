@@ -1,4 +1,4 @@
-"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (seed paper 000 §4.2).
+"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (Berend 2023 §4.2).
 
 Protocol: AdamW, linear schedule (no warmup unless asked), batch 32, 3 epochs, lr 2e-5, the dev
 metric after the last epoch, 5 seeds. What makes the runs *paired* across models:
@@ -311,21 +311,15 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
 
 
 def _load_backbone(path: str) -> nn.Module:
-    """``AutoModel`` in float32; the "unused MLM head weights" load report is silenced (expected)."""
+    """``AutoModel`` in float32 (whatever dtype the folder was saved in). The load report is
+    silenced: a masked-LM folder's unused head and an mlsm checkpoint's absent pooler are expected,
+    and one report per (model, task, seed, lr) cell would drown the fine-tuning log."""
     from transformers import AutoModel
-    from transformers.utils import logging as hf_logging
 
-    from mlsm.hf import load_model
+    from mlsm.hf import load_model, quiet
 
-    before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # one "Loading weights" bar per cell would drown our own bar
-    try:
+    with quiet():
         return load_model(AutoModel, path, dtype=torch.float32)
-    finally:
-        hf_logging.set_verbosity(before)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlsm.defaults import default_k
+
 # Hub teachers built from transformers' BertConfig defaults (BERT-base) so the table works
 # offline; only what differs from the defaults is listed (Devlin et al. 2019, Table/appendix).
 KNOWN_SHAPES: dict[str, dict[str, int]] = {
@@ -240,7 +242,7 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     t_cfg = teacher_shape_config(teacher if teacher is not None else str(obj.get("teacher", "")))
     t = shape_of(t_cfg)
     meta = _dictionary_meta(str(obj.get("dictionary", "")))
-    k = k or int(obj.get("k", 0) or meta.get("k", 0) or 4 * t.d)
+    k = k or int(obj.get("k", 0) or meta.get("k", 0) or default_k(t.d))
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
     m = cfg.model

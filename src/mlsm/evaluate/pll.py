@@ -93,19 +93,13 @@ def as_scorer(model: Any) -> MaskedScorer:
 
 
 def load_masked_lm(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) of an HF masked-LM folder, in eval mode; UserError if it cannot load."""
+    """(model, tokenizer) of an HF masked-LM folder, in eval mode on `device`; `mlsm.hf` loads it
+    (and words the UserError if it cannot)."""
     from transformers import AutoModelForMaskedLM
 
-    from mlsm.hf import first_line, load_model, load_tokenizer
+    from mlsm.hf import load_model, load_tokenizer
 
-    try:
-        model = load_model(AutoModelForMaskedLM, path)
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError, UserError) as err:
-        raise UserError(
-            f"cannot load a masked LM from {path} ({first_line(err)}): pass a checkpoint folder "
-            "with config.json, weights and tokenizer that AutoModelForMaskedLM can read"
-        ) from None
+    model, tokenizer = load_model(AutoModelForMaskedLM, path), load_tokenizer(path)
     return (model.to(device) if device is not None else model).eval(), tokenizer
 
 

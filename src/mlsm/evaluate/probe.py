@@ -17,9 +17,9 @@ from transformers import AutoModel
 from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
-from mlsm.hf import load_model, load_tokenizer, read_json
-from mlsm.models.backbone import quiet_hf_loading, read_heads
-from mlsm.models.heads import LatentHead
+from mlsm.hf import load_model, load_tokenizer, quiet, read_json
+from mlsm.models.backbone import read_heads
+from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
@@ -75,10 +75,9 @@ class ProbeScorer(torch.nn.Module):
         folder = Path(folder)
         meta = read_json(folder / "heads.json")
         state = read_heads(folder)
-        with quiet_hf_loading():  # our own export: the encoder without a pooler, which we never use
+        with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, folder)
-        self.latent = LatentHead(meta["latent"]["d"], meta["latent"]["k"])
-        self.latent.load_state_dict({k[len("latent."):]: v for k, v in state.items() if k.startswith("latent.")})
+        self.latent, _ = read_latent_head(folder)
         self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})

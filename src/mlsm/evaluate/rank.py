@@ -1,6 +1,6 @@
 """tau-effective rank of token representations per layer, with and without [MASK] in the input.
 
-Seed 003 (Meng et al. 2024, "Representation Deficiency in Masked Language Modeling", §2, Def. 2.1
+Meng et al. 2024 ("Representation Deficiency in Masked Language Modeling", §2, Def. 2.1
 and Fig. 1): the tau-effective rank of a representation matrix H (n, d) is the smallest k whose
 best rank-k approximation keeps a fraction tau of the energy:
 
@@ -238,14 +238,7 @@ def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[A
     from mlsm.hf import load_model, load_tokenizer
 
     path = str(resolve_checkpoint(path))
-    try:
-        model = load_model(AutoModel, path)
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError, UserError) as err:
-        raise UserError(
-            f"cannot load an encoder from {path} ({first_line(err)}): pass a checkpoint folder "
-            "with config.json, weights and tokenizer that AutoModel can read"
-        ) from None
+    model, tokenizer = load_model(AutoModel, path), load_tokenizer(path)
     return (model.to(device) if device is not None else model).eval(), tokenizer
 
 

@@ -1,4 +1,5 @@
-"""Figures and a Markdown report from a fine-tuning results file (seed paper 000, Figs. 2b, 4, 7).
+"""Figures and a Markdown report from a fine-tuning results file (Berend 2023, "Masked Latent
+Semantic Modeling", Figs. 2b, 4, 7).
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas directly, so no
 pyplot state or global backend is touched (safe inside notebooks and other programs).

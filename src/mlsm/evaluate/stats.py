@@ -1,4 +1,4 @@
-"""Results files and paired comparisons (seed paper 000: Fig. 2b p-values, Fig. 2c wins, Table 1).
+"""Results files and paired comparisons (Berend 2023, Fig. 2b p-values, Fig. 2c wins, Table 1).
 
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
@@ -27,13 +27,14 @@ import numpy as np
 from scipy import stats as sps
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write, atomic_write_text
 
 try:  # POSIX advisory lock: several finetune processes may append to one results file
     import fcntl
 except ImportError:  # Windows: appends of one write() call are still whole in practice
     fcntl = None
 
-SIGNIFICANCE = 0.01  # seed 000 marks p < 0.01
+SIGNIFICANCE = 0.01  # Berend 2023 marks p < 0.01
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
 
 
@@ -189,7 +190,7 @@ class Comparison:
                  [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
                   for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
         paths["markdown"] = out / "comparison.md"
-        _atomic_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
+        atomic_write_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
         return paths
 
 
@@ -199,19 +200,14 @@ def _md(header: list[str], names: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(rows)
+
+    atomic_write(path, write)
 
 
 def _scores(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[tuple[Any, ...], float]], dict[str, dict[str, Any]]]:

@@ -1,6 +1,6 @@
 """Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets, metrics.
 
-The task list and metrics follow the evaluation protocol of seed paper 000 §4.2 (GLUE + WiC +
+The task list and metrics follow the evaluation protocol of Berend 2023 §4.2 (GLUE + WiC +
 CoNLL-2003). Local files are read in their *original distributed* formats:
 
 - GLUE TSVs (``glue_data/<TASK>/``): tab separated, ``csv.QUOTE_NONE`` because sentences contain

@@ -10,22 +10,18 @@ those heads themselves (`mlsm.objectives.base.Objective`); they are saved beside
 
 from __future__ import annotations
 
-import contextlib
-import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from mlsm.config import ModelConfig
 from mlsm.errors import UserError
-from mlsm.hf import first_line, load_config, load_model
-from mlsm.models.heads import mlm_head_fn
+from mlsm.hf import load_config, load_model, quiet_head_mismatch
+from mlsm.models.heads import mlm_head_fn, read_heads
 
 
 class Student(nn.Module):
@@ -98,50 +94,6 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, 
         else:
             hf = AutoModelForMaskedLM.from_config(_from_scratch_config(cfg, tok, max_len))
     return Student(hf)
-
-
-@contextlib.contextmanager
-def quiet_hf_loading() -> Iterator[None]:
-    """Silence transformers' weight-loading report (for loads whose differences are known)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-@contextlib.contextmanager
-def quiet_head_mismatch(folder: str | Path, with_head: bool) -> Iterator[None]:
-    """Silence transformers' weight-loading report when only the head is expected to differ.
-
-    MLSM and MAE-LM checkpoints export the encoder alone (architectures "BertModel" etc.), so
-    loading one into a masked-LM class (with_head=True) necessarily reports the head as missing,
-    which reads like a corrupted checkpoint; loading a masked-LM folder as a bare encoder
-    (with_head=False, a teacher) reports the unused head. Other folders keep the report.
-    """
-    try:
-        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        archs = []
-    bare = bool(archs) and all(a.endswith("Model") for a in archs)
-    if not archs or bare != with_head:
-        yield
-        return
-    with quiet_hf_loading():
-        yield
-
-
-def read_heads(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `folder/heads.safetensors`; a missing or damaged file is one line."""
-    path = Path(folder) / "heads.safetensors"
-    try:
-        return load_file(path)
-    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{path} is missing or damaged ({first_line(exc)}); restore it from a "
-                        "copy or use another checkpoint of the run") from None
 
 
 def load_student_weights(model: nn.Module, heads: nn.Module, folder: Path) -> None:

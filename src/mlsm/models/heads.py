@@ -8,10 +8,17 @@ selected positions first, (N, d), and the head runs on those rows only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
+
+from mlsm.errors import UserError
+from mlsm.hf import first_line, read_json
 
 # model_type -> how that family's AutoModelForMaskedLM maps hidden states (N, d) to logits (N, V).
 # One line per family; the functions call the HF modules themselves, so the weights (and any
@@ -39,18 +46,6 @@ def mlm_head_fn(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor
     return lambda h: fn(model, h)
 
 
-def mlm_logits_at(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
-) -> torch.Tensor:
-    """Vocabulary logits of an HF masked-LM model at the selected positions only.
-
-    input_ids, attention_mask, select: (B, T); select is bool. Returns (N, |V|), N = select.sum(),
-    rows in row-major order of `select`.
-    """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return mlm_head_fn(model)(hidden[select])  # (N, d) -> (N, V)
-
-
 class LatentHead(nn.Module):
     """MLSM's output layer: transform + d x k projection (Berend 2023, §3), no vocabulary."""
 
@@ -63,3 +58,36 @@ class LatentHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (N, d) -> (N, k)
         return self.proj(self.norm(self.act(self.dense(h))))
+
+
+def read_heads(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `folder/heads.safetensors`; a missing or damaged file is one line."""
+    path = Path(folder) / "heads.safetensors"
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{path} is missing or damaged ({first_line(exc)}); restore it from a "
+                        "copy or use another checkpoint of the run") from None
+
+
+def read_latent_head(folder: Path) -> tuple[LatentHead, dict[str, Any]]:
+    """The MLSM latent head saved in a checkpoint folder and its heads.json entry (the one loader:
+    the probe objective and `ProbeScorer` both use it).
+
+    heads.json says which class each head is and its sizes; the latent head is rebuilt from
+    that entry and its weights from heads.safetensors.
+    """
+    meta_path = folder / "heads.json"
+    latent = read_json(meta_path).get("latent") if meta_path.is_file() else None
+    if not isinstance(latent, dict):
+        raise UserError(f"{folder} has no MLSM latent head (heads.json); "
+                        "pass a checkpoint of an mlsm/mtl run")
+    if latent.get("class", "LatentHead") != "LatentHead":
+        raise UserError(f"{folder} holds an MTL latent head that shares the vocabulary head's "
+                        f"transform ({latent['class']}); score it through its vocabulary head, "
+                        "it needs no probe")
+    head = LatentHead(int(latent["d"]), int(latent["k"]))
+    state = read_heads(folder)
+    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
+                          if k.startswith("latent.")})
+    return head, latent

@@ -1,6 +1,7 @@
 """Causal language modelling on the encoder: predict token t+1 from positions <= t.
 
-Seed 002 (CLM and CLM->MLM on one encoder). The student is the same bidirectional HF encoder; only
+Gisserot-Boukhlef et al. 2025, "Should We Still Pretrain Encoders with Masked Language Modeling?"
+(CLM and CLM->MLM on one encoder). The student is the same bidirectional HF encoder; only
 the attention mask passed at call time is causal, so the saved config (is_decoder=False) and the
 exported model stay a bidirectional encoder.
 

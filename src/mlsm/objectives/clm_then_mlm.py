@@ -1,6 +1,6 @@
-"""CLM -> MLM in one run (seed 002): causal LM for the first `clm_fraction` of the optimizer steps,
-then masked LM, under one learning-rate schedule (the recipes use WSD so the switch happens on the
-stable plateau, not during a decay).
+"""CLM -> MLM in one run (Gisserot-Boukhlef et al. 2025): causal LM for the first `clm_fraction` of
+the optimizer steps, then masked LM, under one learning-rate schedule (the recipes use WSD so the
+switch happens on the stable plateau, not during a decay).
 
 A composition of the two objectives, not a copy: each batch goes to `CLM` or `MLM` by its
 optimizer step (`batch.step`), so the phase is a pure function of the step and resuming on either

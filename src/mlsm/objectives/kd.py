@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 
 from mlsm.data.batches import Batch
-from mlsm.data.corpus import tokenizer_hash
+from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_config, load_model, load_tokenizer
 from mlsm.models.backbone import Student
@@ -65,8 +65,7 @@ class MLMTeacher:
             raise UserError(f"cannot load {path!r} as a masked LM ({first_line(exc)}); KD needs an AutoModelForMaskedLM folder") from None
         if model is None:
             raise UserError(f"teacher {path!r} has no MLM head (e.g. the packaged MiniLM is a bare encoder); KD needs an AutoModelForMaskedLM checkpoint such as bert-base-cased")
-        if tokenizer_hash(tokenizer) != tokenizer_hash(ctx.tokenizer):
-            raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+        require_same_tokenizer(tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
         try:
             self.head = mlm_head_fn(model)
         except ValueError as exc:

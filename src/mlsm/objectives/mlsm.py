@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlsm.data.batches import Batch
-from mlsm.data.corpus import tokenizer_hash
+from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
@@ -76,11 +76,11 @@ class TargetCoder:
         if not cfg.dictionary:
             raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
-        layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)
         self.dictionary.check_teacher(self.teacher)
-        if tokenizer_hash(self.teacher.tokenizer) != tokenizer_hash(ctx.tokenizer):
-            raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+        store_hash = tokenizer_hash(ctx.tokenizer)
+        require_same_tokenizer(self.teacher.tokenizer, store_hash, ctx.store_path)
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)
         self.gram = self.atoms.T @ self.atoms  # (k, k), reused by every call

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoModel, AutoModelForMaskedLM
 
 from mlsm.data.batches import Batch
-from mlsm.data.corpus import tokenizer_hash
+from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_model, load_tokenizer
 from mlsm.models.backbone import Student
@@ -70,10 +70,9 @@ class MLSMNaive(Objective):
             raise UserError(f"objective.fista_iters must be >= 1 (got {cfg.fista_iters}); the official code uses 100")
         self.cfg = cfg
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
-        self.layer = cfg.layer if cfg.layer >= 0 else int(self.dictionary.meta.get("layer", 5))
+        self.layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         model, tokenizer = load_full_teacher(cfg.teacher or str(default_teacher_path()))
-        if tokenizer_hash(tokenizer) != tokenizer_hash(ctx.tokenizer):
-            raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+        require_same_tokenizer(tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= self.layer <= n_layers:
             raise UserError(f"teacher layer {self.layer} does not exist: the teacher has layers 0..{n_layers}; set objective.layer")

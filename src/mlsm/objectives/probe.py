@@ -18,10 +18,9 @@ from torch import nn
 
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
-from mlsm.hf import read_json
-from mlsm.models.backbone import Student, read_heads
+from mlsm.models.backbone import Student
+from mlsm.models.heads import read_latent_head
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
-from mlsm.objectives.mlsm import latent_head
 
 PROBE_INPUTS = ("probs", "logprobs", "logits")
 
@@ -49,18 +48,6 @@ def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
     raise UserError(f"objective.input={kind!r} is not one of {', '.join(PROBE_INPUTS)}")
 
 
-def load_latent_head(folder: Path, d: int) -> tuple[nn.Module, dict[str, Any]]:
-    """The latent head saved in an MLSM checkpoint folder, with its heads.json description."""
-    meta_path = folder / "heads.json"
-    meta = read_json(meta_path) if meta_path.is_file() else {}
-    if not isinstance(meta, dict) or "latent" not in meta:
-        raise UserError(f"{folder} has no MLSM latent head (heads.json); pass a checkpoint of an mlsm/mtl run")
-    meta = meta["latent"]
-    head, _ = latent_head(d, int(meta["k"]))  # d: the student's hidden size
-    state = read_heads(folder)
-    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
-                          if k.startswith("latent.")})
-    return head, meta
 
 
 class Probe(Objective):
@@ -78,7 +65,7 @@ class Probe(Objective):
 
     def attach(self, student: Student) -> None:
         student.requires_grad_(False)  # everything frozen but the probe added below
-        self.add_head("latent", *load_latent_head(self.folder, student.hidden_size))
+        self.add_head("latent", *read_latent_head(self.folder))
         self.heads["latent"].requires_grad_(False)
         k = self.heads["latent"].proj.out_features
         meta = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}

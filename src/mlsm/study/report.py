@@ -19,16 +19,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.config import git_revision
-from mlsm.fileio import atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.study.runner import Study, pretrain_done
 from mlsm.study.spec import readiness_label
 
 
 def _save(fig: Figure, path: Path) -> str:
     FigureCanvasAgg(fig)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     return path.name
 
 

@@ -20,9 +20,11 @@ from typing import Any
 
 from mlsm import locking, tracking
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
+from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.study.spec import StudySpec, readiness_label
+from mlsm.runs import readiness_step
+from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
 
 LATENT = ("mlsm", "mtl", "mae_mlsm", "mlsm_naive")
 """Objectives whose model predicts latent properties and needs a probe to score words."""
@@ -56,13 +58,15 @@ class Study:
         if not d:
             return None
         teacher = (self.spec.dictionary.teacher or "minilm").rstrip("/").replace("/", "_")
-        return self.root / "dictionaries" / f"{teacher}_l{d.get('layer', 5)}_k{d.get('k', 0)}_lam{d.get('lam', 0.05):g}.safetensors"
+        layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", LAM)
+        name = f"{teacher}_l{layer}_k{d.get('k', 0)}_lam{lam:g}"
+        return self.root / "dictionaries" / f"{name}.safetensors"
 
     def steps(self, arm: str) -> int:
         return self.arm_config(arm).train.steps
 
     def checkpoint(self, arm: str, frac: float) -> Path:
-        step = max(1, round(frac * self.steps(arm)))
+        step = readiness_step(frac, self.steps(arm))
         return self.run_dir(arm) / "checkpoints" / f"step-{step:07d}"
 
     def probe_dir(self, arm: str, frac: float) -> Path:
@@ -79,7 +83,7 @@ class Study:
         path = self.dictionary_path(arm)
         if path is not None:
             objective.setdefault("dictionary", str(path))
-            objective.setdefault("layer", int(a.dictionary.get("layer", 5)))
+            objective.setdefault("layer", int(a.dictionary.get("layer", TEACHER_LAYER)))
             if self.spec.dictionary.teacher:
                 objective.setdefault("teacher", self.spec.dictionary.teacher)
         fixed = {"data": {"store": str(self.store)},
@@ -207,9 +211,11 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     if path.is_file() and path.with_suffix(".json").is_file():
         return "skipped"
     d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
-    teacher = load_teacher(ds.teacher or None, int(d.get("layer", 5)))
+    teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)))
+    check_arm_dictionary(arm, d, ds.n_vectors, default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
-    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None, lam=float(d.get("lam", 0.05)),
+    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None,
+                     lam=float(d.get("lam", LAM)),
                      n_vectors=ds.n_vectors, max_len=ds.max_len, seed=ds.seed, out=path)
     return None
 

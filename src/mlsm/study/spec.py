@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from mlsm.config import build_dataclass, config_from_dict, merge
+from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 
 
@@ -189,6 +190,7 @@ def _validate(spec: StudySpec) -> None:
         unknown = set(arm.dictionary) - {"layer", "k", "lam"}
         if unknown:
             raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; valid keys: layer, k, lam")
+        check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors)
     for key, fracs in (("finetune.readiness", spec.finetune.readiness), ("blimp.readiness", spec.blimp.readiness)):
         extra = [f for f in fracs if f not in spec.readiness]
         if extra:
@@ -197,6 +199,23 @@ def _validate(spec: StudySpec) -> None:
         raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has {len(spec.blimp.data)}; give one per set")
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
+
+
+def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:
+    """An arm's dictionary settings, refused in the study's own terms (a study has no
+    `mlsm dictionary` flags). k_default: the k used when the arm gives none (0 = not known yet)."""
+    layer, k, lam = d.get("layer", TEACHER_LAYER), d.get("k") or k_default, d.get("lam", LAM)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise UserError(f"arms.{arm}.dictionary.layer must be a whole number >= 0 (got {layer!r})")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise UserError(f"arms.{arm}.dictionary.k must be a whole number >= 1 (got {k!r})")
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam > 0:
+        raise UserError(f"arms.{arm}.dictionary.lam must be a number > 0 (got {lam!r}); "
+                        f"Berend 2023 uses {LAM}")
+    if k and n_vectors < k:
+        raise UserError(f"dictionary.n_vectors {n_vectors} is fewer than the k={k} atoms of arm "
+                        f"{arm}; raise dictionary.n_vectors (usually >= 100 x k) or lower "
+                        f"arms.{arm}.dictionary.k")
 
 
 def load_study(path: str | Path, out: str | None = None) -> StudySpec:

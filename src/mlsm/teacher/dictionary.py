@@ -33,13 +33,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 
+from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import encode_with_gram, objective, sparse_encode
-from mlsm.teacher.teacher import Teacher
+from mlsm.teacher.teacher import LAYER_SETTING, Teacher
 
 DICT_FORMAT = "mlsm-dictionary"
 
@@ -63,20 +64,27 @@ class Dictionary:
     def lam(self) -> float:
         return float(self.meta["lam"])
 
+    @property
+    def layer(self) -> int:
+        """The teacher layer the dictionary was learned on (`defaults.TEACHER_LAYER` if unsaid)."""
+        return int(self.meta.get("layer", TEACHER_LAYER))
+
     def check_teacher(self, teacher: Teacher) -> None:
         """The dictionary must live in the teacher's hidden space (same d, same layer)."""
         if self.d != teacher.hidden_size:
             raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is {teacher.hidden_size}; learn a dictionary with this teacher (`mlsm dictionary --teacher ...`)")
         layer = self.meta.get("layer")
         if layer is not None and int(layer) != teacher.layer:
-            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at layer {teacher.layer}; use --layer {layer} or learn a new dictionary")
+            raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at "
+                            f"layer {teacher.layer}; use layer {layer} ({LAYER_SETTING}) or learn "
+                            "a new dictionary")
 
 
 def _check_options(k: int, lam: float) -> None:
     if k < 1:
         raise UserError(f"the dictionary size k must be >= 1 (got {k}); use e.g. --k 1536 (4 × hidden size)")
     if not lam > 0:
-        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam 0.05")
+        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
 
 
 def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:
@@ -104,8 +112,10 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     """
     if n < 1:
         raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
-    if store.load_tokenizer().get_vocab() != teacher.tokenizer.get_vocab():
-        raise UserError("the token store was made with another tokenizer than the teacher's; prepare a store with the teacher's tokenizer (`mlsm prepare --tokenizer <teacher>`)")
+    from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash  # the tokenizers stack
+
+    store_hash = tokenizer_hash(store.load_tokenizer())
+    require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
     tokens, offsets = store.tokens, np.asarray(store.offsets)
     n_tokens = int(offsets[-1])
     if n_tokens == 0:
@@ -138,7 +148,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
 # --------------------------------------------------------------------------- learning
 
 
-def learn_atoms(X: torch.Tensor, k: int, lam: float = 0.05, *, n_iter: int | None = None,
+def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None = None,
                 batch_size: int = 512, forget: float = 1.0, seed: int = 0,
                 init: torch.Tensor | None = None, progress: bool = True) -> torch.Tensor:
     """Online dictionary learning on rows of X (n, d); returns D (d, k) on X's device/dtype.
@@ -345,7 +355,7 @@ def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_siz
     return total / max(1, X.shape[0])
 
 
-def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = 0.05,
+def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = LAM,
                      n_vectors: int = 2_000_000, max_len: int = 128, batch_size: int = 512,
                      n_iter: int | None = None, forget: float = 1.0, eval_vectors: int = 20_000,
                      seed: int = 0, out: str | Path | None = None) -> Dictionary:
@@ -354,7 +364,7 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     k defaults to 4 × the teacher's hidden size. The final objective is the mean over up to
     eval_vectors of the collected vectors. When `out` is given the result is saved there.
     """
-    k = 4 * teacher.hidden_size if k is None else k
+    k = default_k(teacher.hidden_size) if k is None else k
     _check_options(k, lam)
     _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
     if out is not None:

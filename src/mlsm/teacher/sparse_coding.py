@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mlsm.defaults import LAM
 from mlsm.errors import UserError
 from mlsm.teacher.active_set import active_set
 from mlsm.teacher.homotopy import homotopy
@@ -50,11 +51,6 @@ class SparseCodes:
     indices: torch.Tensor  # (n, nnz) int64
     values: torch.Tensor  # (n, nnz)
 
-    def to_dense(self, k: int) -> torch.Tensor:
-        """Scatter back to a dense (n, k) tensor."""
-        out = self.values.new_zeros(self.values.shape[0], k)
-        return out.scatter_add_(1, self.indices, self.values)
-
 
 def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     """Raise UserError for inputs the solvers cannot handle."""
@@ -65,7 +61,7 @@ def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     if D.shape[1] < 1:
         raise UserError("the dictionary has no atoms; learn one with k >= 1")
     if not lam > 0:
-        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam 0.05")
+        raise UserError(f"lambda must be > 0 (got {lam}); Berend 2023 uses {LAM}")
     if not bool(torch.isfinite(X).all()):
         raise UserError("input vectors contain NaN or inf; check the teacher outputs / input data")
     if not bool(torch.isfinite(D).all()):
@@ -145,12 +141,6 @@ def sparse_encode(
                          None if warm_start is None else warm_start[start : start + batch_size])
            for start in range(0, X.shape[0], batch_size)]
     return torch.cat(out) if out else X.new_zeros(0, D.shape[1])
-
-
-def sparse_encode_topk(X: torch.Tensor, D: torch.Tensor, lam: float, nnz: int | None = None,
-                       **kwargs) -> SparseCodes:
-    """`sparse_encode` followed by `top_nnz`: the compact (indices, values) target form."""
-    return top_nnz(sparse_encode(X, D, lam, **kwargs), nnz)
 
 
 def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float = TOL,

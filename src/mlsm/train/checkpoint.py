@@ -25,10 +25,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from mlsm.errors import UserError
-from mlsm.fileio import fsync_tree, replace_dir, umask
+from mlsm.fileio import building_dir
+from mlsm.hf import first_line, quiet
 from mlsm.models.backbone import load_student_weights
 from mlsm.objectives.base import TrainModule
 
@@ -44,11 +44,8 @@ def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
     """Write the HF folder + heads (what users load), as the objective declares; no training
     state."""
     model = module.exported_model()
-    hf_logging.disable_progress_bar()  # one bar per checkpoint shard is noise in a training log
-    try:
+    with quiet(report=True):  # one bar per checkpoint shard is noise in a training log
         model.save_pretrained(folder, safe_serialization=True)
-    finally:
-        hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
     heads = module.exported_heads().state_dict()
     if heads:
@@ -68,23 +65,14 @@ def save_checkpoint(
 
     A failed write (disk full: OSError from Python, RuntimeError from torch.save,
     SafetensorError from safetensors) is one line; older checkpoints are never touched."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_folder(module, tokenizer, tmp)
-        tmp.chmod(0o777 & ~umask())
-        torch.save(training_state, tmp / "training_state.pt")
-        (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
-        fsync_tree(tmp)
-        replace_dir(tmp, folder)
+        with building_dir(folder, "tmp") as tmp:
+            save_model_folder(module, tokenizer, tmp)
+            torch.save(training_state, tmp / "training_state.pt")
+            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
     except (OSError, RuntimeError, SafetensorError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
         raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints are intact — free space and rerun with --resume auto") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
@@ -138,7 +126,7 @@ def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {type(exc).__name__}") from None
+        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {first_line(exc)}") from None
     if not isinstance(info, dict) or not isinstance(info.get("step"), int) or not isinstance(info.get("config"), dict):
         raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
     _check_safetensors(folder / "model.safetensors")
@@ -159,9 +147,10 @@ def read_training_state(folder: Path) -> Any:
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond tensors, which mlsm never runs); delete that checkpoint folder and resume from another") from None
-        raise DamagedCheckpoint("training_state.pt is unreadable") from None
-    except (RuntimeError, EOFError, OSError, ValueError):
-        raise DamagedCheckpoint("training_state.pt is truncated or unreadable") from None
+        raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        why = first_line(exc)
+        raise DamagedCheckpoint(f"training_state.pt is truncated or unreadable: {why}") from None
 
 
 def load_weights(folder: Path, module: TrainModule) -> None:

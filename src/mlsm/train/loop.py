@@ -27,9 +27,11 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.hf import first_line
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
+from mlsm.runs import readiness_steps
 from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
@@ -211,7 +213,7 @@ def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: Di
 
 def _save_steps(cfg: RunConfig) -> set[int]:
     total = cfg.train.steps
-    steps = {max(1, round(r * total)) for r in cfg.train.readiness}
+    steps = readiness_steps(cfg.train.readiness, total)
     if cfg.train.save_every:
         steps |= set(range(cfg.train.save_every, total + 1, cfg.train.save_every))
     return steps | {total}
@@ -238,7 +240,9 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise UserError(f"the optimizer state of {folder} does not fit this model ({type(exc).__name__}); resume with the config the run was started with") from None
+            raise UserError(f"the optimizer state of {folder} does not fit this model "
+                            f"({first_line(exc)}); resume with the config the run was started "
+                            "with") from None
         step = int(state["step"])
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
@@ -387,7 +391,7 @@ def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, t
 
 def _prune(run_dir: Path, cfg: RunConfig) -> None:
     """Keep readiness checkpoints and the last `keep_last` periodic ones."""
-    keep = {max(1, round(r * cfg.train.steps)) for r in cfg.train.readiness} | {cfg.train.steps}
+    keep = readiness_steps(cfg.train.readiness, cfg.train.steps) | {cfg.train.steps}
     periodic = [(s, f) for s, f in ckpt.list_checkpoints(run_dir) if s not in keep]
     for _, folder in periodic[: max(0, len(periodic) - cfg.train.keep_last)]:
         ckpt.remove_checkpoint(folder)

@@ -15,7 +15,8 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
     linear: warmup 0 -> 1, then linear decay to min_lr_ratio at the last step (BERT; the paper's
     recipe with 2 % warmup). wsd: warmup, constant 1, and a final linear decay of `decay` steps
-    (Hu et al. 2024, MiniCPM; seed 002's CLM->MLM runs keep one such schedule across the switch).
+    (Hu et al. 2024, MiniCPM; Gisserot-Boukhlef et al. 2025's CLM->MLM runs keep one such
+    schedule across the switch).
     """
     warmup = _steps(cfg.warmup, total)
     floor = cfg.min_lr_ratio

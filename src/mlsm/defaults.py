@@ -1,0 +1,24 @@
+"""The MLSM dictionary's defaults, in one place: the teacher layer, λ of the ℓ1 penalty and the
+number of atoms per hidden dimension (Berend 2023, "Masked Latent Semantic Modeling": k ≈ 4d,
+λ = 0.05).
+
+Torch-free on purpose: the CLI's argument defaults, the study runner, the dictionary learner, the
+teacher loader and the objectives all read these numbers, and `mlsm --help` must stay fast.
+"""
+
+from __future__ import annotations
+
+TEACHER_LAYER = 5
+"""Teacher layer l (HF hidden_states numbering, 0 = embeddings) when neither the run nor the
+dictionary names one: the packaged all-MiniLM-L6-v2's second-to-last layer (early exit)."""
+
+LAM = 0.05
+"""λ of the dictionary's ℓ1 penalty (also the sparse codes' λ unless a run overrides it)."""
+
+ATOMS_PER_DIM = 4
+"""k = ATOMS_PER_DIM × d atoms when k is not given (k = 3072 for d = 768)."""
+
+
+def default_k(d: int) -> int:
+    """Number of dictionary atoms for a teacher of hidden size d."""
+    return ATOMS_PER_DIM * d
