@@ -207,7 +207,9 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6, files: tup
         a, b = load_file(full / final / name), load_file(part / final / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     timing = ("tokens_per_s", "flops_per_s", "mfu")  # wall-clock rates differ between runs
-    drop = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+
+    def drop(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows]
     assert [m["step"] for m in read_metrics(part)] == list(range(1, steps + 1))
     assert drop(read_metrics(part)) == drop(read_metrics(full))
     # 2. perturbed checkpoint, fresh run directory

@@ -317,7 +317,8 @@ ARG_CASES = {
     "finetune --warmup-ratio 2": (["finetune", "m", "--tasks", "rte", "--warmup-ratio", "2"], "--warmup-ratio"),
     "finetune --device gpu": (["finetune", "m", "--tasks", "rte", "--device", "gpu"], "--device"),
     "finetune --results DIR": (["finetune", "m", "--tasks", "rte", "--results", "{dir}"], "--results"),
-    "finetune --report-to unknown": (["finetune", "m", "--tasks", "rte", "--report-to", "neptune"], "--report-to"),
+    "finetune --report-to unknown": (
+        ["finetune", "m", "--tasks", "rte", "--report-to", "neptune"], "--report-to"),
     "dictionary --batch-size 0": (["dictionary", "--store", "s", "--out", "d", "--batch-size", "0"], "--batch-size"),
     "dictionary --k -3": (["dictionary", "--store", "s", "--out", "d", "--k", "-3"], "--k"),
     "dictionary --lam nan": (["dictionary", "--store", "s", "--out", "d", "--lam", "nan"], "--lam"),
