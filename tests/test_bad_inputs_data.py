@@ -470,7 +470,8 @@ def _pretrain_until_logged(run: Path, args: list[str]) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = time.time()
-    while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() - start < 120:
+    while not (run / "metrics.jsonl").exists() and proc.poll() is None:
+        assert time.time() - start < 120, "no step logged in 120 s"
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1]
     return proc
