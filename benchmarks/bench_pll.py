@@ -43,7 +43,12 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BLIMP = REPO.parent / "shared" / "data" / "blimp"
 DEFAULT_VENV_PYTHON = "/work/venvs/minicons/bin/python"
 PARITY_TOL = 1e-4  # max abs PLL difference to minicons for the run to count
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def _peak_rss_mb() -> float:
@@ -222,7 +227,9 @@ def main() -> None:
         run_worker(args)
         return
     if not Path(args.minicons_python).exists():
-        sys.exit(f"{args.minicons_python} not found: create the minicons venv (see --help / docstring)")
+        sys.exit(
+            f"{args.minicons_python} not found: create the minicons venv (see --help / docstring)"
+        )
     sentences = blimp_sentences(args.blimp, args.per_phenomenon)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)

@@ -69,7 +69,9 @@ def pad_slots(state: Any, extra: int, k: int) -> None:
     state.alpha = F.pad(state.alpha, (0, extra))
 
 
-def remove_slot(Ginv: torch.Tensor, rows: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def remove_slot(
+    Ginv: torch.Tensor, rows: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop slot s (r,) of rows (r,) from G_AA⁻¹ in place: G⁻¹ ← G⁻¹ − G⁻¹[:, s] G⁻¹[s, :] / G⁻¹[s, s].
 
     Returns the removed column G⁻¹[:, s] (r, S) and pivot G⁻¹[s, s] (r,), as they were.
