@@ -205,7 +205,8 @@ def main() -> int:
     X = teacher_states(args.dl_vectors + args.tokens, args.layer, 128)
     train, test = X[: -args.tokens], X[-args.tokens :]
     print(
-        f"machine: {torch.get_num_threads()} threads, torch {torch.__version__}; states {tuple(X.shape)}"
+        f"machine: {torch.get_num_threads()} threads, torch {torch.__version__}; states "
+        f"{tuple(X.shape)}"
     )
     if args.skip_dl_baseline:
         D = learn_atoms(
@@ -216,16 +217,20 @@ def main() -> int:
         train, test, args.k, args.lam, args.dl_iters, args.dl_batch, args.threads, args.dl_repeats
     )
     print(
-        f"dictionary learning, {dl['n']} vectors, {dl['iters']} iterations x batch {dl['batch']} (objective: all training vectors; held-out tokens):"
+        f"dictionary learning, {dl['n']} vectors, {dl['iters']} iterations x batch {dl['batch']} "
+        "(objective: all training vectors; held-out tokens):"
     )
     print(
-        f"  ours   {dl['t_ours']:8.1f} s  objective {dl['obj_ours']:.5f}; held-out {dl['held_ours']:.5f}"
+        f"  ours   {dl['t_ours']:8.1f} s  objective {dl['obj_ours']:.5f}; held-out "
+        f"{dl['held_ours']:.5f}"
     )
     print(
-        f"  SPAMS  {dl['t_spams']:8.1f} s  objective {dl['obj_spams']:.5f}; held-out {dl['held_spams']:.5f}   (anchor 300x400 on 28k: {ANCHORS['traindl_s_300x400_28k']} s)"
+        f"  SPAMS  {dl['t_spams']:8.1f} s  objective {dl['obj_spams']:.5f}; held-out "
+        f"{dl['held_spams']:.5f}   (anchor 300x400 on 28k: {ANCHORS['traindl_s_300x400_28k']} s)"
     )
     print(
-        f"  time ratio ours/SPAMS {dl['t_ours'] / dl['t_spams']:.2f} (goal <= 0.5), objective ratio {dl['obj_ours'] / dl['obj_spams']:.4f} (goal <= 1)"
+        f"  time ratio ours/SPAMS {dl['t_ours'] / dl['t_spams']:.2f} (goal <= 0.5), objective "
+        f"ratio {dl['obj_ours'] / dl['obj_spams']:.4f} (goal <= 1)"
     )
     return report_lasso(bench_lasso(test, dl["D"], args.lam, args.threads, args.repeats), args)
 
@@ -233,17 +238,22 @@ def main() -> int:
 def report_lasso(r: dict, args: argparse.Namespace) -> int:
     print(f"lasso, {r['n']} tokens, k={args.k}, lambda={args.lam}, mean nnz {r['nnz_mean']:.1f}:")
     print(
-        f"  ours       {r['t_ours']:.3f} s  gap vs SPAMS mean {r['gap_ours'][0]:.2e} max {r['gap_ours'][1]:.2e}"
+        f"  ours       {r['t_ours']:.3f} s  gap vs SPAMS mean {r['gap_ours'][0]:.2e} max "
+        f"{r['gap_ours'][1]:.2e}"
     )
     print(f"  SPAMS      {r['t_spams']:.3f} s  (anchor {ANCHORS['spams_lasso_s_1229']} s)")
     print(
-        f"  FISTA-100  {r['t_fista100']:.3f} s  gap vs SPAMS mean {r['gap_fista100'][0]:.2e} max {r['gap_fista100'][1]:.2e}  (anchor {ANCHORS['fista100_s_1229']} s, +{ANCHORS['fista100_gap']:.1%})"
+        f"  FISTA-100  {r['t_fista100']:.3f} s  gap vs SPAMS mean {r['gap_fista100'][0]:.2e} max "
+        f"{r['gap_fista100'][1]:.2e}  (anchor {ANCHORS['fista100_s_1229']} s, "
+        f"+{ANCHORS['fista100_gap']:.1%})"
     )
     print(
-        f"  CPU seconds: ours {r['cpu_ours']:.3f}, SPAMS {r['cpu_spams']:.3f}, FISTA-100 {r['cpu_fista100']:.3f}"
+        f"  CPU seconds: ours {r['cpu_ours']:.3f}, SPAMS {r['cpu_spams']:.3f}, FISTA-100 "
+        f"{r['cpu_fista100']:.3f}"
     )
     print(
-        f"  speed-up vs SPAMS {r['t_spams'] / r['t_ours']:.2f}x (goal >= 2), vs FISTA-100 {r['t_fista100'] / r['t_ours']:.2f}x (goal >= 10)"
+        f"  speed-up vs SPAMS {r['t_spams'] / r['t_ours']:.2f}x (goal >= 2), vs FISTA-100 "
+        f"{r['t_fista100'] / r['t_ours']:.2f}x (goal >= 10)"
     )
     if (
         r["gap_ours"][1] > PARITY_GAP

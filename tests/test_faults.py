@@ -61,7 +61,8 @@ def _logged(run: Path) -> int:
 def _wait_for_progress(
     run: Path, proc: subprocess.Popen, steps: int = 1, timeout: float = 120
 ) -> None:
-    """Wait until `steps` metrics lines exist (or the process ends); independent of machine speed."""
+    """Wait until `steps` metrics lines exist (or the process ends); independent of machine
+    speed."""
     start = time.time()
     while _logged(run) < steps and proc.poll() is None and time.time() - start < timeout:
         time.sleep(0.005)

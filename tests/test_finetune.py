@@ -68,7 +68,8 @@ def one_thread() -> Iterator[None]:
 
 
 def _tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """A WordPiece tokenizer trained on the fixture words only, so unseen words split into pieces."""
+    """A WordPiece tokenizer trained on the fixture words only, so unseen words split into
+    pieces."""
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -67,7 +67,8 @@ def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_pat
 def test_exported_probe_scores_what_was_measured(
     mlsm_ckpt: Path, tmp_path: Path, store_dir: Path
 ) -> None:
-    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit reported."""
+    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit
+    reported."""
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
 

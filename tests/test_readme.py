@@ -45,7 +45,8 @@ DOCS_RUN = {
     ("finetune.md", "mlsm compare results.jsonl --out eval/compare"),
     (
         "pll.md",
-        "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena anaphor_gender_agreement --limit 20 --out runs/blimp-mlm-50",
+        "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena "
+        "anaphor_gender_agreement --limit 20 --out runs/blimp-mlm-50",
     ),
 }
 
@@ -81,13 +82,15 @@ def _run_bash(script: str, cwd: Path, env: dict[str, str], timeout: float) -> No
         text=True,
     )
     assert done.returncode == 0, (
-        f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+        f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- "
+        f"stderr\n{done.stderr[-3000:]}"
     )
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """A folder laid out as the README assumes (repo root with ../shared beside it) and the env to run in."""
+    """A folder laid out as the README assumes (repo root with ../shared beside it) and the env to
+    run in."""
     if not all((SHARED / d).is_dir() for d in ("glue", "blimp", "corpus")):
         pytest.skip(f"shared data not found at {SHARED}")
     root = tmp_path_factory.mktemp("readme")

@@ -50,7 +50,8 @@ def test_run_dir_percent_and_step_resolve_to_the_saved_checkpoints(mlm_run: Path
         ("@75%", r"no checkpoint at 75% readiness \(step 6\); it has step-1 .*step-8 \(100%\)"),
         (
             "@step-3",
-            r"no checkpoint at step 3; it has step-1 \(12.5%\), step-2 \(25%\), step-4 \(50%\), step-8 \(100%\)",
+            r"no checkpoint at step 3; it has step-1 \(12.5%\), step-2 \(25%\), step-4 \(50%\), "
+            r"step-8 \(100%\)",
         ),
         ("@last", r"unknown suffix @last; use RUN, RUN@<percent>%"),
     ],

@@ -167,7 +167,8 @@ def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
 
 
 def _tiny_tasks(root: Path) -> tuple[Path, Path]:
-    """A word-order task (real sentence vs shuffled) and a 2-phenomenon BLiMP file, from fixture text."""
+    """A word-order task (real sentence vs shuffled) and a 2-phenomenon BLiMP file, from fixture
+    text."""
     import random
 
     from tests.conftest import make_text
@@ -263,7 +264,8 @@ def test_whole_study_writes_a_report_with_every_section(
 def test_slurm_executor_through_submitit_local(
     corpus_dir, tokenizer_dir, teacher_dir, tmp_path
 ) -> None:
-    """The slurm path end to end with submitit's local executor: one job per arm, outcome recorded."""
+    """The slurm path end to end with submitit's local executor: one job per arm, outcome
+    recorded."""
     pytest.importorskip("submitit")
     out = tmp_path / "study"
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,

@@ -393,7 +393,8 @@ def test_demo_word_order_task_loads(tmp_path: Path) -> None:
     from mlsm.evaluate.tasks import load_task
 
     held = [
-        "The cat sat on the warm mat near the door. A dog slept under the old wooden table all day. "
+        "The cat sat on the warm mat near the door. A dog slept under the old wooden table all "
+        "day. "
         * 4
     ] * 20
     root = _word_order_task(held, tmp_path, n=200)

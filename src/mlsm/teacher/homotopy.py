@@ -157,7 +157,8 @@ def _direction(path: _Path, Gp: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def _step_length(path: _Path, w: torch.Tensor, slope: torch.Tensor, lam: float, q: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step t (m,) to the next event: 0 = μ reaches λ, 1 = atom j_in enters, 2 = slot s_out leaves."""
+    """Step t (m,) to the next event: 0 = μ reaches λ, 1 = atom j_in enters, 2 = slot s_out
+    leaves."""
     m, K = slope.shape
     torch.clamp(slope, max=-1e-12, out=q)
     torch.div(path.r, q, out=q)  # (m, K) −(step at which each atom would enter); −inf: never
