@@ -1,4 +1,7 @@
-"""Token store: contents, idempotence, streaming, and bad inputs (one-line errors, nothing left behind)."""
+"""Token store: contents, idempotence, streaming, and bad inputs.
+
+Bad inputs give one-line errors and leave nothing behind.
+"""
 
 from __future__ import annotations
 

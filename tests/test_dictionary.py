@@ -1,4 +1,5 @@
-"""Dictionary learning: quality vs scikit-learn at equal budget, constraints, data, files, errors."""
+"""Dictionary learning: quality vs scikit-learn at equal budget, constraints, data, files,
+errors."""
 
 from __future__ import annotations
 

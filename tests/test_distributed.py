@@ -17,7 +17,10 @@ from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides
 
-NODROP = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+NODROP = (
+    "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
+    "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+)
 
 
 def _overrides(store: Path, out: Path, **extra: object) -> list[str]:

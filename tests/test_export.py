@@ -117,7 +117,8 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
     assert store_fp in body and "pooler" in body
     table = body.split("## Fine-tuning results")[1].split("##")[0]
     assert "**ours** (this model) | 30.00 ± 0.00" in table and "| other | 20.00 ± 0.00" in table
-    # a second export replaces the first (same pooler: the seed is fixed); a foreign folder is refused
+    # a second export replaces the first (same pooler: the seed is fixed);
+    # a foreign folder is refused
     export_checkpoint(ckpt, out)
     assert torch.equal(
         load_file(out / "model.safetensors")["bert.pooler.dense.weight"],

@@ -76,7 +76,8 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(
     for _ in range(12):
         proc = _cli(store_dir, run)
         if kills < 4:
-            # kill shortly after a random later step was logged: mid-step, mid-checkpoint or mid-prune
+            # kill shortly after a random later step was logged:
+            # mid-step, mid-checkpoint or mid-prune
             _wait_for_progress(run, proc, min(STEPS - 1, _logged(run) + rng.randint(1, 3)))
             time.sleep(rng.uniform(0.0, 0.05))
             if proc.poll() is None:

@@ -1,4 +1,5 @@
-"""Fine-tuning: identical heads and data order across backbones, word alignment, tiny end-to-end runs."""
+"""Fine-tuning: identical heads and data order across backbones, word alignment, tiny
+end-to-end runs."""
 
 from __future__ import annotations
 

@@ -121,7 +121,8 @@ def test_flops_for_a_recipe(tmp_path) -> None:
             "objective.layer=10",
             "train.batch_size=1024",
             "data.max_len=128",
-            "model.overrides={hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, intermediate_size: 3072}",
+            "model.overrides={hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, "
+            "intermediate_size: 3072}",
         ],
     )
     table = {r.objective: r for r in flops_for_run(cfg, k=3072)}

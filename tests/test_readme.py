@@ -2,9 +2,9 @@
 
 The Quickstart's ```bash blocks are run in order by one `bash` (``set -euo pipefail``) in a
 temporary folder, exactly as the README shows them. Sizes come from the shell variables the README
-documents (``STEPS``, ``N_VECTORS``, ...), set small here; ``CORPUS`` points at a slice of the shared
-enwiki corpus (its first documents), since tokenising all of it takes long. ``../shared`` is a
-symlink to the real shared folder, so the README's default ``DATA=../shared/data`` resolves.
+documents (``STEPS``, ``N_VECTORS``, ...), set small here; ``CORPUS`` points at a slice of the
+shared enwiki corpus (its first documents), since tokenising all of it takes long.
+``../shared`` is a symlink to the real shared folder, so the README's default ``DATA=../shared/data`` resolves.
 
 Every ```bash block of docs/*.md is either run here (``DOCS_RUN``: in the Quickstart's folder, after
 it) or starts with a visible ``# not run by the tests: <why>`` line.
@@ -40,7 +40,8 @@ SMALL = {
 }
 CORPUS_DOCS = 30  # documents of the enwiki slice (~100k tokens)
 
-# docs/*.md blocks that the tests run, by file and first line: they take seconds after the Quickstart.
+# docs/*.md blocks that the tests run, by file and first line:
+# they take seconds after the Quickstart.
 DOCS_RUN = {
     ("finetune.md", "mlsm compare results.jsonl --out eval/compare"),
     (

@@ -1,4 +1,7 @@
-"""Run directories as model arguments (mlsm.runs): RUN, RUN@50%, RUN@step-N in every evaluation entry point."""
+"""Run directories as model arguments (mlsm.runs).
+
+RUN, RUN@50% and RUN@step-N work in every evaluation entry point.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`mlsm study`: stages on the fixture corpus with tiny students, skip-if-complete, resume, failures."""
+"""`mlsm study`: stages on the fixture corpus with tiny students, skip-if-complete, resume,
+failures."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def test_interrupted_arm_resumes_and_matches_an_uninterrupted_run(
         raw["arms"] = {"mlm": raw["arms"]["mlm"]}
         raws.append(raw)
     run_study(study_from_dict(raws[0]), stages=["store", "pretrain"], log=lambda s: None)
-    # the interrupted study: pre-training stopped after the 50 % checkpoint (as a kill would leave it)
+    # the interrupted study: pre-training stopped after the 50 % checkpoint
+    # (as a kill would leave it)
     spec = study_from_dict(raws[1])
     study = Study(spec, log=lambda s: None)
     from mlsm.train.loop import pretrain
@@ -226,7 +228,8 @@ def test_whole_study_writes_a_report_with_every_section(
             "max_len": 32,
         },
         blimp={"data": [str(blimp)], "readiness": [1.0]},
-        # min_delta tiny: on the random-word fixture corpus the probe beats the unigram only a little
+        # min_delta tiny: on the random-word fixture corpus the probe beats the unigram
+        # only a little
         probe={
             "max_steps": 40,
             "eval_every": 10,

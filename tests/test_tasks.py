@@ -57,7 +57,8 @@ def test_metrics_by_hand() -> None:
     assert metric_mcc(preds, labels)["mcc"] == pytest.approx(5 / 12)
     # acc 5/7; precision 3/4, recall 3/4 -> F1 3/4
     assert metric_acc_f1(preds, labels) == pytest.approx({"acc": 5 / 7, "f1": 0.75})
-    # centred x = (-1, 0, 1), y = (-1, 1, 0): cov 1, both variances 2 -> r = 1/2 (ranks equal values)
+    # centred x = (-1, 0, 1), y = (-1, 1, 0): cov 1, both variances 2 -> r = 1/2
+    # (ranks equal values)
     assert metric_pearson_spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(
         {"pearson": 0.5, "spearman": 0.5}
     )
@@ -91,7 +92,7 @@ def test_registry_is_consistent() -> None:
         get_task("squad")
 
 
-# ----------------------------------------------------------------------------- fixtures in original formats
+# ------------------------------------------------------------------ fixtures in original formats
 
 
 def _write(path: Path, lines: list[str], bom: bool = False) -> None:

@@ -51,7 +51,10 @@ def test_resume_is_exact(store_dir: Path, tmp_path: Path) -> None:
 
 
 def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> None:
-    nodrop = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+    nodrop = (
+        "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
+        "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+    )
     one = _run(store_dir, tmp_path / "one", **{"model.overrides": nodrop, "train.steps": 3})
     acc = _run(
         store_dir,

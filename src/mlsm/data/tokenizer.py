@@ -1,4 +1,7 @@
-"""Train a WordPiece (BERT-style) or Unigram (SentencePiece-style) tokenizer for from-scratch runs."""
+"""Train a WordPiece (BERT-style) or Unigram (SentencePiece-style) tokenizer.
+
+For from-scratch runs.
+"""
 
 from __future__ import annotations
 
