@@ -4,7 +4,8 @@ The Quickstart's ```bash blocks are run in order by one `bash` (``set -euo pipef
 temporary folder, exactly as the README shows them. Sizes come from the shell variables the README
 documents (``STEPS``, ``N_VECTORS``, ...), set small here; ``CORPUS`` points at a slice of the
 shared enwiki corpus (its first documents), since tokenising all of it takes long.
-``../shared`` is a symlink to the real shared folder, so the README's default ``DATA=../shared/data`` resolves.
+``../shared`` is a symlink to the real shared folder, so the README's default
+``DATA=../shared/data`` resolves.
 
 Every ```bash block of docs/*.md is either run here (``DOCS_RUN``: in the Quickstart's folder, after
 it) or starts with a visible ``# not run by the tests: <why>`` line.
