@@ -44,10 +44,7 @@ DEFAULT_BLIMP = REPO.parent / "shared" / "data" / "blimp"
 DEFAULT_VENV_PYTHON = "/work/venvs/minicons/bin/python"
 PARITY_TOL = 1e-4  # max abs PLL difference to minicons for the run to count
 TOKENIZER_FILES = (
-    "vocab.txt",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
+    "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 )
 
 

@@ -83,9 +83,7 @@ def test_constraints_and_determinism():
 @pytest.mark.parametrize(
     ("k", "lam", "bad", "match"),
     [
-        (0, LAM, False, "k must be >= 1"),
-        (4, 0.0, False, "lambda"),
-        (4, -1.0, False, "lambda"),
+        (0, LAM, False, "k must be >= 1"), (4, 0.0, False, "lambda"), (4, -1.0, False, "lambda"),
         (4, LAM, True, "NaN"),
     ],
 )

@@ -31,14 +31,9 @@ def _overrides(store: Path, out: Path, **extra: object) -> list[str]:
 
 def _torchrun(n: int, args: list[str]) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={n}",
-        "-m",
-        "mlsm",
-        "pretrain",
+        "-m", "mlsm", "pretrain",
         *args,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

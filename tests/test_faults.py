@@ -35,12 +35,7 @@ def _overrides(store: Path, out: Path, **extra: object) -> list[str]:
 
 def _cli(store: Path, out: Path, **extra: object) -> subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "mlsm",
-        "pretrain",
-        "--resume",
-        "auto",
+        sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto",
         *_overrides(store, out, **extra),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -43,18 +43,7 @@ from mlsm.evaluate.tasks import CONLL_TAGS, Example, get_task, load_task
 POS = ["great", "wonderful", "superb", "lovely"]
 NEG = ["awful", "terrible", "boring", "dreadful"]
 FILLER = [
-    "the",
-    "movie",
-    "was",
-    "a",
-    "film",
-    "with",
-    "actors",
-    "and",
-    "plot",
-    "it",
-    "had",
-    "some",
+    "the", "movie", "was", "a", "film", "with", "actors", "and", "plot", "it", "had", "some",
     "scenes",
 ]
 
@@ -179,11 +168,7 @@ def test_training_order_depends_on_seed_and_task_only() -> None:
 def test_resolve_model_reads_checkpoint_json(tiny: Path, tmp_path: Path) -> None:
     ref = resolve_model(tiny)
     assert (ref.name, ref.step, ref.readiness, ref.objective, ref.run) == (
-        "r1@100",
-        100,
-        0.5,
-        "mlm",
-        "r1",
+        "r1@100", 100, 0.5, "mlm", "r1",
     )
     assert resolve_model(f"mine={tiny}").name == "mine"
     with pytest.raises(UserError, match="config.json"):
@@ -292,9 +277,7 @@ def test_predict_keeps_order_and_ignores_padding(tiny: Path) -> None:
     spec = get_task("stsb")  # regression: raw floats make order or padding mistakes visible
     tok = load_tokenizer(str(tiny), spec)
     texts = [
-        "great",
-        "the movie was a film with actors and plot",
-        "awful plot",
+        "great", "the movie was a film with actors and plot", "awful plot",
         "it had some scenes it had",
     ]
     examples = [Example(t, "the film", 0.0) for t in texts]

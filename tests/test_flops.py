@@ -115,12 +115,8 @@ def test_flops_for_a_recipe(tmp_path) -> None:
     cfg = load_config(
         None,
         [
-            "model.arch=deberta-v2",
-            "objective.name=mlsm",
-            "objective.teacher=bert-base-cased",
-            "objective.layer=10",
-            "train.batch_size=1024",
-            "data.max_len=128",
+            "model.arch=deberta-v2", "objective.name=mlsm", "objective.teacher=bert-base-cased",
+            "objective.layer=10", "train.batch_size=1024", "data.max_len=128",
             "model.overrides={hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, "
             "intermediate_size: 3072}",
         ],
@@ -202,14 +198,8 @@ def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
     assert (
         main(
             [
-                "flops",
-                "model.arch=bert",
-                "--teacher",
-                "bert-base-cased",
-                "--k",
-                "3072",
-                "--layer",
-                "10",
+                "flops", "model.arch=bert", "--teacher", "bert-base-cased", "--k", "3072",
+                "--layer", "10",
             ]
         )
         == 0

@@ -97,10 +97,7 @@ def test_finetune_readiness_all_rows_carry_step_and_readiness(
              data_dir=data, results=results, device="cpu", readiness="all")
     rows = read_results(results)
     assert [(r["model"], r["step"], r["readiness"]) for r in rows] == [
-        ("mlm@1", 1, 0.125),
-        ("mlm@2", 2, 0.25),
-        ("mlm@4", 4, 0.5),
-        ("mlm@8", 8, 1.0),
+        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0),
         ("ref", 2, 0.25),
     ]
     assert {Path(r["run"]).name for r in rows} == {"tiny-mlm"}  # what report.py groups a curve by

@@ -213,10 +213,7 @@ def test_whole_study_writes_a_report_with_every_section(
     tasks, blimp = _tiny_tasks(tmp_path)
     out = tmp_path / "study"
     raw = _raw(
-        corpus_dir,
-        tokenizer_dir,
-        teacher_dir,
-        out,
+        corpus_dir, tokenizer_dir, teacher_dir, out,
         finetune={
             "tasks": ["word_order"],
             "data_dir": str(tasks),
@@ -247,13 +244,8 @@ def test_whole_study_writes_a_report_with_every_section(
     assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
     assert {r["seed"] for r in rows} == {0, 1}
     for section in (
-        "Compute per arm",
-        "Wilcoxon",
-        "BLiMP (PLL",
-        "Wall time of every stage",
-        "readiness.png",
-        "| mlsm@50% | mlm@100% |",
-        "| mlsm@100% | mlm@100% |",
+        "Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
+        "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |",
     ):
         assert section in text
     probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())

@@ -71,16 +71,7 @@ def test_metrics_by_hand() -> None:
 
 def test_registry_is_consistent() -> None:
     assert set(TASKS) == {
-        "cola",
-        "sst2",
-        "mrpc",
-        "stsb",
-        "rte",
-        "qnli",
-        "mnli",
-        "qqp",
-        "wic",
-        "conll2003",
+        "cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "conll2003",
         "word_order",
     }
     for key, spec in TASKS.items():
@@ -124,50 +115,30 @@ def test_cola_loader_and_quotes(tmp_path: Path) -> None:
     ("task", "folder", "header", "row", "expect"),
     [
         (
-            "sst2",
-            "SST-2",
-            ["sentence", "label"],
-            ["it 's \" good", "1"],
+            "sst2", "SST-2", ["sentence", "label"], ["it 's \" good", "1"],
             ("it 's \" good", None, 1),
         ),
         (
             "stsb",
             "STS-B",
             [
-                "index",
-                "genre",
-                "filename",
-                "year",
-                "old_index",
-                "source1",
-                "source2",
-                "sentence1",
-                "sentence2",
-                "score",
+                "index", "genre", "filename", "year", "old_index", "source1", "source2",
+                "sentence1", "sentence2", "score",
             ],
             ["0", "g", "f", "y", "0", "n", "n", "A b.", "A c.", "3.800"],
             ("A b.", "A c.", 3.8),
         ),
         (
-            "rte",
-            "RTE",
-            ["index", "sentence1", "sentence2", "label"],
-            ["0", "P .", "H .", "not_entailment"],
-            ("P .", "H .", 1),
+            "rte", "RTE", ["index", "sentence1", "sentence2", "label"],
+            ["0", "P .", "H .", "not_entailment"], ("P .", "H .", 1),
         ),
         (
-            "qnli",
-            "QNLI",
-            ["index", "question", "sentence", "label"],
-            ["0", "Q?", "S.", "entailment"],
-            ("Q?", "S.", 0),
+            "qnli", "QNLI", ["index", "question", "sentence", "label"],
+            ["0", "Q?", "S.", "entailment"], ("Q?", "S.", 0),
         ),
         (
-            "qqp",
-            "QQP",
-            ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
-            ["0", "1", "2", "Why?", "How?", "1"],
-            ("Why?", "How?", 1),
+            "qqp", "QQP", ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
+            ["0", "1", "2", "Why?", "How?", "1"], ("Why?", "How?", 1),
         ),
     ],
 )
@@ -198,31 +169,11 @@ def test_wrong_labels_are_user_errors(tmp_path: Path) -> None:
 
 def test_mnli_loader_matched_mismatched(tmp_path: Path) -> None:
     header = [
-        "index",
-        "promptID",
-        "pairID",
-        "genre",
-        "sentence1_binary_parse",
-        "sentence2_binary_parse",
-        "sentence1_parse",
-        "sentence2_parse",
-        "sentence1",
-        "sentence2",
-        "label1",
-        "gold_label",
+        "index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
+        "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label",
     ]
     row = [
-        "0",
-        "1",
-        "1e",
-        "fiction",
-        "( a )",
-        "( b )",
-        "(S a)",
-        "(S b)",
-        "P .",
-        "H .",
-        "neutral",
+        "0", "1", "1e", "fiction", "( a )", "( b )", "(S a)", "(S b)", "P .", "H .", "neutral",
         "neutral",
     ]
     for name in ("train", "dev_matched", "dev_mismatched"):
