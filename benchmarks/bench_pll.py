@@ -43,7 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BLIMP = REPO.parent / "shared" / "data" / "blimp"
 DEFAULT_VENV_PYTHON = "/work/venvs/minicons/bin/python"
 PARITY_TOL = 1e-4  # max abs PLL difference to minicons for the run to count
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+)
 
 
 def _peak_rss_mb() -> float:
@@ -174,23 +176,29 @@ def report(ours: dict, anchor: dict, n: int, args: argparse.Namespace) -> str:
     delta = max(abs(a - b) for a, b in zip(ours["scores"], anchor["scores"], strict=True))
     rate_ours, rate_anchor = n / ours["seconds"], n / anchor["seconds"]
     lines = [
-        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; "
+        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
+        f"{platform.python_version()}; "
         f"threads={args.threads}; variant={args.variant}; {n} BLiMP sentences "
         f"({args.per_phenomenon} pairs x 67 paradigms)",
         "",
         "| | mlsm score_pll | minicons MaskedLMScorer |",
         "| --- | --- | --- |",
-        f"| versions | torch {ours['versions']['torch']}, transformers {ours['versions']['transformers']}"
-        f" | torch {anchor['versions']['torch']}, transformers {anchor['versions']['transformers']} |",
+        f"| versions | torch {ours['versions']['torch']}, transformers "
+        f"{ours['versions']['transformers']}"
+        f" | torch {anchor['versions']['torch']}, transformers "
+        f"{anchor['versions']['transformers']} |",
         f"| settings | {ours['settings']} | {anchor['settings']} |",
         f"| sentences/s (wall clock) | {rate_ours:.1f} | {rate_anchor:.1f} |",
-        f"| CPU seconds per sentence | {ours['cpu_seconds'] / n:.3f} | {anchor['cpu_seconds'] / n:.3f} |",
+        f"| CPU seconds per sentence | {ours['cpu_seconds'] / n:.3f} | "
+        f"{anchor['cpu_seconds'] / n:.3f} |",
         f"| peak RSS (MiB) | {ours['peak_rss_mb']:.0f} | {anchor['peak_rss_mb']:.0f} |",
-        f"| RSS after model load (MiB) | {ours['rss_loaded_mb']:.0f} | {anchor['rss_loaded_mb']:.0f} |",
+        f"| RSS after model load (MiB) | {ours['rss_loaded_mb']:.0f} | "
+        f"{anchor['rss_loaded_mb']:.0f} |",
         "",
         f"speed ratio (mlsm / minicons): **{rate_ours / rate_anchor:.2f}x** wall clock, "
         f"{anchor['cpu_seconds'] / ours['cpu_seconds']:.2f}x in CPU time; "
-        f"max |delta PLL| = {delta:.2e} (goal <= {PARITY_TOL:.0e}: {'ok' if delta <= PARITY_TOL else 'FAILED'}); "
+        f"max |delta PLL| = {delta:.2e} (goal <= {PARITY_TOL:.0e}: "
+        f"{'ok' if delta <= PARITY_TOL else 'FAILED'}); "
         f"best of {args.rounds} alternating rounds per side",
     ]
     return "\n".join(lines)
@@ -222,7 +230,9 @@ def main() -> None:
         run_worker(args)
         return
     if not Path(args.minicons_python).exists():
-        sys.exit(f"{args.minicons_python} not found: create the minicons venv (see --help / docstring)")
+        sys.exit(
+            f"{args.minicons_python} not found: create the minicons venv (see --help / docstring)"
+        )
     sentences = blimp_sentences(args.blimp, args.per_phenomenon)
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)

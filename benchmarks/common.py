@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # ../shared/data beside the repository, as on the project machine; scripts skip without it.
-CORPUS = Path(__file__).resolve().parents[2] / "shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz"
+CORPUS = (
+    Path(__file__).resolve().parents[2] / "shared/data/corpus/enwiki_2015_prefix/valid.jsonl.gz"
+)
 
 
 def corpus_store(tmp: str | Path):

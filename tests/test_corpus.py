@@ -1,4 +1,7 @@
-"""Token store: contents, idempotence, streaming, and bad inputs (one-line errors, nothing left behind)."""
+"""Token store: contents, idempotence, streaming, and bad inputs.
+
+Bad inputs give one-line errors and leave nothing behind.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ def _leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
 
 
-def test_store_matches_direct_tokenisation(corpus_dir: Path, tokenizer_dir: Path, store_dir: Path) -> None:
+def test_store_matches_direct_tokenisation(
+    corpus_dir: Path, tokenizer_dir: Path, store_dir: Path
+) -> None:
     store = TokenStore.open(store_dir)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     docs = list(iter_documents([str(corpus_dir)]))
@@ -31,7 +36,9 @@ def test_store_matches_direct_tokenisation(corpus_dir: Path, tokenizer_dir: Path
     assert store.tokenizer_hash == tokenizer_hash(store.load_tokenizer()) == tokenizer_hash(tok)
 
 
-def test_prepare_is_idempotent_and_guards_existing(corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_prepare_is_idempotent_and_guards_existing(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "s"
     prepare_corpus(str(corpus_dir / "a.txt"), str(tokenizer_dir), out)
     stamp = (out / "meta.json").stat().st_mtime_ns
@@ -68,35 +75,55 @@ def _one_line_error(fn, *args, match: str, **kw) -> str:
 
 def test_bad_inputs_give_one_line_errors(tokenizer_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "store"
-    _one_line_error(prepare_corpus, str(tmp_path / "missing.txt"), str(tokenizer_dir), out, match="not found")
+    _one_line_error(
+        prepare_corpus, str(tmp_path / "missing.txt"), str(tokenizer_dir), out, match="not found"
+    )
     (tmp_path / "empty.txt").write_text("\n\n   \n")
-    _one_line_error(prepare_corpus, str(tmp_path / "empty.txt"), str(tokenizer_dir), out, match="no text")
+    _one_line_error(
+        prepare_corpus, str(tmp_path / "empty.txt"), str(tokenizer_dir), out, match="no text"
+    )
     (tmp_path / "bin.txt").write_bytes(b"\x7fELF\x00\x00\x01binary")
-    _one_line_error(prepare_corpus, str(tmp_path / "bin.txt"), str(tokenizer_dir), out, match="binary")
+    _one_line_error(
+        prepare_corpus, str(tmp_path / "bin.txt"), str(tokenizer_dir), out, match="binary"
+    )
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    _one_line_error(prepare_corpus, str(tmp_path / "latin1.txt"), str(tokenizer_dir), out, match="UTF-8")
+    _one_line_error(
+        prepare_corpus, str(tmp_path / "latin1.txt"), str(tokenizer_dir), out, match="UTF-8"
+    )
     with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as fh:
         fh.write(json.dumps({"body": "no text field"}) + "\n")
-    _one_line_error(prepare_corpus, str(tmp_path / "bad.jsonl.gz"), str(tokenizer_dir), out, match="text-field")
+    _one_line_error(
+        prepare_corpus, str(tmp_path / "bad.jsonl.gz"), str(tokenizer_dir), out, match="text-field"
+    )
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
-def test_tokenizer_without_mask_token(corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_tokenizer_without_mask_token(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
     spec = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     spec.pop("mask_token", None)
     nomask = tmp_path / "nomask"
     nomask.mkdir()
     # rename [MASK] everywhere (vocabulary, added tokens): no transformers version can infer it
-    (nomask / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text().replace('"[MASK]"', '"[NOMASK]"'))
-    (nomask / "tokenizer_config.json").write_text(json.dumps(spec).replace('"[MASK]"', '"[NOMASK]"'))
+    (nomask / "tokenizer.json").write_text(
+        (tokenizer_dir / "tokenizer.json").read_text().replace('"[MASK]"', '"[NOMASK]"')
+    )
+    (nomask / "tokenizer_config.json").write_text(
+        json.dumps(spec).replace('"[MASK]"', '"[NOMASK]"')
+    )
     tok = AutoTokenizer.from_pretrained(nomask)
     assert tok.mask_token_id is None and "[MASK]" not in tok.get_vocab()
-    msg = _one_line_error(prepare_corpus, str(corpus_dir), str(nomask), tmp_path / "s", match="mask token")
+    msg = _one_line_error(
+        prepare_corpus, str(corpus_dir), str(nomask), tmp_path / "s", match="mask token"
+    )
     assert "train-tokenizer" in msg
     assert not (tmp_path / "s").exists()
 
 
-def test_interrupted_prepare_leaves_no_store(corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_interrupted_prepare_leaves_no_store(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     import mlsm.data.corpus as corpus
 
     def boom(*a, **k):

@@ -1,4 +1,5 @@
-"""Dictionary learning: quality vs scikit-learn at equal budget, constraints, data, files, errors."""
+"""Dictionary learning: quality vs scikit-learn at equal budget, constraints, data, files,
+errors."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def _data(n: int = 800, d: int = 12, k: int = 32, seed: int = 0) -> torch.Tensor
     g = torch.Generator().manual_seed(seed)
     D = torch.randn(d, k, generator=g, dtype=torch.float64)
     D /= D.norm(dim=0)
-    codes = (torch.rand(n, k, generator=g, dtype=torch.float64) < 0.1) * torch.rand(n, k, generator=g, dtype=torch.float64)
+    codes = (torch.rand(n, k, generator=g, dtype=torch.float64) < 0.1) * torch.rand(
+        n, k, generator=g, dtype=torch.float64
+    )
     X = codes @ D.T + 0.05 * torch.randn(n, d, generator=g, dtype=torch.float64)
     return X / X.norm(dim=1, keepdim=True)
 
@@ -49,9 +52,17 @@ def test_not_worse_than_sklearn_at_equal_budget():
     ours = learn_atoms(X, k, LAM, n_iter=steps, batch_size=batch, seed=0, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sk = MiniBatchDictionaryLearning(n_components=k, alpha=LAM, batch_size=batch, max_iter=epochs,
-                                         positive_code=True, fit_algorithm="cd", random_state=0,
-                                         tol=0, max_no_improvement=None).fit(X.numpy())
+        sk = MiniBatchDictionaryLearning(
+            n_components=k,
+            alpha=LAM,
+            batch_size=batch,
+            max_iter=epochs,
+            positive_code=True,
+            fit_algorithm="cd",
+            random_state=0,
+            tol=0,
+            max_no_improvement=None,
+        ).fit(X.numpy())
     ref = torch.from_numpy(sk.components_.T.copy())
     # Both judged with exact codes on the same data.
     assert dictionary_objective(X, ours, LAM) <= dictionary_objective(X, ref, LAM)
@@ -71,7 +82,10 @@ def test_constraints_and_determinism():
 
 @pytest.mark.parametrize(
     ("k", "lam", "bad", "match"),
-    [(0, LAM, False, "k must be >= 1"), (4, 0.0, False, "lambda"), (4, -1.0, False, "lambda"), (4, LAM, True, "NaN")],
+    [
+        (0, LAM, False, "k must be >= 1"), (4, 0.0, False, "lambda"), (4, -1.0, False, "lambda"),
+        (4, LAM, True, "NaN"),
+    ],
 )
 def test_bad_options(k, lam, bad, match):
     X = _data(n=20)
@@ -111,10 +125,19 @@ def test_collect_vectors(tiny):
 def test_collect_vectors_rejects_other_tokenizer(tiny, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
-    (other / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "x", "y"]) + "\n")
+    (other / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "x", "y"]) + "\n"
+    )
     tok = BertTokenizerFast(vocab_file=str(other / "vocab.txt"))
-    BertModel(BertConfig(vocab_size=len(tok), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=16)).save_pretrained(other)
+    BertModel(
+        BertConfig(
+            vocab_size=len(tok),
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=16,
+        )
+    ).save_pretrained(other)
     tok.save_pretrained(other)
     with pytest.raises(UserError, match="another tokenizer"):
         collect_vectors(load_teacher(other, layer=1), TokenStore.open(tiny / "store"), 10)
@@ -124,12 +147,18 @@ def test_learn_save_load_round_trip(tiny, tmp_path):
     teacher = load_teacher(tiny / "teacher", layer=2)
     store = TokenStore.open(tiny / "store")
     out = tmp_path / "dict" / "d.safetensors"
-    result = learn_dictionary(store, teacher, k=12, n_vectors=300, max_len=16, batch_size=50, out=out)
+    result = learn_dictionary(
+        store, teacher, k=12, n_vectors=300, max_len=16, batch_size=50, out=out
+    )
     assert result.atoms.shape == (8, 12) and result.k == 12 and result.lam == LAM
     meta = json.loads(out.with_suffix(".json").read_text())
     for key in ("teacher", "teacher_tokenizer_hash", "layer", "lam", "k", "n", "objective"):
         assert key in meta
-    assert meta["layer"] == 2 and meta["n"] == 300 and meta["teacher_tokenizer_hash"] == store.tokenizer_hash
+    assert (
+        meta["layer"] == 2
+        and meta["n"] == 300
+        and meta["teacher_tokenizer_hash"] == store.tokenizer_hash
+    )
     loaded = load_dictionary(out)
     torch.testing.assert_close(loaded.atoms, result.atoms)
     assert loaded.meta["objective"] == pytest.approx(result.meta["objective"])
@@ -153,7 +182,9 @@ def test_load_missing(tmp_path):
 
 
 def _sparse_codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    return (torch.rand(n, k, generator=gen, dtype=torch.float64) < 0.08) * torch.rand(n, k, generator=gen, dtype=torch.float64)
+    return (torch.rand(n, k, generator=gen, dtype=torch.float64) < 0.08) * torch.rand(
+        n, k, generator=gen, dtype=torch.float64
+    )
 
 
 def test_statistics_forget_and_drop_the_pass_before_last():
@@ -161,7 +192,10 @@ def test_statistics_forget_and_drop_the_pass_before_last():
     drops the terms of the pass before the last, and only those."""
     g = torch.Generator().manual_seed(0)
     k, d, b = 30, 7, 12
-    batches = [(torch.randn(b, d, generator=g, dtype=torch.float64), _sparse_codes(b, k, g)) for _ in range(4)]
+    batches = [
+        (torch.randn(b, d, generator=g, dtype=torch.float64), _sparse_codes(b, k, g))
+        for _ in range(4)
+    ]
     st = _Stats.zeros(k, d, batches[0][0])
     terms = []  # (pass, A term, Bᵀ term) with its current weight folded in
     passes = [0, 0, 1, 2]
@@ -206,7 +240,9 @@ def test_atom_update_is_the_sequential_bcd_pass():
     dead = (~used).nonzero().squeeze(1)
     torch.testing.assert_close(Dt[dead], X[loss.topk(len(dead)).indices])
     torch.testing.assert_close(Gp, padded_gram(D=Dt.T.contiguous()), rtol=0, atol=1e-12)
-    hit = (ref[:, used].norm(dim=0) < 1 - 1e-6).any() and (ref[:, used].norm(dim=0) > 1 - 1e-9).any()
+    hit = (ref[:, used].norm(dim=0) < 1 - 1e-6).any() and (
+        ref[:, used].norm(dim=0) > 1 - 1e-9
+    ).any()
     assert hit  # both branches of the projection were taken
 
 
@@ -220,4 +256,6 @@ def test_atom_moves_torch_loop_matches_numpy():
     ours = _block_moves_loop(torch, R.clone(), L, old)
     ref = torch.from_numpy(_block_moves_loop(np, R.numpy().copy(), L.numpy(), old.numpy()))
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
-    assert ((old + ours).norm(dim=1) <= 1 + 1e-12).all() and ((old + ours).norm(dim=1) < 1 - 1e-3).any()
+    assert ((old + ours).norm(dim=1) <= 1 + 1e-12).all() and (
+        (old + ours).norm(dim=1) < 1 - 1e-3
+    ).any()

@@ -17,15 +17,25 @@ from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides
 
-NODROP = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+NODROP = (
+    "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
+    "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+)
 
 
 def _overrides(store: Path, out: Path, **extra: object) -> list[str]:
-    return tiny_overrides(store, out, **{"model.overrides": NODROP, "train.steps": 4, "train.threads": 1, **extra})
+    return tiny_overrides(
+        store, out, **{"model.overrides": NODROP, "train.steps": 4, "train.threads": 1, **extra}
+    )
 
 
 def _torchrun(n: int, args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m", "mlsm", "pretrain", *args]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={n}",
+        "-m", "mlsm", "pretrain",
+        *args,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
@@ -35,9 +45,13 @@ def test_two_processes_match_one(store_dir: Path, tmp_path: Path, micro: int) ->
     _check_two_match_one(store_dir, tmp_path, **{"train.micro_batch_size": micro})
 
 
-def test_two_processes_match_one_with_a_target_store(store_dir: Path, target_dir: Path, tmp_path: Path) -> None:
+def test_two_processes_match_one_with_a_target_store(
+    store_dir: Path, target_dir: Path, tmp_path: Path
+) -> None:
     # MLSM drops positions whose code is all zero: the ranks see unequal target counts
-    _check_two_match_one(store_dir, tmp_path, **{"objective.name": "mlsm", "objective.targets": str(target_dir)})
+    _check_two_match_one(
+        store_dir, tmp_path, **{"objective.name": "mlsm", "objective.targets": str(target_dir)}
+    )
 
 
 def _check_two_match_one(store_dir: Path, tmp_path: Path, **extra: object) -> None:
@@ -55,26 +69,45 @@ def _check_two_match_one(store_dir: Path, tmp_path: Path, **extra: object) -> No
     # per step: the global mean loss and the pre-clip gradient norm (clipping and AdamW hide a
     # gradient that is off by a constant factor, e.g. DDP's average over ranks left in)
     for key in ("loss", "grad_norm"):
-        assert [m[key] for m in lines(two)] == pytest.approx([m[key] for m in lines(one)], rel=1e-5), key
+        assert [m[key] for m in lines(two)] == pytest.approx(
+            [m[key] for m in lines(one)], rel=1e-5
+        ), key
     assert json.loads((two / "run.json").read_text())["world_size"] == 2
 
 
 def test_resume_on_another_world_size(store_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "mixed"
-    proc = _torchrun(2, _overrides(store_dir, run, **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"}))
+    proc = _torchrun(
+        2, _overrides(store_dir, run, **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"})
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = load_file(run / "checkpoints" / "step-0000004" / "model.safetensors")
     # drop the final checkpoint and finish the run in one process from step 2
     import shutil
 
     shutil.rmtree(run / "checkpoints" / "step-0000004")
-    pretrain(load_config(None, _overrides(store_dir, run, **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"})), resume="auto")
+    pretrain(
+        load_config(
+            None, _overrides(store_dir, run, **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"})
+        ),
+        resume="auto",
+    )
     b = load_file(run / "checkpoints" / "step-0000004" / "model.safetensors")
     for key in ref:
         torch.testing.assert_close(ref[key], b[key], rtol=1e-4, atol=1e-6)
     # a resume, not a restart: each step logged once, steps 3-4 by the resumed process
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
-    fresh = pretrain(load_config(None, _overrides(store_dir, tmp_path / "fresh", **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"})),
-                     resume=str(run / "checkpoints" / "step-0000002"))
-    assert [json.loads(x)["step"] for x in (fresh / "metrics.jsonl").read_text().splitlines()] == [3, 4]
+    fresh = pretrain(
+        load_config(
+            None,
+            _overrides(
+                store_dir, tmp_path / "fresh", **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"}
+            ),
+        ),
+        resume=str(run / "checkpoints" / "step-0000002"),
+    )
+    assert [json.loads(x)["step"] for x in (fresh / "metrics.jsonl").read_text().splitlines()] == [
+        3,
+        4,
+    ]

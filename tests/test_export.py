@@ -41,29 +41,75 @@ def _card(folder: Path) -> tuple[dict, str]:
 
 def _results(path: Path, ckpt: Path) -> None:
     info = json.loads((ckpt / "checkpoint.json").read_text())
-    rows = [{"model": name, "path": str(ckpt), "step": step, "readiness": 1.0, "objective": "mlm", "run": info["run"],
-             "task": "cola", "metric": "mcc", "value": v, "seed": s, "lr": 2e-5, "epochs": 1, "batch_size": 8,
-             "max_len": 32, "n_train": 10} for name, step, v in (("ours", info["step"], 0.3), ("other", 99, 0.2)) for s in (0, 1)]
+    rows = [
+        {
+            "model": name,
+            "path": str(ckpt),
+            "step": step,
+            "readiness": 1.0,
+            "objective": "mlm",
+            "run": info["run"],
+            "task": "cola",
+            "metric": "mcc",
+            "value": v,
+            "seed": s,
+            "lr": 2e-5,
+            "epochs": 1,
+            "batch_size": 8,
+            "max_len": 32,
+            "n_train": 10,
+        }
+        for name, step, v in (("ours", info["step"], 0.3), ("other", 99, 0.2))
+        for s in (0, 1)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_path, capsys) -> None:
-    run = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{"train.steps": 3, "train.readiness": "[1.0]"})))
+    run = pretrain(
+        load_config(
+            None,
+            tiny_overrides(
+                store_dir, tmp_path / "run", **{"train.steps": 3, "train.readiness": "[1.0]"}
+            ),
+        )
+    )
     ckpt = run / "checkpoints" / "step-0000003"
     _results(tmp_path / "results.jsonl", ckpt)
     out = tmp_path / "export"
-    assert main(["export", str(ckpt), "--out", str(out), "--results", str(tmp_path / "results.jsonl"), "--license", "mit"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(ckpt),
+                "--out",
+                str(out),
+                "--results",
+                str(tmp_path / "results.jsonl"),
+                "--license",
+                "mit",
+            ]
+        )
+        == 0
+    )
     assert not (out / "training_state.pt").exists() and (out / "config.yaml").is_file()
     mlm, info = _load(AutoModelForMaskedLM, out)
     assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
     reference, _ = _load(AutoModelForMaskedLM, ckpt)
     with torch.no_grad():
-        assert torch.equal(mlm(input_ids=IDS, attention_mask=MASK).logits, reference(input_ids=IDS, attention_mask=MASK).logits)
+        assert torch.equal(
+            mlm(input_ids=IDS, attention_mask=MASK).logits,
+            reference(input_ids=IDS, attention_mask=MASK).logits,
+        )
     encoder, info = _load(AutoModel, out)
-    assert info["missing_keys"] == set()  # the untrained pooler is shipped, so nothing is initialised at load
+    assert (
+        info["missing_keys"] == set()
+    )  # the untrained pooler is shipped, so nothing is initialised at load
     with torch.no_grad():
-        assert torch.equal(encoder(input_ids=IDS, attention_mask=MASK).last_hidden_state,
-                           reference.base_model(input_ids=IDS, attention_mask=MASK).last_hidden_state)
+        assert torch.equal(
+            encoder(input_ids=IDS, attention_mask=MASK).last_hidden_state,
+            reference.base_model(input_ids=IDS, attention_mask=MASK).last_hidden_state,
+        )
     header, body = _card(out)
     assert header["library_name"] == "transformers" and header["license"] == "mit"
     assert header["pipeline_tag"] == "fill-mask" and "mlsm" in header["tags"]
@@ -71,9 +117,13 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
     assert store_fp in body and "pooler" in body
     table = body.split("## Fine-tuning results")[1].split("##")[0]
     assert "**ours** (this model) | 30.00 ± 0.00" in table and "| other | 20.00 ± 0.00" in table
-    # a second export replaces the first (same pooler: the seed is fixed); a foreign folder is refused
+    # a second export replaces the first (same pooler: the seed is fixed);
+    # a foreign folder is refused
     export_checkpoint(ckpt, out)
-    assert torch.equal(load_file(out / "model.safetensors")["bert.pooler.dense.weight"], encoder.pooler.dense.weight)
+    assert torch.equal(
+        load_file(out / "model.safetensors")["bert.pooler.dense.weight"],
+        encoder.pooler.dense.weight,
+    )
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="not an earlier mlsm export"):
@@ -81,30 +131,64 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
 
 
-def test_push_offline_is_one_line_and_keeps_the_export(store_dir, tmp_path, monkeypatch, capsys) -> None:
+def test_push_offline_is_one_line_and_keeps_the_export(
+    store_dir, tmp_path, monkeypatch, capsys
+) -> None:
     import huggingface_hub.constants as hub_constants
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
-    run = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{"train.steps": 1, "train.readiness": "[1.0]"})))
+    run = pretrain(
+        load_config(
+            None,
+            tiny_overrides(
+                store_dir, tmp_path / "run", **{"train.steps": 1, "train.readiness": "[1.0]"}
+            ),
+        )
+    )
     out = tmp_path / "export"
-    assert main(["export", str(run / "checkpoints" / "step-0000001"), "--out", str(out), "--push-to-hub", "someone/model"]) == 2
+    assert (
+        main(
+            [
+                "export",
+                str(run / "checkpoints" / "step-0000001"),
+                "--out",
+                str(out),
+                "--push-to-hub",
+                "someone/model",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mlsm export: error: could not push") and "\n" not in err and "--push-to-hub" in err
+    assert (
+        err.startswith("mlsm export: error: could not push")
+        and "\n" not in err
+        and "--push-to-hub" in err
+    )
     assert (out / "README.md").is_file()
     with pytest.raises(UserError):
         push_to_hub(out, "someone/model")
 
 
-def test_mlsm_export_ships_heads_probe_and_fingerprints(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_mlsm_export_ships_heads_probe_and_fingerprints(
+    store_dir, teacher_dir, dictionary_path, tmp_path
+) -> None:
     run = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{
         "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "train.steps": 3, "train.readiness": "[1.0]"})))
     ckpt = run / "checkpoints" / "step-0000003"
-    probe_run = run_probe(ckpt, steps=2, overrides=["optim.lr=0.1"])  # default out: <run>/probe-step-0000003
+    probe_run = run_probe(
+        ckpt, steps=2, overrides=["optim.lr=0.1"]
+    )  # default out: <run>/probe-step-0000003
     probe_ckpt = probe_run / "checkpoints" / "step-0000002"
     out = export_checkpoint(ckpt, tmp_path / "export")
-    heads, probe_heads = load_file(out / "heads.safetensors"), load_file(probe_ckpt / "heads.safetensors")
-    assert heads.keys() == probe_heads.keys() and all(torch.equal(heads[k], probe_heads[k]) for k in heads)
+    heads, probe_heads = (
+        load_file(out / "heads.safetensors"),
+        load_file(probe_ckpt / "heads.safetensors"),
+    )
+    assert heads.keys() == probe_heads.keys() and all(
+        torch.equal(heads[k], probe_heads[k]) for k in heads
+    )
     assert {"latent", "probe"} <= json.loads((out / "heads.json").read_text()).keys()
     encoder, info = _load(AutoModel, out)
     assert info["missing_keys"] == set()
@@ -113,9 +197,14 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(store_dir, teacher_dir, 
         assert torch.equal(encoder(input_ids=IDS, attention_mask=MASK).last_hidden_state,
                            reference(input_ids=IDS, attention_mask=MASK).last_hidden_state)
         select = MASK.bool()
-        assert torch.equal(ProbeScorer(out).logits_at(IDS, MASK, select), ProbeScorer(probe_ckpt).logits_at(IDS, MASK, select))
+        assert torch.equal(
+            ProbeScorer(out).logits_at(IDS, MASK, select),
+            ProbeScorer(probe_ckpt).logits_at(IDS, MASK, select),
+        )
     header, body = _card(out)
-    assert header["pipeline_tag"] == "feature-extraction" and "base_model" not in header  # a local teacher is no Hub id
+    assert (
+        header["pipeline_tag"] == "feature-extraction" and "base_model" not in header
+    )  # a local teacher is no Hub id
     assert dictionary_hash(load_dictionary(dictionary_path)) in body and str(teacher_dir) in body
     provenance = json.loads((out / "mlsm.json").read_text())
     assert provenance["probe"] == str(probe_ckpt) and provenance["dictionary"]["k"] == 64

@@ -28,13 +28,20 @@ STEPS = 10
 
 def _overrides(store: Path, out: Path, **extra: object) -> list[str]:
     # one thread so the subprocess and in-process runs do identical float arithmetic
-    return tiny_overrides(store, out, **{"train.steps": STEPS, "train.save_every": 1, "train.threads": 1, **extra})
+    return tiny_overrides(
+        store, out, **{"train.steps": STEPS, "train.save_every": 1, "train.threads": 1, **extra}
+    )
 
 
 def _cli(store: Path, out: Path, **extra: object) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto", *_overrides(store, out, **extra)]
+    cmd = [
+        sys.executable, "-m", "mlsm", "pretrain", "--resume", "auto",
+        *_overrides(store, out, **extra),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _final(run: Path) -> dict[str, torch.Tensor]:
@@ -46,20 +53,26 @@ def _logged(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _wait_for_progress(run: Path, proc: subprocess.Popen, steps: int = 1, timeout: float = 120) -> None:
-    """Wait until `steps` metrics lines exist (or the process ends); independent of machine speed."""
+def _wait_for_progress(
+    run: Path, proc: subprocess.Popen, steps: int = 1, timeout: float = 120
+) -> None:
+    """Wait until `steps` metrics lines exist (or the process ends); independent of machine
+    speed."""
     start = time.time()
     while _logged(run) < steps and proc.poll() is None and time.time() - start < timeout:
         time.sleep(0.005)
 
 
-def test_sigkill_at_random_moments_then_resume_is_bit_identical(store_dir: Path, tmp_path: Path) -> None:
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(
+    store_dir: Path, tmp_path: Path
+) -> None:
     reference = pretrain(load_config(None, _overrides(store_dir, tmp_path / "ref")))
     run, rng, kills = tmp_path / "killed", random.Random(0), 0
     for _ in range(12):
         proc = _cli(store_dir, run)
         if kills < 4:
-            # kill shortly after a random later step was logged: mid-step, mid-checkpoint or mid-prune
+            # kill shortly after a random later step was logged:
+            # mid-step, mid-checkpoint or mid-prune
             _wait_for_progress(run, proc, min(STEPS - 1, _logged(run) + rng.randint(1, 3)))
             time.sleep(rng.uniform(0.0, 0.05))
             if proc.poll() is None:
@@ -79,7 +92,9 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(store_dir: Path,
 
 def test_sigterm_saves_and_exits_cleanly(store_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "term"
-    proc = _cli(store_dir, run, **{"train.save_every": 0, "train.steps": 400, "train.readiness": "[1.0]"})
+    proc = _cli(
+        store_dir, run, **{"train.save_every": 0, "train.steps": 400, "train.readiness": "[1.0]"}
+    )
     _wait_for_progress(run, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
@@ -89,8 +104,15 @@ def test_sigterm_saves_and_exits_cleanly(store_dir: Path, tmp_path: Path) -> Non
     assert found and 0 < found[-1][0] < 400
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(store_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, _overrides(store_dir, tmp_path / "nan", **{"optim.lr": 1e30, "optim.clip": 0, "optim.warmup": 0}))
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
+    store_dir: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(
+        None,
+        _overrides(
+            store_dir, tmp_path / "nan", **{"optim.lr": 1e30, "optim.clip": 0, "optim.warmup": 0}
+        ),
+    )
     with pytest.raises(UserError, match="non-finite loss at step") as info:
         pretrain(cfg)
     assert "\n" not in str(info.value)
@@ -100,7 +122,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(store_dir: Path, t
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
-def test_failed_write_leaves_previous_checkpoint_intact(store_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_failed_write_leaves_previous_checkpoint_intact(
+    store_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     real_save, calls = torch.save, {"n": 0}
 
     def disk_full_on_third(obj, path, *a, **k):
@@ -116,7 +140,9 @@ def test_failed_write_leaves_previous_checkpoint_intact(store_dir: Path, tmp_pat
     found = ckpt.list_checkpoints(run)
     assert [s for s, _ in found] == [1, 2]
     for _, folder in found:
-        assert all(torch.isfinite(v).all() for v in load_file(folder / "model.safetensors").values())
+        assert all(
+            torch.isfinite(v).all() for v in load_file(folder / "model.safetensors").values()
+        )
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(ckpt.torch, "save", real_save)
     pretrain(load_config(None, _overrides(store_dir, run)), resume="auto")  # and the run continues

@@ -112,9 +112,15 @@ def test_table_orders_and_formats(rows) -> None:
 
 
 def test_flops_for_a_recipe(tmp_path) -> None:
-    cfg = load_config(None, ["model.arch=deberta-v2", "objective.name=mlsm", "objective.teacher=bert-base-cased",
-                             "objective.layer=10", "train.batch_size=1024", "data.max_len=128",
-                             "model.overrides={hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, intermediate_size: 3072}"])
+    cfg = load_config(
+        None,
+        [
+            "model.arch=deberta-v2", "objective.name=mlsm", "objective.teacher=bert-base-cased",
+            "objective.layer=10", "train.batch_size=1024", "data.max_len=128",
+            "model.overrides={hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, "
+            "intermediate_size: 3072}",
+        ],
+    )
     table = {r.objective: r for r in flops_for_run(cfg, k=3072)}
     # one BERT-base layer forward on 1024 × 128 tokens: 8·N·d² + 4·B·T²·d + 4·N·d·f
     n_tok = 1024 * 128
@@ -129,9 +135,18 @@ def test_relative_attention_flops_match_the_counter() -> None:
 
     from mlsm.evaluate.flops import encoder_flops, relative_attention_flops, shape_of
 
-    cfg = DebertaV2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=256, relative_attention=True, max_relative_positions=T,
-                          pos_att_type=["c2p", "p2c"], position_biased_input=False, max_position_embeddings=64)
+    cfg = DebertaV2Config(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        relative_attention=True,
+        max_relative_positions=T,
+        pos_att_type=["c2p", "p2c"],
+        position_biased_input=False,
+        max_position_embeddings=64,
+    )
     model = DebertaV2Model(cfg).eval()
     ids = torch.randint(5, 100, (B, T), generator=torch.Generator().manual_seed(0))
     measured = _count(lambda: model(input_ids=ids))
@@ -177,6 +192,16 @@ def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
     from mlsm.evaluate.flops import teacher_shape_config
 
     cfg = teacher_shape_config("bert-base-cased")
-    assert cfg.to_dict() == BertConfig(vocab_size=28996, architectures=["BertForMaskedLM"]).to_dict()
-    assert main(["flops", "model.arch=bert", "--teacher", "bert-base-cased", "--k", "3072", "--layer", "10"]) == 0
+    assert (
+        cfg.to_dict() == BertConfig(vocab_size=28996, architectures=["BertForMaskedLM"]).to_dict()
+    )
+    assert (
+        main(
+            [
+                "flops", "model.arch=bert", "--teacher", "bert-base-cased", "--k", "3072",
+                "--layer", "10",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("accounting: mlsm (ours")

@@ -19,17 +19,42 @@ from .conftest import tiny_overrides
 
 
 @pytest.fixture(scope="module")
-def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def mlsm_ckpt(
+    store_dir: Path,
+    teacher_dir: Path,
+    dictionary_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
     out = tmp_path_factory.mktemp("mlsm") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{
-        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-        "objective.teacher": str(teacher_dir), "train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            store_dir,
+            out,
+            **{
+                "objective.name": "mlsm",
+                "objective.dictionary": str(dictionary_path),
+                "objective.teacher": str(teacher_dir),
+                "train.steps": 30,
+                "train.readiness": "[1.0]",
+                "optim.lr": 3e-3,
+            },
+        ),
+    )
     return pretrain(cfg) / "checkpoints" / "step-0000030"
 
 
 def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_path: Path) -> None:
-    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", max_steps=300, eval_every=10, select_steps=20,
-                                  patience=2, heldout_batches=2, batch_size=8)
+    info = train_probe_to_plateau(
+        mlsm_ckpt,
+        tmp_path / "probe",
+        max_steps=300,
+        eval_every=10,
+        select_steps=20,
+        patience=2,
+        heldout_batches=2,
+        batch_size=8,
+    )
     # the fixture corpus is random words: little beyond the unigram is learnable, but the probe
     # starts exactly at it and must not end above it
     assert info["heldout_loss"] < info["unigram_loss"]
@@ -39,13 +64,23 @@ def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_pat
     assert saved["input"] == info["input"] and Path(saved["checkpoint"]).is_dir()
 
 
-def test_exported_probe_scores_what_was_measured(mlsm_ckpt: Path, tmp_path: Path, store_dir: Path) -> None:
-    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit reported."""
+def test_exported_probe_scores_what_was_measured(
+    mlsm_ckpt: Path, tmp_path: Path, store_dir: Path
+) -> None:
+    """The folded (un-standardised) probe in the checkpoint gives the held-out loss the fit
+    reported."""
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
 
-    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("logprobs",), max_steps=60, eval_every=20,
-                                  heldout_batches=2, batch_size=8)
+    info = train_probe_to_plateau(
+        mlsm_ckpt,
+        tmp_path / "probe",
+        inputs=("logprobs",),
+        max_steps=60,
+        eval_every=20,
+        heldout_batches=2,
+        batch_size=8,
+    )
     scorer, _ = load_scorer(info["checkpoint"])
     assert scorer.input == "logprobs"
     cfg = json.loads((mlsm_ckpt / "checkpoint.json").read_text())["config"]
@@ -120,8 +155,16 @@ def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
     study = Study(spec, log=lambda s: None)
     probe = study.probe_dir("m", 1.0)
     probe.mkdir(parents=True)
-    (probe / "probe.json").write_text(json.dumps({"better_than_unigram": False, "heldout_loss": 10.3,
-                                                 "unigram_loss": 10.2, "checkpoint": str(tmp_path)}))
+    (probe / "probe.json").write_text(
+        json.dumps(
+            {
+                "better_than_unigram": False,
+                "heldout_loss": 10.3,
+                "unigram_loss": 10.2,
+                "checkpoint": str(tmp_path),
+            }
+        )
+    )
     from mlsm.errors import UserError
 
     with pytest.raises(UserError, match="no better than the unigram"):

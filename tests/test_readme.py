@@ -2,9 +2,10 @@
 
 The Quickstart's ```bash blocks are run in order by one `bash` (``set -euo pipefail``) in a
 temporary folder, exactly as the README shows them. Sizes come from the shell variables the README
-documents (``STEPS``, ``N_VECTORS``, ...), set small here; ``CORPUS`` points at a slice of the shared
-enwiki corpus (its first documents), since tokenising all of it takes long. ``../shared`` is a
-symlink to the real shared folder, so the README's default ``DATA=../shared/data`` resolves.
+documents (``STEPS``, ``N_VECTORS``, ...), set small here; ``CORPUS`` points at a slice of the
+shared enwiki corpus (its first documents), since tokenising all of it takes long.
+``../shared`` is a symlink to the real shared folder, so the README's default
+``DATA=../shared/data`` resolves.
 
 Every ```bash block of docs/*.md is either run here (``DOCS_RUN``: in the Quickstart's folder, after
 it) or starts with a visible ``# not run by the tests: <why>`` line.
@@ -29,13 +30,26 @@ from .conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_RUN = "# not run by the tests:"
-SMALL = {"STEPS": "2", "N_VECTORS": "2000", "TASKS": "cola", "SEEDS": "2", "MAX_TRAIN": "16", "BLIMP_PAIRS": "1", "PROBE_STEPS": "4"}
+SMALL = {
+    "STEPS": "2",
+    "N_VECTORS": "2000",
+    "TASKS": "cola",
+    "SEEDS": "2",
+    "MAX_TRAIN": "16",
+    "BLIMP_PAIRS": "1",
+    "PROBE_STEPS": "4",
+}
 CORPUS_DOCS = 30  # documents of the enwiki slice (~100k tokens)
 
-# docs/*.md blocks that the tests run, by file and first line: they take seconds after the Quickstart.
+# docs/*.md blocks that the tests run, by file and first line:
+# they take seconds after the Quickstart.
 DOCS_RUN = {
     ("finetune.md", "mlsm compare results.jsonl --out eval/compare"),
-    ("pll.md", "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena anaphor_gender_agreement --limit 20 --out runs/blimp-mlm-50"),
+    (
+        "pll.md",
+        "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena "
+        "anaphor_gender_agreement --limit 20 --out runs/blimp-mlm-50",
+    ),
 }
 
 
@@ -53,18 +67,32 @@ def _first_line(block: str) -> str:
 
 
 def _docs_blocks() -> list[tuple[str, str]]:
-    return [(p.name, b) for p in sorted((ROOT / "docs").glob("*.md")) for b in bash_blocks(p.read_text())]
+    return [
+        (p.name, b)
+        for p in sorted((ROOT / "docs").glob("*.md"))
+        for b in bash_blocks(p.read_text())
+    ]
 
 
 def _run_bash(script: str, cwd: Path, env: dict[str, str], timeout: float) -> None:
-    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=cwd, env=env, timeout=timeout,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    done = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, (
+        f"exit {done.returncode}\n--- stdout\n{done.stdout[-3000:]}\n--- "
+        f"stderr\n{done.stderr[-3000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """A folder laid out as the README assumes (repo root with ../shared beside it) and the env to run in."""
+    """A folder laid out as the README assumes (repo root with ../shared beside it) and the env to
+    run in."""
     if not all((SHARED / d).is_dir() for d in ("glue", "blimp", "corpus")):
         pytest.skip(f"shared data not found at {SHARED}")
     root = tmp_path_factory.mktemp("readme")
@@ -73,8 +101,12 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     (work / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
     (root / "shared").symlink_to(SHARED.parent, target_is_directory=True)
     corpus = root / "corpus.jsonl.gz"
-    with gzip.open(SHARED / "corpus" / "enwiki_2015_prefix" / "train.jsonl.gz", "rt", encoding="utf-8") as src, \
-            gzip.open(corpus, "wt", encoding="utf-8") as dst:
+    with (
+        gzip.open(
+            SHARED / "corpus" / "enwiki_2015_prefix" / "train.jsonl.gz", "rt", encoding="utf-8"
+        ) as src,
+        gzip.open(corpus, "wt", encoding="utf-8") as dst,
+    ):
         dst.writelines(itertools.islice(src, CORPUS_DOCS))
     # `python` and `mlsm` as a reader has them after `pip install -e .`, running this checkout
     bin_dir = root / "bin"
@@ -82,9 +114,16 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     for name, args in (("python", ""), ("mlsm", " -m mlsm")):
         (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, **SMALL, "CORPUS": str(corpus), "HF_HUB_OFFLINE": "1",
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        **SMALL,
+        "CORPUS": str(corpus),
+        "HF_HUB_OFFLINE": "1",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
     env.pop("DATA", None)  # the README's default, not the caller's
     return work, env
 
@@ -111,7 +150,10 @@ def test_quickstart_runs_as_written(quickstart: Path) -> None:
         assert (quickstart / path).is_file(), path
     # the probe stopped within the README's PROBE_STEPS budget and left a checkpoint blimp used
     probe = json.loads((quickstart / "runs/tiny-mlsm/probe-step-0000002/probe.json").read_text())
-    assert 1 <= probe["steps"] <= 4 and (quickstart / probe["checkpoint"] / "heads.safetensors").is_file()
+    assert (
+        1 <= probe["steps"] <= 4
+        and (quickstart / probe["checkpoint"] / "heads.safetensors").is_file()
+    )
 
 
 def test_every_docs_command_block_is_run_or_marked() -> None:
@@ -119,10 +161,14 @@ def test_every_docs_command_block_is_run_or_marked() -> None:
     unmarked = [(f, _first_line(b)) for f, b in blocks
                 if (f, _first_line(b)) not in DOCS_RUN and not _first_line(b).startswith(NOT_RUN)]
     assert not unmarked, f"run these in DOCS_RUN or start them with '{NOT_RUN} <why>': {unmarked}"
-    assert {(f, _first_line(b)) for f, b in blocks} >= DOCS_RUN, "a DOCS_RUN entry no longer matches a block"
+    assert {(f, _first_line(b)) for f, b in blocks} >= DOCS_RUN, (
+        "a DOCS_RUN entry no longer matches a block"
+    )
 
 
 @pytest.mark.parametrize(("doc", "first"), sorted(DOCS_RUN))
-def test_docs_commands_run(quickstart: Path, workspace: tuple[Path, dict[str, str]], doc: str, first: str) -> None:
+def test_docs_commands_run(
+    quickstart: Path, workspace: tuple[Path, dict[str, str]], doc: str, first: str
+) -> None:
     (block,) = [b for f, b in _docs_blocks() if (f, _first_line(b)) == (doc, first)]
     _run_bash(block, quickstart, workspace[1], timeout=300)

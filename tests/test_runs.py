@@ -1,4 +1,7 @@
-"""Run directories as model arguments (mlsm.runs): RUN, RUN@50%, RUN@step-N in every evaluation entry point."""
+"""Run directories as model arguments (mlsm.runs).
+
+RUN, RUN@50% and RUN@step-N work in every evaluation entry point.
+"""
 
 from __future__ import annotations
 
@@ -44,11 +47,18 @@ def test_run_dir_percent_and_step_resolve_to_the_saved_checkpoints(mlm_run: Path
     assert [_step(p) for p in readiness_checkpoints(mlm_run)] == [1, 2, 4, 8]
 
 
-@pytest.mark.parametrize(("suffix", "message"), [
-    ("@75%", r"no checkpoint at 75% readiness \(step 6\); it has step-1 .*step-8 \(100%\)"),
-    ("@step-3", r"no checkpoint at step 3; it has step-1 \(12.5%\), step-2 \(25%\), step-4 \(50%\), step-8 \(100%\)"),
-    ("@last", r"unknown suffix @last; use RUN, RUN@<percent>%"),
-])
+@pytest.mark.parametrize(
+    ("suffix", "message"),
+    [
+        ("@75%", r"no checkpoint at 75% readiness \(step 6\); it has step-1 .*step-8 \(100%\)"),
+        (
+            "@step-3",
+            r"no checkpoint at step 3; it has step-1 \(12.5%\), step-2 \(25%\), step-4 \(50%\), "
+            r"step-8 \(100%\)",
+        ),
+        ("@last", r"unknown suffix @last; use RUN, RUN@<percent>%"),
+    ],
+)
 def test_bad_suffixes_list_what_exists(mlm_run: Path, suffix: str, message: str) -> None:
     with pytest.raises(UserError, match=message):
         resolve_checkpoint(f"{mlm_run}{suffix}")
@@ -65,7 +75,9 @@ def test_suffix_on_a_non_run_and_an_unfinished_run(mlm_run: Path, tmp_path: Path
     for step in (1, 2):
         src = mlm_run / "checkpoints" / f"step-{step:07d}"
         (run / "checkpoints" / src.name).symlink_to(src.resolve(), target_is_directory=True)
-    with pytest.raises(UserError, match=r"not finished \(newest checkpoint step-2 of 8 steps\).*@step-2"):
+    with pytest.raises(
+        UserError, match=r"not finished \(newest checkpoint step-2 of 8 steps\).*@step-2"
+    ):
         resolve_checkpoint(run)
     with pytest.raises(UserError, match=r"step-4, step-8 are missing"):
         readiness_checkpoints(run)
@@ -75,7 +87,9 @@ def test_suffix_on_a_non_run_and_an_unfinished_run(mlm_run: Path, tmp_path: Path
         resolve_checkpoint(run)
 
 
-def test_finetune_readiness_all_rows_carry_step_and_readiness(mlm_run: Path, tmp_path: Path) -> None:
+def test_finetune_readiness_all_rows_carry_step_and_readiness(
+    mlm_run: Path, tmp_path: Path
+) -> None:
     data = _keyword_sst2(tmp_path / "data", n_train=16, n_dev=8)
     results = tmp_path / "results.jsonl"
     reference = mlm_run / "checkpoints" / "step-0000002"  # not a run directory: taken as it is
@@ -83,7 +97,9 @@ def test_finetune_readiness_all_rows_carry_step_and_readiness(mlm_run: Path, tmp
              data_dir=data, results=results, device="cpu", readiness="all")
     rows = read_results(results)
     assert [(r["model"], r["step"], r["readiness"]) for r in rows] == [
-        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0), ("ref", 2, 0.25)]
+        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0),
+        ("ref", 2, 0.25),
+    ]
     assert {Path(r["run"]).name for r in rows} == {"tiny-mlm"}  # what report.py groups a curve by
     assert compare_runs(results).info["mlm@4"]["readiness"] == 0.5
     finetune([f"{mlm_run}@25%"], ["sst2"], seeds=(0,), epochs=1, batch_size=8, data_dir=data,
@@ -98,7 +114,9 @@ def test_rank_loader_takes_a_run_spec(mlm_run: Path) -> None:
     assert torch.equal(model.embeddings.word_embeddings.weight, emb)
 
 
-def test_blimp_scorer_of_an_mlsm_run_goes_through_its_probe(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_blimp_scorer_of_an_mlsm_run_goes_through_its_probe(
+    store_dir, teacher_dir, dictionary_path, tmp_path
+) -> None:
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "tiny-mlsm", **{
         "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "train.steps": 4}))

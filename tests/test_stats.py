@@ -44,9 +44,22 @@ def exact_greater_p(d: np.ndarray) -> float:
 
 def _row(model: str, cell: tuple[str, str, int], value: float, **extra: object) -> dict:
     task, metric, seed = cell
-    row = {"model": model, "task": task, "metric": metric, "seed": seed, "value": float(value), "lr": 2e-5,
-           "epochs": 3, "batch_size": 32, "max_len": 128, "n_train": 100, "step": None, "readiness": None,
-           "objective": None, "run": None}
+    row = {
+        "model": model,
+        "task": task,
+        "metric": metric,
+        "seed": seed,
+        "value": float(value),
+        "lr": 2e-5,
+        "epochs": 3,
+        "batch_size": 32,
+        "max_len": 128,
+        "n_train": 100,
+        "step": None,
+        "readiness": None,
+        "objective": None,
+        "run": None,
+    }
     row.update(extra)
     return row
 
@@ -54,8 +67,13 @@ def _row(model: str, cell: tuple[str, str, int], value: float, **extra: object) 
 @pytest.fixture
 def results(tmp_path: Path) -> Path:
     path = tmp_path / "results.jsonl"
-    rows = [_row("B", c, v, run="r", readiness=0.5, step=50) for c, v in zip(CELLS, BASE, strict=True)]
-    rows += [_row("A", c, v, run="r", readiness=1.0, step=100) for c, v in zip(CELLS, BASE + UP, strict=True)]
+    rows = [
+        _row("B", c, v, run="r", readiness=0.5, step=50) for c, v in zip(CELLS, BASE, strict=True)
+    ]
+    rows += [
+        _row("A", c, v, run="r", readiness=1.0, step=100)
+        for c, v in zip(CELLS, BASE + UP, strict=True)
+    ]
     rows += [_row("C", c, v) for c, v in zip(CELLS, BASE + MIXED, strict=True)]
     rows.append(_row("A", CELLS[0], 0.99, lr=1e-4))  # no partner at this lr: must not be paired
     append_results(path, rows[:10])
@@ -103,7 +121,11 @@ def test_significance_is_directional(results: Path, tmp_path: Path) -> None:
             assert not (table[i][j].endswith("*") and table[j][i].endswith("*"))
     with open(tmp_path / "out" / "pvalues_two_sided.csv", encoding="utf-8") as f:
         two = {r["model"]: r for r in csv.DictReader(f)}
-    assert float(two["A"]["B"]) == pytest.approx(exact_wilcoxon_p(UP)) == pytest.approx(float(two["B"]["A"]))
+    assert (
+        float(two["A"]["B"])
+        == pytest.approx(exact_wilcoxon_p(UP))
+        == pytest.approx(float(two["B"]["A"]))
+    )
 
 
 def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
@@ -112,7 +134,9 @@ def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
     col = cmp.columns.index(("mrpc", "f1"))
     assert cmp.mean[b, col] == pytest.approx(np.mean(BASE[6:9]))
     assert cmp.std[b, col] == pytest.approx(np.std(BASE[6:9], ddof=1))
-    assert cmp.count[cmp.models.index("A"), cmp.columns.index(("sst2", "acc"))] == 4  # + the other-lr run
+    assert (
+        cmp.count[cmp.models.index("A"), cmp.columns.index(("sst2", "acc"))] == 4
+    )  # + the other-lr run
     md = (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
     assert f"{1 / 2**9:.3g}*" in md  # A better than B at p < 0.01 (one-sided)
     assert f"{exact_greater_p(MIXED):.3g} |" in md
@@ -121,7 +145,9 @@ def test_means_and_markdown(results: Path, tmp_path: Path) -> None:
     with open(tmp_path / "out" / "wins.csv", encoding="utf-8") as f:
         wins = {r["model"]: r for r in csv.DictReader(f)}
     assert wins["A"]["B"] == "9" and wins["C"]["B"] == "6"
-    assert (tmp_path / "out" / "pvalues.csv").is_file() and (tmp_path / "out" / "means.csv").is_file()
+    assert (tmp_path / "out" / "pvalues.csv").is_file() and (
+        tmp_path / "out" / "means.csv"
+    ).is_file()
 
 
 def test_wilcoxon_edge_cases() -> None:
@@ -163,9 +189,16 @@ def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
     for seed in range(4):
         for model, good_lr in (("A", 1e-5), ("B", 5e-5)):
             for lr in (1e-5, 5e-5):
-                val = 0.8 + 0.01 * seed + (0.05 if lr == good_lr else 0.0) + (0.01 if model == "A" else 0.0)
+                val = (
+                    0.8
+                    + 0.01 * seed
+                    + (0.05 if lr == good_lr else 0.0)
+                    + (0.01 if model == "A" else 0.0)
+                )
                 rows.append(_row(model, ("mrpc", "acc", seed), val, lr=lr))
-                rows.append(_row(model, ("mrpc", "acc_test", seed), 0.9 if lr != good_lr else 0.1, lr=lr))
+                rows.append(
+                    _row(model, ("mrpc", "acc_test", seed), 0.9 if lr != good_lr else 0.1, lr=lr)
+                )
     append_results(path, rows)
     plain = compare_runs(path)
     cmp = compare_runs(path, tmp_path / "out", select_lr=True)
@@ -174,8 +207,12 @@ def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
     col = cmp.columns.index(("mrpc", "acc"))
     assert cmp.mean[a, col] == pytest.approx(0.8 + 0.015 + 0.05 + 0.01)
     assert cmp.mean[b, col] == pytest.approx(0.8 + 0.015 + 0.05)
-    assert cmp.mean[a, cmp.columns.index(("mrpc", "acc_test"))] == pytest.approx(0.1)  # the chosen lr's test
-    assert cmp.n_pairs[a, b] == 8 and cmp.wins[a, b] == 4  # 4 seeds × (acc, acc_test), paired across lrs
+    assert cmp.mean[a, cmp.columns.index(("mrpc", "acc_test"))] == pytest.approx(
+        0.1
+    )  # the chosen lr's test
+    assert (
+        cmp.n_pairs[a, b] == 8 and cmp.wins[a, b] == 4
+    )  # 4 seeds × (acc, acc_test), paired across lrs
     assert plain.count[a, col] == 8 and cmp.count[a, col] == 4
 
 
@@ -183,13 +220,18 @@ def test_bootstrap_ci_of_mean_differences(results: Path, tmp_path: Path) -> None
     cmp = compare_runs(results, tmp_path / "out", bootstrap=2000)
     a, b, c = (cmp.models.index(m) for m in "ABC")
     assert cmp.ci[a, b, 0] == pytest.approx(UP.mean())
-    assert 0 < cmp.ci[a, b, 1] < UP.mean() < cmp.ci[a, b, 2] < UP.max()  # A better everywhere: CI > 0
+    assert (
+        0 < cmp.ci[a, b, 1] < UP.mean() < cmp.ci[a, b, 2] < UP.max()
+    )  # A better everywhere: CI > 0
     assert cmp.ci[c, b, 1] < MIXED.mean() < cmp.ci[c, b, 2]
     np.testing.assert_allclose(cmp.ci[b, a], -cmp.ci[a, b][[0, 2, 1]])  # same resamples, mirrored
     assert np.isnan(cmp.ci[a, a]).all()
     with open(tmp_path / "out" / "mean_diff_ci.csv", encoding="utf-8") as f:
         ci = {(r["model"], r["other"]): r for r in csv.DictReader(f)}
-    assert float(ci[("A", "B")]["mean_diff"]) == pytest.approx(UP.mean()) and ci[("A", "B")]["n"] == "9"
+    assert (
+        float(ci[("A", "B")]["mean_diff"]) == pytest.approx(UP.mean())
+        and ci[("A", "B")]["n"] == "9"
+    )
     assert "bootstrap CI" in (tmp_path / "out" / "comparison.md").read_text(encoding="utf-8")
     assert compare_runs(results).ci is None
 
@@ -204,7 +246,9 @@ def exact_wilcoxon_p_ties(d: np.ndarray, alternative: str = "two-sided") -> floa
     dist = np.array([sum(r for r, s in zip(ranks, signs, strict=True) if s)
                      for signs in itertools.product([0, 1], repeat=len(d))])
     upper, lower = np.mean(dist >= t_obs - 1e-9), np.mean(dist <= t_obs + 1e-9)
-    return {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}[alternative]
+    return {"greater": upper, "less": lower, "two-sided": min(1.0, 2 * min(upper, lower))}[
+        alternative
+    ]
 
 
 def test_pairing_survives_shuffles_dropped_seeds_ties_and_zeros(tmp_path: Path) -> None:
@@ -216,7 +260,9 @@ def test_pairing_survives_shuffles_dropped_seeds_ties_and_zeros(tmp_path: Path) 
     rows += [_row("X", c, v) for c, v in zip(cells, base + diff, strict=True)]
     rng = np.random.default_rng(0)
     rows = [rows[i] for i in rng.permutation(len(rows))]  # any row order
-    rows = [r for r in rows if not (r["model"] == "X" and r["task"] == "mrpc" and r["seed"] == 5)]  # X lacks a seed
+    rows = [
+        r for r in rows if not (r["model"] == "X" and r["task"] == "mrpc" and r["seed"] == 5)
+    ]  # X lacks a seed
     rows.append(_row("X", cells[0], 0.5, lr=1e-4))  # and has a run no Y run pairs with
     append_results(tmp_path / "r.jsonl", rows)
     cmp = compare_runs(tmp_path / "r.jsonl")

@@ -1,4 +1,5 @@
-"""`mlsm study`: stages on the fixture corpus with tiny students, skip-if-complete, resume, failures."""
+"""`mlsm study`: stages on the fixture corpus with tiny students, skip-if-complete, resume,
+failures."""
 
 from __future__ import annotations
 
@@ -14,15 +15,27 @@ from mlsm.study.spec import load_study, study_from_dict
 from tests.conftest import TINY_MODEL
 
 
-def _raw(corpus_dir: Path, tokenizer_dir: Path, teacher_dir: Path, out: Path, **extra: object) -> dict:
+def _raw(
+    corpus_dir: Path, tokenizer_dir: Path, teacher_dir: Path, out: Path, **extra: object
+) -> dict:
     raw = {
-        "name": "tiny", "out": str(out),
+        "name": "tiny",
+        "out": str(out),
         "corpus": {"sources": [str(corpus_dir)], "tokenizer": str(tokenizer_dir)},
-        "base": {"data": {"max_len": 32}, "model": {"arch": "bert", "overrides": dict(TINY_MODEL)},
-                 "optim": {"lr": 1e-3}, "train": {"steps": 8, "batch_size": 8, "log_every": 1, "device": "cpu"}},
+        "base": {
+            "data": {"max_len": 32},
+            "model": {"arch": "bert", "overrides": dict(TINY_MODEL)},
+            "optim": {"lr": 1e-3},
+            "train": {"steps": 8, "batch_size": 8, "log_every": 1, "device": "cpu"},
+        },
         "readiness": [0.5, 1.0],
-        "arms": {"mlm": {"objective": {"name": "mlm"}},
-                 "mlsm": {"objective": {"name": "mlsm"}, "dictionary": {"layer": 1, "k": 64, "lam": 0.05}}},
+        "arms": {
+            "mlm": {"objective": {"name": "mlm"}},
+            "mlsm": {
+                "objective": {"name": "mlsm"},
+                "dictionary": {"layer": 1, "k": 64, "lam": 0.05},
+            },
+        },
         "dictionary": {"teacher": str(teacher_dir), "n_vectors": 2000, "max_len": 32},
         "executor": {"kind": "local", "threads": 1},
     }
@@ -40,7 +53,9 @@ def _stages(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
 
 
-def test_pretrain_stage_trains_every_arm_then_skips(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+def test_pretrain_stage_trains_every_arm_then_skips(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
     out = tmp_path / "study"
     spec = load_study(_write(tmp_path, _raw(corpus_dir, tokenizer_dir, teacher_dir, out)))
     run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
@@ -49,8 +64,13 @@ def test_pretrain_stage_trains_every_arm_then_skips(corpus_dir, tokenizer_dir, t
             (out / "runs" / arm / "checkpoints" / "step-0000008").is_dir()
         assert (out / "runs" / arm / "checkpoints" / "step-0000004").is_dir()  # readiness 50 %
     # identical batches across arms: the logged batch digests agree step by step
-    digests = [[json.loads(x)["batch_digest"] for x in (out / "runs" / a / "metrics.jsonl").read_text().splitlines()]
-               for a in ("mlm", "mlsm")]
+    digests = [
+        [
+            json.loads(x)["batch_digest"]
+            for x in (out / "runs" / a / "metrics.jsonl").read_text().splitlines()
+        ]
+        for a in ("mlm", "mlsm")
+    ]
     assert digests[0] == digests[1]
     first = len(_stages(out))
     run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
@@ -58,7 +78,9 @@ def test_pretrain_stage_trains_every_arm_then_skips(corpus_dir, tokenizer_dir, t
     assert Study(spec).status()["pretrain:mlm"]["state"] == "done"
 
 
-def test_changed_config_is_an_error_naming_the_arm(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+def test_changed_config_is_an_error_naming_the_arm(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
     out = tmp_path / "study"
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out)
     raw["arms"] = {"mlm": raw["arms"]["mlm"]}
@@ -70,7 +92,9 @@ def test_changed_config_is_an_error_naming_the_arm(corpus_dir, tokenizer_dir, te
     assert "arm mlm" in error and "optim.lr" in error
 
 
-def test_interrupted_arm_resumes_and_matches_an_uninterrupted_run(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+def test_interrupted_arm_resumes_and_matches_an_uninterrupted_run(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
     from safetensors.torch import load_file
 
     raws = []
@@ -79,7 +103,8 @@ def test_interrupted_arm_resumes_and_matches_an_uninterrupted_run(corpus_dir, to
         raw["arms"] = {"mlm": raw["arms"]["mlm"]}
         raws.append(raw)
     run_study(study_from_dict(raws[0]), stages=["store", "pretrain"], log=lambda s: None)
-    # the interrupted study: pre-training stopped after the 50 % checkpoint (as a kill would leave it)
+    # the interrupted study: pre-training stopped after the 50 % checkpoint
+    # (as a kill would leave it)
     spec = study_from_dict(raws[1])
     study = Study(spec, log=lambda s: None)
     from mlsm.train.loop import pretrain
@@ -89,8 +114,12 @@ def test_interrupted_arm_resumes_and_matches_an_uninterrupted_run(corpus_dir, to
     _stop_after(cfg, 4, pretrain)
     assert not (tmp_path / "twice" / "runs" / "mlm" / "checkpoints" / "step-0000008").exists()
     run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
-    a = load_file(tmp_path / "once" / "runs" / "mlm" / "checkpoints" / "step-0000008" / "model.safetensors")
-    b = load_file(tmp_path / "twice" / "runs" / "mlm" / "checkpoints" / "step-0000008" / "model.safetensors")
+    a = load_file(
+        tmp_path / "once" / "runs" / "mlm" / "checkpoints" / "step-0000008" / "model.safetensors"
+    )
+    b = load_file(
+        tmp_path / "twice" / "runs" / "mlm" / "checkpoints" / "step-0000008" / "model.safetensors"
+    )
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
@@ -114,7 +143,9 @@ def _stop_after(cfg, step: int, pretrain) -> None:
         batches.BatchSource.micro_batches = real
 
 
-def test_a_failing_arm_is_recorded_and_the_others_finish(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+def test_a_failing_arm_is_recorded_and_the_others_finish(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
     out = tmp_path / "study"
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out)
     raw["arms"]["broken"] = {"objective": {"name": "mlsm", "teacher": str(tmp_path / "missing")},
@@ -138,7 +169,8 @@ def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
 
 
 def _tiny_tasks(root: Path) -> tuple[Path, Path]:
-    """A word-order task (real sentence vs shuffled) and a 2-phenomenon BLiMP file, from fixture text."""
+    """A word-order task (real sentence vs shuffled) and a 2-phenomenon BLiMP file, from fixture
+    text."""
     import random
 
     from tests.conftest import make_text
@@ -158,22 +190,52 @@ def _tiny_tasks(root: Path) -> tuple[Path, Path]:
     blimp = root / "blimp"
     blimp.mkdir()
     for uid in ("uid_a", "uid_b"):
-        lines = [json.dumps({"sentence_good": s, "sentence_bad": " ".join(reversed(s.split())), "UID": uid,
-                             "field": "syntax", "linguistics_term": "order", "pairID": str(i)}) for i, s in enumerate(sents[:5])]
+        lines = [
+            json.dumps(
+                {
+                    "sentence_good": s,
+                    "sentence_bad": " ".join(reversed(s.split())),
+                    "UID": uid,
+                    "field": "syntax",
+                    "linguistics_term": "order",
+                    "pairID": str(i),
+                }
+            )
+            for i, s in enumerate(sents[:5])
+        ]
         (blimp / f"{uid}.jsonl").write_text("\n".join(lines) + "\n")
     return root / "tasks", blimp
 
 
-def test_whole_study_writes_a_report_with_every_section(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
+def test_whole_study_writes_a_report_with_every_section(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
     tasks, blimp = _tiny_tasks(tmp_path)
     out = tmp_path / "study"
-    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
-               finetune={"tasks": ["word_order"], "data_dir": str(tasks), "readiness": [0.5, 1.0], "seeds": 2,
-                         "lrs": [1e-3], "epochs": 1, "batch_size": 16, "max_len": 32},
-               blimp={"data": [str(blimp)], "readiness": [1.0]},
-               # min_delta tiny: on the random-word fixture corpus the probe beats the unigram only a little
-               probe={"max_steps": 40, "eval_every": 10, "select_steps": 10, "heldout_batches": 1, "batch_size": 8,
-                      "min_delta": 1e-4})
+    raw = _raw(
+        corpus_dir, tokenizer_dir, teacher_dir, out,
+        finetune={
+            "tasks": ["word_order"],
+            "data_dir": str(tasks),
+            "readiness": [0.5, 1.0],
+            "seeds": 2,
+            "lrs": [1e-3],
+            "epochs": 1,
+            "batch_size": 16,
+            "max_len": 32,
+        },
+        blimp={"data": [str(blimp)], "readiness": [1.0]},
+        # min_delta tiny: on the random-word fixture corpus the probe beats the unigram
+        # only a little
+        probe={
+            "max_steps": 40,
+            "eval_every": 10,
+            "select_steps": 10,
+            "heldout_batches": 1,
+            "batch_size": 8,
+            "min_delta": 1e-4,
+        },
+    )
     spec = load_study(_write(tmp_path, raw))
     report = run_study(spec, log=lambda s: None)
     assert report == out / "report.md"
@@ -181,26 +243,39 @@ def test_whole_study_writes_a_report_with_every_section(corpus_dir, tokenizer_di
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
     assert {r["seed"] for r in rows} == {0, 1}
-    for section in ("Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
-                    "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |"):
+    for section in (
+        "Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
+        "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |",
+    ):
         assert section in text
     probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())
     blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())
-    assert blimp_row["probe"]["heldout_loss"] == probe["heldout_loss"]  # the probe's quality travels with its score
+    assert (
+        blimp_row["probe"]["heldout_loss"] == probe["heldout_loss"]
+    )  # the probe's quality travels with its score
     assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()
 
 
-def test_slurm_executor_through_submitit_local(corpus_dir, tokenizer_dir, teacher_dir, tmp_path) -> None:
-    """The slurm path end to end with submitit's local executor: one job per arm, outcome recorded."""
+def test_slurm_executor_through_submitit_local(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """The slurm path end to end with submitit's local executor: one job per arm, outcome
+    recorded."""
     pytest.importorskip("submitit")
     out = tmp_path / "study"
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
                executor={"kind": "slurm", "slurm": {"cluster": "local", "timeout_min": 20}})
-    raw["arms"] = {"mlm": raw["arms"]["mlm"], "bad": {"objective": {"name": "mlsm"}}}  # no dictionary: fails in its job
+    raw["arms"] = {
+        "mlm": raw["arms"]["mlm"],
+        "bad": {"objective": {"name": "mlsm"}},
+    }  # no dictionary: fails in its job
     spec = study_from_dict(raw)
     run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
     status = Study(spec).status()
     assert status["pretrain:mlm"]["state"] == "done"
     assert (out / "runs" / "mlm" / "checkpoints" / "step-0000008").is_dir()
-    assert status["pretrain:bad"]["state"] == "failed" and "objective.dictionary is not set" in status["pretrain:bad"]["error"]
+    assert (
+        status["pretrain:bad"]["state"] == "failed"
+        and "objective.dictionary is not set" in status["pretrain:bad"]["error"]
+    )
     assert any((out / "slurm").glob("*_log.out"))  # submitit's own job logs

@@ -30,11 +30,15 @@ def _objective(store_dir: Path, spec: dict, max_len: int = 32):
     return obj, source
 
 
-def test_stored_codes_equal_online_codes(store_dir, teacher_dir, dictionary_path, target_dir) -> None:
+def test_stored_codes_equal_online_codes(
+    store_dir, teacher_dir, dictionary_path, target_dir
+) -> None:
     meta = TargetStore.open(target_dir).meta
     assert meta["truncated"] == 0 and meta["nnz"] is None and meta["layer"] == 1
     stored, source = _objective(store_dir, {"name": "mlsm", "targets": str(target_dir)})
-    online, _ = _objective(store_dir, {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)})
+    online, _ = _objective(
+        store_dir, {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)}
+    )
     assert not hasattr(stored.coder, "teacher")  # the teacher is never loaded
     for step in (0, 5):  # a shuffled data order: rows come from arbitrary chunks
         batch = source.batch(np.arange(step * 8, step * 8 + 8), step)
@@ -44,7 +48,9 @@ def test_stored_codes_equal_online_codes(store_dir, teacher_dir, dictionary_path
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-5)
         assert torch.equal(a > 0, b > 0)  # lossless: the same support, not only close values
         keep = a.sum(1) > 0
-        torch.testing.assert_close((a[keep] / a[keep].sum(1, keepdim=True)).sum(1), torch.ones(int(keep.sum())))
+        torch.testing.assert_close(
+            (a[keep] / a[keep].sum(1, keepdim=True)).sum(1), torch.ones(int(keep.sum()))
+        )
 
 
 def _counting_teacher(teacher_dir: Path) -> tuple[object, list[int]]:
@@ -65,10 +71,14 @@ def _assert_same_store(a_dir: Path, b_dir: Path) -> None:
     a, b = TargetStore.open(a_dir), TargetStore.open(b_dir)
     for name in ("counts", "chunk_ptr", "indices"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
-    np.testing.assert_allclose(a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5)
+    np.testing.assert_allclose(
+        a.values.astype(np.float32), b.values.astype(np.float32), rtol=2e-3, atol=2e-5
+    )
 
 
-def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, target_dir, tmp_path) -> None:
+def test_build_resumes_after_a_kill(
+    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path
+) -> None:
     out = tmp_path / "t"
     shutil.copytree(target_dir, out)
     n_chunks = TargetStore.open(out).meta["n_chunks"]
@@ -91,8 +101,9 @@ def test_build_resumes_after_a_kill(store_dir, teacher_dir, dictionary_path, tar
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
-def test_resume_recomputes_what_a_damaged_file_lost(store_dir, teacher_dir, dictionary_path, target_dir,
-                                                    tmp_path, damage) -> None:
+def test_resume_recomputes_what_a_damaged_file_lost(
+    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path, damage
+) -> None:
     out = tmp_path / "t"
     shutil.copytree(target_dir, out)
     meta = TargetStore.open(out).meta
@@ -109,10 +120,13 @@ def test_resume_recomputes_what_a_damaged_file_lost(store_dir, teacher_dir, dict
     _assert_same_store(out, target_dir)
 
 
-def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(store_dir, teacher_dir, dictionary_path,
-                                                                    target_dir, tmp_path) -> None:
+def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(
+    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path
+) -> None:
     teacher = load_teacher(str(teacher_dir), layer=1)
-    capped = TargetStore.open(build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "c", nnz=2))
+    capped = TargetStore.open(
+        build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "c", nnz=2)
+    )
     whole = TargetStore.open(target_dir)
     chunks = np.repeat(np.arange(4), 30)
     positions = np.tile(np.arange(1, 31), 4)
@@ -120,12 +134,16 @@ def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(store_dir, t
     support = (b > 0).sum(1)
     assert int((a > 0).sum(1).max()) <= 2
     top2 = b.topk(2, dim=1)
-    torch.testing.assert_close(a.gather(1, top2.indices), top2.values)  # the two largest entries kept
+    torch.testing.assert_close(
+        a.gather(1, top2.indices), top2.values
+    )  # the two largest entries kept
     n_cut = int((whole.counts.astype(np.int64) > 2).sum())
     assert capped.meta["truncated"] == n_cut > 0 and int((support > 2).sum()) > 0
 
 
-def test_mismatches_are_one_line_errors(store_dir, corpus_dir, tokenizer_dir, dictionary_path, target_dir, tmp_path) -> None:
+def test_mismatches_are_one_line_errors(
+    store_dir, corpus_dir, tokenizer_dir, dictionary_path, target_dir, tmp_path
+) -> None:
     spec = {"name": "mlsm", "targets": str(target_dir)}
     with pytest.raises(UserError, match="max_len=32 but data.max_len=64"):
         _objective(store_dir, spec, max_len=64)
@@ -134,7 +152,9 @@ def test_mismatches_are_one_line_errors(store_dir, corpus_dir, tokenizer_dir, di
     save_dictionary(other_dict, tmp_path / "other.safetensors")
     with pytest.raises(UserError, match="another dictionary"):
         _objective(store_dir, {**spec, "dictionary": str(tmp_path / "other.safetensors")})
-    _objective(store_dir, {**spec, "dictionary": str(dictionary_path), "layer": 1})  # consistent: fine
+    _objective(
+        store_dir, {**spec, "dictionary": str(dictionary_path), "layer": 1}
+    )  # consistent: fine
     with pytest.raises(UserError, match="layer-1 codes"):
         _objective(store_dir, {**spec, "layer": 2})
     (tmp_path / "c").mkdir()
@@ -153,5 +173,11 @@ def test_mlsm_trains_from_the_store(store_dir, target_dir) -> None:
 
 
 def test_mlsm_run_from_the_store_resumes(store_dir, target_dir, tmp_path) -> None:
-    check_resume(store_dir, tmp_path, at=2, steps=4, files=("model.safetensors", "heads.safetensors"), **{
-        "objective.name": "mlsm", "objective.targets": str(target_dir)})
+    check_resume(
+        store_dir,
+        tmp_path,
+        at=2,
+        steps=4,
+        files=("model.safetensors", "heads.safetensors"),
+        **{"objective.name": "mlsm", "objective.targets": str(target_dir)},
+    )

@@ -34,20 +34,30 @@ def _docs(split: str, n: int) -> list[str]:
 def _dictionary(teacher, k: int = 1536) -> Dictionary:
     """Atoms = ℓ2-normalised layer-5 states of training text: a real dictionary of the teacher's
     space (learning one would only make the test slower; the store must be exact for any D)."""
-    enc = teacher.tokenizer(_docs("train", 60), truncation=True, max_length=128, padding=True, return_tensors="pt")
+    enc = teacher.tokenizer(
+        _docs("train", 60), truncation=True, max_length=128, padding=True, return_tensors="pt"
+    )
     with torch.no_grad():
         h = teacher.hidden_states(enc["input_ids"], enc["attention_mask"])  # (B, T, d)
     states = F.normalize(h[enc["attention_mask"].bool()].float(), dim=-1)  # (N, d)
     pick = torch.randperm(len(states), generator=torch.Generator().manual_seed(0))[:k]
-    return Dictionary(states[pick].T.contiguous(), {"lam": 0.05, "layer": teacher.layer, "teacher": teacher.name})
+    return Dictionary(
+        states[pick].T.contiguous(), {"lam": 0.05, "layer": teacher.layer, "teacher": teacher.name}
+    )
 
 
 def test_stored_targets_equal_online_targets_on_minilm(tmp_path: Path) -> None:
     teacher = load_teacher(None, 5)
-    (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs("valid", 20)))
-    store = prepare_corpus(str(tmp_path / "valid.jsonl"), str(default_teacher_path()), tmp_path / "store")
+    (tmp_path / "valid.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in _docs("valid", 20))
+    )
+    store = prepare_corpus(
+        str(tmp_path / "valid.jsonl"), str(default_teacher_path()), tmp_path / "store"
+    )
     dict_path = save_dictionary(_dictionary(teacher), tmp_path / "dict.safetensors")
-    targets = build_target_store(store.path, dict_path, teacher, 128, tmp_path / "targets", batch_size=16)
+    targets = build_target_store(
+        store.path, dict_path, teacher, 128, tmp_path / "targets", batch_size=16
+    )
     meta = TargetStore.open(targets).meta
     assert meta["truncated"] == 0 and meta["nnz"] is None
 
@@ -59,6 +69,8 @@ def test_stored_targets_equal_online_targets_on_minilm(tmp_path: Path) -> None:
     batch = source.batch(np.arange(16), 0)
     a, b = stored.coder.codes(batch), online.coder.codes(batch)  # (N, k)
     support = (b > 0).sum(1)
-    assert int((support > 32).sum()) > 0, "no code is wider than 32: the test would not see truncation"
+    assert int((support > 32).sum()) > 0, (
+        "no code is wider than 32: the test would not see truncation"
+    )
     assert torch.equal(a > 0, b > 0)  # the same support at every selected position
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-7)  # fp16 storage: 2^-11 relative rounding

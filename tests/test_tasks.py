@@ -57,8 +57,11 @@ def test_metrics_by_hand() -> None:
     assert metric_mcc(preds, labels)["mcc"] == pytest.approx(5 / 12)
     # acc 5/7; precision 3/4, recall 3/4 -> F1 3/4
     assert metric_acc_f1(preds, labels) == pytest.approx({"acc": 5 / 7, "f1": 0.75})
-    # centred x = (-1, 0, 1), y = (-1, 1, 0): cov 1, both variances 2 -> r = 1/2 (ranks equal values)
-    assert metric_pearson_spearman([1, 2, 3], [1, 3, 2]) == pytest.approx({"pearson": 0.5, "spearman": 0.5})
+    # centred x = (-1, 0, 1), y = (-1, 1, 0): cov 1, both variances 2 -> r = 1/2
+    # (ranks equal values)
+    assert metric_pearson_spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(
+        {"pearson": 0.5, "spearman": 0.5}
+    )
     # gold entities PER(0-1), LOC(3); predicted PER(0-1), ORG(3): P = R = 1/2
     gold = [["B-PER", "I-PER", "O", "B-LOC"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"]]
@@ -67,7 +70,10 @@ def test_metrics_by_hand() -> None:
 
 
 def test_registry_is_consistent() -> None:
-    assert set(TASKS) == {"cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "conll2003", "word_order"}
+    assert set(TASKS) == {
+        "cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "conll2003",
+        "word_order",
+    }
     for key, spec in TASKS.items():
         assert spec.name == key
         assert set(spec.eval_splits.values()) <= set(spec.hf_splits)
@@ -77,12 +83,14 @@ def test_registry_is_consistent() -> None:
         get_task("squad")
 
 
-# ----------------------------------------------------------------------------- fixtures in original formats
+# ------------------------------------------------------------------ fixtures in original formats
 
 
 def _write(path: Path, lines: list[str], bom: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(("\ufeff" if bom else "") + "".join(line + "\n" for line in lines), encoding="utf-8")
+    path.write_text(
+        ("\ufeff" if bom else "") + "".join(line + "\n" for line in lines), encoding="utf-8"
+    )
 
 
 def _t(*cols: str) -> str:
@@ -90,7 +98,10 @@ def _t(*cols: str) -> str:
 
 
 def test_cola_loader_and_quotes(tmp_path: Path) -> None:
-    _write(tmp_path / "CoLA" / "train.tsv", [_t("gj04", "1", "", 'He said "hi" .'), _t("gj04", "0", "*", '" Bad one .')])
+    _write(
+        tmp_path / "CoLA" / "train.tsv",
+        [_t("gj04", "1", "", 'He said "hi" .'), _t("gj04", "0", "*", '" Bad one .')],
+    )
     _write(tmp_path / "CoLA" / "dev.tsv", [_t("cj99", "1", "", "Fine .")])
     train = load_task("cola", "train", tmp_path)
     assert [(e.text, e.label) for e in train] == [('He said "hi" .', 1), ('" Bad one .', 0)]
@@ -103,18 +114,37 @@ def test_cola_loader_and_quotes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("task", "folder", "header", "row", "expect"),
     [
-        ("sst2", "SST-2", ["sentence", "label"], ["it 's \" good", "1"], ("it 's \" good", None, 1)),
-        ("stsb", "STS-B", ["index", "genre", "filename", "year", "old_index", "source1", "source2",
-                           "sentence1", "sentence2", "score"],
-         ["0", "g", "f", "y", "0", "n", "n", "A b.", "A c.", "3.800"], ("A b.", "A c.", 3.8)),
-        ("rte", "RTE", ["index", "sentence1", "sentence2", "label"], ["0", "P .", "H .", "not_entailment"],
-         ("P .", "H .", 1)),
-        ("qnli", "QNLI", ["index", "question", "sentence", "label"], ["0", "Q?", "S.", "entailment"], ("Q?", "S.", 0)),
-        ("qqp", "QQP", ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
-         ["0", "1", "2", "Why?", "How?", "1"], ("Why?", "How?", 1)),
+        (
+            "sst2", "SST-2", ["sentence", "label"], ["it 's \" good", "1"],
+            ("it 's \" good", None, 1),
+        ),
+        (
+            "stsb",
+            "STS-B",
+            [
+                "index", "genre", "filename", "year", "old_index", "source1", "source2",
+                "sentence1", "sentence2", "score",
+            ],
+            ["0", "g", "f", "y", "0", "n", "n", "A b.", "A c.", "3.800"],
+            ("A b.", "A c.", 3.8),
+        ),
+        (
+            "rte", "RTE", ["index", "sentence1", "sentence2", "label"],
+            ["0", "P .", "H .", "not_entailment"], ("P .", "H .", 1),
+        ),
+        (
+            "qnli", "QNLI", ["index", "question", "sentence", "label"],
+            ["0", "Q?", "S.", "entailment"], ("Q?", "S.", 0),
+        ),
+        (
+            "qqp", "QQP", ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
+            ["0", "1", "2", "Why?", "How?", "1"], ("Why?", "How?", 1),
+        ),
     ],
 )
-def test_glue_header_loaders(tmp_path: Path, task: str, folder: str, header: list[str], row: list[str], expect: tuple) -> None:
+def test_glue_header_loaders(
+    tmp_path: Path, task: str, folder: str, header: list[str], row: list[str], expect: tuple
+) -> None:
     for split in ("train", "dev"):
         _write(tmp_path / folder / f"{split}.tsv", [_t(*header), _t(*row), _t(*row)])
     for split in ("train", "dev"):
@@ -123,18 +153,29 @@ def test_glue_header_loaders(tmp_path: Path, task: str, folder: str, header: lis
 
 
 def test_wrong_labels_are_user_errors(tmp_path: Path) -> None:
-    _write(tmp_path / "STS-B" / "dev.tsv", [_t("sentence1", "sentence2", "score"), _t("a", "b", "high")])
+    _write(
+        tmp_path / "STS-B" / "dev.tsv",
+        [_t("sentence1", "sentence2", "score"), _t("a", "b", "high")],
+    )
     with pytest.raises(UserError, match="not a number"):
         load_task("stsb", "dev", tmp_path)
-    _write(tmp_path / "RTE" / "dev.tsv", [_t("index", "sentence1", "sentence2", "label"), _t("0", "a", "b", "yes")])
+    _write(
+        tmp_path / "RTE" / "dev.tsv",
+        [_t("index", "sentence1", "sentence2", "label"), _t("0", "a", "b", "yes")],
+    )
     with pytest.raises(UserError, match="not_entailment"):
         load_task("rte", "dev", tmp_path)
 
 
 def test_mnli_loader_matched_mismatched(tmp_path: Path) -> None:
-    header = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
-              "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label"]
-    row = ["0", "1", "1e", "fiction", "( a )", "( b )", "(S a)", "(S b)", "P .", "H .", "neutral", "neutral"]
+    header = [
+        "index", "promptID", "pairID", "genre", "sentence1_binary_parse", "sentence2_binary_parse",
+        "sentence1_parse", "sentence2_parse", "sentence1", "sentence2", "label1", "gold_label",
+    ]
+    row = [
+        "0", "1", "1e", "fiction", "( a )", "( b )", "(S a)", "(S b)", "P .", "H .", "neutral",
+        "neutral",
+    ]
     for name in ("train", "dev_matched", "dev_mismatched"):
         _write(tmp_path / "MNLI" / f"{name}.tsv", [_t(*header), _t(*row)])
     assert get_task("mnli").eval_splits == {"m": "dev_matched", "mm": "dev_mismatched"}
@@ -144,7 +185,12 @@ def test_mnli_loader_matched_mismatched(tmp_path: Path) -> None:
 
 def _mrpc_rows() -> list[str]:
     head = _t("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
-    return [head, _t("1", "11", "12", "A .", "\" B ."), _t("0", "21", "22", "C .", "D ."), _t("1", "31", "32", "E .", "F .")]
+    return [
+        head,
+        _t("1", "11", "12", "A .", '" B .'),
+        _t("0", "21", "22", "C .", "D ."),
+        _t("1", "31", "32", "E .", "F ."),
+    ]
 
 
 def test_mrpc_loader_all_layouts(tmp_path: Path) -> None:
@@ -173,12 +219,21 @@ def test_mrpc_loader_all_layouts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("nested", [False, True])
 def test_wic_loader(tmp_path: Path, nested: bool) -> None:
     base = tmp_path / "WiC" / "dev" if nested else tmp_path / "WiC"
-    _write(base / "dev.data.txt", [_t("bank", "N", "3-1", "I sat by the bank .", "The bank lends ."),
-                                   _t("run", "V", "1-0", "I run fast .", "Run away !")])
+    _write(
+        base / "dev.data.txt",
+        [
+            _t("bank", "N", "3-1", "I sat by the bank .", "The bank lends ."),
+            _t("run", "V", "1-0", "I run fast .", "Run away !"),
+        ],
+    )
     _write(base / "dev.gold.txt", ["F", "T"])
     ex = load_task("wic", "dev", tmp_path)
     assert [e.label for e in ex] == [0, 1]
-    assert "bank" in ex[0].text and "I sat by the bank ." in ex[0].text and ex[0].text_pair == "The bank lends ."
+    assert (
+        "bank" in ex[0].text
+        and "I sat by the bank ." in ex[0].text
+        and ex[0].text_pair == "The bank lends ."
+    )
     _write(base / "dev.gold.txt", ["F"])
     with pytest.raises(UserError, match="WiC"):
         load_task("wic", "dev", tmp_path)
@@ -207,7 +262,10 @@ def test_conll_loader(tmp_path: Path, compressed: bool) -> None:
         (folder / "valid.txt").write_text(CONLL, encoding="utf-8")
     ex = load_task("conll2003", "valid", tmp_path)
     assert [e.text for e in ex] == [["EU", "rejects", "German", "call"], ["Peter", "Blackburn"]]
-    assert [[CONLL_TAGS[t] for t in e.label] for e in ex] == [["B-ORG", "O", "B-MISC", "O"], ["B-PER", "I-PER"]]
+    assert [[CONLL_TAGS[t] for t in e.label] for e in ex] == [
+        ["B-ORG", "O", "B-MISC", "O"],
+        ["B-PER", "I-PER"],
+    ]
     (folder / "train.txt").write_text("EU B-ORG\n", encoding="utf-8")
     with pytest.raises(UserError, match="token POS chunk NER"):
         load_task("conll2003", "train", tmp_path)
@@ -216,7 +274,10 @@ def test_conll_loader(tmp_path: Path, compressed: bool) -> None:
 def test_missing_folder_and_subset(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="SST-2"):
         load_task("sst2", "train", tmp_path)
-    _write(tmp_path / "SST-2" / "train.tsv", [_t("sentence", "label")] + [_t(f"s{i}", str(i % 2)) for i in range(50)])
+    _write(
+        tmp_path / "SST-2" / "train.tsv",
+        [_t("sentence", "label")] + [_t(f"s{i}", str(i % 2)) for i in range(50)],
+    )
     a = load_task("sst2", "train", tmp_path, max_examples=10)
     b = load_task("sst2", "train", tmp_path, max_examples=10)
     assert a == b and len(a) == 10 and len({e.text for e in a}) == 10
@@ -251,17 +312,29 @@ def test_real_mrpc_rebuilt_from_msr_matches_glue(tmp_path: Path) -> None:
 
 
 def test_hf_record_converters() -> None:
-    wic = get_task("wic").from_hf({"word": "bank", "sentence1": "A bank .", "sentence2": "The bank .", "label": 1,
-                                   "start1": 2, "end1": 6})
+    wic = get_task("wic").from_hf(
+        {
+            "word": "bank",
+            "sentence1": "A bank .",
+            "sentence2": "The bank .",
+            "label": 1,
+            "start1": 2,
+            "end1": 6,
+        }
+    )
     assert (wic.text, wic.text_pair, wic.label) == ("bank : A bank .", "The bank .", 1)
     mnli = get_task("mnli").from_hf({"premise": "P", "hypothesis": "H", "label": 2, "idx": 0})
     assert (mnli.text, mnli.text_pair, mnli.label) == ("P", "H", 2)
-    ner = get_task("conll2003").from_hf({"tokens": ["EU", "rejects"], "ner_tags": [3, 0], "pos_tags": [1, 2]})
+    ner = get_task("conll2003").from_hf(
+        {"tokens": ["EU", "rejects"], "ner_tags": [3, 0], "pos_tags": [1, 2]}
+    )
     assert (ner.text, ner.label) == (["EU", "rejects"], [3, 0])
     assert get_task("cola").from_hf({"sentence": "S", "label": 0}).text_pair is None
 
 
-@pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1 to fail fast")
+@pytest.mark.skipif(
+    os.environ.get("HF_HUB_OFFLINE") != "1", reason="needs HF_HUB_OFFLINE=1 to fail fast"
+)
 def test_unreachable_hub_gives_user_error() -> None:
     with pytest.raises(UserError, match="--data-dir"):
         load_task("rte", "dev")
@@ -271,7 +344,11 @@ def test_demo_word_order_task_loads(tmp_path: Path) -> None:
     from mlsm.demo import _word_order_task
     from mlsm.evaluate.tasks import load_task
 
-    held = ["The cat sat on the warm mat near the door. A dog slept under the old wooden table all day. " * 4] * 20
+    held = [
+        "The cat sat on the warm mat near the door. A dog slept under the old wooden table all "
+        "day. "
+        * 4
+    ] * 20
     root = _word_order_task(held, tmp_path, n=200)
     train, dev = load_task("word_order", "train", root), load_task("word_order", "dev", root)
     assert len(train) + len(dev) == 160 and {e.label for e in train} == {0, 1}

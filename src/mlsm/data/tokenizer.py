@@ -1,4 +1,7 @@
-"""Train a WordPiece (BERT-style) or Unigram (SentencePiece-style) tokenizer for from-scratch runs."""
+"""Train a WordPiece (BERT-style) or Unigram (SentencePiece-style) tokenizer.
+
+For from-scratch runs.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ def _backend(kind: str, vocab_size: int, lowercase: bool) -> tuple[Tokenizer, tr
         tok.normalizer = normalizers.Sequence(norm)
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.decoder = decoders.Metaspace()
-        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=specials, unk_token=unk)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size, special_tokens=specials, unk_token=unk
+        )
     return tok, trainer
 
 
@@ -65,8 +70,14 @@ def train_tokenizer(
         special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token=unk, cls_token=cls, sep_token=sep, pad_token=pad, mask_token=mask,
-        bos_token=cls if kind == "unigram" else None, eos_token=sep if kind == "unigram" else None,
+        tokenizer_object=tok,
+        unk_token=unk,
+        cls_token=cls,
+        sep_token=sep,
+        pad_token=pad,
+        mask_token=mask,
+        bos_token=cls if kind == "unigram" else None,
+        eos_token=sep if kind == "unigram" else None,
     )
     fast.save_pretrained(out)
     return fast

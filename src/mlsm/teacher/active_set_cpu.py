@@ -38,7 +38,9 @@ DONE, FAIL, FULL = 0, 1, 2  # row status: optimal / fallback needed / more than 
 
 
 @nb.njit(nogil=True, cache=True)
-def solve_rows(c, lam, G, tol, q_max, max_steps, warm, first, step, out_idx, out_alpha, out_n, status):
+def solve_rows(
+    c, lam, G, tol, q_max, max_steps, warm, first, step, out_idx, out_alpha, out_n, status
+):
     """Solve rows first, first + step, … of c (n, k) = XD with λ = lam[0] and G (≥k, ≥k): write
     the first out_n[i] slots of out_idx / out_alpha (n, S) and status[i]. warm (n, w): guessed
     supports (−1 = none). Releases the GIL: `step` threads each take their own rows."""
@@ -62,7 +64,9 @@ def solve_rows(c, lam, G, tol, q_max, max_steps, warm, first, step, out_idx, out
 
 
 @nb.njit(nogil=True, cache=True)
-def _solve_row(c, lam, G, tol, q_max, max_steps, warm, g, active, A, Ginv, alpha, z, rhs, w, cj, cv, entered):
+def _solve_row(
+    c, lam, G, tol, q_max, max_steps, warm, g, active, A, Ginv, alpha, z, rhs, w, cj, cv, entered
+):
     """Returns (|A|, status); the row's code is alpha[:|A|] on atoms A[:|A|]."""
     k = c.shape[0]
     S = A.shape[0]
@@ -245,7 +249,10 @@ def active_set_rows(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, m
         # Plain threads, made per call: unlike an OpenMP pool (numba's prange, ~10 % faster
         # here) they leave nothing behind that breaks a later fork(), e.g. DataLoader workers.
         with ThreadPoolExecutor(threads) as pool:
-            for job in [pool.submit(solve_rows, *args, t, threads, idx, alpha, cnt, status) for t in range(threads)]:
+            for job in [
+                pool.submit(solve_rows, *args, t, threads, idx, alpha, cnt, status)
+                for t in range(threads)
+            ]:
                 job.result()
         width = max(int(cnt.max(initial=0)), 1)
         at = torch.from_numpy(rows)

@@ -124,11 +124,19 @@ def _start(c: torch.Tensor, Gp: torch.Tensor, lam: float, S: int) -> _Path:
     ok[:, 0] = True
     Ginv = torch.zeros(m, S, S, dtype=torch.float64, device=c.device)
     Ginv[:, 0, 0] = 1.0 / Gp.take(j0 * (K + 1)).double()
-    return _Path(rows=rows, r=r, idx=idx, ok=ok, alpha=torch.zeros(m, S, dtype=torch.float64, device=c.device),
-                 Ginv=Ginv, cnt=torch.ones(m, dtype=torch.long, device=c.device), mu=mu0.double(),
-                 banned=torch.full((m,), k, dtype=torch.long, device=c.device),
-                 live=torch.ones(m, dtype=torch.bool, device=c.device),
-                 stall=torch.zeros(m, dtype=torch.long, device=c.device))
+    return _Path(
+        rows=rows,
+        r=r,
+        idx=idx,
+        ok=ok,
+        alpha=torch.zeros(m, S, dtype=torch.float64, device=c.device),
+        Ginv=Ginv,
+        cnt=torch.ones(m, dtype=torch.long, device=c.device),
+        mu=mu0.double(),
+        banned=torch.full((m,), k, dtype=torch.long, device=c.device),
+        live=torch.ones(m, dtype=torch.bool, device=c.device),
+        stall=torch.zeros(m, dtype=torch.long, device=c.device),
+    )
 
 
 def _direction(path: _Path, Gp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +157,8 @@ def _direction(path: _Path, Gp: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def _step_length(path: _Path, w: torch.Tensor, slope: torch.Tensor, lam: float, q: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step t (m,) to the next event: 0 = μ reaches λ, 1 = atom j_in enters, 2 = slot s_out leaves."""
+    """Step t (m,) to the next event: 0 = μ reaches λ, 1 = atom j_in enters, 2 = slot s_out
+    leaves."""
     m, K = slope.shape
     torch.clamp(slope, max=-1e-12, out=q)
     torch.div(path.r, q, out=q)  # (m, K) −(step at which each atom would enter); −inf: never
@@ -223,7 +232,9 @@ def _finish(path: _Path, done: torch.Tensor, c: torch.Tensor, lam: float, out: S
     d = done.nonzero().squeeze(1)
     k = c.shape[1]
     rows, idx, ok = path.rows[d], path.idx[d], path.ok[d]
-    rhs = torch.where(ok, c[rows].gather(1, idx.clamp(max=k - 1)).double() - lam, torch.zeros_like(path.alpha[d]))
+    rhs = torch.where(
+        ok, c[rows].gather(1, idx.clamp(max=k - 1)).double() - lam, torch.zeros_like(path.alpha[d])
+    )
     alpha = torch.bmm(path.Ginv[d], rhs.unsqueeze(2)).squeeze(2) * ok
     out.store(rows, idx, alpha, k)
     out.fail[rows] = (alpha < 0).any(1)

@@ -18,7 +18,7 @@ BLOCK = 64  # column padding of the Gram matrix (blocked reductions over atoms)
 
 
 def padded_gram(G: torch.Tensor | None = None, D: torch.Tensor | None = None) -> torch.Tensor:
-    """(k+1, K) Gram matrix with a zero row k (empty slots) and zero columns up to K = 64·⌈(k+1)/64⌉.
+    """(k+1, K) Gram matrix: zero row k (empty slots), zero columns up to K = 64·⌈(k+1)/64⌉.
 
     From a given G (k, k), or straight from the atoms D (d, k), written into place by one GEMM.
     """
@@ -69,8 +69,12 @@ def pad_slots(state: Any, extra: int, k: int) -> None:
     state.alpha = F.pad(state.alpha, (0, extra))
 
 
-def remove_slot(Ginv: torch.Tensor, rows: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop slot s (r,) of rows (r,) from G_AA⁻¹ in place: G⁻¹ ← G⁻¹ − G⁻¹[:, s] G⁻¹[s, :] / G⁻¹[s, s].
+def remove_slot(
+    Ginv: torch.Tensor, rows: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop slot s (r,) of rows (r,) from G_AA⁻¹ in place.
+
+    G⁻¹ ← G⁻¹ − G⁻¹[:, s] G⁻¹[s, :] / G⁻¹[s, s].
 
     Returns the removed column G⁻¹[:, s] (r, S) and pivot G⁻¹[s, s] (r,), as they were.
     """
