@@ -341,8 +341,8 @@ TASKS: dict[str, TaskSpec] = {
                            _glue_reader(_GT, "sentence", None, "label", _B), (),
                            _hf_pair("sentence", None), _GLUE_SPLITS),
     "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1,
-                          ("conll2003", "CoNLL-2003", "conll"),
-                          _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
+                          ("conll2003", "CoNLL-2003", "conll"), _read_conll,
+                          (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
                           {"train": "train", "valid": "validation", "test": "test"},
                           eval_splits={"": "valid"}, test_split="test"),
 }
