@@ -314,9 +314,9 @@ def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                  select_lr: bool = False, bootstrap: int = 0,
                  ci_level: float = 0.95) -> Comparison:
-    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means.
+    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of
+    every model in a results file.
 
-    Of every model in a results file.
     select_lr: per model and task keep only its best learning rate on validation
     (``select_best_lr``).
     bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
