@@ -96,7 +96,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                                                   cfg.optim.clip)
             if not math.isfinite(loss):
                 raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data "
-                                f"— the last good checkpoint in {run_dir / 'checkpoints'} is intact")
+                                "— the last good checkpoint in "
+                                f"{run_dir / 'checkpoints'} is intact")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bar.update(1, loss=loss)  # every progress line shows the latest loss
