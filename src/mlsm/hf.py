@@ -136,8 +136,8 @@ def _refusal(what: str, path: Any, exc: BaseException) -> UserError:
     text = first_line(exc)
     if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
         return UserError(f"{path}: the weights are not a safe checkpoint (a pickle that needs more "
-                         "than tensors to load); mlsm loads only safetensors or plain tensor files: "
-                         "re-export the model with save_pretrained(safe_serialization=True)")
+                         "than tensors to load); mlsm loads only safetensors or plain tensor "
+                         "files: re-export the model with save_pretrained(safe_serialization=True)")
     if "custom code" in text or "trust_remote_code" in text:
         return UserError(f"{path} needs custom Python code to load; mlsm never runs a folder's "
                          "code: use a model of a built-in transformers architecture")
