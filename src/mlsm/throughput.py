@@ -68,7 +68,8 @@ def flops_per_step(cfg: Any, student_config: Any) -> int | None:
     vocab = int(student_config.vocab_size)
     rows = flops_for_run(cfg, vocab_size=vocab, student_config=student_config)
     row = next(r for r in rows if r.objective.split(" (")[0] == label or r.objective == label)
-    if getattr(cfg.objective, "targets", ""):  # MLSM from a target store: no teacher runs during training
+    # MLSM from a target store: no teacher runs during training
+    if getattr(cfg.objective, "targets", ""):
         return row.student
     return row.total
 

@@ -45,7 +45,8 @@ class Batch:
     def digest(self) -> int:
         """Sum of per-sequence CRC32s of (ids, selection, corruption): equal for equal contents
         however the global batch is split into micro-batches and ranks."""
-        rows = torch.cat([self.input_ids, self.selected.long(), self.corrupted_ids], 1).cpu().numpy()
+        rows = torch.cat([self.input_ids, self.selected.long(), self.corrupted_ids],
+                         1).cpu().numpy()
         return sum(zlib.crc32(row.tobytes()) for row in rows)
 
     def to(self, device: torch.device | str) -> Batch:
@@ -61,32 +62,39 @@ def _special_ids(tok: PreTrainedTokenizerBase) -> tuple[int, int, int]:
     cls_id = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
     sep_id = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
     if cls_id is None or sep_id is None:
-        raise UserError("tokenizer has no [CLS]/<s> or [SEP]/</s> token; train one with `mlsm train-tokenizer`")
+        raise UserError("tokenizer has no [CLS]/<s> or [SEP]/</s> token; "
+                        "train one with `mlsm train-tokenizer`")
     require_mask_token(tok)
     return cls_id, sep_id, tok.mask_token_id
 
 
 class BatchSource:
-    """Maps (step, slice of the global batch) to a Batch; stateless apart from a permutation cache."""
+    """Maps (step, slice of the global batch) to a Batch.
+
+    Stateless apart from a permutation cache.
+    """
 
     def __init__(self, store: TokenStore, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
         if cfg.max_len < 8:
             raise UserError(f"data.max_len={cfg.max_len} is too short; use at least 8")
         if abs(sum(cfg.mask_split) - 1.0) > 1e-6 or len(cfg.mask_split) != 3:
-            raise UserError(f"data.mask_split={cfg.mask_split} must be 3 fractions summing to 1, e.g. [0.8, 0.1, 0.1]")
+            raise UserError(f"data.mask_split={cfg.mask_split} must be 3 fractions summing to 1, "
+                            "e.g. [0.8, 0.1, 0.1]")
         if not 0.0 < cfg.mask_rate < 1.0:
             raise UserError(f"data.mask_rate={cfg.mask_rate} must be in (0, 1), e.g. 0.15")
         self.store, self.cfg = store, cfg
         self.cls_id, self.sep_id, self.mask_id = _special_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.sep_id
         specials = set(tokenizer.all_special_ids)
-        self.normal_ids = np.array([i for i in range(len(tokenizer)) if i not in specials], dtype=np.int64)
+        self.normal_ids = np.array([i for i in range(len(tokenizer)) if i not in specials],
+                                   dtype=np.int64)
         self.chunk = cfg.max_len - 2
         # Virtual stream = documents each followed by [SEP]; doc j starts at offsets[j] + j in it.
         self.vstart = store.offsets[:-1] + np.arange(store.n_docs, dtype=np.int64)
         self.n_sequences = (store.n_tokens + store.n_docs) // self.chunk
         if self.n_sequences == 0:
-            raise UserError(f"token store {store.path} has fewer than {self.chunk} tokens; add text or lower data.max_len")
+            raise UserError(f"token store {store.path} has fewer than {self.chunk} tokens; "
+                            "add text or lower data.max_len")
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -109,7 +117,8 @@ class BatchSource:
         doc = np.searchsorted(self.vstart, vpos, side="right") - 1
         real = vpos - doc  # position in the token array, if not a separator
         is_sep = real >= self.store.offsets[doc + 1]
-        body = np.where(is_sep, self.sep_id, self.store.tokens[np.minimum(real, self.store.n_tokens - 1)])
+        body = np.where(is_sep, self.sep_id,
+                        self.store.tokens[np.minimum(real, self.store.n_tokens - 1)])
         ids = np.empty((len(chunks), self.cfg.max_len), dtype=np.int64)
         ids[:, 0], ids[:, -1], ids[:, 1:-1] = self.cls_id, self.sep_id, body
         return ids
@@ -119,7 +128,8 @@ class BatchSource:
         ids = self.chunk_tokens(chunks)
         special = (ids == self.cls_id) | (ids == self.sep_id) | (ids == self.pad_id)
         cfg = self.cfg
-        selected = masking.select_positions(cfg.seed, samples, special, cfg.mask_rate, cfg.exact_count)
+        selected = masking.select_positions(cfg.seed, samples, special, cfg.mask_rate,
+                                            cfg.exact_count)
         corrupted = masking.corrupt(
             cfg.seed, samples, ids, selected, tuple(cfg.mask_split), self.mask_id, self.normal_ids
         )
@@ -134,7 +144,8 @@ class BatchSource:
             step=step,
         )
 
-    def micro_batches(self, step: int, batch_size: int, micro: int, rank: int = 0, world: int = 1) -> list[Batch]:
+    def micro_batches(self, step: int, batch_size: int, micro: int, rank: int = 0,
+                      world: int = 1) -> list[Batch]:
         """This rank's micro-batches of global step `step` (global batch `batch_size`)."""
         if batch_size % (world * micro):
             raise UserError(

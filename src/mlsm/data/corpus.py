@@ -54,7 +54,8 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """A fast HF tokenizer from a folder or hub id (`mlsm.hf` words the error if it cannot load)."""
     tok = hf_load_tokenizer(name_or_path)
     if not tok.is_fast:
-        raise UserError(f"tokenizer {name_or_path!r} is not a fast tokenizer; convert it or train one with `mlsm train-tokenizer`")
+        raise UserError(f"tokenizer {name_or_path!r} is not a fast tokenizer; convert it or train "
+                        "one with `mlsm train-tokenizer`")
     return tok
 
 
@@ -105,7 +106,10 @@ def require_same_tokenizer(teacher_tok: PreTrainedTokenizerBase, store_hash: str
 
 @dataclass
 class TokenStore:
-    """A prepared corpus. `tokens` is a read-only memmap; document j is tokens[offsets[j]:offsets[j+1]]."""
+    """A prepared corpus.
+
+    `tokens` is a read-only memmap; document j is tokens[offsets[j]:offsets[j+1]].
+    """
 
     path: Path
     meta: dict[str, Any]
@@ -117,10 +121,12 @@ class TokenStore:
         """Open a store, checking that its files agree with meta.json (a one-line error if not)."""
         path = Path(path)
         if not path.is_dir():
-            raise UserError(f"token store {path} not found (or not a folder); make one with `mlsm prepare SOURCES --tokenizer TOK --out {path}`")
+            raise UserError(f"token store {path} not found (or not a folder); make one with "
+                            f"`mlsm prepare SOURCES --tokenizer TOK --out {path}`")
         meta = _read_meta(path)
         if meta.get("format") != STORE_FORMAT:
-            raise UserError(f"{path} is not an mlsm token store (meta.json has no format {STORE_FORMAT!r}); make one with `mlsm prepare`")
+            raise UserError(f"{path} is not an mlsm token store (meta.json has no format "
+                            f"{STORE_FORMAT!r}); make one with `mlsm prepare`")
         n_tokens, n_docs = _check_files(path, meta)
         tokens = np.memmap(path / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n_tokens,))
         offsets = np.fromfile(path / "offsets.bin", dtype=np.int64)
@@ -148,13 +154,15 @@ class TokenStore:
 
 
 def _damaged(path: Path, why: str) -> UserError:
-    return UserError(f"token store {path} is damaged ({why}); rebuild it with `mlsm prepare SOURCES --tokenizer TOK --out {path} --overwrite`")
+    return UserError(f"token store {path} is damaged ({why}); rebuild it with "
+                     f"`mlsm prepare SOURCES --tokenizer TOK --out {path} --overwrite`")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise UserError(f"{path} is not a complete token store (no meta.json); run `mlsm prepare ... --out {path}` first")
+        raise UserError(f"{path} is not a complete token store (no meta.json); "
+                        f"run `mlsm prepare ... --out {path}` first")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -167,14 +175,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
     """(n_tokens, n_docs) after checking meta's fields and the sizes of tokens.bin/offsets.bin."""
     n_tokens, n_docs, dtype = meta.get("n_tokens"), meta.get("n_docs"), meta.get("dtype")
-    if dtype not in ("uint16", "uint32") or not all(isinstance(n, int) and n > 0 for n in (n_tokens, n_docs)):
+    if dtype not in ("uint16", "uint32") or not all(
+            isinstance(n, int) and n > 0 for n in (n_tokens, n_docs)):
         raise _damaged(path, "meta.json lacks a valid dtype, n_tokens or n_docs")
-    for name, expected in (("tokens.bin", n_tokens * np.dtype(dtype).itemsize), ("offsets.bin", (n_docs + 1) * 8)):
+    for name, expected in (("tokens.bin", n_tokens * np.dtype(dtype).itemsize),
+                           ("offsets.bin", (n_docs + 1) * 8)):
         file = path / name
         if not file.is_file():
             raise _damaged(path, f"{name} is missing")
         if file.stat().st_size != expected:
-            raise _damaged(path, f"{name} has {file.stat().st_size:,} bytes, meta.json implies {expected:,}")
+            raise _damaged(path, f"{name} has {file.stat().st_size:,} bytes, "
+                                 f"meta.json implies {expected:,}")
     if not (path / "tokenizer").is_dir():
         raise _damaged(path, "its tokenizer/ folder is missing")
     return n_tokens, n_docs
@@ -236,7 +247,8 @@ def prepare_corpus(
             legacy = lambda: legacy_fingerprint(sources, tok_hash, text_field)  # noqa: E731
             if _same_inputs(existing, fp, legacy):
                 return existing
-            raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite to replace it or choose another --out")
+            raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite "
+                            "to replace it or choose another --out")
         num_proc = default_num_proc() if num_proc is None else num_proc
         _build_store(out, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
     return TokenStore.open(out)
@@ -265,7 +277,8 @@ _STORE_FILES = {"meta.json", "tokens.bin", "offsets.bin", "tokenizer"}
 
 
 def _guard_out(out: Path, sources: list[str]) -> None:
-    """Refuse an --out that is a file, holds or is inside a source, or is a folder mlsm did not write."""
+    """Refuse an --out that is a file, holds or is inside a source, or is a folder mlsm did not
+    write."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder path for the token store")
     target = out.resolve()
@@ -276,16 +289,20 @@ def _guard_out(out: Path, sources: list[str]) -> None:
         related = Path(source).is_dir() and (root == target or root in target.parents)
         files = resolve_paths(source)
         if related or any(target in f.resolve().parents or f.resolve() == target for f in files):
-            raise UserError(f"--out {out} overlaps the corpus source {source}; write the token store to a folder outside the sources")
+            raise UserError(f"--out {out} overlaps the corpus source {source}; write the token "
+                            "store to a folder outside the sources")
         if target in root.parents:
-            raise UserError(f"--out {out} contains the corpus source {source}; write the token store to a folder outside the sources")
+            raise UserError(f"--out {out} contains the corpus source {source}; write the token "
+                            "store to a folder outside the sources")
     if not out.is_dir() or not any(out.iterdir()):
         return
     foreign = sorted(e.name for e in out.iterdir() if e.name not in _STORE_FILES)
     if not (out / "meta.json").is_file():
-        raise UserError(f"--out {out} exists and is not a token store; choose another --out (mlsm only replaces folders it wrote)")
+        raise UserError(f"--out {out} exists and is not a token store; choose another --out "
+                        "(mlsm only replaces folders it wrote)")
     if foreign:
-        raise UserError(f"--out {out} holds files that are not part of a token store ({', '.join(foreign[:3])}); move them or choose another --out")
+        raise UserError(f"--out {out} holds files that are not part of a token store "
+                        f"({', '.join(foreign[:3])}); move them or choose another --out")
 
 
 def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
@@ -298,7 +315,8 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         meta = {"format": STORE_FORMAT}  # torn: only store files are there (checked), so it is ours
     if not isinstance(meta, dict) or meta.get("format") != STORE_FORMAT:
-        raise UserError(f"--out {out} holds a meta.json that is not an mlsm token store's; choose another --out")
+        raise UserError(f"--out {out} holds a meta.json that is not an mlsm token store's; "
+                        "choose another --out")
     try:
         return TokenStore.open(out)
     except UserError:
@@ -314,7 +332,8 @@ def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, to
         with building_dir(out, "partial") as tmp:
             _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
     except OSError as exc:
-        raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was replaced — free space and re-run") from None
+        raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was "
+                        "replaced — free space and re-run") from None
 
 
 def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,

@@ -48,24 +48,31 @@ class ModelRef:
 
 
 def resolve_model(spec: str | Path) -> ModelRef:
-    """``"path"`` or ``"name=path"`` -> ModelRef. Default name: ``<run>@<step>`` if known, else the folder name.
+    """``"path"`` or ``"name=path"`` -> ModelRef.
+
+    Default name: ``<run>@<step>`` if known, else the folder name.
 
     ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
     text = str(spec)
-    name, _, path = ("", "", text) if "=" not in text or Path(text).is_dir() else text.partition("=")
+    name, _, path = (("", "", text) if "=" not in text or Path(text).is_dir()
+                     else text.partition("="))
     folder = resolve_checkpoint(path)
     if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: not an HF model folder (no config.json); pass a save_pretrained folder")
+        raise UserError(f"{folder}: not an HF model folder (no config.json); "
+                        "pass a save_pretrained folder")
     meta: dict[str, Any] = {}
     if (folder / "checkpoint.json").is_file():
         try:
             meta = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise UserError(f"{folder}/checkpoint.json is not valid JSON ({exc.msg}); fix or remove it") from exc
+            raise UserError(f"{folder}/checkpoint.json is not valid JSON ({exc.msg}); "
+                            "fix or remove it") from exc
     step = meta.get("step")
     run = meta.get("run")
-    if not name:  # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
-        name = f"{Path(str(run)).name}@{step}" if run is not None and step is not None else folder.resolve().name
+    # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
+    if not name:
+        name = (f"{Path(str(run)).name}@{step}" if run is not None and step is not None
+                else folder.resolve().name)
     readiness = meta.get("readiness")
     return ModelRef(name, str(folder), None if step is None else int(step),
                     None if readiness is None else float(readiness), meta.get("objective"), run)
@@ -78,7 +85,8 @@ def stable_seed(*parts: object) -> int:
 
 
 class TaskHead(nn.Module):
-    """Head on the backbone output: first token → dense+tanh → linear (cls/reg), or per-token linear.
+    """Head on the backbone output: first token → dense+tanh → linear (cls/reg), or per-token
+    linear.
 
     The dense+tanh layer plays the role of BERT's pooler, built by us so that it is the same for
     every backbone (some have no pooler, others a pretrained one).
@@ -113,7 +121,10 @@ def build_head(spec: TaskSpec, d: int, seed: int) -> TaskHead:
 
 
 def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]:
-    """One permutation of range(n) per epoch, from (seed, task) only — the same for every model."""
+    """One permutation of range(n) per epoch, from (seed, task) only.
+
+    The same for every model.
+    """
     gen = torch.Generator().manual_seed(stable_seed("order", seed, task))
     return [torch.randperm(n, generator=gen).tolist() for _ in range(epochs)]
 
@@ -130,12 +141,15 @@ def load_tokenizer(path: str, spec: TaskSpec) -> Any:
     # WordPiece tokenizers ignore it.
     tok = hf.load_tokenizer(path, add_prefix_space=True)
     if not tok.is_fast:
-        raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) for word alignment")
+        raise UserError(f"{path}: token tasks need a fast tokenizer (tokenizer.json) "
+                        "for word alignment")
     return tok
 
 
-def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example], max_len: int) -> list[dict[str, Any]]:
-    """Tokenised features: {"inputs": tokenizer fields, "label": ..., "words": word index per labelled token}.
+def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example],
+           max_len: int) -> list[dict[str, Any]]:
+    """Tokenised features: {"inputs": tokenizer fields, "label": ...,
+    "words": word index per labelled token}.
 
     Token tasks label the first sub-token of each word and put -100 on every other position.
     """
@@ -157,14 +171,16 @@ def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example], max_len:
     return feats
 
 
-def collate(tokenizer: Any, spec: TaskSpec, feats: Sequence[dict[str, Any]], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def collate(tokenizer: Any, spec: TaskSpec, feats: Sequence[dict[str, Any]],
+            device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Pad a batch: model inputs (B, T) and labels (B,) or (B, T) with -100 padding."""
     batch = tokenizer.pad([f["inputs"] for f in feats], return_tensors="pt")
     if spec.kind == "token":
         width = batch["input_ids"].shape[1]
         labels = torch.tensor([f["label"] + [-100] * (width - len(f["label"])) for f in feats])
     else:
-        labels = torch.tensor([f["label"] for f in feats], dtype=torch.float32 if spec.kind == "reg" else torch.long)
+        labels = torch.tensor([f["label"] for f in feats],
+                              dtype=torch.float32 if spec.kind == "reg" else torch.long)
     return {k: v.to(device) for k, v in batch.items()}, labels.to(device)
 
 
@@ -186,8 +202,9 @@ def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> to
                               {"params": rest, "weight_decay": 0.0}], lr=lr)
 
 
-def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
-               seed: int, cfg: dict[str, Any], device: torch.device, tracker: Any = None) -> int:
+def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
+               feats: list[dict[str, Any]], seed: int, cfg: dict[str, Any], device: torch.device,
+               tracker: Any = None) -> int:
     """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs.
     Returns the number of optimizer steps.
 
@@ -195,7 +212,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     in the head only); cfg["clip"]: gradient-norm clipping, 0 = none. tracker: an
     `mlsm.tracking.Tracker` that gets the training loss and lr every LOG_EVERY steps."""
     torch.manual_seed(seed)  # dropout masks; the data order has its own generator
-    order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name, cfg["epochs"])
+    order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name,
+                           cfg["epochs"])
     clip = float(cfg.get("clip", 1.0))
     bs = cfg["batch_size"]
     total = cfg["epochs"] * math.ceil(len(feats) / bs)
@@ -230,11 +248,14 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
 
 
 @torch.no_grad()
-def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec, feats: list[dict[str, Any]],
-            examples: Sequence[Example], device: torch.device, batch_size: int = 64) -> list[Any]:
-    """Predictions per example: class ids, floats, or one tag name per word (truncated words → "O").
+def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
+            feats: list[dict[str, Any]], examples: Sequence[Example], device: torch.device,
+            batch_size: int = 64) -> list[Any]:
+    """Predictions per example: class ids, floats, or one tag name per word (truncated words
+    → "O").
 
-    Batches are formed from length-sorted examples (less padding); results come back in input order.
+    Batches are formed from length-sorted examples (less padding); results come back in input
+    order.
     """
     backbone.eval()
     head.eval()
@@ -287,7 +308,8 @@ def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
 def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None,
                eval_test: bool = False) -> tuple[list[Example], dict[str, list[Example]]]:
     train = load_task(spec.name, spec.train_split, data_dir, max_train)
-    evals = {suffix: load_task(spec.name, split, data_dir) for suffix, split in spec.eval_splits.items()}
+    evals = {suffix: load_task(spec.name, split, data_dir)
+             for suffix, split in spec.eval_splits.items()}
     if eval_test and spec.test_split:  # metric "<name>_test" beside the validation metric
         evals["test"] = load_task(spec.name, spec.test_split, data_dir)
     return train, evals
@@ -299,7 +321,8 @@ class Prepared:
 
     tokenizer: Any
     train: list[dict[str, Any]]  # features of the training set
-    evals: dict[str, tuple[list[Example], list[dict[str, Any]]]]  # metric suffix -> (examples, features)
+    # metric suffix -> (examples, features)
+    evals: dict[str, tuple[list[Example], list[dict[str, Any]]]]
 
 
 def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
@@ -336,7 +359,8 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
         preds = predict(backbone, head, data.tokenizer, spec, feats, examples, device)
         for metric, value in score(spec, preds, examples).items():
             rows.append({
-                "model": model.name, "path": model.path, "step": model.step, "readiness": model.readiness,
+                "model": model.name, "path": model.path, "step": model.step,
+                "readiness": model.readiness,
                 "objective": model.objective, "run": model.run, "task": spec.name,
                 "metric": f"{metric}_{suffix}" if suffix else metric, "value": value, "seed": seed,
                 "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
@@ -361,16 +385,19 @@ def _cell_tracker(report_to: Sequence[str], results: Path, ref: ModelRef, spec: 
     return tracking.open_tracker(list(report_to), folder, config, name, "--report-to")
 
 
-def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int, max_train_examples: int | None) -> None:
+def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int,
+                max_train_examples: int | None) -> None:
     """Refuse a grid that would train nothing and still write its (untrained) scores as results."""
     sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
     if max_train_examples is not None:
         sizes["--max-train-examples"] = max_train_examples
     for flag, value in sizes.items():
         if not value >= 1:
-            raise UserError(f"{flag} must be a positive integer, got {value}; nothing was trained or written")
+            raise UserError(f"{flag} must be a positive integer, got {value}; "
+                            "nothing was trained or written")
     if not all(lr > 0 for lr in lrs):
-        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; nothing was trained or written")
+        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; "
+                        "nothing was trained or written")
 
 
 def finetune(
@@ -425,10 +452,11 @@ def finetune(
         for ref in refs:
             data = None  # tokenised on first use: a finished model costs nothing on resume
             for lr, seed in itertools.product(lrs, seeds):
-                cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size, "max_len": max_len,
-                       "warmup_ratio": warmup_ratio, "weight_decay": weight_decay, "fixed_order": fixed_order,
-                       "clip": clip}
-                if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len, len(train)) not in done:
+                cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size,
+                       "max_len": max_len, "warmup_ratio": warmup_ratio,
+                       "weight_decay": weight_decay, "fixed_order": fixed_order, "clip": clip}
+                if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len,
+                        len(train)) not in done:
                     bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
                     data = data or prepare(ref, spec, train, evals, max_len)
                     with _cell_tracker(report_to, path, ref, spec, seed, cfg) as tracker:

@@ -32,11 +32,13 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     folder = resolve_checkpoint(checkpoint)
     info_path = folder / "checkpoint.json"
     if not info_path.is_file():
-        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a checkpoints/step-* folder of an mlsm run")
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
+                        "pass a checkpoints/step-* folder of an mlsm run")
     try:
         raw = dict(read_json(info_path)["config"])
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{info_path} is damaged (no readable config); pass another checkpoints/step-* folder") from None
+        raise UserError(f"{info_path} is damaged (no readable config); "
+                        "pass another checkpoints/step-* folder") from None
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
     raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),
@@ -48,7 +50,8 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides, max_steps); returns the probe run directory.
+    """Train the probe (kw: store, steps, out, overrides, max_steps); returns the probe run
+    directory.
 
     Default (no steps, overrides, store or resume): train to a held-out loss plateau
     (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
@@ -67,8 +70,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
 
 
 class ProbeScorer(torch.nn.Module):
-    """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))), f = softmax (default),
-    log_softmax or identity as heads.json says."""
+    """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))),
+    f = softmax (default), log_softmax or identity as heads.json says."""
 
     def __init__(self, folder: str | Path):
         super().__init__()
@@ -78,13 +81,17 @@ class ProbeScorer(torch.nn.Module):
         with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, folder)
         self.latent, _ = read_latent_head(folder)
-        self.input = meta["probe"].get("input", "probs")  # probes saved before the option read softmax(z)
+        # probes saved before the option read softmax(z)
+        self.input = meta["probe"].get("input", "probs")
         self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
-        self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items() if k.startswith("probe.")})
+        self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items()
+                                    if k.startswith("probe.")})
         self.eval()
 
-    def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+    def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  select: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids,
+                               attention_mask=attention_mask).last_hidden_state  # (B, T, d)
         return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 
@@ -108,7 +115,8 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     """
     folder = resolve_checkpoint(path)
     heads = folder / "heads.json"
-    latent_only = heads.is_file() and "probe" not in read_json(heads) and not _exports_vocab_head(folder)
+    latent_only = (heads.is_file() and "probe" not in read_json(heads)
+                   and not _exports_vocab_head(folder))
     if latent_only and is_run_dir(probe_run_of(folder)):
         folder = resolve_checkpoint(probe_run_of(folder))
         heads = folder / "heads.json"
@@ -116,6 +124,7 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), load_tokenizer(folder)
     if heads.is_file() and "latent" in read_json(heads) and not _exports_vocab_head(folder):
-        raise UserError(f"{folder} is an MLSM model without a vocabulary and {probe_run_of(folder)} has no probe; "
+        raise UserError(f"{folder} is an MLSM model without a vocabulary and "
+                        f"{probe_run_of(folder)} has no probe; "
                         f"train its probe first: mlsm probe {path}")
     return load_masked_lm(str(folder), device)

@@ -42,7 +42,8 @@ def plot_readiness(cmp: Comparison, path: Path) -> Path:
     for i, model in enumerate(cmp.models):
         info = cmp.info.get(model, {})
         if info.get("readiness") is None:
-            ax.axhline(100 * _avg(cmp, i), linestyle="--", linewidth=1, label=model, color=f"C{(9 - i) % 10}")
+            ax.axhline(100 * _avg(cmp, i), linestyle="--", linewidth=1, label=model,
+                       color=f"C{(9 - i) % 10}")
             continue
         label = Path(str(info["run"])).name if info.get("run") else info.get("objective") or model
         series.setdefault(str(label), []).append((float(info["readiness"]), 100 * _avg(cmp, i)))
@@ -70,12 +71,14 @@ def plot_wilcoxon(cmp: Comparison, path: Path) -> Path:
               (frac, "win fraction (row beats column)", "RdBu", None)]
     for k, (values, title, cmap, labels) in enumerate(panels):
         ax = fig.add_subplot(1, 2, k + 1)
-        im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0 if k else None, vmax=1 if k else None)
+        im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=0 if k else None,
+                       vmax=1 if k else None)
         fig.colorbar(im, ax=ax, fraction=0.046)
         for i in range(m):
             for j in range(m):
                 if i != j:
-                    s = labels[i][j] if labels else f"{int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])}"
+                    s = (labels[i][j] if labels
+                         else f"{int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])}")
                     ax.text(j, i, s, ha="center", va="center", fontsize=8, color="black",
                             bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})
         ax.set_xticks(range(m), cmp.models, rotation=45, ha="right", fontsize=8)
@@ -112,10 +115,13 @@ def plot_paired(cmp: Comparison, task: str, path: Path, baseline: str | None = N
 
 
 def check_baseline(cmp: Comparison, baseline: str | None, results_path: str | Path) -> None:
-    """--baseline must name a model of the results (else the scatters would use another, silently)."""
+    """--baseline must name a model of the results.
+
+    Else the scatters would use another, silently.
+    """
     if baseline is not None and baseline not in cmp.models:
-        raise UserError(f"--baseline {baseline!r} is not a model in {results_path}; models present: "
-                        f"{', '.join(cmp.models)}")
+        raise UserError(f"--baseline {baseline!r} is not a model in {results_path}; "
+                        f"models present: {', '.join(cmp.models)}")
 
 
 def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
@@ -129,13 +135,15 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     out = Path(out_dir)
     cmp.write(out)
     figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
-               (f"One-sided Wilcoxon p-values, row better than column (* p < {SIGNIFICANCE}), and win fractions (Fig. 2b/2c)",
+               ("One-sided Wilcoxon p-values, row better than column "
+                f"(* p < {SIGNIFICANCE}), and win fractions (Fig. 2b/2c)",
                 plot_wilcoxon(cmp, out / "wilcoxon.png"))]
     for task in dict.fromkeys(t for t, _ in cmp.columns):
         png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)
         if png is not None:
             figures.append((f"{task}: paired runs (Fig. 7)", png))
-    parts = [f"# Fine-tuning report\n\nResults: `{results_path}`; models: {', '.join(cmp.models)}.\n"]
+    parts = [f"# Fine-tuning report\n\nResults: `{results_path}`; "
+             f"models: {', '.join(cmp.models)}.\n"]
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())
     path = out / "report.md"

@@ -82,18 +82,19 @@ def _decode_line(path: Path, number: int, raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}:{number} is not UTF-8 text (byte {exc.start + 1} of the line); "
-                        "remove or fix that line (results files are JSON lines written by mlsm finetune)") from None
+                        "remove or fix that line (results files are JSON lines written by "
+                        "mlsm finetune)") from None
 
 
 def read_scores(path: str | Path) -> list[dict[str, Any]]:
     """The rows of `read_results` whose value is a finite number; the others (NaN, null, text)
     are skipped and counted in one warning on stderr, so a mean is never silently NaN."""
     rows = read_results(path)
-    good = [r for r in rows if isinstance(r["value"], int | float) and not isinstance(r["value"], bool)
-            and math.isfinite(r["value"])]
+    good = [r for r in rows if isinstance(r["value"], int | float)
+            and not isinstance(r["value"], bool) and math.isfinite(r["value"])]
     if len(good) < len(rows):
-        print(f"mlsm: warning: {path}: skipped {len(rows) - len(good)} of {len(rows)} result rows whose value "
-              "is not a finite number (NaN, null or text)", file=sys.stderr)
+        print(f"mlsm: warning: {path}: skipped {len(rows) - len(good)} of {len(rows)} result rows "
+              "whose value is not a finite number (NaN, null or text)", file=sys.stderr)
     return good
 
 
@@ -118,17 +119,24 @@ class Comparison:
     mean: np.ndarray  # (m, c) mean over seeds (and lrs)
     std: np.ndarray  # (m, c) sample std (ddof=1; 0 for a single run)
     count: np.ndarray  # (m, c) runs per cell
-    pvalues: np.ndarray  # (m, m) one-sided Wilcoxon p of "row better than column"; NaN on the diagonal
+    # (m, m) one-sided Wilcoxon p of "row better than column"; NaN on the diagonal
+    pvalues: np.ndarray
     wins: np.ndarray  # (m, m) cells where the row model scores strictly higher
     n_pairs: np.ndarray  # (m, m) common cells
-    info: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> step/readiness/objective/run
-    scores: dict[str, dict[tuple[Any, ...], float]] = field(default_factory=dict)  # model -> cell -> value
+    # model -> step/readiness/objective/run
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # model -> cell -> value
+    scores: dict[str, dict[tuple[Any, ...], float]] = field(default_factory=dict)
     pvalues_two_sided: np.ndarray | None = None  # (m, m) symmetric two-sided p; NaN on the diagonal
-    ci: np.ndarray | None = None  # (m, m, 3) bootstrap mean difference row − column, CI low, CI high
+    # (m, m, 3) bootstrap mean difference row − column, CI low, CI high
+    ci: np.ndarray | None = None
     ci_level: float = 0.95
 
     def pvalue_table(self) -> list[list[str]]:
-        """Rows of the directional p-value matrix as text; ``*`` at (i, j): i better than j, p < 0.01."""
+        """Rows of the directional p-value matrix as text.
+
+        ``*`` at (i, j): i better than j, p < 0.01.
+        """
         m = len(self.models)
         return [[("—" if i == j or math.isnan(self.pvalues[i, j]) else
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
@@ -138,8 +146,8 @@ class Comparison:
         """Table 1 rows: "mean ± std" ×100 per (task, metric), then the average of the means."""
         out = []
         for i in range(len(self.models)):
-            cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}" if self.count[i, c] else "—"
-                     for c in range(len(self.columns))]
+            cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}"
+                     if self.count[i, c] else "—" for c in range(len(self.columns))]
             row_means = self.mean[i][self.count[i] > 0]
             out.append([*cells, f"{100 * row_means.mean():.2f}" if len(row_means) else "—"])
         return out
@@ -152,7 +160,8 @@ class Comparison:
         return "\n".join([
             "## Mean dev scores (×100, mean ± std over seeds)", "",
             _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
-            f"## Wilcoxon signed-rank p-values, one-sided: row better than column (* p < {SIGNIFICANCE})", "",
+            "## Wilcoxon signed-rank p-values, one-sided: row better than column "
+            f"(* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
             "## Wins (row beats column / paired runs)", "",
             _md(["model", *self.models], self.models, wins), "",
@@ -165,9 +174,11 @@ class Comparison:
             return []
         m = len(self.models)
         rows = [[("—" if i == j or math.isnan(self.ci[i, j, 0]) else
-                  f"{100 * self.ci[i, j, 0]:+.2f} [{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
+                  f"{100 * self.ci[i, j, 0]:+.2f} "
+                  f"[{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
                  for j in range(m)] for i in range(m)]
-        title = f"## Mean paired difference row − column ×100, {100 * self.ci_level:.0f} % bootstrap CI"
+        title = ("## Mean paired difference row − column ×100, "
+                 f"{100 * self.ci_level:.0f} % bootstrap CI")
         return [title, "", _md(["model", *self.models], self.models, rows), ""]
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
@@ -180,13 +191,18 @@ class Comparison:
                  for c, (t, met) in enumerate(self.columns) for i, mod in enumerate(self.models)
                  if self.count[i, c]]
         _csv(paths["means"], ["task", "metric", "model", "mean", "std", "n"], means)
-        _csv(paths["pvalues"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.pvalues.tolist(), strict=True)])
-        two = self.pvalues_two_sided if self.pvalues_two_sided is not None else np.full_like(self.pvalues, math.nan)
-        _csv(paths["pvalues_two_sided"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, two.tolist(), strict=True)])
-        _csv(paths["wins"], ["model", *self.models], [[m, *r] for m, r in zip(self.models, self.wins.astype(int).tolist(), strict=True)])
+        _csv(paths["pvalues"], ["model", *self.models],
+             [[m, *r] for m, r in zip(self.models, self.pvalues.tolist(), strict=True)])
+        two = (self.pvalues_two_sided if self.pvalues_two_sided is not None
+               else np.full_like(self.pvalues, math.nan))
+        _csv(paths["pvalues_two_sided"], ["model", *self.models],
+             [[m, *r] for m, r in zip(self.models, two.tolist(), strict=True)])
+        _csv(paths["wins"], ["model", *self.models],
+             [[m, *r] for m, r in zip(self.models, self.wins.astype(int).tolist(), strict=True)])
         if self.ci is not None:
             paths["mean_diff_ci"] = out / "mean_diff_ci.csv"
-            _csv(paths["mean_diff_ci"], ["model", "other", "n", "mean_diff", "ci_low", "ci_high", "level"],
+            _csv(paths["mean_diff_ci"],
+                 ["model", "other", "n", "mean_diff", "ci_low", "ci_high", "level"],
                  [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
                   for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
         paths["markdown"] = out / "comparison.md"
@@ -210,19 +226,25 @@ def _csv(path: Path, header: list[str], rows: list[list[Any]]) -> None:
     atomic_write(path, write)
 
 
-def _scores(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[tuple[Any, ...], float]], dict[str, dict[str, Any]]]:
+def _scores(rows: list[dict[str, Any]]
+            ) -> tuple[dict[str, dict[tuple[Any, ...], float]], dict[str, dict[str, Any]]]:
     """model -> {cell key: value} (a re-run cell keeps its last value), and model -> metadata."""
     scores: dict[str, dict[tuple[Any, ...], float]] = {}
     info: dict[str, dict[str, Any]] = {}
     for r in rows:
         key = tuple(float(r[k]) if k == "lr" else r[k] for k in CELL_FIELDS)
         scores.setdefault(r["model"], {})[key] = float(r["value"])
-        info.setdefault(r["model"], {k: r.get(k) for k in ("step", "readiness", "objective", "run")})
+        info.setdefault(r["model"],
+                        {k: r.get(k) for k in ("step", "readiness", "objective", "run")})
     return scores, info
 
 
-def _pairwise(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, ...]:
-    """(greater, two_sided, wins, n_pairs): greater[i, j] is the one-sided p of "i better than j"."""
+def _pairwise(models: list[str],
+              scores: dict[str, dict[tuple[Any, ...], float]]) -> tuple[np.ndarray, ...]:
+    """(greater, two_sided, wins, n_pairs).
+
+    greater[i, j] is the one-sided p of "i better than j".
+    """
     m = len(models)
     pvalues, wins, n_pairs = np.full((m, m), math.nan), np.zeros((m, m)), np.zeros((m, m))
     two_sided = np.full((m, m), math.nan)
@@ -258,7 +280,8 @@ def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
             if not str(key[1]).endswith("_test"):
                 group = (key[0], *key[lr_at + 1:])  # task, epochs, batch, max_len, n_train
                 groups.setdefault(group, {}).setdefault(key[lr_at], []).append(value)
-        best = {g: max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr)) for g, by_lr in groups.items()}
+        best = {g: max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr))
+                for g, by_lr in groups.items()}
         out[model] = {(*k[:lr_at], SELECTED_LR, *k[lr_at + 1:]): v for k, v in cells.items()
                       if best.get((k[0], *k[lr_at + 1:])) == k[lr_at]}
         info.setdefault(model, {})["best_lr"] = {g[0]: lr for g, lr in best.items()}
@@ -288,11 +311,14 @@ def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...
     return out
 
 
-def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *, select_lr: bool = False,
-                 bootstrap: int = 0, ci_level: float = 0.95) -> Comparison:
-    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of every model in a results file.
+def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
+                 select_lr: bool = False, bootstrap: int = 0,
+                 ci_level: float = 0.95) -> Comparison:
+    """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of
+    every model in a results file.
 
-    select_lr: per model and task keep only its best learning rate on validation (``select_best_lr``).
+    select_lr: per model and task keep only its best learning rate on validation
+    (``select_best_lr``).
     bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
@@ -300,7 +326,8 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")
     if bootstrap < 0 or not 0.0 < ci_level < 1.0:
-        raise UserError(f"--bootstrap must be >= 0 (got {bootstrap}) and the CI level in (0, 1) (got {ci_level})")
+        raise UserError(f"--bootstrap must be >= 0 (got {bootstrap}) and the CI level in (0, 1) "
+                        f"(got {ci_level})")
     scores, info = _scores(rows)
     if select_lr:
         scores = select_best_lr(scores, info)
@@ -317,7 +344,8 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
     pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
     ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
-    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores, two_sided, ci, ci_level)
+    report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores,
+                        two_sided, ci, ci_level)
     if out_dir is not None:
         report.write(out_dir)
     return report

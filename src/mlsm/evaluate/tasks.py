@@ -74,7 +74,8 @@ def metric_pearson_spearman(preds: Sequence[float], labels: Sequence[float]) -> 
     }
 
 
-def metric_entity_f1(preds: Sequence[Sequence[str]], labels: Sequence[Sequence[str]]) -> dict[str, float]:
+def metric_entity_f1(preds: Sequence[Sequence[str]],
+                     labels: Sequence[Sequence[str]]) -> dict[str, float]:
     """Entity-level micro F1 over tag sequences (seqeval, CoNLL-2003 convention)."""
     return {"f1": float(seqeval_f1([list(x) for x in labels], [list(x) for x in preds]))}
 
@@ -97,7 +98,8 @@ def _find(folder: Path, names: Sequence[str], what: str) -> Path:
 
 def _label_id(value: str, labels: tuple[str, ...], path: Path) -> int:
     if value not in labels:
-        raise UserError(f"{path}: label {value!r} is not one of {list(labels)}; is this the right task folder?")
+        raise UserError(f"{path}: label {value!r} is not one of {list(labels)}; "
+                        "is this the right task folder?")
     return labels.index(value)
 
 
@@ -105,7 +107,8 @@ def _score(value: str, path: Path) -> float:
     try:
         return float(value)
     except ValueError:
-        raise UserError(f"{path}: score {value!r} is not a number; expected the STS-B score column (0-5)") from None
+        raise UserError(f"{path}: score {value!r} is not a number; "
+                        "expected the STS-B score column (0-5)") from None
 
 
 def _glue_reader(
@@ -119,13 +122,15 @@ def _glue_reader(
         head = rows[0] if rows else []
         missing = [c for c in (a, b, y) if c is not None and c not in head]
         if missing:
-            raise UserError(f"{path}: header lacks columns {missing}; expected GLUE TSV columns {[a, b, y]}")
+            raise UserError(f"{path}: header lacks columns {missing}; "
+                            f"expected GLUE TSV columns {[a, b, y]}")
         ia, iy = head.index(a), head.index(y)
         ib = head.index(b) if b is not None else None
         out = []
         for row in rows[1:]:
             if len(row) != len(head):
-                raise UserError(f"{path}: a row has {len(row)} fields, header has {len(head)}; expected the original GLUE TSV")
+                raise UserError(f"{path}: a row has {len(row)} fields, header has {len(head)}; "
+                                "expected the original GLUE TSV")
             lab = _score(row[iy], path) if not labels else _label_id(row[iy], labels, path)
             out.append(Example(row[ia], row[ib] if ib is not None else None, lab))
         return out
@@ -135,11 +140,13 @@ def _glue_reader(
 
 def _read_cola(folder: Path, split: str) -> list[Example]:
     """CoLA train/dev: no header; columns source, label, original mark, sentence."""
-    path = _find(folder, (f"{split}.tsv",), "CoLA TSVs without header: source, label, mark, sentence")
+    path = _find(folder, (f"{split}.tsv",),
+                 "CoLA TSVs without header: source, label, mark, sentence")
     out = []
     for row in read_tsv(path):
         if len(row) != 4 or row[1] not in ("0", "1"):
-            raise UserError(f"{path}: expected 4 tab-separated columns (source, label 0/1, mark, sentence) and no header")
+            raise UserError(f"{path}: expected 4 tab-separated columns "
+                            "(source, label 0/1, mark, sentence) and no header")
         out.append(Example(row[3], None, int(row[1])))
     return out
 
@@ -147,7 +154,8 @@ def _read_cola(folder: Path, split: str) -> list[Example]:
 def _mrpc_rows(path: Path) -> list[list[str]]:
     rows = read_tsv(path)
     if not rows or rows[0][:3] != ["Quality", "#1 ID", "#2 ID"] or any(len(r) != 5 for r in rows):
-        raise UserError(f"{path}: expected MRPC columns Quality, #1 ID, #2 ID, #1 String, #2 String")
+        raise UserError(f"{path}: expected MRPC columns "
+                        "Quality, #1 ID, #2 ID, #1 String, #2 String")
     return rows[1:]
 
 
@@ -155,16 +163,20 @@ def _mrpc_source(folder: Path, split: str) -> tuple[Path, Callable[[list[str]], 
     """The file holding ``split`` and a filter on its rows (GLUE TSV, else msr_paraphrase_*.txt)."""
     if (folder / f"{split}.tsv").is_file():
         return folder / f"{split}.tsv", lambda r: True
-    src = next((d for d in (folder, folder / "original") if (d / "msr_paraphrase_train.txt").is_file()), None)
+    src = next((d for d in (folder, folder / "original")
+                if (d / "msr_paraphrase_train.txt").is_file()), None)
     if src is None:
-        raise UserError(f"{folder}: expected MRPC train.tsv/dev.tsv or original/msr_paraphrase_train.txt (+ dev_ids.tsv)")
+        raise UserError(f"{folder}: expected MRPC train.tsv/dev.tsv or "
+                        "original/msr_paraphrase_train.txt (+ dev_ids.tsv)")
     if (src / "dev_ids.tsv").is_file():
         dev = {tuple(r[:2]) for r in read_tsv(src / "dev_ids.tsv") if len(r) >= 2}
-        return src / "msr_paraphrase_train.txt", lambda r: (tuple(r[1:3]) in dev) == (split == "dev")
+        return (src / "msr_paraphrase_train.txt",
+                lambda r: (tuple(r[1:3]) in dev) == (split == "dev"))
     # Without the GLUE split the only other labelled file is the 1,725-pair TEST set: using it as
     # dev (or all of msr_paraphrase_train.txt as train) would silently change what is measured.
-    raise UserError(f"{src / 'dev_ids.tsv'}: missing; MRPC's GLUE dev split needs it (else dev would be the test "
-                    "set): copy dev_ids.tsv from the GLUE download next to msr_paraphrase_train.txt, or use GLUE's train.tsv/dev.tsv")
+    raise UserError(f"{src / 'dev_ids.tsv'}: missing; MRPC's GLUE dev split needs it "
+                    "(else dev would be the test set): copy dev_ids.tsv from the GLUE download "
+                    "next to msr_paraphrase_train.txt, or use GLUE's train.tsv/dev.tsv")
 
 
 def _read_mrpc(folder: Path, split: str) -> list[Example]:
@@ -185,7 +197,10 @@ def _wic_text(word: str, s1: str) -> str:
 
 
 def _read_wic(folder: Path, split: str) -> list[Example]:
-    """WiC: ``<split>.data.txt`` (lemma, N/V, "i-j", sentence 1, sentence 2) + ``<split>.gold.txt`` (T/F)."""
+    """WiC: ``<split>.data.txt`` (lemma, N/V, "i-j", sentence 1, sentence 2).
+
+    Plus ``<split>.gold.txt`` (T/F).
+    """
     what = f"WiC files {split}.data.txt and {split}.gold.txt"
     base = folder / split if (folder / split / f"{split}.data.txt").is_file() else folder
     data = _find(base, (f"{split}.data.txt",), what)
@@ -193,11 +208,14 @@ def _read_wic(folder: Path, split: str) -> list[Example]:
     rows = read_tsv(data)
     golds = [g.strip() for g in gold.read_text(encoding="utf-8").splitlines() if g.strip()]
     if len(rows) != len(golds) or any(len(r) != 5 or r[1] not in ("N", "V") for r in rows):
-        raise UserError(f"{data}: expected 5 tab-separated WiC columns (lemma, N/V, i-j, s1, s2), one T/F gold line per row")
-    return [Example(_wic_text(r[0], r[3]), r[4], _label_id(g, ("F", "T"), gold)) for r, g in zip(rows, golds, strict=True)]
+        raise UserError(f"{data}: expected 5 tab-separated WiC columns (lemma, N/V, i-j, s1, s2), "
+                        "one T/F gold line per row")
+    return [Example(_wic_text(r[0], r[3]), r[4], _label_id(g, ("F", "T"), gold))
+            for r, g in zip(rows, golds, strict=True)]
 
 
-CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")  # HF order
+# HF order
+CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 
 
 def _conll_lines(path: Path) -> list[str]:
@@ -207,9 +225,14 @@ def _conll_lines(path: Path) -> list[str]:
 
 
 def _read_conll(folder: Path, split: str) -> list[Example]:
-    """CoNLL-2003: ``token POS chunk NER`` per line, -DOCSTART- lines, blank line between sentences."""
-    names = {"train": ("train",), "valid": ("valid", "dev", "testa"), "test": ("test", "testb")}[split]
-    path = _find(folder, [f"{n}{ext}" for n in names for ext in (".txt", ".txt.gz", "")], "CoNLL-2003 files train/valid/test(.txt|.txt.gz)")
+    """CoNLL-2003: ``token POS chunk NER`` per line, -DOCSTART- lines.
+
+    A blank line between sentences.
+    """
+    names = {"train": ("train",), "valid": ("valid", "dev", "testa"),
+             "test": ("test", "testb")}[split]
+    path = _find(folder, [f"{n}{ext}" for n in names for ext in (".txt", ".txt.gz", "")],
+                 "CoNLL-2003 files train/valid/test(.txt|.txt.gz)")
     out: list[Example] = []
     words: list[str] = []
     tags: list[int] = []
@@ -217,7 +240,8 @@ def _read_conll(folder: Path, split: str) -> list[Example]:
         cols = line.split()
         if cols and cols[0] != "-DOCSTART-":
             if len(cols) != 4:
-                raise UserError(f"{path}: expected 4 space-separated columns (token POS chunk NER) per line, got {line!r}")
+                raise UserError(f"{path}: expected 4 space-separated columns "
+                                f"(token POS chunk NER) per line, got {line!r}")
             words.append(cols[0])
             tags.append(_label_id(cols[3], CONLL_TAGS, path))
         elif words:
@@ -257,9 +281,11 @@ class TaskSpec:
     hf: tuple[tuple[str, str | None], ...]  # HF datasets (path, config) candidates, tried in order
     from_hf: Callable[[dict[str, Any]], Example]
     hf_splits: dict[str, str]  # our split -> HF split
-    eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})  # metric suffix -> split
+    # metric suffix -> split
+    eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})
     train_split: str = "train"
-    test_split: str = ""  # a labelled test split scored with `eval_test` (CoNLL-2003: Berend 2023 reports test)
+    # a labelled test split scored with `eval_test` (CoNLL-2003: Berend 2023 reports test)
+    test_split: str = ""
 
     @property
     def num_outputs(self) -> int:
@@ -294,25 +320,31 @@ TASKS: dict[str, TaskSpec] = {
     "qnli": TaskSpec("qnli", "cls", _NLI2, metric_acc, ("QNLI", "qnli"),
                      _glue_reader(_GT, "question", "sentence", "label", _NLI2),
                      _glue("qnli"), _hf_pair("question", "sentence"), _GLUE_SPLITS),
-    "mnli": TaskSpec("mnli", "cls", ("entailment", "neutral", "contradiction"), metric_acc, ("MNLI", "mnli"),
+    "mnli": TaskSpec("mnli", "cls", ("entailment", "neutral", "contradiction"), metric_acc,
+                     ("MNLI", "mnli"),
                      _glue_reader({"train": ("train.tsv",), "dev_matched": ("dev_matched.tsv",),
                                    "dev_mismatched": ("dev_mismatched.tsv",)},
-                                  "sentence1", "sentence2", "gold_label", ("entailment", "neutral", "contradiction")),
+                                  "sentence1", "sentence2", "gold_label",
+                                  ("entailment", "neutral", "contradiction")),
                      _glue("mnli"), _hf_pair("premise", "hypothesis"),
-                     {"train": "train", "dev_matched": "validation_matched", "dev_mismatched": "validation_mismatched"},
+                     {"train": "train", "dev_matched": "validation_matched",
+                      "dev_mismatched": "validation_mismatched"},
                      eval_splits={"m": "dev_matched", "mm": "dev_mismatched"}),
     "qqp": TaskSpec("qqp", "cls", _B, metric_acc_f1, ("QQP", "qqp"),
                     _glue_reader(_GT, "question1", "question2", "is_duplicate", _B),
                     _glue("qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
     "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, ("WiC", "wic", "WiC_dataset"), _read_wic,
                     (("aps/super_glue", "wic"), ("super_glue", "wic")), _hf_wic, _GLUE_SPLITS),
-    # made by `mlsm demo` from held-out prose when no GLUE data is at hand: original vs word-shuffled
+    # made by `mlsm demo` from held-out prose when no GLUE data is at hand: original vs
+    # word-shuffled
     "word_order": TaskSpec("word_order", "cls", _B, metric_acc, ("WordOrder", "word_order"),
-                           _glue_reader(_GT, "sentence", None, "label", _B), (), _hf_pair("sentence", None), _GLUE_SPLITS),
-    "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1, ("conll2003", "CoNLL-2003", "conll"),
-                          _read_conll, (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
-                          {"train": "train", "valid": "validation", "test": "test"}, eval_splits={"": "valid"},
-                          test_split="test"),
+                           _glue_reader(_GT, "sentence", None, "label", _B), (),
+                           _hf_pair("sentence", None), _GLUE_SPLITS),
+    "conll2003": TaskSpec("conll2003", "token", CONLL_TAGS, metric_entity_f1,
+                          ("conll2003", "CoNLL-2003", "conll"), _read_conll,
+                          (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
+                          {"train": "train", "valid": "validation", "test": "test"},
+                          eval_splits={"": "valid"}, test_split="test"),
 }
 
 
@@ -332,7 +364,8 @@ def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
             return root / name
     if root.is_dir() and root.name in spec.folders:
         return root
-    raise UserError(f"{root}: no folder {' or '.join(spec.folders)} for task {spec.name}; point --data-dir at the folder that holds it")
+    raise UserError(f"{root}: no folder {' or '.join(spec.folders)} for task {spec.name}; "
+                    "point --data-dir at the folder that holds it")
 
 
 def _load_hf(spec: TaskSpec, split: str) -> list[Example]:

@@ -30,7 +30,8 @@ _MLM_HEADS: dict[str, Callable[[PreTrainedModel, torch.Tensor], torch.Tensor]] =
     "distilbert": lambda m, h: m.vocab_projector(
         m.vocab_layer_norm(m.activation(m.vocab_transform(h)))
     ),
-    "deberta-v2": lambda m, h: m.cls(h) if hasattr(m, "cls") else m.lm_predictions(h, m.deberta.embeddings.word_embeddings),
+    "deberta-v2": lambda m, h: (m.cls(h) if hasattr(m, "cls")
+                                else m.lm_predictions(h, m.deberta.embeddings.word_embeddings)),
     "modernbert": lambda m, h: m.decoder(m.head(h)),
     "electra": lambda m, h: m.generator_lm_head(m.generator_predictions(h)),
 }

@@ -48,18 +48,21 @@ def _as_hf_mask(allowed: torch.Tensor, config: Any, dtype: torch.dtype) -> torch
     if impl == "eager":
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
-    raise UserError(f"causal attention needs attn_implementation sdpa or eager, the model uses {impl!r}; set model.overrides={{attn_implementation: sdpa}}")
+    raise UserError(f"causal attention needs attn_implementation sdpa or eager, the model uses "
+                    f"{impl!r}; set model.overrides={{attn_implementation: sdpa}}")
 
 
 def _plain_mask(student: Student, allowed: torch.Tensor) -> Any:
-    return _as_hf_mask(allowed, student.config, student.backbone.get_input_embeddings().weight.dtype)
+    return _as_hf_mask(allowed, student.config,
+                       student.backbone.get_input_embeddings().weight.dtype)
 
 
 def _modernbert_mask(student: Student, allowed: torch.Tensor) -> Any:
     cfg = student.config
     t = allowed.shape[-1]
     idx = torch.arange(t, device=allowed.device)
-    window = (idx[:, None] - idx[None, :]).abs() <= cfg.sliding_window // 2  # (T, T), as ModernBERT's local layers
+    # (T, T), as ModernBERT's local layers
+    window = (idx[:, None] - idx[None, :]).abs() <= cfg.sliding_window // 2
     dtype = student.backbone.get_input_embeddings().weight.dtype
     return {"full_attention": _as_hf_mask(allowed, cfg, dtype),
             "sliding_attention": _as_hf_mask(allowed & window, cfg, dtype)}
@@ -80,7 +83,8 @@ _CAUSAL_MASKS: dict[str, Callable[[Student, torch.Tensor], Any]] = {
 def check_causal_support(student: Student) -> None:
     kind = student.config.model_type
     if kind not in _CAUSAL_MASKS:
-        raise UserError(f"causal attention is not supported for model.arch={kind!r}; use one of {', '.join(sorted(_CAUSAL_MASKS))}")
+        raise UserError(f"causal attention is not supported for model.arch={kind!r}; "
+                        f"use one of {', '.join(sorted(_CAUSAL_MASKS))}")
 
 
 def causal_mask(student: Student, attention_mask: torch.Tensor) -> Any:
@@ -89,7 +93,8 @@ def causal_mask(student: Student, attention_mask: torch.Tensor) -> Any:
     return _CAUSAL_MASKS[student.config.model_type](student, causal_allowed(attention_mask))
 
 
-def causal_encode(student: Student, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def causal_encode(student: Student, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states (B, T, d) of the student run with causal self-attention."""
     return student(input_ids, causal_mask(student, attention_mask))
 

@@ -56,15 +56,19 @@ class MLMTeacher:
 
     def __init__(self, path: str, ctx: Context):
         if not path:
-            raise UserError("objective.teacher is not set; KD needs a teacher with an MLM head: pass objective.teacher=PATH (an AutoModelForMaskedLM folder)")
+            raise UserError("objective.teacher is not set; KD needs a teacher with an MLM head: "
+                            "pass objective.teacher=PATH (an AutoModelForMaskedLM folder)")
         try:
             tokenizer = load_tokenizer(path)
             mlm = has_mlm_head(path)
             model = load_model(AutoModelForMaskedLM, path) if mlm else None
         except Exception as exc:  # HF raises OSError, ValueError, HTTP errors, ...
-            raise UserError(f"cannot load {path!r} as a masked LM ({first_line(exc)}); KD needs an AutoModelForMaskedLM folder") from None
+            raise UserError(f"cannot load {path!r} as a masked LM ({first_line(exc)}); "
+                            "KD needs an AutoModelForMaskedLM folder") from None
         if model is None:
-            raise UserError(f"teacher {path!r} has no MLM head (e.g. the packaged MiniLM is a bare encoder); KD needs an AutoModelForMaskedLM checkpoint such as bert-base-cased")
+            raise UserError(f"teacher {path!r} has no MLM head (e.g. the packaged MiniLM is a bare "
+                            "encoder); KD needs an AutoModelForMaskedLM checkpoint such as "
+                            "bert-base-cased")
         require_same_tokenizer(tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
         try:
             self.head = mlm_head_fn(model)
@@ -73,13 +77,17 @@ class MLMTeacher:
         self.model = model.to(ctx.device).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids, mask, bool selection -> (N, V_teacher) fp32 logits, row-major order of select."""
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               select: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids, mask, bool selection -> (N, V_teacher) fp32 logits, row-major order of
+        select."""
+        hidden = self.model.base_model(input_ids=input_ids,
+                                       attention_mask=attention_mask).last_hidden_state
         return self.head(hidden[select]).float()  # (N, d) -> (N, V)
 
 
-def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+               temperature: float) -> torch.Tensor:
     """Per-target T²·KL(softmax(t/T) ‖ softmax(s/T)), shape (N,). Inputs (N, V)."""
     log_p = F.log_softmax(teacher_logits / temperature, dim=-1)  # (N, V)
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
@@ -93,9 +101,11 @@ class KD(Objective):
     def __init__(self, cfg: KDConfig, ctx: Context):
         super().__init__()
         if not cfg.temperature > 0:
-            raise UserError(f"objective.temperature must be > 0 (got {cfg.temperature}); use e.g. 1 or 2")
+            raise UserError(f"objective.temperature must be > 0 (got {cfg.temperature}); "
+                            "use e.g. 1 or 2")
         if cfg.teacher_input not in ("corrupted", "original"):
-            raise UserError(f"objective.teacher_input={cfg.teacher_input!r}; use corrupted or original")
+            raise UserError(f"objective.teacher_input={cfg.teacher_input!r}; "
+                            "use corrupted or original")
         self.cfg = cfg
         self.teacher = MLMTeacher(cfg.teacher, ctx)
         self.vocab = len(ctx.tokenizer)
@@ -115,7 +125,8 @@ class KD(Objective):
         s_logits = self.vocab_logits(hidden[batch.selected])  # (N, V_s)
         # Some checkpoints pad the vocabulary matrix (e.g. to a multiple of 8); the extra rows
         # are never real tokens, so both sides are cut to the tokenizer's size.
-        kl = distill_kl(s_logits[:, : self.vocab], t_logits[:, : self.vocab], self.cfg.temperature)  # (N,)
+        kl = distill_kl(s_logits[:, : self.vocab], t_logits[:, : self.vocab],
+                        self.cfg.temperature)  # (N,)
         with torch.no_grad():
             metrics = {
                 "kd_loss": kl.sum().detach(),

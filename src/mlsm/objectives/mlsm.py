@@ -3,9 +3,9 @@ Pre-training Alternative to Masked Language Modeling", §3).
 
 For every selected position i the target is a distribution over k latent semantic properties:
 the frozen teacher reads the *unmasked* sequence, its layer-l state h_i is ℓ2-normalised and
-sparse-coded against the dictionary D (non-negative LASSO, λ), and p_i = α_i / ‖α_i‖₁. The student
-predicts z_i = latent_head(student(masked input)_i) ∈ R^k and the loss is KL(p_i ‖ softmax(z_i)).
-The output layer is d × k; no vocabulary logits are ever computed.
+sparse-coded against the dictionary D (non-negative LASSO, λ), and p_i = α_i / ‖α_i‖₁. The
+student predicts z_i = latent_head(student(masked input)_i) ∈ R^k and the loss is
+KL(p_i ‖ softmax(z_i)). The output layer is d × k; no vocabulary logits are ever computed.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ class MLSMConfig:
     lam: float = 0.0
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
     targets: str = ""
-    """Target store from `mlsm targets`; when set, codes are read from it and no teacher is loaded."""
+    """Target store from `mlsm targets`; when set, codes are read from it and no teacher is
+    loaded."""
     solver: Literal["exact", "fista"] = "exact"
     """Sparse coder of the online targets: `exact` (active set, KKT-checked) or `fista` (a fixed
-    `fista_iters` iterations, as the official code: FISTA-100), to reproduce or measure exactness."""
+    `fista_iters` iterations, as the official code: FISTA-100), to reproduce or measure
+    exactness."""
     fista_iters: int = 100
     """FISTA iterations when solver=fista (the official code uses 100)."""
     zero_codes: Literal["drop", "count"] = "drop"
@@ -62,9 +64,11 @@ def check_mlsm_options(cfg: MLSMConfig) -> None:
     if cfg.solver not in ("exact", "fista"):
         raise UserError(f"objective.solver={cfg.solver!r}; use exact or fista")
     if cfg.solver == "fista" and cfg.fista_iters < 1:
-        raise UserError(f"objective.fista_iters={cfg.fista_iters} must be >= 1 (the official code uses 100)")
+        raise UserError(f"objective.fista_iters={cfg.fista_iters} must be >= 1 "
+                        "(the official code uses 100)")
     if cfg.solver == "fista" and cfg.targets:
-        raise UserError("objective.solver=fista codes online; drop objective.targets (a target store holds exact codes)")
+        raise UserError("objective.solver=fista codes online; drop objective.targets "
+                        "(a target store holds exact codes)")
     if cfg.zero_codes not in ("drop", "count"):
         raise UserError(f"objective.zero_codes={cfg.zero_codes!r}; use drop or count")
 
@@ -74,7 +78,8 @@ class TargetCoder:
 
     def __init__(self, cfg: MLSMConfig, ctx: Context):
         if not cfg.dictionary:
-            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
+            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` "
+                            "and pass objective.dictionary=PATH")
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
         layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
         self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)

@@ -55,7 +55,8 @@ def load_full_teacher(path: str) -> tuple[nn.Module, object]:
         cls = AutoModelForMaskedLM if has_mlm_head(path) else AutoModel
         model = load_model(cls, path)
     except Exception as exc:  # HF raises OSError, ValueError, HTTP errors, ...
-        raise UserError(f"cannot load teacher {path!r} ({first_line(exc)}); pass a local HF model folder") from None
+        raise UserError(f"cannot load teacher {path!r} ({first_line(exc)}); "
+                        "pass a local HF model folder") from None
     return model.eval().requires_grad_(False), tokenizer
 
 
@@ -65,9 +66,11 @@ class MLSMNaive(Objective):
     def __init__(self, cfg: MLSMNaiveConfig, ctx: Context):
         super().__init__()
         if not cfg.dictionary:
-            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` and pass objective.dictionary=PATH")
+            raise UserError("objective.dictionary is not set; learn one with `mlsm dictionary` "
+                            "and pass objective.dictionary=PATH")
         if cfg.fista_iters < 1:
-            raise UserError(f"objective.fista_iters must be >= 1 (got {cfg.fista_iters}); the official code uses 100")
+            raise UserError(f"objective.fista_iters must be >= 1 (got {cfg.fista_iters}); "
+                            "the official code uses 100")
         self.cfg = cfg
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
         self.layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
@@ -75,12 +78,17 @@ class MLSMNaive(Objective):
         require_same_tokenizer(tokenizer, tokenizer_hash(ctx.tokenizer), ctx.store_path)
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= self.layer <= n_layers:
-            raise UserError(f"teacher layer {self.layer} does not exist: the teacher has layers 0..{n_layers}; set objective.layer")
+            raise UserError(f"teacher layer {self.layer} does not exist: the teacher has layers "
+                            f"0..{n_layers}; set objective.layer")
         if self.dictionary.d != model.config.hidden_size:
-            raise UserError(f"the dictionary has d={self.dictionary.d} but the teacher's hidden size is {model.config.hidden_size}; learn a dictionary with this teacher")
+            raise UserError(f"the dictionary has d={self.dictionary.d} but the teacher's hidden "
+                            f"size is {model.config.hidden_size}; learn a dictionary with this "
+                            "teacher")
         dict_layer = self.dictionary.meta.get("layer")
         if dict_layer is not None and int(dict_layer) != self.layer:
-            raise UserError(f"the dictionary was learned on layer {dict_layer} but objective.layer={self.layer}; use layer={dict_layer} or learn a new dictionary")
+            raise UserError(f"the dictionary was learned on layer {dict_layer} but "
+                            f"objective.layer={self.layer}; use layer={dict_layer} or learn a "
+                            "new dictionary")
         self._teacher = (model.to(ctx.device),)  # a tuple: frozen, not a submodule of the objective
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)

@@ -54,7 +54,8 @@ class SharedTransformLatent(nn.Module):
 
     def __init__(self, transform: nn.Module, d: int, k: int):
         super().__init__()
-        self._transform = (transform,)  # a tuple: not a submodule, no second copy in heads.safetensors
+        # a tuple: not a submodule, no second copy in heads.safetensors
+        self._transform = (transform,)
         self.proj = nn.Linear(d, k)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -65,8 +66,9 @@ def shared_head(student: Student, k: int) -> tuple[nn.Module, dict[str, Any]]:
     """The official MTL head's latent block (one error if the student's head has no transform)."""
     predictions = getattr(getattr(student.hf, "cls", None), "predictions", None)
     if predictions is None or not hasattr(predictions, "transform"):
-        raise UserError(f"objective.head=shared needs a BERT-style vocabulary head (cls.predictions.transform); "
-                        f"{student.config.model_type} has none: use objective.head=separate")
+        raise UserError("objective.head=shared needs a BERT-style vocabulary head "
+                        f"(cls.predictions.transform); {student.config.model_type} has none: "
+                        "use objective.head=separate")
     meta = {"class": "SharedTransformLatent", "d": student.hidden_size, "k": k,
             "transform": "cls.predictions.transform of the exported masked LM"}
     return SharedTransformLatent(predictions.transform, student.hidden_size, k), meta
@@ -79,9 +81,11 @@ class MTL(Objective):
     def __init__(self, cfg: MTLConfig, ctx: Context):
         super().__init__()
         if cfg.kappa < 0:
-            raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); the paper uses 0.25, 0.5 or 1")
+            raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); "
+                            "the paper uses 0.25, 0.5 or 1")
         if cfg.head not in ("separate", "shared"):
-            raise UserError(f"objective.head={cfg.head!r}; use separate (ours) or shared (the official code)")
+            raise UserError(f"objective.head={cfg.head!r}; "
+                            "use separate (ours) or shared (the official code)")
         self.kappa, self.shared = cfg.kappa, cfg.head == "shared"
         mlsm_opts = {f.name: getattr(cfg, f.name) for f in fields(MLSMConfig) if f.name != "name"}
         self.mlsm = MLSM(MLSMConfig(**mlsm_opts), ctx)

@@ -32,8 +32,8 @@ class ProbeConfig:
     checkpoint: str = ""
     """MLSM checkpoint folder whose latent head the probe reads (also set model.init_from to it)."""
     input: Literal["probs", "logprobs", "logits"] = "probs"
-    """What the probe reads: `probs` = softmax(z) (Berend 2023's wording), `logprobs` = log_softmax(z)
-    or `logits` = z (see docs/evaluation.md for which trains best)."""
+    """What the probe reads: `probs` = softmax(z) (Berend 2023's wording),
+    `logprobs` = log_softmax(z) or `logits` = z (see docs/evaluation.md for which trains best)."""
 
 
 def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -57,7 +57,8 @@ class Probe(Objective):
     def __init__(self, cfg: ProbeConfig, ctx: Context):
         super().__init__()
         if not cfg.checkpoint:
-            raise UserError("objective.checkpoint is not set; pass the MLSM checkpoint folder (mlsm probe CHECKPOINT)")
+            raise UserError("objective.checkpoint is not set; pass the MLSM checkpoint folder "
+                            "(mlsm probe CHECKPOINT)")
         self.folder = Path(cfg.checkpoint)
         self.vocab = len(ctx.tokenizer)
         self.input = cfg.input

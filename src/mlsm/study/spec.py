@@ -27,7 +27,8 @@ class CorpusSpec:
     text_field: str = "text"
     """JSON field holding the text of a .jsonl source."""
     tokenizer: str = ""
-    """Tokenizer folder / hub id; empty = the packaged teacher's (student and teacher must agree)."""
+    """Tokenizer folder / hub id; empty = the packaged teacher's (student and teacher must
+    agree)."""
 
 
 @dataclass
@@ -35,7 +36,8 @@ class DictionarySpec:
     teacher: str = ""
     """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
     n_vectors: int = 200_000
-    """Teacher states the dictionary is learned on (Berend 2023 used far more; see the study notes)."""
+    """Teacher states the dictionary is learned on (Berend 2023 used far more; see the study
+    notes)."""
     max_len: int = 128
     """Sequence length when collecting teacher states."""
     seed: int = 0
@@ -139,12 +141,14 @@ class StudySpec:
     name: str = "study"
     """Study name (report title)."""
     out: str = ""
-    """Study folder: store, dictionaries, runs, results.jsonl, report. Empty = studies/NAME next to the file."""
+    """Study folder: store, dictionaries, runs, results.jsonl, report. Empty = studies/NAME next to
+    the file."""
     notes: str = ""
     """Free text copied into the report: why each hyper-parameter was fixed as it is."""
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
     base: dict[str, Any] = field(default_factory=dict)
-    """Run config shared by every arm (data, model, optim, train groups; see docs/configuration.md)."""
+    """Run config shared by every arm (data, model, optim, train groups; see
+    docs/configuration.md)."""
     readiness: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     """Fractions of pre-training kept as checkpoints for evaluation."""
     arms: dict[str, ArmSpec] = field(default_factory=dict)
@@ -172,7 +176,8 @@ def study_from_dict(raw: dict[str, Any], where: str = "study") -> StudySpec:
     groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k) for k, cls in _NESTED.items()}
     arms_raw = raw.pop("arms", None) or {}
     if not isinstance(arms_raw, dict) or not arms_raw:
-        raise UserError(f"{where}: `arms` must map at least one arm name to {{objective: {{name: ...}}}}")
+        raise UserError(f"{where}: `arms` must map at least one arm name to "
+                        "{objective: {name: ...}}")
     arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
     spec = build_dataclass(StudySpec, raw, "study")
     spec = dataclasses.replace(spec, arms=arms, **groups)
@@ -185,18 +190,24 @@ def _validate(spec: StudySpec) -> None:
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
         if "name" not in arm.objective:
-            raise UserError(f"arms.{name}.objective has no name; write e.g. objective: {{name: mlm}}")
-        config_from_dict(merge(spec.base, {**arm.overrides, "objective": arm.objective}))  # checks every key
+            raise UserError(f"arms.{name}.objective has no name; "
+                            "write e.g. objective: {name: mlm}")
+        # checks every key
+        config_from_dict(merge(spec.base, {**arm.overrides, "objective": arm.objective}))
         unknown = set(arm.dictionary) - {"layer", "k", "lam"}
         if unknown:
-            raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; valid keys: layer, k, lam")
+            raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
+                            "valid keys: layer, k, lam")
         check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors)
-    for key, fracs in (("finetune.readiness", spec.finetune.readiness), ("blimp.readiness", spec.blimp.readiness)):
+    for key, fracs in (("finetune.readiness", spec.finetune.readiness),
+                       ("blimp.readiness", spec.blimp.readiness)):
         extra = [f for f in fracs if f not in spec.readiness]
         if extra:
-            raise UserError(f"{key} lists {extra[0]}, which is not in readiness {spec.readiness}; add it there")
+            raise UserError(f"{key} lists {extra[0]}, which is not in readiness {spec.readiness}; "
+                            "add it there")
     if spec.blimp.limits and len(spec.blimp.limits) != len(spec.blimp.data):
-        raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has {len(spec.blimp.data)}; give one per set")
+        raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has "
+                        f"{len(spec.blimp.data)}; give one per set")
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
 
@@ -225,7 +236,8 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
         raise UserError(f"study file {p} is a folder; pass its YAML file, e.g. "
                         "studies/cpu_replication.yaml")
     if not p.is_file():
-        raise UserError(f"study file {p} not found; pass a YAML file such as studies/cpu_replication.yaml")
+        raise UserError(f"study file {p} not found; "
+                        "pass a YAML file such as studies/cpu_replication.yaml")
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:

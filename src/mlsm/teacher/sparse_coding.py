@@ -2,7 +2,7 @@
 
 For every row x of X (ℓ2-normalised teacher states) and a dictionary D ∈ R^{d×k} we solve
 
-    α* = argmin_{α ≥ 0} ½‖x − Dα‖² + λ‖α‖₁                      (Berend 2023, eq. 1)
+    α* = argmin_{α ≥ 0} ½‖x − Dα‖² + λ‖α‖₁                 (Berend 2023, eq. 1)
 
 *exactly up to a tolerance on the KKT conditions*, not for a fixed number of iterations.
 With g = Dᵀ(x − Dα) − λ the optimality conditions of this problem are
@@ -55,9 +55,11 @@ class SparseCodes:
 def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     """Raise UserError for inputs the solvers cannot handle."""
     if X.dim() != 2 or D.dim() != 2:
-        raise UserError(f"sparse coding needs X of shape (n, d) and D of shape (d, k); got {tuple(X.shape)} and {tuple(D.shape)}")
+        raise UserError(f"sparse coding needs X of shape (n, d) and D of shape (d, k); "
+                        f"got {tuple(X.shape)} and {tuple(D.shape)}")
     if X.shape[1] != D.shape[0]:
-        raise UserError(f"vectors have dimension {X.shape[1]} but the dictionary has {D.shape[0]} rows; use a dictionary learned on this teacher layer")
+        raise UserError(f"vectors have dimension {X.shape[1]} but the dictionary has {D.shape[0]} "
+                        "rows; use a dictionary learned on this teacher layer")
     if D.shape[1] < 1:
         raise UserError("the dictionary has no atoms; learn one with k >= 1")
     if not lam > 0:
@@ -74,7 +76,8 @@ def objective(X: torch.Tensor, D: torch.Tensor, codes: torch.Tensor, lam: float)
     return 0.5 * (r * r).sum(1) + lam * codes.abs().sum(1)
 
 
-def kkt_violation(X: torch.Tensor, D: torch.Tensor, codes: torch.Tensor, lam: float) -> torch.Tensor:
+def kkt_violation(X: torch.Tensor, D: torch.Tensor, codes: torch.Tensor,
+                  lam: float) -> torch.Tensor:
     """Per-row max violation of the non-negative LASSO optimality conditions, shape (n,).
 
     g = Dᵀ(x − Dα) − λ must be 0 on the support and ≤ 0 off it; α must be ≥ 0.
@@ -134,7 +137,8 @@ def sparse_encode(
     check_problem(X, D, lam)
     if warm_start is not None and (warm_start.dim() != 2 or warm_start.shape[0] != X.shape[0]
                                    or warm_start.dtype.is_floating_point):
-        raise UserError(f"warm_start must be an integer tensor of shape (n, s) with n = {X.shape[0]} rows; got {warm_start.dtype} {tuple(warm_start.shape)}")
+        raise UserError(f"warm_start must be an integer tensor of shape (n, s) with "
+                        f"n = {X.shape[0]} rows; got {warm_start.dtype} {tuple(warm_start.shape)}")
     D = D.to(X.dtype)
     Gp = padded_gram(D=D) if gram is None else padded_gram(gram.to(X.dtype))  # (k+1, K) Gram matrix
     out = [encode_with_gram(X[start : start + batch_size], D, Gp, lam, tol,
@@ -143,30 +147,33 @@ def sparse_encode(
     return torch.cat(out) if out else X.new_zeros(0, D.shape[1])
 
 
-def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float = TOL,
-                     warm: torch.Tensor | None = None) -> torch.Tensor:
+def encode_with_gram(X: torch.Tensor, D: torch.Tensor, Gp: torch.Tensor, lam: float,
+                     tol: float = TOL, warm: torch.Tensor | None = None) -> torch.Tensor:
     """`sparse_encode` of one batch given Gp = `slots.padded_gram(DᵀD)`, without input checks;
     for callers that keep Gp up to date themselves (dictionary learning).
 
     Active set for every row → KKT check on the whole dictionary → homotopy for failures."""
     n, (d, k) = X.shape[0], D.shape
     c = X @ D  # (n, k) = Dᵀx, computed once
-    codes, viol = _checked(active_set(c, Gp, lam, tol, max_steps=2 * min(d, k) + 16, warm=warm), c, Gp, lam)
+    codes, viol = _checked(active_set(c, Gp, lam, tol, max_steps=2 * min(d, k) + 16, warm=warm),
+                           c, Gp, lam)
     bad = (viol > tol).nonzero().squeeze(1)
     if bad.numel():
-        again, viol2 = _checked(homotopy(c[bad], Gp, lam, max_steps=8 * min(d, k) + 16), c[bad], Gp, lam)
+        again, viol2 = _checked(homotopy(c[bad], Gp, lam, max_steps=8 * min(d, k) + 16),
+                                c[bad], Gp, lam)
         better = viol2 < viol[bad]
         codes[bad[better]], viol[bad[better]] = again[better], viol2[better]
         left = int((viol > tol).sum())
         if left:
             warnings.warn(f"{left} of {n} codes miss the KKT tolerance {tol:g} (max violation "
-                          f"{float(viol.max()):.1e}); the dictionary is probably degenerate (duplicate "
-                          "or near-parallel atoms): re-learn it or deduplicate its atoms", stacklevel=3)
+                          f"{float(viol.max()):.1e}); the dictionary is probably degenerate "
+                          "(duplicate or near-parallel atoms): re-learn it or deduplicate its "
+                          "atoms", stacklevel=3)
     return codes
 
 
-def _checked(sol: tuple[torch.Tensor, torch.Tensor, torch.Tensor], c: torch.Tensor, Gp: torch.Tensor,
-             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked(sol: tuple[torch.Tensor, torch.Tensor, torch.Tensor], c: torch.Tensor,
+             Gp: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense codes (n, k) from a solver's (idx, alpha ≥ 0, fail) and their KKT violation (n,).
 
     g = c − Gα − λ on every atom comes from the support alone (|A| rows of G per code); the

@@ -90,11 +90,14 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
             lr = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank, dist_info.world)
+            batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank,
+                                           dist_info.world)
             loss, grad_norm, totals = _train_step(model, batches, autocast, device, dist_info,
                                                   cfg.optim.clip)
             if not math.isfinite(loss):
-                raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data — the last good checkpoint in {run_dir / 'checkpoints'} is intact")
+                raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data "
+                                "— the last good checkpoint in "
+                                f"{run_dir / 'checkpoints'} is intact")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bar.update(1, loss=loss)  # every progress line shows the latest loss
@@ -115,7 +118,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                 if done not in save_steps:
                     _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps,
                                 dist_info)
-                print(f"stopped by signal after step {done}; continue with --resume auto", flush=True)
+                print(f"stopped by signal after step {done}; continue with --resume auto",
+                      flush=True)
                 break
     bar.close()
     barrier(dist_info)
@@ -123,7 +127,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
 
 
 def _train_step(model: torch.nn.Module, batches: list, autocast: Any,
-                device: torch.device, info: DistInfo, clip: float) -> tuple[float, float, dict[str, torch.Tensor]]:
+                device: torch.device, info: DistInfo,
+                clip: float) -> tuple[float, float, dict[str, torch.Tensor]]:
     """Forward/backward every micro-batch, then turn the summed gradients into the gradient of
     the global mean loss. Returns (loss, grad norm, globally summed totals)."""
     module = model.module if info.world > 1 else model
@@ -181,8 +186,10 @@ def _optimizer(module: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                             eps=cfg.optim.eps)
 
 
 def _wrap_ddp(module: TrainModule, info: DistInfo, device: torch.device) -> torch.nn.Module:
@@ -195,7 +202,8 @@ def _wrap_ddp(module: TrainModule, info: DistInfo, device: torch.device) -> torc
 
 
 def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
-    parts = {"loss_sum": out.loss_sum.detach().float(), "n_targets": out.n_targets.float(), **{k: v.detach().float() for k, v in out.metrics.items()}}
+    parts = {"loss_sum": out.loss_sum.detach().float(), "n_targets": out.n_targets.float(),
+             **{k: v.detach().float() for k, v in out.metrics.items()}}
     for key, value in parts.items():
         totals[key] = totals[key] + value if key in totals else value
 
@@ -208,7 +216,8 @@ def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: Di
     torch._foreach_mul_(grads, scale.to(grads[0].device))
     if clip > 0:
         return float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return float(torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 def _save_steps(cfg: RunConfig) -> set[int]:
@@ -222,7 +231,8 @@ def _save_steps(cfg: RunConfig) -> set[int]:
 RUN_MARKER = "run.json"
 # What makes two configs the same run: everything that changes the weights. Device, threads,
 # precision, micro-batching, logging and checkpoint cadence may change on resume.
-_SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None, "train": ("steps", "batch_size", "seed")}
+_SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None,
+             "train": ("steps", "batch_size", "seed")}
 
 
 def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainModule,
@@ -256,9 +266,11 @@ def _check_run_dir(run_dir: Path, resume: str | None) -> None:
         raise UserError(f"train.out={run_dir} is a file; pass a folder path for the run directory")
     has_content = run_dir.is_dir() and any(run_dir.iterdir())
     if has_content and not _is_run_dir(run_dir):
-        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another train.out (mlsm never writes into a folder it did not create)")
+        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another "
+                        "train.out (mlsm never writes into a folder it did not create)")
     if has_content and not resume:
-        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to continue it or choose another train.out")
+        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to "
+                        "continue it or choose another train.out")
 
 
 def _is_run_dir(run_dir: Path) -> bool:
@@ -275,11 +287,13 @@ def _pick_checkpoint(run_dir: Path, resume: str, info: DistInfo) -> tuple[Path, 
     if resume != "auto":
         folder = Path(resume)
         if not (folder / ckpt.COMPLETE).is_file():
-            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a checkpoints/step-* folder")
+            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a "
+                            "checkpoints/step-* folder")
         try:
             return (folder, *ckpt.read_checkpoint(folder))
         except ckpt.DamagedCheckpoint as exc:
-            raise UserError(f"checkpoint {folder} is damaged ({exc}); pass --resume auto to use the newest intact one") from None
+            raise UserError(f"checkpoint {folder} is damaged ({exc}); pass --resume auto to use "
+                            "the newest intact one") from None
     found = ckpt.list_checkpoints(run_dir)
     damaged = []
     for _, folder in reversed(found):
@@ -289,10 +303,13 @@ def _pick_checkpoint(run_dir: Path, resume: str, info: DistInfo) -> tuple[Path, 
             damaged.append(f"{folder.name}: {exc}")
             continue
         if damaged and info.is_main:
-            print(f"mlsm: resuming from {folder.name}, the newest intact checkpoint; skipped damaged {'; '.join(damaged)}", file=sys.stderr, flush=True)
+            print(f"mlsm: resuming from {folder.name}, the newest intact checkpoint; "
+                  f"skipped damaged {'; '.join(damaged)}", file=sys.stderr, flush=True)
         return picked
     if damaged:
-        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'} ({'; '.join(damaged)}); choose another train.out or delete the damaged folders")
+        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'} "
+                        f"({'; '.join(damaged)}); choose another train.out or delete the "
+                        "damaged folders")
     return None
 
 
@@ -316,13 +333,16 @@ def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dic
     if (run_dir / "config.yaml").is_file():
         # a damaged config.yaml is rewritten below; the checkpoint's copy still decides
         with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):
-            refs.append((run_dir / "config.yaml", yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))))
+            refs.append((run_dir / "config.yaml",
+                         yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))))
     if picked is not None:
         refs.append((picked[0] / ckpt.COMPLETE, picked[1]["config"]))
     for where, old in refs:
         diff = _same_run_diff(now, _resolved(old)) if isinstance(old, dict) else []
         if diff:
-            raise UserError(f"this config differs from the run in {run_dir} ({where.name}) in {', '.join(diff[:4])}; use the run's own config to resume it, or choose another train.out for a new run")
+            raise UserError(f"this config differs from the run in {run_dir} ({where.name}) in "
+                            f"{', '.join(diff[:4])}; use the run's own config to resume it, or "
+                            "choose another train.out for a new run")
 
 
 def _resolved(old: dict[str, Any]) -> dict[str, Any]:
@@ -346,7 +366,8 @@ def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -
         save_config(cfg, run_dir / "config.yaml")
         _truncate_metrics(run_dir / "metrics.jsonl", step)
     except OSError as exc:
-        raise UserError(f"cannot write to run directory {run_dir} ({exc.strerror or exc}); check space and permissions, then rerun") from None
+        raise UserError(f"cannot write to run directory {run_dir} ({exc.strerror or exc}); "
+                        "check space and permissions, then rerun") from None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -382,7 +403,8 @@ def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, t
         readiness = step / cfg.train.steps
         meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name,
                 "run": str(run_dir),
-                "tokens": step * cfg.train.batch_size * cfg.data.max_len, "config": config_to_dict(cfg)}
+                "tokens": step * cfg.train.batch_size * cfg.data.max_len,
+                "config": config_to_dict(cfg)}
         folder = run_dir / "checkpoints" / f"step-{step:07d}"
         ckpt.save_checkpoint(folder, module, tokenizer, state, meta)
         _prune(run_dir, cfg)
@@ -413,11 +435,13 @@ def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
               "tokens": step * tokens_per_step, "n_targets": int(totals["n_targets"]),
               "batch_digest": int(totals["batch_digest"])}
-    record.update({k: (v / n).item() for k, v in totals.items() if k not in ("loss_sum", "n_targets", "batch_digest")})
+    record.update({k: (v / n).item() for k, v in totals.items()
+                   if k not in ("loss_sum", "n_targets", "batch_digest")})
     record.update(extra or {})
     try:
         with open(run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
     except OSError as exc:
-        raise UserError(f"cannot append to {run_dir / 'metrics.jsonl'} ({exc.strerror or exc}); free space and rerun with --resume auto") from None
+        raise UserError(f"cannot append to {run_dir / 'metrics.jsonl'} ({exc.strerror or exc}); "
+                        "free space and rerun with --resume auto") from None
     return record
