@@ -235,8 +235,8 @@ def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.teacher.teacher import load_teacher
 
     check_dictionary_out(a.out)  # before minutes of work
-    d = learn_dictionary(TokenStore.open(a.store), load_teacher(a.teacher, a.layer,
-                                                                device=a.device),
+    d = learn_dictionary(TokenStore.open(a.store),
+                         load_teacher(a.teacher, a.layer, device=a.device),
                          k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len,
                          batch_size=a.batch_size, n_iter=a.n_iter, seed=a.seed, out=a.out)
     print(f"dictionary d={d.d} k={d.k} objective "
@@ -601,8 +601,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
 
-def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str],
-                                                                                list[str]]:
+def _split_overrides(parser: argparse.ArgumentParser,
+                     argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull `group.key=value` tokens out of a verb's command line, wherever they stand, for the
     verbs that take overrides (argparse alone only takes them right after the positionals).
     A token that is the value of an option (`--config a=b.yaml`) stays with its option."""
@@ -615,8 +615,8 @@ def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
                    for o in a.option_strings}
     rest, overrides = [], []
     for i, token in enumerate(argv):
-        if i > argv.index(verb) and _OVERRIDE.match(token) and (i == 0
-                                                                or argv[i - 1] not in needs_value):
+        if (i > argv.index(verb) and _OVERRIDE.match(token)
+                and (i == 0 or argv[i - 1] not in needs_value)):
             overrides.append(token)
         else:
             rest.append(token)
@@ -634,9 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
         args, extra = parser.parse_known_args(argv)
         if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
-            next(a for a in parser._actions
-                 if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
-                f"unrecognized arguments: {' '.join(extra)}")
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     if overrides:
@@ -665,9 +664,8 @@ def main(argv: list[str] | None = None) -> int:
 def _report_bug(prog: str, exc: BaseException) -> int:
     """A real bug stays loud: the whole traceback, then one line saying what to do with it."""
     traceback.print_exc()
-    print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); this "
-          f"is a bug in mlsm, "
-          "please report it with the traceback above and the command you ran", file=sys.stderr)
+    print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); "
+          "this is a bug in mlsm, please report it with the traceback above and the command you ran", file=sys.stderr)
     return 1
 
 

@@ -184,9 +184,9 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,
     "optim.clip": _NON_NEGATIVE,
     "train.steps": _POSITIVE, "train.batch_size": _POSITIVE,
-    "train.micro_batch_size": _NON_NEGATIVE, "train.precision": (lambda v: v in ("auto", "fp32",
-                                                                                 "bf16", "fp16"),
-                                                                 "auto, fp32, bf16 or fp16"),
+    "train.micro_batch_size": _NON_NEGATIVE,
+    "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"),
+                        "auto, fp32, bf16 or fp16"),
     "train.device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
                      "auto, cpu, mps, cuda or cuda:N"),
     "train.out": (lambda v: bool(v) and not Path(v).is_file(),
@@ -287,8 +287,8 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     for key in raw:
         if key not in valid:
             raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
-    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name) for name,
-              cls in _GROUPS.items()}
+    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name)
+              for name, cls in _GROUPS.items()}
     cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
     check_config(cfg)
     return cfg
@@ -397,14 +397,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # bases first
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[
-            0].body  # type: ignore[attr-defined]
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:], strict=False):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt,
-                                                              ast.Expr) and isinstance(nxt.value,
-                                                                                       ast.Constant):
-                docs[node.target.id] = " ".join(str(
-                    nxt.value.value).split())  # type: ignore[union-attr]
+            if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)):
+                text = str(nxt.value.value)
+                docs[node.target.id] = " ".join(text.split())  # type: ignore[union-attr]
     return docs
 
 
@@ -421,7 +420,8 @@ def config_reference() -> str:
         lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            has_factory = f.default_factory is not dataclasses.MISSING
+            default = f.default_factory() if has_factory else f.default
             lines.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
         if not dataclasses.fields(cls):
             lines.append("| | | no options |")
