@@ -91,7 +91,7 @@ def out_dir(text: str) -> str:
     """An output folder: it may exist (as a folder) but must not be an existing file."""
     if text and Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
-                                         f"(nothing was written)")
+                                         "(nothing was written)")
     return text
 
 
@@ -105,13 +105,13 @@ def out_file(text: str) -> str:
 def device(text: str) -> str:
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda, "
-                                         f"cuda:N (or auto)")
+                                         "cuda:N (or auto)")
     if text.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is "
-                                             f"visible; use cpu")
+                                             "visible; use cpu")
     return text
 
 

@@ -280,7 +280,7 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from nested dicts (a parsed YAML recipe), validating every key."""
     if raw is not None and not isinstance(raw, dict):
-        raise UserError(f"a config must be a mapping of groups "
+        raise UserError("a config must be a mapping of groups "
                         f"({', '.join([*_GROUPS, 'objective'])}), got {raw!r}")
     raw = dict(raw or {})
     valid = [*_GROUPS, "objective"]
@@ -344,7 +344,7 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise UserError(f"config file {p} is not UTF-8 text (byte {exc.start}); "
-                        f"save it as UTF-8") from None
+                        "save it as UTF-8") from None
     except yaml.YAMLError as exc:
         raise UserError(f"config file {p} is not valid YAML "
                         f"({_yaml_problem(exc)}); fix the recipe") from None
@@ -358,7 +358,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise UserError(f"config file {path} must be a YAML mapping of groups (data:, "
                             f"model:, objective:, optim:, train:), got a {type(raw).__name__}; see "
-                            f"configs/ for examples")
+                            "configs/ for examples")
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
 
 

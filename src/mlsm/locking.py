@@ -72,10 +72,10 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         fd = _acquire(path)
     except OSError as exc:
         raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its "
-                        f"parent folder is writable") from None
+                        "parent folder is writable") from None
     if fd is None:
         raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait "
-                        f"for it to finish or choose another output folder")
+                        "for it to finish or choose another output folder")
     _HELD[path] = 1
     try:
         yield

@@ -231,7 +231,7 @@ def teacher_shape_config(name: str) -> Any:
         return load_config(name)
     except Exception as exc:  # OSError, ValueError, HTTP errors
         raise UserError(f"cannot read the config of teacher {name!r} ({first_line(exc)}); pass "
-                        f"--teacher PATH to a local model folder") from None
+                        "--teacher PATH to a local model folder") from None
 
 
 def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,

@@ -256,7 +256,7 @@ def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[st
             lines = [line.strip() for line in f if line.strip()]
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: gzip.BadGzipFile
         raise UserError(f"{p} is not readable UTF-8 text ({first_line(err)}): pass "
-                        f"a .txt or .txt.gz") from None
+                        "a .txt or .txt.gz") from None
     if not lines:
         raise UserError(f"{p} has no non-empty lines: pass a text file with one sentence per line")
     return lines[:limit]

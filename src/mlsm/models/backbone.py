@@ -72,7 +72,7 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
     for key in cfg.overrides:
         if not hasattr(default, key):
             raise UserError(f"model.overrides.{key} is not a field of {type(default).__name__}; "
-                            f"check the spelling")
+                            "check the spelling")
     # The vocabulary and special ids come from the tokenizer the data was prepared with.
     kw: dict[str, Any] = {**cfg.overrides, "vocab_size": len(tok)}
     for name in ("pad", "bos", "eos", "cls", "sep", "mask"):
@@ -94,13 +94,13 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int,
         if cfg.init_from:
             if not Path(cfg.init_from).is_dir():
                 raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a "
-                                f"checkpoint or HF model folder")
+                                "checkpoint or HF model folder")
             with quiet_head_mismatch(cfg.init_from, with_head=True):
                 hf = load_model(AutoModelForMaskedLM, cfg.init_from)
             if hf.config.vocab_size != len(tok):
                 raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the "
                                 f"token store's tokenizer has {len(tok)}; prepare the corpus with "
-                                f"that model's tokenizer")
+                                "that model's tokenizer")
         else:
             hf = AutoModelForMaskedLM.from_config(_from_scratch_config(cfg, tok, max_len))
     return Student(hf)
@@ -115,6 +115,6 @@ def load_student_weights(model: nn.Module, heads: nn.Module, folder: Path) -> No
     if unexpected or set(missing) - tied:
         raise UserError(f"checkpoint {folder} does not match the model (missing "
                         f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume "
-                        f"with the config the run was started with")
+                        "with the config the run was started with")
     if len(heads.state_dict()):
         heads.load_state_dict(read_heads(folder))

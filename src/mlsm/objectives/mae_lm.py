@@ -63,13 +63,13 @@ class MAELMConfig:
 def check_mae_options(cfg: MAELMConfig) -> None:
     if not 0.0 <= cfg.delta <= 1.0:
         raise UserError(f"objective.delta={cfg.delta} must be in [0, 1]; 0 removes every "
-                        f"selected position")
+                        "selected position")
     if cfg.decoder_layers < 0 or cfg.decoder_width < 0 or cfg.decoder_heads < 0:
         raise UserError("objective.decoder_layers, decoder_width and decoder_heads must be >= 0 (0 "
                         "= the default / the encoder's)")
     if not 0.0 <= cfg.decoder_dropout < 1.0:
         raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); "
-                        f"the paper uses 0")
+                        "the paper uses 0")
 
 
 class MAEDecoderPass(Objective):

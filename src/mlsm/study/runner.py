@@ -160,7 +160,7 @@ def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
         key, old, new = diff
         raise UserError(f"arm {arm}: {key} is {new!r} in the study file but {old!r} in "
                         f"the run already in {study.run_dir(arm)}; restore it, or rename the arm / "
-                        f"delete that run to train anew")
+                        "delete that run to train anew")
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
@@ -192,7 +192,7 @@ def pretrain_arm(study: Study, arm: str) -> str | None:
     pretrain(cfg, resume="auto" if started else None)
     if not pretrain_done(study, arm):  # `pretrain` returns early only when SIGTERM asked it to stop
         raise KeyboardInterrupt(f"pre-training of {arm} stopped by a signal; run the same "
-                                f"command to resume")
+                                "command to resume")
     return None
 
 

@@ -74,7 +74,7 @@ class Dictionary:
         if self.d != teacher.hidden_size:
             raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is "
                             f"{teacher.hidden_size}; learn a dictionary with this teacher (`mlsm "
-                            f"dictionary --teacher ...`)")
+                            "dictionary --teacher ...`)")
         layer = self.meta.get("layer")
         if layer is not None and int(layer) != teacher.layer:
             raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at "
@@ -85,7 +85,7 @@ class Dictionary:
 def _check_options(k: int, lam: float) -> None:
     if k < 1:
         raise UserError(f"the dictionary size k must be >= 1 (got {k}); use e.g. --k 1536 "
-                        f"(4 × hidden size)")
+                        "(4 × hidden size)")
     if not lam > 0:
         raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
 
@@ -95,13 +95,13 @@ def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: 
     collection of teacher states, before that collection starts."""
     if n_vectors < k:
         raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); "
-                        f"collect at least k vectors (a dictionary is usually learned on >= 100 x "
-                        f"k), or lower --k")
+                        "collect at least k vectors (a dictionary is usually learned on >= 100 x "
+                        "k), or lower --k")
     if batch_size < 1 or (n_iter is not None and n_iter < 1):
         raise UserError(f"--batch-size and --n-iter must be positive (got {batch_size}, {n_iter})")
     if max_len < 3:
         raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two "
-                        f"special tokens; use >= 3")
+                        "special tokens; use >= 3")
 
 
 # --------------------------------------------------------------------------- data
@@ -429,7 +429,7 @@ def check_dictionary_out(path: str | Path) -> None:
     for file in (weights, meta_path):
         if file.is_dir():
             raise UserError(f"--out {path}: {file} is a folder; pass a file path such as "
-                            f"dict.safetensors")
+                            "dict.safetensors")
     if weights.exists():
         try:
             with safe_open(str(weights), "pt") as fh:
@@ -438,7 +438,7 @@ def check_dictionary_out(path: str | Path) -> None:
             ours = False
         if not ours:
             raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; "
-                            f"choose another --out")
+                            "choose another --out")
     if meta_path.exists():
         try:
             ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
@@ -446,7 +446,7 @@ def check_dictionary_out(path: str | Path) -> None:
             ours = False
         if not ours:
             raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's "
-                            f"meta; choose another --out")
+                            "meta; choose another --out")
 
 
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
@@ -462,7 +462,7 @@ def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     except (OSError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc)).splitlines()[0]
         raise UserError(f"could not write dictionary {weights} ({reason}); free "
-                        f"space and re-run") from None
+                        "space and re-run") from None
     return weights
 
 

@@ -82,11 +82,11 @@ class TargetStore:
         if meta.get("version") != TARGETS_VERSION:
             raise UserError(f"{path} was built by another version of mlsm (format "
                             f"{meta.get('version')}, need {TARGETS_VERSION}); rebuild it with "
-                            f"`mlsm targets` into a new --out")
+                            "`mlsm targets` into a new --out")
         arrays = _arrays(path, meta, mode="r")
         if arrays is None or int(arrays[1][-1]) != int(meta["n_entries"]):
             raise UserError(f"target store {path} is damaged (a data file is missing or has the "
-                            f"wrong size); rebuild it with `mlsm targets` into a new --out")
+                            "wrong size); rebuild it with `mlsm targets` into a new --out")
         return cls(path, meta, *arrays)
 
     @property
@@ -116,10 +116,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path} ({exc}); re-run the `mlsm targets` command that built "
-                        f"it (same --out) to repair it") from exc
+                        "it (same --out) to repair it") from exc
     if not isinstance(payload, dict):
         raise UserError(f"{path} is not a JSON object; re-run the `mlsm targets` command that "
-                        f"built it (same --out) to repair it")
+                        "built it (same --out) to repair it")
     return payload
 
 
@@ -140,7 +140,7 @@ def check_targets_out(out: str | Path) -> None:
     foreign = sorted(names - _FILES)
     if names and "build.json" not in names:
         raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm "
-                        f"only writes into folders it created)")
+                        "only writes into folders it created)")
     if foreign:
         raise UserError(f"--out {out} holds files that are not part of a target store "
                         f"({', '.join(foreign[:3])}); move them or choose another --out")
@@ -231,7 +231,7 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
         done = 0  # the truncation count covers all `claimed` chunks: recount it from the start
     if done < claimed:
         print(f"mlsm targets: {out} holds {done} of the {claimed} chunks progress.json records; "
-              f"recomputing the rest", file=sys.stderr)
+              "recomputing the rest", file=sys.stderr)
     return done
 
 
@@ -294,7 +294,7 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
     if nnz is not None and not 1 <= nnz <= dictionary.k:
         raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to "
-                        f"keep every code whole")
+                        "keep every code whole")
     source = BatchSource(store, DataConfig(store=str(store.path), max_len=max_len),
                          store.load_tokenizer())
     lam = float(lam or dictionary.lam)
@@ -305,7 +305,7 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
             return _build(out, spec, source, teacher, dictionary, lam, batch_size)
         except OSError as exc:
             raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free "
-                            f"space and re-run the same command to resume") from None
+                            "space and re-run the same command to resume") from None
 
 
 def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,

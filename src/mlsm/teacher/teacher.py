@@ -57,7 +57,7 @@ def _layer_list(model: nn.Module, n_layers: int) -> tuple[nn.Module, str, nn.Mod
                 candidates.append((f"{name}.{child_name}".strip("."), module, child_name, child))
     if not candidates:
         raise UserError(f"cannot find the {n_layers} transformer blocks of {type(model).__name__}; "
-                        f"use a BERT-like HF encoder as teacher")
+                        "use a BERT-like HF encoder as teacher")
     # Prefer the conventional names, then the shallowest path.
     candidates.sort(key=lambda c: (not c[2].startswith("layer"), c[0].count(".")))
     _, parent, attr, layers = candidates[0]
@@ -153,6 +153,6 @@ def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LA
                                                                                       path)
     except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
         raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF "
-                        f"model folder, or none for the packaged MiniLM") from None
+                        "model folder, or none for the packaged MiniLM") from None
     name = "all-MiniLM-L6-v2" if name_or_path is None else str(name_or_path)
     return Teacher(model, tokenizer, layer, name=name).to(device)

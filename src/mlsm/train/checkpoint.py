@@ -73,7 +73,7 @@ def save_checkpoint(
     except (OSError, RuntimeError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
         raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
-                        f"are intact — free space and rerun with --resume auto") from None
+                        "are intact — free space and rerun with --resume auto") from None
     return folder
 
 
@@ -152,8 +152,8 @@ def read_training_state(folder: Path) -> Any:
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
             raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond "
-                            f"tensors, which mlsm never runs); delete that checkpoint folder and "
-                            f"resume from another") from None
+                            "tensors, which mlsm never runs); delete that checkpoint folder and "
+                            "resume from another") from None
         raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         why = first_line(exc)
@@ -169,7 +169,7 @@ def load_weights(folder: Path, module: TrainModule) -> None:
         detail = next((ln.strip() for ln in first if "size mismatch" in ln), first[0] if first
                       else "")
         raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume "
-                        f"with the model config the run was started with") from None
+                        "with the model config the run was started with") from None
 
 
 def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
@@ -178,6 +178,6 @@ def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
         _, state = read_checkpoint(folder)
     except DamagedCheckpoint as exc:
         raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another "
-                        f"checkpoints/step-* folder") from None
+                        "checkpoints/step-* folder") from None
     load_weights(folder, module)
     return state
