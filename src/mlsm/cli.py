@@ -665,7 +665,8 @@ def _report_bug(prog: str, exc: BaseException) -> int:
     """A real bug stays loud: the whole traceback, then one line saying what to do with it."""
     traceback.print_exc()
     print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); "
-          "this is a bug in mlsm, please report it with the traceback above and the command you ran", file=sys.stderr)
+          "this is a bug in mlsm, please report it with the traceback above and the command "
+          "you ran", file=sys.stderr)
     return 1
 
 

@@ -1,4 +1,5 @@
-"""The evaluation pieces of `mlsm demo`: zero-shot minimal pairs from held-out prose, the summary."""
+"""The evaluation pieces of `mlsm demo`: zero-shot minimal pairs from held-out prose, the
+summary."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ def _rank_from_energy(energy: torch.Tensor, tau: float) -> int:
 
 
 def effective_rank(x: torch.Tensor, tau: float = 0.9) -> int:
-    """rank_tau of a matrix (n, d): the smallest k with sum_{i<=k} sigma_i^2 >= tau * sum sigma^2."""
+    """rank_tau of a matrix (n, d): the smallest k with sum_{i<=k} sigma_i^2 >= tau * sum
+    sigma^2."""
     if not 0 < tau <= 1:
         raise UserError(f"tau must be in (0, 1], got {tau}")
     if x.dim() != 2:

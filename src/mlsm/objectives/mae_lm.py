@@ -44,9 +44,11 @@ class MAELMConfig:
     name: Literal["mae_lm"] = "mae_lm"
     """Objective name (the tag of the objective group)."""
     delta: float = 0.0
-    """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all removed)."""
+    """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all
+    removed)."""
     decoder_layers: int = 0
-    """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else 2."""
+    """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else
+    2."""
     decoder_width: int = 0
     """Decoder width; 0 = the encoder's hidden size."""
     decoder_heads: int = 0

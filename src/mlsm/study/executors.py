@@ -68,7 +68,8 @@ def pretrain_job(config: dict[str, Any]) -> str:
 
 
 def make_executor(study: Study, cluster: str | None = None) -> Any:
-    """A submitit executor configured from `executor.slurm` (cluster: None = auto, 'debug'/'local' for tests)."""
+    """A submitit executor configured from `executor.slurm` (cluster: None = auto, 'debug'/'local'
+    for tests)."""
     try:
         import submitit
     except ImportError:

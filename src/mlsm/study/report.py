@@ -62,7 +62,8 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
 
 
 def arm_compute(study: Study) -> list[dict[str, Any]]:
-    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall time."""
+    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
+    time."""
     from mlsm.evaluate.flops import flops_for_run
 
     times = _stage_times(study)
@@ -100,8 +101,8 @@ def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
 
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
     folder = study.root / "blimp"
-    return [json.loads(p.read_text())
-            for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    return [json.loads(p.read_text()) for p in files]
 
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
@@ -148,7 +149,8 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
 
 def headline_pairs(study: Study) -> list[tuple[str, str]]:
     """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
-    and at 100 % against every other arm at 100 %, and the latent arms against each other at 100 %."""
+    and at 100 % against every other arm at 100 %, and the latent arms against each other at
+    100 %."""
     latent = [a for a in study.spec.arms if study.is_latent(a)]
     others = [a for a in study.spec.arms if a not in latent]
     pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
@@ -162,10 +164,11 @@ def _headline(study: Study, cmp: Any) -> list[str]:
     for a, b in headline_pairs(study):
         if a in cmp.models and b in cmp.models:
             i, j = cmp.models.index(a), cmp.models.index(b)
-            two = cmp.pvalues_two_sided[i, j] if getattr(cmp, "pvalues_two_sided",
-                                                         None) is not None else math.nan
-            diff = f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, {100 * cmp.ci[i, j, 2]:+.2f}]" \
-                if getattr(cmp, "ci", None) is not None else "—"
+            has_two = getattr(cmp, "pvalues_two_sided", None) is not None
+            two = cmp.pvalues_two_sided[i, j] if has_two else math.nan
+            diff = (f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, "
+                    f"{100 * cmp.ci[i, j, 2]:+.2f}]"
+                    if getattr(cmp, "ci", None) is not None else "—")
             rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | "
                         f"{int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | {cmp.pvalues[i, j]:.3g} "
                         f"| {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
@@ -226,6 +229,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
               "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in blimp:
         p, h = r.get("probe") or {}, r.get("heldout") or {}
+        probe_top1 = 100 * p["heldout_top1"] if p.get("heldout_top1") is not None else math.nan
         lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | "
                      f"{r['n_pairs']} | {_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
                      f"{_fmt(100 * h.get('unigram_top1', math.nan), 1, 1)} | "
@@ -233,7 +237,9 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
                      f"{_fmt(h.get('unigram_loss', math.nan), 1, 3)} | "
                      f"{p.get('input', '—') if p else '— (MLM head)'} | "
                      f"{_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
-                     f"{_fmt(100 * p['heldout_top1'] if p.get('heldout_top1') is not None else math.nan, 1, 1)} | {_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | {p.get('steps', '—') if p else '—'} |")
+                     f"{_fmt(probe_top1, 1, 1)} | "
+                     f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | "
+                     f"{p.get('steps', '—') if p else '—'} |")
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
@@ -265,8 +271,9 @@ def write_report(study: Study) -> Path:
         parts.append(f"## BLiMP vs FLOPs per batch (Fig. 6)\n\n![blimp vs flops]({png})\n")
     parts.append("\n".join(_tables(compute, blimp, times, study)) + "\n")
     summary = {"git_revision": git_revision(), "compute": compute, "blimp": blimp,
-               "finetune": ft_summary, "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
-                                                         for (s, a), t in times.items()],
+               "finetune": ft_summary,
+               "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
+                                 for (s, a), t in times.items()],
                "status": study.status()}
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     path = root / "report.md"

@@ -230,7 +230,8 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
 
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
               arms: list[str] | None = None) -> Path | None:
-    """Run every stage of a study that is not complete; returns the report path (None if not reached).
+    """Run every stage of a study that is not complete; returns the report path (None if not
+    reached).
 
     arms: only these arms (what one slurm job of an evaluation stage runs).
     """

@@ -14,7 +14,8 @@ atoms entering per step:
      then positive, and no entering atom bounces straight back out;
   3. z = G_AA⁻¹(c_A − λ), and while some z_s < 0 the Lawson–Hanson interpolation
      α ← α + t(z − α), t = min α_s/(α_s − z_s), moves to the boundary and the blocking atom
-     leaves (rank-one downdate of G_AA⁻¹; z is downdated in closed form, z ← z − G⁻¹[:,s] z_s/G⁻¹_ss);
+     leaves (rank-one downdate of G_AA⁻¹; z is downdated in closed form,
+     z ← z − G⁻¹[:,s] z_s/G⁻¹_ss);
   4. α = z. A row whose entering atoms all left again adds one atom at a time from then on
      (the Lawson–Hanson theory guarantees progress for one), else q doubles up to `q_max`.
 

@@ -201,7 +201,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None
 
 
 class _Supports:
-    """The atoms of each vector's latest code, largest first: WARM_MAX int16s (int32 for k ≥ 2¹⁵) a vector."""
+    """The atoms of each vector's latest code, largest first: WARM_MAX int16s (int32 for k ≥ 2¹⁵) a
+    vector."""
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         self.k = k
@@ -220,8 +221,8 @@ class _Supports:
 
 @dataclass
 class _Stats:
-    """The surrogate's statistics A = Σ_s w_s mean_i(α_i α_iᵀ) (k, k) and Bᵀ = Σ_s w_s mean_i(α_i x_iᵀ)
-    (k, d) over mini-batches s, with weights w_s = Π_{u>s} β_u.
+    """The surrogate's statistics A = Σ_s w_s mean_i(α_i α_iᵀ) (k, k) and
+    Bᵀ = Σ_s w_s mean_i(α_i x_iᵀ) (k, d) over mini-batches s, with weights w_s = Π_{u>s} β_u.
 
     Stored divided by `scale` = Π β, so forgetting costs one scalar per step, not a pass over k².
     When the data is cycled, the terms of a sample's older codes are stale: at the start of
@@ -286,7 +287,8 @@ def _threadpools() -> ThreadpoolController:
 def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.Tensor,
                   codes: torch.Tensor, lam: float, X: torch.Tensor, gen: torch.Generator,
                   block: int = 64) -> None:
-    """One block-coordinate pass over the atoms (rows of Dt (k, d)), in place (Mairal et al. 2009, Alg. 2).
+    """One block-coordinate pass over the atoms (rows of Dt (k, d)), in place
+    (Mairal et al. 2009, Alg. 2).
 
     Atom j: u = (b_j − D a_j)/A_jj + d_j, d_j = u / max(1, ‖u‖), in order. Atoms the codes
     (almost) never use are wasted: they are replaced by the worst-coded vectors of the batch
@@ -450,7 +452,8 @@ def check_dictionary_out(path: str | Path) -> None:
 
 
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
-    """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the former."""
+    """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the
+    former."""
     check_dictionary_out(path)
     weights, meta_path = _paths(path)
     meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k}

@@ -238,7 +238,8 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
 @torch.no_grad()
 def _encode_chunks(ids: np.ndarray, teacher: Teacher, atoms: torch.Tensor, gram: torch.Tensor,
                    lam: float) -> torch.Tensor:
-    """Codes (B·(T−2), k) of the body positions of chunks (B, T), as the online MLSM computes them."""
+    """Codes (B·(T−2), k) of the body positions of chunks (B, T), as the online MLSM computes
+    them."""
     x = torch.from_numpy(ids).to(teacher.device)
     h = teacher.hidden_states(x, torch.ones_like(x))[:, 1:-1]  # (B, T-2, d), unmasked input
     h = F.normalize(h.reshape(-1, h.shape[-1]).float(), dim=-1)  # (B·(T-2), d)

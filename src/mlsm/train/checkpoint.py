@@ -4,7 +4,8 @@ Layout of checkpoints/<name>/:
   config.json, model.safetensors     HF weights (AutoModelForMaskedLM for MLM-family runs,
                                      AutoModel backbone otherwise)
   tokenizer files                    so the folder is self-contained for fine-tuning
-  heads.safetensors, heads.json      objective heads (latent head, MAE decoder) and how to rebuild them
+  heads.safetensors, heads.json      objective heads (latent head, MAE decoder) and how to
+                                     rebuild them
   training_state.pt                  optimizer state, RNG states (torch.load(weights_only=True))
   checkpoint.json                    step, readiness, objective, run; written last = complete marker
 
@@ -36,7 +37,8 @@ COMPLETE = "checkpoint.json"
 
 
 class DamagedCheckpoint(Exception):
-    """A checkpoint folder whose files are missing, torn or truncated (the reason is the message)."""
+    """A checkpoint folder whose files are missing, torn or truncated (the reason is the
+    message)."""
 
 
 def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
