@@ -189,8 +189,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None
         rows = order[pos : pos + batch_size].to(X.device)
         pos += batch_size
         Xb = X[rows]  # (b, d)
-        codes = encode_with_gram(Xb, Dt.T, Gp, lam, warm=None if support is None
-                                 else support.get(rows))
+        warm = None if support is None else support.get(rows)
+        codes = encode_with_gram(Xb, Dt.T, Gp, lam, warm=warm)
         if support is not None:
             support.put(rows, codes)
         stats.add(Xb, codes, beta=(1.0 - 1.0 / t) ** forget)
@@ -267,8 +267,8 @@ class _Stats:
 def _init_atoms(X: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """k distinct random data vectors as unit columns (repeats only when n < k)."""
     n = X.shape[0]
-    idx = torch.randperm(n, generator=gen)[:k] if n >= k else torch.randint(0, n, (k,),
-                                                                            generator=gen)
+    idx = (torch.randperm(n, generator=gen)[:k] if n >= k
+           else torch.randint(0, n, (k,), generator=gen))
     D = X[idx.to(X.device)].T.clone()  # (d, k)
     if n < k:
         D += 0.01 * torch.randn(D.shape, generator=gen).to(D)
@@ -392,8 +392,8 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
     seconds = time.perf_counter() - start
-    sample = X[torch.randperm(X.shape[0],
-                              generator=torch.Generator().manual_seed(seed + 1))[:eval_vectors]]
+    eval_gen = torch.Generator().manual_seed(seed + 1)
+    sample = X[torch.randperm(X.shape[0], generator=eval_gen)[:eval_vectors]]
     meta = _meta(teacher, store, k=k, lam=lam, n=X.shape[0], max_len=max_len, batch_size=batch_size,
                  n_iter=n_iter or math.ceil(X.shape[0] / batch_size), seed=seed, seconds=seconds,
                  objective=dictionary_objective(sample, D, lam), n_eval=sample.shape[0])

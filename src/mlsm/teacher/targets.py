@@ -157,8 +157,8 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
         "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
         "teacher": teacher.name, "layer": teacher.layer, "lam": lam, "k": dictionary.k,
-        "max_len": max_len, "nnz": nnz, "n_chunks": n_chunks, "index_dtype": "int16"
-        if dictionary.k <= np.iinfo(np.int16).max else "int32",
+        "max_len": max_len, "nnz": nnz, "n_chunks": n_chunks,
+        "index_dtype": "int16" if dictionary.k <= np.iinfo(np.int16).max else "int32",
     }
 
 
@@ -175,8 +175,8 @@ def _arrays(out: Path, spec: dict[str, Any], mode: str) -> _Arrays | None:
     arrays: list[np.ndarray] = []
     for name, dtype, shape in fixed:
         path = out / name
-        ok = path.is_file() and path.stat().st_size == int(np.prod(shape)) * np.dtype(
-            dtype).itemsize
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ok = path.is_file() and path.stat().st_size == nbytes
         if not ok and mode == "r":
             return None
         arrays.append(np.memmap(path, dtype=dtype, mode=mode if ok else "w+", shape=shape))
@@ -200,8 +200,8 @@ def _verified_prefix(arrays: _Arrays, done: int) -> int:
     a kill between writing data and progress, shortens the prefix; the rest is recomputed)."""
     counts, ptr, indices, values = arrays
     per_chunk = counts[:done].astype(np.int64).sum(1)  # (done,)
-    ok = (ptr[1 : done + 1] == ptr[:done] + per_chunk) & (ptr[1 : done + 1] <= min(len(indices),
-                                                                                   len(values)))
+    n_max = min(len(indices), len(values))
+    ok = (ptr[1 : done + 1] == ptr[:done] + per_chunk) & (ptr[1 : done + 1] <= n_max)
     if done == 0 or ptr[0] != 0:
         return 0
     bad = np.flatnonzero(~ok)
@@ -268,8 +268,8 @@ def _write_codes(out: Path, spec: dict[str, Any], start: int, codes: torch.Tenso
     offset = int(ptr[start])
     _append(out / "indices.bin", offset, top.indices[keep].numpy().astype(spec["index_dtype"]))
     _append(out / "values.bin", offset, top.values[keep].numpy().astype(np.float16))
-    ptr[start + 1 : start + n_new + 1] = offset + np.cumsum(counts[start : start + n_new].astype(
-        np.int64).sum(1))
+    new_counts = counts[start : start + n_new].astype(np.int64).sum(1)
+    ptr[start + 1 : start + n_new + 1] = offset + np.cumsum(new_counts)
     counts.flush()
     ptr.flush()
     return int((support > keep.sum(1)).sum())
@@ -328,8 +328,8 @@ def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dicti
     bar = Progress(spec["n_chunks"], "targets", "chunk", initial=done)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
-        codes = _encode_chunks(source.chunk_tokens(np.arange(start, stop)), teacher, atoms, gram,
-                               lam)
+        chunk_ids = source.chunk_tokens(np.arange(start, stop))
+        codes = _encode_chunks(chunk_ids, teacher, atoms, gram, lam)
         truncated += _write_codes(out, spec, start, codes.cpu())
         atomic_write_json(out / "progress.json", {"done": stop, "truncated": truncated})
         bar.update(stop - start)
@@ -356,8 +356,8 @@ class StoredTargets:
 
         self.store = TargetStore.open(path)
         meta = self.store.meta
-        if (tokens.meta.get("fingerprint"), tokens.n_tokens) != (meta["store_fingerprint"],
-                                                                 meta["store_n_tokens"]):
+        if ((tokens.meta.get("fingerprint"), tokens.n_tokens)
+                != (meta["store_fingerprint"], meta["store_n_tokens"])):
             raise UserError(f"target store {path} was built from another token store "
                             f"({meta['store']}); rebuild it with "
                             f"`mlsm targets --store {tokens.path}`")
