@@ -77,8 +77,8 @@ def _read_file(path: Path) -> list[BlimpPair]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if not isinstance(row,
-                                  dict) or "sentence_good" not in row or "sentence_bad" not in row:
+                if (not isinstance(row, dict) or "sentence_good" not in row
+                        or "sentence_bad" not in row):
                     raise UserError(
                         f"{path}:{number} is not a BLiMP row: each JSON line needs "
                         f"sentence_good and sentence_bad; {_FIX_DATA}"

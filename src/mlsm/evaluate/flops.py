@@ -83,8 +83,8 @@ def relative_attention_flops(config: Any, batch: int, seq: int) -> int:
     embeddings, 2·2s·d². s = min(T, max_relative_positions) as DeBERTa v1 computes it. 0 for
     models without relative attention.
     """
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key,
-                                                                                        default)
+    get = (config.get if isinstance(config, dict)
+           else lambda key, default=None: getattr(config, key, default))
     if not get("relative_attention", False):
         return 0
     types = get("pos_att_type", None) or []
@@ -150,8 +150,8 @@ def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: i
     S, T = shape_of(student_config), shape_of(teacher_config)
     n = round(mask_rate * batch * (seq_len - 2))  # selected positions ([CLS]/[SEP] never)
     heads_at = batch * seq_len if paper else n  # rows the student's and KD teacher's heads run on
-    enc = encoder_flops(S, batch, seq_len) + (relative_attention_flops(student_config, batch,
-                                                                       seq_len) if paper else 0)
+    rel = relative_attention_flops(student_config, batch, seq_len) if paper else 0
+    enc = encoder_flops(S, batch, seq_len) + rel
     latent_head = latent_head_flops(S.d, k, heads_at)
     mlm = 3 * (enc + vocab_head_flops(S, heads_at))
     t_full = encoder_flops(T, batch, seq_len)
@@ -275,6 +275,6 @@ def _dictionary_meta(path: str) -> dict[str, Any]:
 
     if not path:
         return {}
-    meta = Path(path).with_suffix(".json") if path.endswith(".safetensors") else Path(
-        path + ".json")
+    meta = (Path(path).with_suffix(".json") if path.endswith(".safetensors")
+            else Path(path + ".json"))
     return json.loads(meta.read_text()) if meta.is_file() else {}

@@ -151,8 +151,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
                            inputs: tuple[str, ...] = PROBE_INPUTS, lr: float = 0.2,
                            select_steps: int = 100, max_steps: int = 2000, eval_every: int = 50,
                            patience: int = 3, min_delta: float = 0.005, heldout_batches: int = 4,
-                           batch_size: int | None = None, threads: int | None = None) -> dict[str,
-                                                                                              Any]:
+                           batch_size: int | None = None,
+                           threads: int | None = None) -> dict[str, Any]:
     """Train the probe of an MLSM checkpoint to a held-out plateau; write OUT/probe.json and a
     checkpoint folder that `load_scorer` reads.
 
