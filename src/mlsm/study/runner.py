@@ -118,8 +118,8 @@ class Study:
         except Exception as exc:  # one arm's failure must not stop the others
             seconds = time.time() - start
             message = f"{type(exc).__name__}: {exc}"
-            self.set_status(key, {"state": "failed", "error": message, "seconds": round(seconds,
-                                                                                        1)})
+            self.set_status(key, {"state": "failed", "error": message,
+                                  "seconds": round(seconds, 1)})
             self._append_time(name, arm, seconds, "failed", message)
             self.log(f"[study] {key}: FAILED ({message})")
             if not isinstance(exc, UserError):
@@ -128,8 +128,8 @@ class Study:
         seconds = time.time() - start
         if not skipped:
             self._append_time(name, arm, seconds, "done")
-        self.set_status(key, {"state": "done", **({} if skipped else {"seconds": round(seconds,
-                                                                                       1)})})
+        self.set_status(key, {"state": "done",
+                              **({} if skipped else {"seconds": round(seconds, 1)})})
         self.log(f"[study] {key}: {'already complete' if skipped else f'done in {seconds:.0f} s'}")
         return True
 
@@ -247,9 +247,8 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     report_to = (train or {}).get("report_to") or []
     tracking.require(list(report_to), "base.train.report_to of the study file")  # before any stage
     study = Study(spec, log)
-    atomic_write_text(study.root / "study.json",
-                      json.dumps({"spec": _plain(spec), "git_revision": git_revision()},
-                                 indent=2) + "\n")
+    record = {"spec": _plain(spec), "git_revision": git_revision()}
+    atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
     wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {study.status()['store']['error']}")
@@ -259,8 +258,8 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
         for arm in spec.arms:
             path = study.dictionary_path(arm)
             if path is not None and path not in seen:
-                seen[path] = study.stage("dictionary", lambda a=arm: learn_dictionary_for(study, a),
-                                         arm)
+                seen[path] = study.stage("dictionary",
+                                         lambda a=arm: learn_dictionary_for(study, a), arm)
             if path is not None and not seen[path]:
                 failed.add(arm)
     from mlsm.study.executors import run_pretraining

@@ -130,16 +130,17 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     sets = {}
     for i, data in enumerate(b.data):
         limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
-        result = evaluate_blimp(model, tokenizer, data, phenomena=b.phenomena or None if i == 0
-                                else None, limit_per_phenomenon=limit, progress=None)
+        phenomena = b.phenomena or None if i == 0 else None
+        result = evaluate_blimp(model, tokenizer, data, phenomena=phenomena,
+                                limit_per_phenomenon=limit, progress=None)
         correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
                                          "correct": correct,
                                          "p_vs_chance": binomial_p(correct, result["n_pairs"], 0.5),
-                                         "fields": {k: v["accuracy"] for k,
-                                                    v in result["fields"].items()},
-                                         "phenomena": {k: v["accuracy"] for k,
-                                                       v in result["phenomena"].items()}}
+                                         "fields": {k: v["accuracy"]
+                                                    for k, v in result["fields"].items()},
+                                         "phenomena": {k: v["accuracy"]
+                                                       for k, v in result["phenomena"].items()}}
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout,
