@@ -79,8 +79,8 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
         tid = getattr(tok, f"{name}_token_id", None)
         if tid is not None and hasattr(default, f"{name}_token_id"):
             kw[f"{name}_token_id"] = tid
-    positions = kw.get("max_position_embeddings", getattr(default, "max_position_embeddings",
-                                                          max_len + 2))
+    fallback = getattr(default, "max_position_embeddings", max_len + 2)
+    positions = kw.get("max_position_embeddings", fallback)
     # roberta offsets positions by pad + 1
     kw["max_position_embeddings"] = max(positions, max_len + 2)
     return make(**kw)

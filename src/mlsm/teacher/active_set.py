@@ -192,8 +192,8 @@ def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch
     """The q largest KKT gradients v = c − λ − Gα among inactive atoms, (m, q) values and atoms."""
     flat = st.ok.view(-1).nonzero().squeeze(1)
     counts = st.ok.sum(1)
+    # (m, K) = Gα
     g = F.embedding_bag(st.idx.view(-1)[flat], Gp, counts.cumsum(0) - counts,
-                        # (m, K) = Gα
                         per_sample_weights=st.alpha.view(-1)[flat].to(Gp.dtype), mode="sum")
     torch.sub(st.cpad, g, out=g)
     g.scatter_(1, st.idx, NEG)  # active atoms (and the empty-slot column) are not candidates

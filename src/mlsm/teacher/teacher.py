@@ -112,8 +112,8 @@ class Teacher:
             return hs[self.layer]  # (B, T, d); index l as in the full model
         return out.last_hidden_state  # (B, T, d); with no blocks left (l = 0) HF records nothing
 
-    def batch_from_ids(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor]:
+    def batch_from_ids(
+            self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wrap token-id sequences with the tokenizer's special tokens and pad them.
 
         Returns input_ids (B, T), attention_mask (B, T) and content (B, T) — True on the
@@ -133,8 +133,8 @@ class Teacher:
             row = pre + [int(t) for t in s] + post
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
-            content[i, len(pre) : len(pre) + len(s)] = torch.tensor([int(t) not in special
-                                                                     for t in s], dtype=torch.bool)
+            is_content = [int(t) not in special for t in s]
+            content[i, len(pre) : len(pre) + len(s)] = torch.tensor(is_content, dtype=torch.bool)
         return ids, mask, content
 
 
@@ -149,8 +149,8 @@ def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LA
     try:
         tokenizer = load_tokenizer(path)
         with quiet_head_mismatch(path, with_head=False):
-            model = load_model(AutoModel, path, dtype=dtype) if dtype else load_model(AutoModel,
-                                                                                      path)
+            model = (load_model(AutoModel, path, dtype=dtype) if dtype
+                     else load_model(AutoModel, path))
     except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
         raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF "
                         "model folder, or none for the packaged MiniLM") from None

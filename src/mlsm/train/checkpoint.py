@@ -131,9 +131,8 @@ def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {first_line(exc)}") from None
-    if not isinstance(info, dict) or not isinstance(info.get("step"),
-                                                    int) or not isinstance(info.get("config"),
-                                                                           dict):
+    if (not isinstance(info, dict) or not isinstance(info.get("step"), int)
+            or not isinstance(info.get("config"), dict)):
         raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
     _check_safetensors(folder / "model.safetensors")
     if (folder / "heads.json").is_file():
@@ -168,8 +167,8 @@ def load_weights(folder: Path, module: TrainModule) -> None:
         load_student_weights(module.exported_model(), module.exported_heads(), folder)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()
-        detail = next((ln.strip() for ln in first if "size mismatch" in ln), first[0] if first
-                      else "")
+        detail = next((ln.strip() for ln in first if "size mismatch" in ln),
+                      first[0] if first else "")
         raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume "
                         "with the model config the run was started with") from None
 
