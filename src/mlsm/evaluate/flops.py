@@ -188,11 +188,9 @@ def _fmt(x: int) -> str:
 
 ACCOUNTING_LABELS = {
     "paper": "accounting: paper (Berend 2023 Table 3: one batch of 128 sequences, heads "
-    "at all positions, "
-             "DeBERTa relative attention counted)",
+             "at all positions, DeBERTa relative attention counted)",
     "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected "
-    "positions only, "
-            "relative attention not counted)",
+            "positions only, relative attention not counted)",
 }
 
 

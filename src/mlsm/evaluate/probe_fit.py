@@ -195,8 +195,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
     saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
                                  {"step": best.steps},
                                  {"step": best.steps, "readiness": 1.0, "objective": "probe",
-                                  "run": str(out), "config": {"train": {"steps": best.steps,
-                                                                        "readiness": [1.0]}}})
+                                  "run": str(out),
+                                  "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
     info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr,
             "steps": best.steps, "batch_size": G, "heldout_loss": held_loss, "heldout_top1": top1,
             "unigram_loss": unigram_loss, "unigram_top1": unigram_top1,
