@@ -28,7 +28,8 @@ def _number(text: str, kind: type) -> float:
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not "
+                                         f"{'an integer' if kind is int else 'a number'}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
@@ -89,7 +90,8 @@ def float_list(text: str) -> list[float]:
 def out_dir(text: str) -> str:
     """An output folder: it may exist (as a folder) but must not be an existing file."""
     if text and Path(text).exists() and not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder (nothing was written)")
+        raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
+                                         "(nothing was written)")
     return text
 
 
@@ -102,12 +104,14 @@ def out_file(text: str) -> str:
 
 def device(text: str) -> str:
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda, cuda:N (or auto)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda, "
+                                         "cuda:N (or auto)")
     if text.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is visible; use cpu")
+            raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is "
+                                             "visible; use cpu")
     return text
 
 
@@ -129,7 +133,8 @@ def _prepare(a: argparse.Namespace) -> None:
 def _train_tokenizer(a: argparse.Namespace) -> None:
     from mlsm.data.tokenizer import train_tokenizer
 
-    tok = train_tokenizer(a.sources, a.out, kind=a.kind, vocab_size=a.vocab_size, lowercase=a.lowercase, text_field=a.text_field)
+    tok = train_tokenizer(a.sources, a.out, kind=a.kind, vocab_size=a.vocab_size,
+                          lowercase=a.lowercase, text_field=a.text_field)
     print(f"{a.kind} tokenizer with {len(tok):,} entries saved to {a.out}")
 
 
@@ -159,7 +164,8 @@ def _finetune(a: argparse.Namespace) -> None:
 def _compare(a: argparse.Namespace) -> None:
     from mlsm.evaluate.stats import compare_runs
 
-    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr, bootstrap=a.bootstrap).to_markdown())
+    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
+                       bootstrap=a.bootstrap).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
@@ -171,15 +177,16 @@ def _report(a: argparse.Namespace) -> None:
 def _probe(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import run_probe
 
-    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides, resume=a.resume,
-                    max_steps=a.max_steps)
+    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides,
+                    resume=a.resume, max_steps=a.max_steps)
     info = run / "probe.json"
     if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
         import json
 
         p = json.loads(info.read_text())
-        print(f"probe ({p['input']}, {p['steps']} steps): held-out loss {p['heldout_loss']:.3f} nats, top-1 "
-              f"{100 * p['heldout_top1']:.1f} % (unigram {p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']}`")
+        print(f"probe ({p['input']}, {p['steps']} steps): held-out loss "
+              f"{p['heldout_loss']:.3f} nats, top-1 {100 * p['heldout_top1']:.1f} % (unigram "
+              f"{p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']}`")
     else:
         print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
 
@@ -196,8 +203,9 @@ def _blimp(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import load_scorer
 
     model, tokenizer = load_scorer(a.model, device=a.device)
-    result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena, limit_per_phenomenon=a.limit,
-                            variant=a.variant, token_budget=a.token_budget, progress=None)
+    result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
+                            limit_per_phenomenon=a.limit, variant=a.variant,
+                            token_budget=a.token_budget, progress=None)
     paths = write_blimp_report(result, a.out)
     print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
           f"({result['n_pairs']} pairs) -> {paths['markdown']}")
@@ -213,8 +221,9 @@ def _rank(a: argparse.Namespace) -> None:
 
     model, tokenizer = load_encoder(a.model, device=a.device)
     sentences = read_sentences(a.text, limit=a.max_sentences)
-    table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate, seed=a.seed,
-                                     tau=a.tau, center=a.center, max_length=a.max_length)
+    table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,
+                                     seed=a.seed, tau=a.tau, center=a.center,
+                                     max_length=a.max_length)
     paths = write_rank_report(table, a.out)
     print(table.to_markdown())
     print(f"-> {paths['csv']}, {paths['png']}")
@@ -226,10 +235,12 @@ def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.teacher.teacher import load_teacher
 
     check_dictionary_out(a.out)  # before minutes of work
-    d = learn_dictionary(TokenStore.open(a.store), load_teacher(a.teacher, a.layer, device=a.device),
-                         k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len, batch_size=a.batch_size,
-                         n_iter=a.n_iter, seed=a.seed, out=a.out)
-    print(f"dictionary d={d.d} k={d.k} objective {d.meta.get('objective', float('nan')):.5f} -> {a.out}")
+    d = learn_dictionary(TokenStore.open(a.store),
+                         load_teacher(a.teacher, a.layer, device=a.device),
+                         k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len,
+                         batch_size=a.batch_size, n_iter=a.n_iter, seed=a.seed, out=a.out)
+    print(f"dictionary d={d.d} k={d.k} objective "
+          f"{d.meta.get('objective', float('nan')):.5f} -> {a.out}")
 
 
 def _targets(a: argparse.Namespace) -> None:
@@ -243,11 +254,12 @@ def _targets(a: argparse.Namespace) -> None:
         dictionary = load_dictionary(a.dictionary)
         layer = a.layer if a.layer is not None else dictionary.layer
         teacher = load_teacher(a.teacher, layer, device=a.device)
-        out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz, batch_size=a.batch_size)
+        out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz,
+                                 batch_size=a.batch_size)
     meta = TargetStore.open(out).meta
     kept = "whole" if meta["nnz"] is None else f"cut to {meta['nnz']} entries"
-    print(f"target store {out}: codes of {meta['n_positions']:,} positions for max_len {a.max_len}, "
-          f"mean support {meta['mean_support']:.1f}, {kept}; "
+    print(f"target store {out}: codes of {meta['n_positions']:,} positions for "
+          f"max_len {a.max_len}, mean support {meta['mean_support']:.1f}, {kept}; "
           f"{100 * meta['truncated'] / meta['n_positions']:.2f}% of codes truncated")
 
 
@@ -256,7 +268,8 @@ def _flops(a: argparse.Namespace) -> None:
     from mlsm.evaluate.flops import flops_for_run, format_table
 
     cfg = load_config(a.config, a.overrides)
-    rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size, accounting=a.accounting)
+    rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size,
+                         accounting=a.accounting)
     print(format_table(rows, accounting=a.accounting))
 
 
@@ -266,18 +279,23 @@ def _study(a: argparse.Namespace) -> None:
     report_only = a.report_only or a.study[0] == "report"
     files = a.study[1:] if a.study[0] == "report" else a.study
     if len(files) != 1:
-        raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study report STUDY.yaml)")
+        raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study "
+                        "report STUDY.yaml)")
     spec = load_study(files[0], out=a.out)
     report = run_study(spec, stages=["report"] if report_only else a.stages or None)
     print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))
 
 
 def _add_study(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("study", help="run a study file: arms, readiness checkpoints, fine-tuning, BLiMP, report")
-    p.add_argument("study", nargs="+", metavar="STUDY.yaml", help="study file (see studies/); `report STUDY.yaml` only writes the report")
+    p = sub.add_parser("study", help="run a study file: arms, readiness checkpoints, "
+                       "fine-tuning, BLiMP, report")
+    p.add_argument("study", nargs="+", metavar="STUDY.yaml",
+                   help="study file (see studies/); `report STUDY.yaml` only writes the report")
     p.add_argument("--out", help="study folder (default: the file's `out`)")
-    p.add_argument("--report-only", action="store_true", help="only (re)write the report from what is done")
-    p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"],
+    p.add_argument("--report-only", action="store_true",
+                   help="only (re)write the report from what is done")
+    p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
+                                                   "finetune", "blimp", "report"],
                    help="run only these stages (default: all that are not complete)")
     return _study
 
@@ -285,7 +303,8 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
 def _export(a: argparse.Namespace) -> None:
     from mlsm.export import export_checkpoint, push_to_hub
 
-    out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe, license=a.license)
+    out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe,
+                            license=a.license)
     print(f"exported {a.checkpoint} -> {out} (README.md model card, loads with from_pretrained)")
     if a.push_to_hub:
         print(f"pushed: {push_to_hub(out, a.push_to_hub, private=a.private)}")
@@ -293,8 +312,10 @@ def _export(a: argparse.Namespace) -> None:
 
 def _add_demo(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("demo", help="MLSM vs MLM end to end, offline, in minutes on a CPU")
-    p.add_argument("--out", default="runs/demo", type=out_dir, help="where everything goes (re-running resumes)")
-    p.add_argument("--corpus", default=None, help="text files / hf:NAME (default: Python's own documentation prose)")
+    p.add_argument("--out", default="runs/demo", type=out_dir,
+                   help="where everything goes (re-running resumes)")
+    p.add_argument("--corpus", default=None,
+                   help="text files / hf:NAME (default: Python's own documentation prose)")
     p.add_argument("--data", default=None,
                    help="folder with glue/ and blimp/ (default: ../shared/data if present, "
                         "else HF datasets when the Hub is reachable)")
@@ -310,11 +331,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("prepare", help="tokenise text into a token store")
-    p.add_argument("sources", nargs="+", help="files, directories, globs (.txt/.jsonl[.gz]) or hf:NAME[,CONFIG][@SPLIT]")
-    p.add_argument("--tokenizer", required=True, help="HF tokenizer folder or hub id (must have a mask token)")
+    p.add_argument("sources", nargs="+",
+                   help="files, directories, globs (.txt/.jsonl[.gz]) or hf:NAME[,CONFIG][@SPLIT]")
+    p.add_argument("--tokenizer", required=True,
+                   help="HF tokenizer folder or hub id (must have a mask token)")
     p.add_argument("--out", required=True, type=out_dir, help="token store directory to write")
-    p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store of other inputs")
+    p.add_argument("--text-field", default="text",
+                   help="JSON field holding the text (default: text)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing store of other inputs")
     p.add_argument("--num-proc", type=positive_int, default=None,
                    help="tokenising processes (default: every CPU available; same store)")
     return _prepare
@@ -335,33 +360,45 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("pretrain", help="pre-train a student (MLM, MLSM, KD, ...)")
     p.add_argument("--config", help="YAML recipe (see configs/)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue a run: 'auto' (newest checkpoint in train.out) or a checkpoint folder")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the command line, e.g. optim.lr=3e-4 train.steps=200")
+                   help="continue a run: 'auto' (newest checkpoint in train.out) or a "
+                   "checkpoint folder")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the "
+                   "command line, e.g. optim.lr=3e-4 train.steps=200")
     return _pretrain
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
     p.add_argument("models", nargs="+", metavar="MODEL",
-                   help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), optionally NAME=MODEL")
+                   help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), "
+                   "optionally NAME=MODEL")
     p.add_argument("--readiness", choices=["final", "all"], default="final",
-                   help="for a run directory: its final checkpoint, or all its readiness checkpoints (curves in `mlsm report`)")
+                   help="for a run directory: its final checkpoint, or all its readiness "
+                   "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
-    p.add_argument("--seeds", type=positive_int, default=5, help="number of seeds, run as 0..N-1 (default 5)")
-    p.add_argument("--lrs", default="2e-5", type=float_list, help="comma-separated learning rates (default 2e-5)")
+    p.add_argument("--seeds", type=positive_int, default=5,
+                   help="number of seeds, run as 0..N-1 (default 5)")
+    p.add_argument("--lrs", default="2e-5", type=float_list,
+                   help="comma-separated learning rates (default 2e-5)")
     p.add_argument("--epochs", type=positive_int, default=3)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--data-dir", default=None,
-                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ (default: HF datasets)")
-    p.add_argument("--results", default="results.jsonl", type=out_file, help="JSON-lines file to append to")
-    p.add_argument("--max-train-examples", type=positive_int, default=None, help="cap training sets (CPU runs)")
+                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ "
+                   "(default: HF datasets)")
+    p.add_argument("--results", default="results.jsonl", type=out_file,
+                   help="JSON-lines file to append to")
+    p.add_argument("--max-train-examples", type=positive_int, default=None,
+                   help="cap training sets (CPU runs)")
     p.add_argument("--warmup-ratio", type=fraction, default=0.0)
     p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
-    p.add_argument("--fixed-order", action="store_true", help="every seed trains on one data order (only the head differs)")
-    p.add_argument("--clip", type=non_negative_float, default=1.0, help="gradient-norm clipping, 0 = off (default 1.0)")
-    p.add_argument("--eval-test", action="store_true", help="also score labelled test splits (CoNLL-2003) as <metric>_test")
+    p.add_argument("--fixed-order", action="store_true",
+                   help="every seed trains on one data order (only the head differs)")
+    p.add_argument("--clip", type=non_negative_float, default=1.0,
+                   help="gradient-norm clipping, 0 = off (default 1.0)")
+    p.add_argument("--eval-test", action="store_true",
+                   help="also score labelled test splits (CoNLL-2003) as <metric>_test")
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--report-to", default="", metavar="TRACKERS",
                    help="comma-separated trackers, one run per cell: tensorboard, wandb, mlflow, "
@@ -370,61 +407,82 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("compare", help="Wilcoxon p-values, win counts and mean table from results.jsonl")
+    p = sub.add_parser("compare",
+                       help="Wilcoxon p-values, win counts and mean table from results.jsonl")
     p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
     p.add_argument("--select-lr", action="store_true",
-                   help="per model and task keep only the learning rate with the best mean validation score")
+                   help="per model and task keep only the learning rate with the best mean "
+                   "validation score")
     p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
-                   help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. 10000; 0 = none)")
-    p.add_argument("--out", default=None, type=out_dir, help="folder for comparison.md and CSVs (default: print only)")
+                   help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. "
+                   "10000; 0 = none)")
+    p.add_argument("--out", default=None, type=out_dir,
+                   help="folder for comparison.md and CSVs (default: print only)")
     return _compare
 
 
 def _add_report(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("report", help="PNG figures + report.md from results.jsonl")
     p.add_argument("results", help="results.jsonl written by `mlsm finetune`")
-    p.add_argument("--out", required=True, type=out_dir, help="folder for the PNGs, tables and report.md")
+    p.add_argument("--out", required=True, type=out_dir,
+                   help="folder for the PNGs, tables and report.md")
     p.add_argument("--baseline", default=None, help="model on the x axis of the paired scatters")
     return _report
 
 
 def _add_probe(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("probe", help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
-                       description="Train the linear probe of an MLSM checkpoint. group.key=value overrides of the "
-                       "probe run may stand anywhere on the command line: mlsm probe CKPT --steps 200 optim.lr=1e-3")
-    p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its checkpoints/step-* folder")
-    p.add_argument("--store", default="", help="token store (default: the one the model was pre-trained on)")
-    p.add_argument("--steps", type=non_negative_int, default=0, help="fixed probe steps through the training loop (default: train to a held-out plateau)")
-    p.add_argument("--max-steps", type=positive_int, default=2000, help="most steps of the plateau probe (default 2000)")
-    p.add_argument("--out", default="", type=out_dir, help="run directory (default: <run>/probe-<checkpoint>)")
-    p.add_argument("--resume", nargs="?", const="auto", default=None, help="continue an interrupted probe run")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides of the probe run, anywhere on the command line "
+    p = sub.add_parser("probe",
+                       help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
+                       description="Train the linear probe of an MLSM checkpoint. group.key=value "
+                       "overrides of the probe run may stand anywhere on the command line: mlsm "
+                       "probe CKPT --steps 200 optim.lr=1e-3")
+    p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its "
+                   "checkpoints/step-* folder")
+    p.add_argument("--store", default="",
+                   help="token store (default: the one the model was pre-trained on)")
+    p.add_argument("--steps", type=non_negative_int, default=0,
+                   help="fixed probe steps through the training loop (default: train to a "
+                   "held-out plateau)")
+    p.add_argument("--max-steps", type=positive_int, default=2000,
+                   help="most steps of the plateau probe (default 2000)")
+    p.add_argument("--out", default="", type=out_dir,
+                   help="run directory (default: <run>/probe-<checkpoint>)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="continue an interrupted probe run")
+    p.add_argument("overrides", nargs="*",
+                   help="group.key=value overrides of the probe run, anywhere on the command line "
                    "(before or after the options), e.g. optim.lr=1e-3 train.batch_size=16")
     return _probe
 
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
-    p.add_argument("model", help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N): MLM, KD and MTL "
-                   "models use their vocabulary head; an MLSM run is scored through its probe (mlsm probe RUN)")
-    p.add_argument("--data", default="../shared/data/blimp", help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
+    p.add_argument("model",
+                   help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N): MLM, KD and MTL "
+                   "models use their vocabulary head; an MLSM run is scored through its probe "
+                   "(mlsm probe RUN)")
+    p.add_argument("--data", default="../shared/data/blimp",
+                   help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
     p.add_argument("--out", required=True, type=out_dir, help="folder for blimp.json and blimp.md")
     p.add_argument("--limit", type=positive_int, default=None, help="first N pairs per phenomenon")
     p.add_argument("--phenomena", nargs="+", default=None, metavar="UID", help="only these UIDs")
     p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
                    help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
-    p.add_argument("--token-budget", type=positive_int, default=8192, help="padded tokens per forward pass")
+    p.add_argument("--token-budget", type=positive_int, default=8192,
+                   help="padded tokens per forward pass")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     return _blimp
 
 
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
-    p.add_argument("model", help="HF encoder folder (AutoModel) or a run (RUN, RUN@50%%, RUN@step-N)")
+    p.add_argument("model",
+                   help="HF encoder folder (AutoModel) or a run (RUN, RUN@50%%, RUN@step-N)")
     p.add_argument("--text", required=True, help=".txt or .txt.gz, one sentence per line")
     p.add_argument("--out", required=True, type=out_dir, help="folder for rank.csv/.md/.json/.png")
     p.add_argument("--mask-rate", type=fraction, default=0.15, help="fraction of tokens -> [MASK]")
-    p.add_argument("--tau", type=unit_interval, default=0.9, help="energy fraction (Meng et al. Def. 2.1)")
+    p.add_argument("--tau", type=unit_interval, default=0.9,
+                   help="energy fraction (Meng et al. Def. 2.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-sentences", type=positive_int, default=None, help="use the first N lines")
     p.add_argument("--max-length", type=positive_int, default=128, help="truncate longer sentences")
@@ -434,9 +492,12 @@ def _add_rank(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("dictionary", help="learn the MLSM dictionary on teacher states of a token store")
-    p.add_argument("--store", required=True, help="token store prepared with the teacher's tokenizer")
-    p.add_argument("--teacher", default=None, help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
+    p = sub.add_parser("dictionary",
+                       help="learn the MLSM dictionary on teacher states of a token store")
+    p.add_argument("--store", required=True,
+                   help="token store prepared with the teacher's tokenizer")
+    p.add_argument("--teacher", default=None,
+                   help="HF folder or hub id (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=non_negative_int, default=TEACHER_LAYER,
                    help=f"teacher layer, HF hidden_states numbering (0 = embeddings; "
                    f"default {TEACHER_LAYER})")
@@ -444,59 +505,87 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
                    help=f"number of atoms (default: {ATOMS_PER_DIM} x hidden size)")
     p.add_argument("--lam", type=positive_float, default=LAM,
                    help=f"lambda of the l1 penalty (default {LAM})")
-    p.add_argument("--n-vectors", type=positive_int, default=2_000_000, help="teacher states to collect")
+    p.add_argument("--n-vectors", type=positive_int, default=2_000_000,
+                   help="teacher states to collect")
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--batch-size", type=positive_int, default=512)
-    p.add_argument("--n-iter", type=positive_int, default=None, help="mini-batches (default: one pass)")
+    p.add_argument("--n-iter", type=positive_int, default=None,
+                   help="mini-batches (default: one pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", type=device)
-    p.add_argument("--out", required=True, type=out_file, help="PATH.safetensors (meta goes to PATH.json)")
+    p.add_argument("--out", required=True, type=out_file,
+                   help="PATH.safetensors (meta goes to PATH.json)")
     return _dictionary
 
 
 def _add_targets(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("targets", help="precompute MLSM target codes for every token of a token store")
-    p.add_argument("--store", required=True, help="token store (prepared with the teacher's tokenizer)")
-    p.add_argument("--dictionary", required=True, help="dictionary from `mlsm dictionary` (PATH[.safetensors])")
-    p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--layer", type=non_negative_int, default=None, help="teacher layer (default: the dictionary's)")
-    p.add_argument("--max-len", type=positive_int, default=128, help="data.max_len of the runs that will use it")
+    p = sub.add_parser("targets",
+                       help="precompute MLSM target codes for every token of a token store")
+    p.add_argument("--store", required=True,
+                   help="token store (prepared with the teacher's tokenizer)")
+    p.add_argument("--dictionary", required=True,
+                   help="dictionary from `mlsm dictionary` (PATH[.safetensors])")
+    p.add_argument("--teacher", default=None,
+                   help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--layer", type=non_negative_int, default=None,
+                   help="teacher layer (default: the dictionary's)")
+    p.add_argument("--max-len", type=positive_int, default=128,
+                   help="data.max_len of the runs that will use it")
     p.add_argument("--nnz", type=positive_int, default=None,
-                   help="keep only each code's N largest entries (default: every non-zero; a cap is lossy)")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="chunks per teacher forward / progress record")
+                   help="keep only each code's N largest entries (default: every "
+                   "non-zero; a cap is lossy)")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="chunks per teacher forward / progress record")
     p.add_argument("--device", default="cpu", type=device, help="cpu or cuda[:N]")
-    p.add_argument("--out", required=True, type=out_dir, help="target store folder (re-run the same command to resume)")
+    p.add_argument("--out", required=True, type=out_dir,
+                   help="target store folder (re-run the same command to resume)")
     return _targets
 
 
 def _add_flops(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("flops", help="FLOPs per training batch of MLM, KD, MLSM variants and MTL (Markdown)")
-    p.add_argument("--config", help="YAML recipe (student from model.*, teacher/layer/k from objective.*)")
-    p.add_argument("--teacher", default=None, help="teacher folder or hub id (default: objective.teacher)")
-    p.add_argument("--k", type=positive_int, default=None, help="dictionary size (default: the dictionary's / 4 d)")
-    p.add_argument("--layer", type=non_negative_int, default=None, help="early-exit layer of MLSM_l (default: objective.layer)")
-    p.add_argument("--vocab-size", type=positive_int, default=None, help="student vocabulary (default: the teacher's)")
+    p = sub.add_parser("flops",
+                       help="FLOPs per training batch of MLM, KD, MLSM variants and MTL (Markdown)")
+    p.add_argument("--config",
+                   help="YAML recipe (student from model.*, teacher/layer/k from objective.*)")
+    p.add_argument("--teacher", default=None,
+                   help="teacher folder or hub id (default: objective.teacher)")
+    p.add_argument("--k", type=positive_int, default=None,
+                   help="dictionary size (default: the dictionary's / 4 d)")
+    p.add_argument("--layer", type=non_negative_int, default=None,
+                   help="early-exit layer of MLSM_l (default: objective.layer)")
+    p.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="student vocabulary (default: the teacher's)")
     p.add_argument("--accounting", choices=["mlsm", "paper"], default="mlsm",
-                   help="paper: Berend 2023 Table 3 (one 128-sequence batch, heads at all positions); "
+                   help="paper: Berend 2023 Table 3 (one 128-sequence batch, heads at "
+                   "all positions); "
                         "mlsm: ours (global batch, heads at selected positions) [mlsm]")
-    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the command line, e.g. train.batch_size=256")
+    p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the "
+                   "command line, e.g. train.batch_size=256")
     return _flops
 
 
 def _add_export(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("export", help="Hub-ready folder + model card from a checkpoint (optionally push it)")
+    p = sub.add_parser("export",
+                       help="Hub-ready folder + model card from a checkpoint (optionally push it)")
     p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
-    p.add_argument("--out", required=True, type=out_dir, help="folder to write (an earlier export there is replaced)")
-    p.add_argument("--results", default=None, help="results.jsonl of `mlsm finetune`, or a report .md, for the card's table")
-    p.add_argument("--probe", default=None, help="probe checkpoint to ship (default: the newest of <run>/probe-<step>)")
-    p.add_argument("--license", default="unknown", help="license id for the card's metadata (e.g. apache-2.0, mit)")
-    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo (needs network and `hf auth login`)")
+    p.add_argument("--out", required=True, type=out_dir,
+                   help="folder to write (an earlier export there is replaced)")
+    p.add_argument("--results", default=None,
+                   help="results.jsonl of `mlsm finetune`, or a report .md, for the card's table")
+    p.add_argument("--probe", default=None,
+                   help="probe checkpoint to ship (default: the newest of <run>/probe-<step>)")
+    p.add_argument("--license", default="unknown",
+                   help="license id for the card's metadata (e.g. apache-2.0, mit)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO",
+                   help="upload the folder to this Hub repo (needs network and `hf auth login`)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
     return _export
 
 
 # One line per verb. --- verbs ---
-_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets, _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report, _add_blimp, _add_rank, _add_export, _add_study]
+_VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets,
+          _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report,
+          _add_blimp, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
@@ -512,7 +601,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
 
-def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+def _split_overrides(parser: argparse.ArgumentParser,
+                     argv: list[str]) -> tuple[list[str], list[str]]:
     """Pull `group.key=value` tokens out of a verb's command line, wherever they stand, for the
     verbs that take overrides (argparse alone only takes them right after the positionals).
     A token that is the value of an option (`--config a=b.yaml`) stays with its option."""
@@ -521,10 +611,12 @@ def _split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[
     verb_parser = sub.choices.get(verb) if verb else None
     if verb_parser is None or "overrides" not in {a.dest for a in verb_parser._actions}:
         return argv, []
-    needs_value = {o for a in verb_parser._actions if a.nargs is None and a.option_strings for o in a.option_strings}
+    needs_value = {o for a in verb_parser._actions if a.nargs is None and a.option_strings
+                   for o in a.option_strings}
     rest, overrides = [], []
     for i, token in enumerate(argv):
-        if i > argv.index(verb) and _OVERRIDE.match(token) and (i == 0 or argv[i - 1] not in needs_value):
+        if (i > argv.index(verb) and _OVERRIDE.match(token)
+                and (i == 0 or argv[i - 1] not in needs_value)):
             overrides.append(token)
         else:
             rest.append(token)
@@ -542,8 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = _split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
         args, extra = parser.parse_known_args(argv)
         if extra:  # named by the verb's parser, so the line says `mlsm VERB: error: ...`
-            next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.verb].error(
-                f"unrecognized arguments: {' '.join(extra)}")
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            sub.choices[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     if overrides:
@@ -572,8 +664,9 @@ def main(argv: list[str] | None = None) -> int:
 def _report_bug(prog: str, exc: BaseException) -> int:
     """A real bug stays loud: the whole traceback, then one line saying what to do with it."""
     traceback.print_exc()
-    print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); this is a bug in mlsm, "
-          "please report it with the traceback above and the command you ran", file=sys.stderr)
+    print(f"{prog}: internal error ({type(exc).__name__}: {_one_line(exc)}); "
+          "this is a bug in mlsm, please report it with the traceback above and the command "
+          "you ran", file=sys.stderr)
     return 1
 
 

@@ -183,34 +183,41 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "optim.schedule": (lambda v: v in ("linear", "wsd"), "linear or wsd"),
     "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,
     "optim.clip": _NON_NEGATIVE,
-    "train.steps": _POSITIVE, "train.batch_size": _POSITIVE, "train.micro_batch_size": _NON_NEGATIVE,
-    "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"), "auto, fp32, bf16 or fp16"),
-    "train.device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None, "auto, cpu, mps, cuda or cuda:N"),
-    "train.out": (lambda v: bool(v) and not Path(v).is_file(), "a folder (not empty, not an existing file)"),
+    "train.steps": _POSITIVE, "train.batch_size": _POSITIVE,
+    "train.micro_batch_size": _NON_NEGATIVE,
+    "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"),
+                        "auto, fp32, bf16 or fp16"),
+    "train.device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
+                     "auto, cpu, mps, cuda or cuda:N"),
+    "train.out": (lambda v: bool(v) and not Path(v).is_file(),
+                  "a folder (not empty, not an existing file)"),
     "train.readiness": (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"),
-    "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE, "train.log_every": _POSITIVE,
-    "train.threads": _NON_NEGATIVE, "train.peak_flops": _NON_NEGATIVE,
+    "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE,
+    "train.log_every": _POSITIVE, "train.threads": _NON_NEGATIVE, "train.peak_flops": _NON_NEGATIVE,
     "train.report_to": (lambda v: set(v) <= set(TRACKERS) and len(set(v)) == len(v),
                         f"a list of distinct trackers among {', '.join(TRACKERS)}"),
     # objective options (validated against the objective's own Config at config load)
-    "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE, "objective.fista_iters": _POSITIVE,
-    "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
+    "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE,
+    "objective.fista_iters": _POSITIVE, "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
     "objective.decoder_layers": _NON_NEGATIVE,
     "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
 }
 # model.overrides keys that must be positive integers when given (HF config sizes).
-_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "max_position_embeddings")
 
 
 def check_config(cfg: RunConfig) -> None:
     """Checks that span fields: the student's shape, batch sizes and the objective's options."""
     sizes = cfg.model.overrides
     for key in _SIZE_KEYS:
-        if key in sizes and (not isinstance(sizes[key], int) or isinstance(sizes[key], bool) or sizes[key] <= 0):
+        if key in sizes and (not isinstance(sizes[key], int) or isinstance(sizes[key], bool)
+                             or sizes[key] <= 0):
             raise UserError(f"model.overrides.{key} must be a positive integer, got {sizes[key]!r}")
     hidden, heads = sizes.get("hidden_size"), sizes.get("num_attention_heads")
     if hidden is not None and heads is not None and hidden % heads:
-        raise UserError(f"model.overrides.hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+        raise UserError(f"model.overrides.hidden_size={hidden} is not divisible by "
+                        f"num_attention_heads={heads}; "
                         "pick sizes such that hidden_size / num_attention_heads is an integer")
     if cfg.train.micro_batch_size > cfg.train.batch_size:
         raise UserError(f"train.micro_batch_size={cfg.train.micro_batch_size} is larger than "
@@ -237,7 +244,8 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
         if value not in valid:
             raise UserError(f"{where} must be one of {', '.join(map(str, valid))}, got {value!r}")
         return value
-    if origin is list and isinstance(value, list):  # element types too: mask_split=[a, b] is an error here
+    # element types too: mask_split=[a, b] is an error here
+    if origin is list and isinstance(value, list):
         (item,) = typing.get_args(hint) or (Any,)
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
     if origin is Any or isinstance(value, origin):
@@ -251,13 +259,15 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones, wrong
     types, and values outside a field's range (`FIELD_CHECKS`)."""
     if not isinstance(values, dict):
-        raise UserError(f"{where} must be a mapping of keys to values (e.g. {where}.KEY=VALUE), got {values!r}")
+        raise UserError(f"{where} must be a mapping of keys to values (e.g. "
+                        f"{where}.KEY=VALUE), got {values!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in values if k not in names]
     if unknown:
         raise UserError(
-            f"unknown key {where}.{unknown[0]}; valid keys of {where}: {', '.join(names) or '(none)'}"
+            f"unknown key {where}.{unknown[0]}; valid keys of {where}: "
+            f"{', '.join(names) or '(none)'}"
         )
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
     for key, value in kwargs.items():
@@ -270,13 +280,15 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """Build a RunConfig from nested dicts (a parsed YAML recipe), validating every key."""
     if raw is not None and not isinstance(raw, dict):
-        raise UserError(f"a config must be a mapping of groups ({', '.join([*_GROUPS, 'objective'])}), got {raw!r}")
+        raise UserError("a config must be a mapping of groups "
+                        f"({', '.join([*_GROUPS, 'objective'])}), got {raw!r}")
     raw = dict(raw or {})
     valid = [*_GROUPS, "objective"]
     for key in raw:
         if key not in valid:
             raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
-    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name) for name, cls in _GROUPS.items()}
+    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name)
+              for name, cls in _GROUPS.items()}
     cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
     check_config(cfg)
     return cfg
@@ -294,11 +306,13 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise UserError(f"override {pair!r} conflicts with {'.'.join(parents[: i + 1])}={node!r} given before")
+                raise UserError(f"override {pair!r} conflicts with "
+                                f"{'.'.join(parents[: i + 1])}={node!r} given before")
         try:
             node[leaf] = yaml.safe_load(text) if text else ""
         except yaml.YAMLError as exc:
-            raise UserError(f"override {pair!r}: the value is not valid YAML ({_yaml_problem(exc)}); quote it") from None
+            raise UserError(f"override {pair!r}: the value is not valid YAML "
+                            f"({_yaml_problem(exc)}); quote it") from None
     return out
 
 
@@ -329,9 +343,11 @@ def read_yaml(path: str | Path) -> Any:
     try:
         return yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise UserError(f"config file {p} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+        raise UserError(f"config file {p} is not UTF-8 text (byte {exc.start}); "
+                        "save it as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise UserError(f"config file {p} is not valid YAML ({_yaml_problem(exc)}); fix the recipe") from None
+        raise UserError(f"config file {p} is not valid YAML "
+                        f"({_yaml_problem(exc)}); fix the recipe") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -340,8 +356,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path:
         raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
-            raise UserError(f"config file {path} must be a YAML mapping of groups (data:, model:, objective:, "
-                            f"optim:, train:), got a {type(raw).__name__}; see configs/ for examples")
+            raise UserError(f"config file {path} must be a YAML mapping of groups (data:, "
+                            f"model:, objective:, optim:, train:), got a {type(raw).__name__}; see "
+                            "configs/ for examples")
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
 
 
@@ -380,10 +397,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # bases first
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:], strict=False):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+            if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)):
+                text = str(nxt.value.value)
+                docs[node.target.id] = " ".join(text.split())  # type: ignore[union-attr]
     return docs
 
 
@@ -391,7 +411,8 @@ def config_reference() -> str:
     """Markdown reference of every config key: default and docstring (docs/configuration.md)."""
     lines = ["# Configuration reference", "",
              "Generated from the dataclasses in `src/mlsm/config.py` and `src/mlsm/objectives/`",
-             "(`python -m mlsm.config > docs/configuration.md`). Set keys in a YAML recipe or on the",
+             "(`python -m mlsm.config > docs/configuration.md`). Set keys in a YAML "
+             "recipe or on the",
              "command line as `group.key=value`.", ""]
     groups: list[tuple[str, type]] = [*_GROUPS.items()]
     groups += [(f"objective ({name})", _registry()[name]) for name in user_objectives()]
@@ -399,7 +420,8 @@ def config_reference() -> str:
         lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            has_factory = f.default_factory is not dataclasses.MISSING
+            default = f.default_factory() if has_factory else f.default
             lines.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
         if not dataclasses.fields(cls):
             lines.append("| | | no options |")

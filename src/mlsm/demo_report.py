@@ -1,4 +1,5 @@
-"""The evaluation pieces of `mlsm demo`: zero-shot minimal pairs from held-out prose, the summary."""
+"""The evaluation pieces of `mlsm demo`: zero-shot minimal pairs from held-out prose, the
+summary."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def write_pairs(held: list[str], folder: Path, n: int = 200, seed: int = 0) -> P
     rng = random.Random(seed)
     sents = _sentences(held)
     rng.shuffle(sents)
-    kinds = {"shuffled_words": lambda w: rng.sample(w, len(w)), "two_words_swapped": lambda w: _swap_two(w, rng)}
+    kinds = {"shuffled_words": lambda w: rng.sample(w, len(w)),
+             "two_words_swapped": lambda w: _swap_two(w, rng)}
     folder.mkdir(parents=True, exist_ok=True)
     for k, (uid, corrupt) in enumerate(kinds.items()):
         rows = []
@@ -49,8 +51,9 @@ def write_pairs(held: list[str], folder: Path, n: int = 200, seed: int = 0) -> P
             words = s.rstrip(".").split()
             bad = corrupt(words)
             if bad != words:
-                rows.append({"sentence_good": s, "sentence_bad": " ".join(bad) + ".", "UID": uid, "pairID": str(i),
-                             "field": "word order (held-out prose)", "linguistics_term": uid})
+                rows.append({"sentence_good": s, "sentence_bad": " ".join(bad) + ".", "UID": uid,
+                             "pairID": str(i), "field": "word order (held-out prose)",
+                             "linguistics_term": uid})
         (folder / f"{uid}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder
 

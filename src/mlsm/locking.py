@@ -71,9 +71,11 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = _acquire(path)
     except OSError as exc:
-        raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its parent folder is writable") from None
+        raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its "
+                        "parent folder is writable") from None
     if fd is None:
-        raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait for it to finish or choose another output folder")
+        raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait "
+                        "for it to finish or choose another output folder")
     _HELD[path] = 1
     try:
         yield

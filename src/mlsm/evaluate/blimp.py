@@ -77,13 +77,15 @@ def _read_file(path: Path) -> list[BlimpPair]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if not isinstance(row, dict) or "sentence_good" not in row or "sentence_bad" not in row:
+                if (not isinstance(row, dict) or "sentence_good" not in row
+                        or "sentence_bad" not in row):
                     raise UserError(
                         f"{path}:{number} is not a BLiMP row: each JSON line needs "
                         f"sentence_good and sentence_bad; {_FIX_DATA}"
                     )
                 pairs.append(_pair(row, _stem(path), number - 1))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: BadGzipFile
+    # OSError: BadGzipFile
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError, zlib.error) as err:
         raise UserError(f"{path} is not JSON lines ({first_line(err)}): {_FIX_DATA}") from None
     return pairs
 
@@ -242,11 +244,15 @@ def blimp_markdown(result: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: |",
     ]
     for field, row in result["fields"].items():
-        lines.append(f"| {field} | {len(row['phenomena'])} | {row['n']} | {100 * row['accuracy']:.1f} |")
-    lines += ["", "| linguistics term | phenomena | pairs | accuracy (%) |", "| --- | ---: | ---: | ---: |"]
+        lines.append(f"| {field} | {len(row['phenomena'])} | {row['n']} | "
+                     f"{100 * row['accuracy']:.1f} |")
+    lines += ["", "| linguistics term | phenomena | pairs | accuracy (%) |",
+              "| --- | ---: | ---: | ---: |"]
     for term, row in result.get("terms", {}).items():
-        lines.append(f"| {term} | {len(row['phenomena'])} | {row['n']} | {100 * row['accuracy']:.1f} |")
-    lines += ["", "| phenomenon (UID) | field | pairs | accuracy (%) |", "| --- | --- | ---: | ---: |"]
+        lines.append(f"| {term} | {len(row['phenomena'])} | {row['n']} | "
+                     f"{100 * row['accuracy']:.1f} |")
+    lines += ["", "| phenomenon (UID) | field | pairs | accuracy (%) |",
+              "| --- | --- | ---: | ---: |"]
     for uid, row in sorted(result["phenomena"].items(), key=lambda kv: (kv[1]["field"], kv[0])):
         lines.append(f"| {uid} | {row['field']} | {row['n']} | {100 * row['accuracy']:.1f} |")
     return "\n".join(lines) + "\n"

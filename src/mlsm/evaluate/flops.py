@@ -63,7 +63,8 @@ class Shape:
 def shape_of(config: Any) -> Shape:
     """Shape from an HF PretrainedConfig or a dict with the same field names."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key)
-    return Shape(int(get("hidden_size")), int(get("num_hidden_layers")), int(get("intermediate_size")), int(get("vocab_size")))
+    return Shape(int(get("hidden_size")), int(get("num_hidden_layers")),
+                 int(get("intermediate_size")), int(get("vocab_size")))
 
 
 def encoder_flops(s: Shape, batch: int, seq: int, layers: int | None = None) -> int:
@@ -82,7 +83,8 @@ def relative_attention_flops(config: Any, batch: int, seq: int) -> int:
     embeddings, 2·2s·d². s = min(T, max_relative_positions) as DeBERTa v1 computes it. 0 for
     models without relative attention.
     """
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    get = (config.get if isinstance(config, dict)
+           else lambda key, default=None: getattr(config, key, default))
     if not get("relative_attention", False):
         return 0
     types = get("pos_att_type", None) or []
@@ -130,9 +132,9 @@ class FlopRow:
         return self.student + self.teacher
 
 
-def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: int, mask_rate: float,
-                k: int, layer: int, fista_iters: int = 100, teacher_mlm_head: bool = True,
-                accounting: str = "mlsm") -> list[FlopRow]:
+def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: int,
+                mask_rate: float, k: int, layer: int, fista_iters: int = 100,
+                teacher_mlm_head: bool = True, accounting: str = "mlsm") -> list[FlopRow]:
     """FLOPs per training batch of every objective; `total` excludes sparse coding.
 
     student_config / teacher_config: HF configs or dicts (hidden_size, num_hidden_layers,
@@ -148,7 +150,8 @@ def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: i
     S, T = shape_of(student_config), shape_of(teacher_config)
     n = round(mask_rate * batch * (seq_len - 2))  # selected positions ([CLS]/[SEP] never)
     heads_at = batch * seq_len if paper else n  # rows the student's and KD teacher's heads run on
-    enc = encoder_flops(S, batch, seq_len) + (relative_attention_flops(student_config, batch, seq_len) if paper else 0)
+    rel = relative_attention_flops(student_config, batch, seq_len) if paper else 0
+    enc = encoder_flops(S, batch, seq_len) + rel
     latent_head = latent_head_flops(S.d, k, heads_at)
     mlm = 3 * (enc + vocab_head_flops(S, heads_at))
     t_full = encoder_flops(T, batch, seq_len)
@@ -157,17 +160,20 @@ def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: i
     coding = sparse_coding_flops(T.d, k, n)
     where = "all positions" if paper else "selected positions"
     if paper:  # the official MTL: one shared transform, decoder d × (|V| + k), two softmaxes
-        mtl = FlopRow(f"MTL (l={layer})", 3 * (enc + 2 * heads_at * (S.d * S.d + S.d * (S.vocab + k))), t_early, coding,
+        mtl = FlopRow(f"MTL (l={layer})",
+                      3 * (enc + 2 * heads_at * (S.d * S.d + S.d * (S.vocab + k))), t_early, coding,
                       "official head: shared transform + d×(|V|+k) at all positions")
     else:
-        mtl = FlopRow(f"MTL (l={layer})", 3 * (enc + latent_head + vocab_head_flops(S, n)), t_early, coding,
-                      "both heads at selected positions")
+        mtl = FlopRow(f"MTL (l={layer})", 3 * (enc + latent_head + vocab_head_flops(S, n)), t_early,
+                      coding, "both heads at selected positions")
     return [
         FlopRow("MLM", mlm, 0, 0, f"vocabulary head at {where}"),
         FlopRow("KD", mlm, t_full + vocab_head_flops(T, heads_at), 0, f"teacher logits at {where}"),
-        FlopRow("MLSM (naive)", 3 * (enc + 2 * batch * seq_len * S.d * (S.vocab + k)), t_full + t_logits,
-                fista_flops(T.d, k, n, fista_iters), f"full teacher, head d×(|V|+k) at all positions, FISTA-{fista_iters}"),
-        FlopRow(f"MLSM_L (l={T.layers})", 3 * (enc + latent_head), t_full, coding, "teacher to its last layer"),
+        FlopRow("MLSM (naive)", 3 * (enc + 2 * batch * seq_len * S.d * (S.vocab + k)),
+                t_full + t_logits, fista_flops(T.d, k, n, fista_iters),
+                f"full teacher, head d×(|V|+k) at all positions, FISTA-{fista_iters}"),
+        FlopRow(f"MLSM_L (l={T.layers})", 3 * (enc + latent_head), t_full, coding,
+                "teacher to its last layer"),
         FlopRow(f"MLSM_l (l={layer})", 3 * (enc + latent_head), t_early, coding, "early exit"),
         mtl,
     ]
@@ -181,10 +187,10 @@ def _fmt(x: int) -> str:
 
 
 ACCOUNTING_LABELS = {
-    "paper": "accounting: paper (Berend 2023 Table 3: one batch of 128 sequences, heads at all positions, "
-             "DeBERTa relative attention counted)",
-    "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected positions only, "
-            "relative attention not counted)",
+    "paper": "accounting: paper (Berend 2023 Table 3: one batch of 128 sequences, heads "
+             "at all positions, DeBERTa relative attention counted)",
+    "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected "
+            "positions only, relative attention not counted)",
 }
 
 
@@ -194,14 +200,16 @@ def format_table(rows: list[FlopRow], accounting: str | None = None) -> str:
     base = next(r.total for r in rows if r.objective == "MLM")
     lines = [ACCOUNTING_LABELS[accounting], ""] if accounting else []
     lines += [
-        "| Objective | Student (fwd+bwd) | Teacher (fwd) | Total | % of MLM | Sparse coding (not in total) | Note |",
+        "| Objective | Student (fwd+bwd) | Teacher (fwd) | Total | % of MLM | Sparse coding (not "
+        "in total) | Note |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         coding = _fmt(r.coding) if r.coding else "–"
         note = r.note.replace("|", "\\|")  # a bare | would split the Markdown cell
-        lines.append(f"| {r.objective} | {_fmt(r.student)} | {_fmt(r.teacher) if r.teacher else '–'} | "
-                     f"{_fmt(r.total)} | {100 * r.total / base:.1f} % | {coding} | {note} |")
+        lines.append(f"| {r.objective} | {_fmt(r.student)} | "
+                     f"{_fmt(r.teacher) if r.teacher else '–'} | {_fmt(r.total)} | "
+                     f"{100 * r.total / base:.1f} % | {coding} | {note} |")
     return "\n".join(lines)
 
 
@@ -220,11 +228,12 @@ def teacher_shape_config(name: str) -> Any:
     try:
         return load_config(name)
     except Exception as exc:  # OSError, ValueError, HTTP errors
-        raise UserError(f"cannot read the config of teacher {name!r} ({first_line(exc)}); pass --teacher PATH to a local model folder") from None
+        raise UserError(f"cannot read the config of teacher {name!r} ({first_line(exc)}); pass "
+                        "--teacher PATH to a local model folder") from None
 
 
-def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None, layer: int | None = None,
-                  vocab_size: int | None = None, accounting: str = "mlsm",
+def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
+                  layer: int | None = None, vocab_size: int | None = None, accounting: str = "mlsm",
                   student_config: Any = None) -> list[FlopRow]:
     """`flops_table` for a RunConfig: student from model.* (or the built model's `student_config`,
     e.g. when model.init_from is set), teacher/k/layer from objective.*.
@@ -250,7 +259,8 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     if student is None:
         student = load_config(m.config) if m.config else AutoConfig.for_model(m.arch, **m.overrides)
     student_shape = {**student.to_dict(), "vocab_size": vocab_size or t.vocab}
-    archs = (t_cfg.get("architectures") if isinstance(t_cfg, dict) else getattr(t_cfg, "architectures", None)) or []
+    archs = (t_cfg.get("architectures") if isinstance(t_cfg, dict)
+             else getattr(t_cfg, "architectures", None)) or []
     has_head = any(a.endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
     mask = cfg.data.mask_rate
     return flops_table(student_shape, t_cfg, cfg.data.max_len, cfg.train.batch_size, mask, k, layer,
@@ -263,5 +273,6 @@ def _dictionary_meta(path: str) -> dict[str, Any]:
 
     if not path:
         return {}
-    meta = Path(path).with_suffix(".json") if path.endswith(".safetensors") else Path(path + ".json")
+    meta = (Path(path).with_suffix(".json") if path.endswith(".safetensors")
+            else Path(path + ".json"))
     return json.loads(meta.read_text()) if meta.is_file() else {}

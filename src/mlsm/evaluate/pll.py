@@ -120,7 +120,8 @@ class TokenScores:
 
 @dataclass
 class _Item:
-    """One distinct tokenised sentence: ids (L,), scored positions (n,), word index per token (L,)."""
+    """One distinct tokenised sentence: ids (L,), scored positions (n,), word index per token
+    (L,)."""
 
     ids: torch.Tensor
     targets: torch.Tensor

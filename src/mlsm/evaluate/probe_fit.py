@@ -36,13 +36,15 @@ def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
     """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
     the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
     cfg = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["train"]
-    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)  # ceil(samples seen / batch_size)
+    # ceil(samples seen / batch_size)
+    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
     return [first + j for j in range(n)]
 
 
 def unigram_log_probs(store: TokenStore, vocab: int, max_tokens: int = 5_000_000) -> torch.Tensor:
     """log p(token) over the first max_tokens of the store, add-one smoothed: (V,)."""
-    counts = np.bincount(np.asarray(store.tokens[:max_tokens], dtype=np.int64), minlength=vocab)[:vocab] + 1.0
+    counts = np.bincount(np.asarray(store.tokens[:max_tokens], dtype=np.int64),
+                         minlength=vocab)[:vocab] + 1.0
     return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 
@@ -69,7 +71,8 @@ class _Candidate:
     ~ -8 each over k = 1536 atoms). The normalisation is folded into the weights when exported.
     """
 
-    def __init__(self, kind: str, like: torch.nn.Linear, unigram: torch.Tensor, lr: float, z0: torch.Tensor):
+    def __init__(self, kind: str, like: torch.nn.Linear, unigram: torch.Tensor, lr: float,
+                 z0: torch.Tensor):
         self.kind = kind
         x0 = probe_input(z0, kind)
         self.mu, self.sigma = x0.mean(0), x0.std(0).clamp(min=1e-6)  # (k,)
@@ -108,9 +111,11 @@ class _Candidate:
                 n += y.numel()
         return loss / n, correct / n
 
-    def check(self, step: int, train_loss: float, held: list, min_delta: float, patience: int) -> None:
+    def check(self, step: int, train_loss: float, held: list, min_delta: float,
+              patience: int) -> None:
         held_loss, top1 = self.evaluate(held)
-        self.curve.append({"step": step, "train_loss": train_loss, "heldout_loss": held_loss, "heldout_top1": top1})
+        self.curve.append({"step": step, "train_loss": train_loss, "heldout_loss": held_loss,
+                           "heldout_top1": top1})
         if not math.isfinite(held_loss):
             self.stale = patience  # diverged: stop this one
             return
@@ -142,10 +147,12 @@ def _setup(checkpoint: Path, kind: str, batch_size: int | None,
     return cfg, TrainModule(student, objective), tokenizer, source, store
 
 
-def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: tuple[str, ...] = PROBE_INPUTS,
-                           lr: float = 0.2, select_steps: int = 100, max_steps: int = 2000, eval_every: int = 50,
+def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
+                           inputs: tuple[str, ...] = PROBE_INPUTS, lr: float = 0.2,
+                           select_steps: int = 100, max_steps: int = 2000, eval_every: int = 50,
                            patience: int = 3, min_delta: float = 0.005, heldout_batches: int = 4,
-                           batch_size: int | None = None, threads: int | None = None) -> dict[str, Any]:
+                           batch_size: int | None = None,
+                           threads: int | None = None) -> dict[str, Any]:
     """Train the probe of an MLSM checkpoint to a held-out plateau; write OUT/probe.json and a
     checkpoint folder that `load_scorer` reads.
 
@@ -157,7 +164,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
     probe = module.objective.heads["probe"]
     features, G = _Features(module), cfg.train.batch_size
-    held = [features(source.micro_batches(s, G, G, 0, 1)[0]) for s in heldout_steps(checkpoint, G, heldout_batches)]
+    held = [features(source.micro_batches(s, G, G, 0, 1)[0])
+            for s in heldout_steps(checkpoint, G, heldout_batches)]
     unigram = unigram_log_probs(store, probe.out_features)
     z0, _ = features(source.micro_batches(0, G, G, 0, 1)[0])
     cands = [_Candidate(kind, probe, unigram, lr, z0) for kind in inputs]
@@ -180,18 +188,22 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *, inputs: t
     best = min(cands, key=lambda c: c.evaluate(held)[0])
     held_loss, top1 = best.evaluate(held)
     if not math.isfinite(held_loss):
-        raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower probe.lr (now {lr:g})")
+        raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
+                        f"probe.lr (now {lr:g})")
     probe.load_state_dict(best.exported())
     module.objective.input = best.kind
     saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
                                  {"step": best.steps},
-                                 {"step": best.steps, "readiness": 1.0, "objective": "probe", "run": str(out),
+                                 {"step": best.steps, "readiness": 1.0, "objective": "probe",
+                                  "run": str(out),
                                   "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
-    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr, "steps": best.steps,
-            "batch_size": G, "heldout_loss": held_loss, "heldout_top1": top1, "unigram_loss": unigram_loss,
-            "unigram_top1": unigram_top1, "better_than_unigram": held_loss < unigram_loss * (1 - min_delta),
+    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr,
+            "steps": best.steps, "batch_size": G, "heldout_loss": held_loss, "heldout_top1": top1,
+            "unigram_loss": unigram_loss, "unigram_top1": unigram_top1,
+            "better_than_unigram": held_loss < unigram_loss * (1 - min_delta),
             "n_heldout_targets": sum(int(y.numel()) for _, y in held),
-            "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.evaluate(held)[0], "curve": c.curve} for c in cands}}
+            "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.evaluate(held)[0],
+                                    "curve": c.curve} for c in cands}}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
     return info

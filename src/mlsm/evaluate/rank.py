@@ -57,7 +57,8 @@ def _rank_from_energy(energy: torch.Tensor, tau: float) -> int:
 
 
 def effective_rank(x: torch.Tensor, tau: float = 0.9) -> int:
-    """rank_tau of a matrix (n, d): the smallest k with sum_{i<=k} sigma_i^2 >= tau * sum sigma^2."""
+    """rank_tau of a matrix (n, d): the smallest k with sum_{i<=k} sigma_i^2 >= tau * sum
+    sigma^2."""
     if not 0 < tau <= 1:
         raise UserError(f"tau must be in (0, 1], got {tau}")
     if x.dim() != 2:
@@ -108,7 +109,8 @@ class RankTable:
             "| layer | " + " | ".join(cols) + " |",
             "| ---: |" + " ---: |" * len(cols),
         ]
-        body = [f"| {r['layer']} | " + " | ".join(str(r[c]) for c in cols) + " |" for r in self.rows()]
+        body = [f"| {r['layer']} | " + " | ".join(str(r[c]) for c in cols) + " |"
+                for r in self.rows()]
         return "\n".join(head + body) + "\n"
 
 
@@ -210,13 +212,15 @@ def layerwise_effective_rank(
     if not 0 <= mask_rate < 1:
         raise UserError(f"mask_rate must be in [0, 1), got {mask_rate}")
     if mask_rate > 0 and getattr(tokenizer, "mask_token_id", None) is None:
-        raise UserError("the tokenizer has no [MASK] token: use mask_rate=0 or a masked-LM tokenizer")
+        raise UserError("the tokenizer has no [MASK] token: use mask_rate=0 or a "
+                        "masked-LM tokenizer")
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            acc = _accumulate(model, tokenizer, sentences, mask_rate, seed, batch_size, max_length, dev)
+            acc = _accumulate(model, tokenizer, sentences, mask_rate, seed, batch_size, max_length,
+                              dev)
     finally:
         model.train(was_training)
     conds = CONDITIONS if mask_rate > 0 else ("unmasked",)
@@ -252,7 +256,8 @@ def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[st
         with opener(p, "rt", encoding="utf-8") as f:
             lines = [line.strip() for line in f if line.strip()]
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: gzip.BadGzipFile
-        raise UserError(f"{p} is not readable UTF-8 text ({first_line(err)}): pass a .txt or .txt.gz") from None
+        raise UserError(f"{p} is not readable UTF-8 text ({first_line(err)}): pass "
+                        "a .txt or .txt.gz") from None
     if not lines:
         raise UserError(f"{p} has no non-empty lines: pass a text file with one sentence per line")
     return lines[:limit]

@@ -45,7 +45,8 @@ class Student(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: Any, **kw: Any) -> torch.Tensor:
         """Last hidden states (B, T, d). attention_mask: (B, T), or a prepared 4-D mask (CLM);
         kw: further encoder inputs (e.g. position_ids)."""
-        return self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                             **kw).last_hidden_state
 
     def encode(self, input_ids: torch.Tensor, attention_mask: Any, **kw: Any) -> torch.Tensor:
         """Same as calling the student (kept for readability at call sites)."""
@@ -56,7 +57,8 @@ class Student(nn.Module):
         return self._vocab_head(h)
 
 
-def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int) -> PretrainedConfig:
+def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
+                         max_len: int) -> PretrainedConfig:
     def make(**kw: Any) -> PretrainedConfig:
         # kwargs at construction, not setattr afterwards: some configs derive fields from others
         # (e.g. ModernBERT's layer_types from num_hidden_layers)
@@ -65,32 +67,40 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len
     try:
         default = make()
     except (ValueError, OSError) as exc:
-        raise UserError(f"cannot build a model config from model.arch={cfg.arch!r} / model.config={cfg.config!r}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot build a model config from model.arch={cfg.arch!r} / "
+                        f"model.config={cfg.config!r}: {str(exc).splitlines()[0]}") from None
     for key in cfg.overrides:
         if not hasattr(default, key):
-            raise UserError(f"model.overrides.{key} is not a field of {type(default).__name__}; check the spelling")
+            raise UserError(f"model.overrides.{key} is not a field of {type(default).__name__}; "
+                            "check the spelling")
     # The vocabulary and special ids come from the tokenizer the data was prepared with.
     kw: dict[str, Any] = {**cfg.overrides, "vocab_size": len(tok)}
     for name in ("pad", "bos", "eos", "cls", "sep", "mask"):
         tid = getattr(tok, f"{name}_token_id", None)
         if tid is not None and hasattr(default, f"{name}_token_id"):
             kw[f"{name}_token_id"] = tid
-    positions = kw.get("max_position_embeddings", getattr(default, "max_position_embeddings", max_len + 2))
-    kw["max_position_embeddings"] = max(positions, max_len + 2)  # roberta offsets positions by pad + 1
+    fallback = getattr(default, "max_position_embeddings", max_len + 2)
+    positions = kw.get("max_position_embeddings", fallback)
+    # roberta offsets positions by pad + 1
+    kw["max_position_embeddings"] = max(positions, max_len + 2)
     return make(**kw)
 
 
-def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int, seed: int) -> Student:
+def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int,
+                  seed: int) -> Student:
     """A from-scratch student (seeded init) or one loaded from `cfg.init_from`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if cfg.init_from:
             if not Path(cfg.init_from).is_dir():
-                raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a checkpoint or HF model folder")
+                raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a "
+                                "checkpoint or HF model folder")
             with quiet_head_mismatch(cfg.init_from, with_head=True):
                 hf = load_model(AutoModelForMaskedLM, cfg.init_from)
             if hf.config.vocab_size != len(tok):
-                raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the token store's tokenizer has {len(tok)}; prepare the corpus with that model's tokenizer")
+                raise UserError(f"model.init_from has vocab size {hf.config.vocab_size} but the "
+                                f"token store's tokenizer has {len(tok)}; prepare the corpus with "
+                                "that model's tokenizer")
         else:
             hf = AutoModelForMaskedLM.from_config(_from_scratch_config(cfg, tok, max_len))
     return Student(hf)
@@ -103,6 +113,8 @@ def load_student_weights(model: nn.Module, heads: nn.Module, folder: Path) -> No
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith(("decoder.weight", "decoder.bias"))}
     if unexpected or set(missing) - tied:
-        raise UserError(f"checkpoint {folder} does not match the model (missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume with the config the run was started with")
+        raise UserError(f"checkpoint {folder} does not match the model (missing "
+                        f"{sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]}); resume "
+                        "with the config the run was started with")
     if len(heads.state_dict()):
         heads.load_state_dict(read_heads(folder))

@@ -34,30 +34,35 @@ DECODER, LM_HEAD = "mae_decoder", "mae_lm_head"
 class MAEDecoder(nn.Module):
     """Encoder states (B, T, d) + removed mask (B, T) -> decoder states (B, T, d)."""
 
-    def __init__(self, d: int, width: int, layers: int, heads: int, max_positions: int, dropout: float = 0.0):
+    def __init__(self, d: int, width: int, layers: int, heads: int, max_positions: int,
+                 dropout: float = 0.0):
         super().__init__()
         if width % heads:
-            raise UserError(f"objective.decoder_width={width} is not divisible by objective.decoder_heads={heads}")
+            raise UserError(f"objective.decoder_width={width} is not divisible by "
+                            f"objective.decoder_heads={heads}")
         self.proj_in = nn.Linear(d, width) if width != d else nn.Identity()
         self.mask_embedding = nn.Parameter(torch.zeros(width))
         self.positions = nn.Embedding(max_positions, width)
         self.norm = nn.LayerNorm(width)
         # post-LN, GELU, 4w feed-forward: a BERT layer (Devlin et al. 2019), in plain torch
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout, activation="gelu", batch_first=True)
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout, activation="gelu",
+                                       batch_first=True)
             for _ in range(layers)
         )
         self.proj_out = nn.Linear(width, d) if width != d else nn.Identity()
         nn.init.normal_(self.mask_embedding, std=0.02)
         nn.init.normal_(self.positions.weight, std=0.02)
 
-    def forward(self, states: torch.Tensor, removed: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, removed: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
         x = self.proj_in(states)  # (B, T, w)
         x = torch.where(removed[..., None], self.mask_embedding.to(x.dtype), x)
         pos = torch.arange(x.shape[1], device=x.device)
         x = self.norm(x + self.positions(pos)[None])  # absolute positions of the full sequence
         # packed batches have no padding: no mask lets attention take its unmasked fast path
-        pad = None if bool(attention_mask.all()) else ~attention_mask.bool()  # (B, T), True = ignore
+        # (B, T), True = ignore
+        pad = None if bool(attention_mask.all()) else ~attention_mask.bool()
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=pad)
         return self.proj_out(x)  # (B, T, d)
@@ -74,7 +79,8 @@ class TiedLMHead(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.bias = nn.Parameter(torch.zeros(vocab))
 
-    def forward(self, h: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:  # (N, d) -> (N, V)
+    # (N, d) -> (N, V)
+    def forward(self, h: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(F.gelu(self.dense(h))), embeddings, self.bias)
 
 
@@ -88,7 +94,8 @@ class EncoderSplit:
     removed: torch.Tensor  # (B, T) bool: positions the encoder does not see
 
 
-def delta_keep(selected: torch.Tensor, samples: torch.Tensor, delta: float, seed: int) -> torch.Tensor:
+def delta_keep(selected: torch.Tensor, samples: torch.Tensor, delta: float,
+               seed: int) -> torch.Tensor:
     """Bool (B, T): selected positions kept in the encoder input as [MASK] (fraction δ).
 
     A pure function of (seed, global sample, position) like the masking itself, so resuming and
@@ -99,8 +106,8 @@ def delta_keep(selected: torch.Tensor, samples: torch.Tensor, delta: float, seed
     return selected & torch.from_numpy(u < delta).to(selected.device)
 
 
-def split_encoder_input(input_ids: torch.Tensor, attention_mask: torch.Tensor, removed: torch.Tensor,
-                        pad_id: int) -> EncoderSplit:
+def split_encoder_input(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        removed: torch.Tensor, pad_id: int) -> EncoderSplit:
     """Remove `removed` positions and left-align what is kept (original order preserved)."""
     kept = attention_mask.bool() & ~removed  # (B, T)
     n_kept = kept.sum(1)  # (B,)
@@ -138,7 +145,8 @@ _POSITION_IDS: dict[str, Any] = {
 def check_mae_support(student: Student) -> None:
     kind = student.config.model_type
     if kind not in _POSITION_IDS:
-        raise UserError(f"MAE-LM needs explicit position ids, which model.arch={kind!r} does not take; use one of {', '.join(sorted(_POSITION_IDS))}")
+        raise UserError(f"MAE-LM needs explicit position ids, which model.arch={kind!r} does not "
+                        f"take; use one of {', '.join(sorted(_POSITION_IDS))}")
 
 
 def encoder_inputs(student: Student, split: EncoderSplit) -> dict[str, torch.Tensor]:

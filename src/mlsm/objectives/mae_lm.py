@@ -44,9 +44,11 @@ class MAELMConfig:
     name: Literal["mae_lm"] = "mae_lm"
     """Objective name (the tag of the objective group)."""
     delta: float = 0.0
-    """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all removed)."""
+    """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all
+    removed)."""
     decoder_layers: int = 0
-    """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else 2."""
+    """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else
+    2."""
     decoder_width: int = 0
     """Decoder width; 0 = the encoder's hidden size."""
     decoder_heads: int = 0
@@ -62,11 +64,14 @@ class MAELMConfig:
 
 def check_mae_options(cfg: MAELMConfig) -> None:
     if not 0.0 <= cfg.delta <= 1.0:
-        raise UserError(f"objective.delta={cfg.delta} must be in [0, 1]; 0 removes every selected position")
+        raise UserError(f"objective.delta={cfg.delta} must be in [0, 1]; 0 removes every "
+                        "selected position")
     if cfg.decoder_layers < 0 or cfg.decoder_width < 0 or cfg.decoder_heads < 0:
-        raise UserError("objective.decoder_layers, decoder_width and decoder_heads must be >= 0 (0 = the default / the encoder's)")
+        raise UserError("objective.decoder_layers, decoder_width and decoder_heads must be >= 0 (0 "
+                        "= the default / the encoder's)")
     if not 0.0 <= cfg.decoder_dropout < 1.0:
-        raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); the paper uses 0")
+        raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); "
+                        "the paper uses 0")
 
 
 class MAEDecoderPass(Objective):

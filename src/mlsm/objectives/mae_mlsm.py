@@ -1,4 +1,5 @@
-"""MAE-MLSM: the MAE-LM encoder/decoder split (Meng et al. 2024, §4) with MLSM targets (Berend 2023).
+"""MAE-MLSM: the MAE-LM encoder/decoder split (Meng et al. 2024, §4) with MLSM targets
+(Berend 2023).
 
 New in this toolkit (none of the anchors has it). The encoder never sees the selected positions;
 the shallow decoder rebuilds the full length from the encoder outputs plus [MASK] embeddings, and

@@ -30,9 +30,11 @@ def run_pretraining(study: Study, arms: list[str]) -> set[str]:
     if kind == "slurm":
         return _slurm(study, arms)
     if jobs <= 1:
-        return {a for a in arms if not study.stage("pretrain", lambda a=a: pretrain_arm(study, a), a)}
+        return {a for a in arms
+                if not study.stage("pretrain", lambda a=a: pretrain_arm(study, a), a)}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        ok = list(pool.map(lambda a: study.stage("pretrain", lambda: _subprocess_arm(study, a), a), arms))
+        ok = list(pool.map(
+            lambda a: study.stage("pretrain", lambda: _subprocess_arm(study, a), a), arms))
     return {a for a, good in zip(arms, ok, strict=True) if not good}
 
 
@@ -66,19 +68,22 @@ def pretrain_job(config: dict[str, Any]) -> str:
 
 
 def make_executor(study: Study, cluster: str | None = None) -> Any:
-    """A submitit executor configured from `executor.slurm` (cluster: None = auto, 'debug'/'local' for tests)."""
+    """A submitit executor configured from `executor.slurm` (cluster: None = auto, 'debug'/'local'
+    for tests)."""
     try:
         import submitit
     except ImportError:
-        raise UserError("executor.kind: slurm needs submitit; install it with pip install 'mlsm[slurm]'") from None
+        raise UserError("executor.kind: slurm needs submitit; install it with pip "
+                        "install 'mlsm[slurm]'") from None
     params = dict(study.spec.executor.slurm)
     folder = Path(params.pop("folder", study.root / "slurm"))
     cluster = params.pop("cluster", cluster)
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
-    mapped = {k if k in ("timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb")
-              or executor.cluster != "slurm" else f"slurm_{k}": v for k, v in params.items()}
+    native = ("timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb")
+    mapped = {k if k in native or executor.cluster != "slurm" else f"slurm_{k}": v
+              for k, v in params.items()}
     if executor.cluster != "slurm":
-        mapped = {k: v for k, v in mapped.items() if k in ("timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb")}
+        mapped = {k: v for k, v in mapped.items() if k in native}
     executor.update_parameters(name=f"mlsm-{study.spec.name}", **mapped)
     return executor
 
@@ -86,7 +91,8 @@ def make_executor(study: Study, cluster: str | None = None) -> Any:
 def _slurm(study: Study, arms: list[str]) -> set[str]:
     todo: list[str] = []
 
-    def check(arm: str) -> str:  # config checks and skips happen in the driver, before anything is queued
+    # config checks and skips happen in the driver, before anything is queued
+    def check(arm: str) -> str:
         check_same_config(study, arm, study.arm_config(arm))
         if not pretrain_done(study, arm):
             todo.append(arm)
@@ -94,7 +100,8 @@ def _slurm(study: Study, arms: list[str]) -> set[str]:
 
     failed = {a for a in arms if not study.stage("pretrain-check", lambda a=a: check(a), a)}
     executor = make_executor(study)
-    jobs = {arm: executor.submit(pretrain_job, config_to_dict(study.arm_config(arm))) for arm in todo}
+    jobs = {arm: executor.submit(pretrain_job, config_to_dict(study.arm_config(arm)))
+            for arm in todo}
     for arm, job in jobs.items():
         study.log(f"[study] pretrain:{arm}: submitted as job {job.job_id}")
     for arm, job in jobs.items():
@@ -123,10 +130,12 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     executor = make_executor(study)
     spec = dataclasses.asdict(study.spec)
     jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in arms}
-    failed = {a for a, job in jobs.items() if not study.stage(f"{stage}-job", lambda j=job: j.result() and None, a)}
+    failed = {a for a, job in jobs.items()
+              if not study.stage(f"{stage}-job", lambda j=job: j.result() and None, a)}
     status = study.status()
-    return failed | {a for a in arms if any((k == f"{stage}:{a}" or k.startswith(f"{stage}:{a}@")) and v.get("state") == "failed"
-                                           for k, v in status.items())}
+    return failed | {a for a in arms
+                     if any((k == f"{stage}:{a}" or k.startswith(f"{stage}:{a}@"))
+                            and v.get("state") == "failed" for k, v in status.items())}
 
 
 def stage_job(spec: dict[str, Any], stage: str, arm: str) -> bool:

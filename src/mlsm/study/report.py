@@ -49,7 +49,8 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
     for k, arm in enumerate(study.spec.arms):
         rows = _metrics(study.run_dir(arm))
         if rows:
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=arm, color=f"C{k}", linewidth=1)
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=arm, color=f"C{k}",
+                    linewidth=1)
             drawn = True
     if not drawn:
         return None
@@ -61,7 +62,8 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
 
 
 def arm_compute(study: Study) -> list[dict[str, Any]]:
-    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall time."""
+    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
+    time."""
     from mlsm.evaluate.flops import flops_for_run
 
     times = _stage_times(study)
@@ -73,14 +75,16 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
         try:
             table = flops_for_run(cfg)
             name = cfg.objective.name
-            match = {"mlm": "MLM", "kd": "KD", "mlsm": "MLSM_l", "mtl": "MTL", "mlsm_naive": "MLSM (naive)"}.get(name, "")
-            flops = next((r.total for r in table if match and r.objective.startswith(match)), math.nan)
+            match = {"mlm": "MLM", "kd": "KD", "mlsm": "MLSM_l", "mtl": "MTL",
+                     "mlsm_naive": "MLSM (naive)"}.get(name, "")
+            flops = next((r.total for r in table if match and r.objective.startswith(match)),
+                         math.nan)
         except Exception:  # a missing dictionary/teacher config: report the rest
             flops = math.nan
         out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step,
                     "steps": cfg.train.steps,
-                    "tokens": step * cfg.train.batch_size * cfg.data.max_len, "flops_per_batch": flops,
-                    "pretrain_seconds": times.get(("pretrain", arm), 0.0),
+                    "tokens": step * cfg.train.batch_size * cfg.data.max_len,
+                    "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "final_loss": rows[-1]["loss"] if rows else math.nan})
     return out
 
@@ -97,13 +101,16 @@ def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
 
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
     folder = study.root / "blimp"
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    return [json.loads(p.read_text()) for p in files]
 
 
-def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]], path: Path) -> str | None:
+def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
+                     path: Path) -> str | None:
     """Fig. 6: BLiMP overall accuracy vs FLOPs per training batch, one point per arm@readiness."""
     flops = {c["arm"]: c["flops_per_batch"] for c in compute}
-    pts = [(flops.get(r["arm"], math.nan), 100 * r["overall"], f"{r['arm']}@{readiness_label(r['readiness'])}") for r in rows]
+    pts = [(flops.get(r["arm"], math.nan), 100 * r["overall"],
+            f"{r['arm']}@{readiness_label(r['readiness'])}") for r in rows]
     pts = [p for p in pts if math.isfinite(p[0])]
     if not pts:
         return None
@@ -125,23 +132,29 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
 
     if not study.results.is_file() or not study.results.read_text().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
-    cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)  # one lr per task: no selection
-    parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n", f"![readiness]({plot_readiness(cmp, study.root / 'readiness.png').name})\n",
+    # one lr per task: no selection
+    cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)
+    parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n",
+             f"![readiness]({plot_readiness(cmp, study.root / 'readiness.png').name})\n",
              "## Fine-tuning: Wilcoxon matrix and win counts (Fig. 2b/2c)\n",
-             f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n", cmp.to_markdown()]
+             f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n",
+             cmp.to_markdown()]
     parts += _headline(study, cmp)
-    summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns], "mean": cmp.mean.tolist(),
-               "std": cmp.std.tolist(), "count": cmp.count.tolist(), "pvalues_row_better": cmp.pvalues.tolist(),
-               "wins": cmp.wins.tolist(), "n_pairs": cmp.n_pairs.tolist()}
+    summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns],
+               "mean": cmp.mean.tolist(), "std": cmp.std.tolist(), "count": cmp.count.tolist(),
+               "pvalues_row_better": cmp.pvalues.tolist(), "wins": cmp.wins.tolist(),
+               "n_pairs": cmp.n_pairs.tolist()}
     return parts, summary
 
 
 def headline_pairs(study: Study) -> list[tuple[str, str]]:
     """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
-    and at 100 % against every other arm at 100 %, and the latent arms against each other at 100 %."""
+    and at 100 % against every other arm at 100 %, and the latent arms against each other at
+    100 %."""
     latent = [a for a in study.spec.arms if study.is_latent(a)]
     others = [a for a in study.spec.arms if a not in latent]
-    pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others for f in (0.5, 1.0)]
+    pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
+             for f in (0.5, 1.0)]
     pairs += [(f"{a}@100%", f"{b}@100%") for i, a in enumerate(latent) for b in latent[i + 1:]]
     return pairs
 
@@ -151,16 +164,20 @@ def _headline(study: Study, cmp: Any) -> list[str]:
     for a, b in headline_pairs(study):
         if a in cmp.models and b in cmp.models:
             i, j = cmp.models.index(a), cmp.models.index(b)
-            two = cmp.pvalues_two_sided[i, j] if getattr(cmp, "pvalues_two_sided", None) is not None else math.nan
-            diff = f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, {100 * cmp.ci[i, j, 2]:+.2f}]" \
-                if getattr(cmp, "ci", None) is not None else "—"
-            rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | {int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | "
-                        f"{cmp.pvalues[i, j]:.3g} | {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
+            has_two = getattr(cmp, "pvalues_two_sided", None) is not None
+            two = cmp.pvalues_two_sided[i, j] if has_two else math.nan
+            diff = (f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, "
+                    f"{100 * cmp.ci[i, j, 2]:+.2f}]"
+                    if getattr(cmp, "ci", None) is not None else "—")
+            rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | "
+                        f"{int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | {cmp.pvalues[i, j]:.3g} "
+                        f"| {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
     if not rows:
         return []
     return ["## Headline comparisons (paired fine-tuning runs, all tasks and metrics)\n",
-            "Wilcoxon signed-rank over the paired runs: p(A>B) one-sided (A better than B), p(B>A) the reverse, "
-            "and the two-sided p; mean difference A − B (×100) with its bootstrap CI.\n",
+            "Wilcoxon signed-rank over the paired runs: p(A>B) one-sided (A better than B), "
+            "p(B>A) the reverse, and the two-sided p; mean difference A − B (×100) with "
+            "its bootstrap CI.\n",
             "| A | B | A wins | B wins | p(A>B) | p(B>A) | p two-sided | mean A − B [CI] |",
             "|---|---|---:|---:|---:|---:|---:|---|", *rows, ""]
 
@@ -181,11 +198,14 @@ def _set_cells(s: dict[str, Any] | None) -> str:
     return f"{_fmt(100 * s['overall'], 1, 1)} | {_p(s.get('p_vs_chance'))}"
 
 
-def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
-    lines = ["## Compute per arm\n", "| arm | objective | steps | tokens | GFLOPs / batch | pre-training wall (s) | final loss |",
+def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict,
+            study: Study) -> list[str]:
+    lines = ["## Compute per arm\n", "| arm | objective | steps | tokens | GFLOPs / batch | "
+             "pre-training wall (s) | final loss |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | {c['tokens']:,} | "
-              f"{_fmt(c['flops_per_batch'], 1e9, 0)} | {c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
+    lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | "
+              f"{c['tokens']:,} | {_fmt(c['flops_per_batch'], 1e9, 0)} | "
+              f"{c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
         lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
@@ -209,15 +229,19 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
               "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in blimp:
         p, h = r.get("probe") or {}, r.get("heldout") or {}
-        lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | {r['n_pairs']} | "
-                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
+        probe_top1 = 100 * p["heldout_top1"] if p.get("heldout_top1") is not None else math.nan
+        lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | "
+                     f"{r['n_pairs']} | {_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
                      f"{_fmt(100 * h.get('unigram_top1', math.nan), 1, 1)} | "
                      f"{_p(h.get('p_vs_unigram'))} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
                      f"{_fmt(h.get('unigram_loss', math.nan), 1, 3)} | "
-                     f"{p.get('input', '—') if p else '— (MLM head)'} | {_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
-                     f"{_fmt(100 * p['heldout_top1'] if p.get('heldout_top1') is not None else math.nan, 1, 1)} | "
-                     f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | {p.get('steps', '—') if p else '—'} |")
-    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |", "|---|---|---:|"]
+                     f"{p.get('input', '—') if p else '— (MLM head)'} | "
+                     f"{_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
+                     f"{_fmt(probe_top1, 1, 1)} | "
+                     f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | "
+                     f"{p.get('steps', '—') if p else '—'} |")
+    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
+              "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
     failed = {k: v for k, v in study.status().items() if v.get("state") == "failed"}
     if failed:
@@ -231,9 +255,10 @@ def write_report(study: Study) -> Path:
     compute, blimp, times = arm_compute(study), blimp_rows(study), _stage_times(study)
     done = [a for a in study.spec.arms if pretrain_done(study, a)]
     parts = [f"# Study `{study.spec.name}`\n",
-             f"Generated by `mlsm study report` from `{root}`; mlsm {git_revision()}; machine: {platform.machine()} "
-             f"{platform.processor() or ''}, {os.cpu_count()} CPUs, Python {platform.python_version()}. "
-             f"Arms pre-trained: {', '.join(done) or 'none yet'} of {', '.join(study.spec.arms)}.\n"]
+             f"Generated by `mlsm study report` from `{root}`; mlsm {git_revision()}; machine: "
+             f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, Python "
+             f"{platform.python_version()}. Arms pre-trained: {', '.join(done) or 'none yet'} of "
+             f"{', '.join(study.spec.arms)}.\n"]
     if study.spec.notes:
         parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
     png = plot_pretraining(study, root / "pretraining.png")
@@ -245,8 +270,10 @@ def write_report(study: Study) -> Path:
     if png:
         parts.append(f"## BLiMP vs FLOPs per batch (Fig. 6)\n\n![blimp vs flops]({png})\n")
     parts.append("\n".join(_tables(compute, blimp, times, study)) + "\n")
-    summary = {"git_revision": git_revision(), "compute": compute, "blimp": blimp, "finetune": ft_summary,
-               "stage_seconds": [{"stage": s, "arm": a, "seconds": t} for (s, a), t in times.items()],
+    summary = {"git_revision": git_revision(), "compute": compute, "blimp": blimp,
+               "finetune": ft_summary,
+               "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
+                                 for (s, a), t in times.items()],
                "status": study.status()}
     atomic_write_text(root / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     path = root / "report.md"

@@ -118,7 +118,8 @@ class Study:
         except Exception as exc:  # one arm's failure must not stop the others
             seconds = time.time() - start
             message = f"{type(exc).__name__}: {exc}"
-            self.set_status(key, {"state": "failed", "error": message, "seconds": round(seconds, 1)})
+            self.set_status(key, {"state": "failed", "error": message,
+                                  "seconds": round(seconds, 1)})
             self._append_time(name, arm, seconds, "failed", message)
             self.log(f"[study] {key}: FAILED ({message})")
             if not isinstance(exc, UserError):
@@ -127,13 +128,16 @@ class Study:
         seconds = time.time() - start
         if not skipped:
             self._append_time(name, arm, seconds, "done")
-        self.set_status(key, {"state": "done", **({} if skipped else {"seconds": round(seconds, 1)})})
+        self.set_status(key, {"state": "done",
+                              **({} if skipped else {"seconds": round(seconds, 1)})})
         self.log(f"[study] {key}: {'already complete' if skipped else f'done in {seconds:.0f} s'}")
         return True
 
-    def _append_time(self, stage: str, arm: str | None, seconds: float, state: str, error: str = "") -> None:
+    def _append_time(self, stage: str, arm: str | None, seconds: float, state: str,
+                     error: str = "") -> None:
         row = {"stage": stage, "arm": arm, "seconds": round(seconds, 1), "state": state,
-               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_revision": git_revision()}
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "git_revision": git_revision()}
         if error:
             row["error"] = error
         with (self.root / "stages.jsonl").open("a") as fh:
@@ -154,13 +158,15 @@ def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
     diff = _first_difference(saved, now)
     if diff:
         key, old, new = diff
-        raise UserError(f"arm {arm}: {key} is {new!r} in the study file but {old!r} in the run already in "
-                        f"{study.run_dir(arm)}; restore it, or rename the arm / delete that run to train anew")
+        raise UserError(f"arm {arm}: {key} is {new!r} in the study file but {old!r} in "
+                        f"the run already in {study.run_dir(arm)}; restore it, or rename the arm / "
+                        "delete that run to train anew")
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(a):  # a key only in `b` is a config field added to mlsm since the run: its default applies
+        # a key only in `b` is a config field added to mlsm since the run: its default applies
+        for key in sorted(a):
             diff = _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
             if diff:
                 return diff
@@ -185,7 +191,8 @@ def pretrain_arm(study: Study, arm: str) -> str | None:
     started = (study.run_dir(arm) / "metrics.jsonl").exists()
     pretrain(cfg, resume="auto" if started else None)
     if not pretrain_done(study, arm):  # `pretrain` returns early only when SIGTERM asked it to stop
-        raise KeyboardInterrupt(f"pre-training of {arm} stopped by a signal; run the same command to resume")
+        raise KeyboardInterrupt(f"pre-training of {arm} stopped by a signal; run the same "
+                                "command to resume")
     return None
 
 
@@ -197,7 +204,8 @@ def prepare_store(study: Study) -> str | None:
     if not c.sources:
         raise UserError("corpus.sources is empty; list the corpus files of the study")
     done = (study.store / "meta.json").is_file()
-    prepare_corpus(list(c.sources), c.tokenizer or str(default_teacher_path()), study.store, text_field=c.text_field)
+    prepare_corpus(list(c.sources), c.tokenizer or str(default_teacher_path()), study.store,
+                   text_field=c.text_field)
     return "skipped" if done else None
 
 
@@ -222,7 +230,8 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
 
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
               arms: list[str] | None = None) -> Path | None:
-    """Run every stage of a study that is not complete; returns the report path (None if not reached).
+    """Run every stage of a study that is not complete; returns the report path (None if not
+    reached).
 
     arms: only these arms (what one slurm job of an evaluation stage runs).
     """
@@ -238,7 +247,8 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     report_to = (train or {}).get("report_to") or []
     tracking.require(list(report_to), "base.train.report_to of the study file")  # before any stage
     study = Study(spec, log)
-    atomic_write_text(study.root / "study.json", json.dumps({"spec": _plain(spec), "git_revision": git_revision()}, indent=2) + "\n")
+    record = {"spec": _plain(spec), "git_revision": git_revision()}
+    atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
     wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {study.status()['store']['error']}")
@@ -248,7 +258,8 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
         for arm in spec.arms:
             path = study.dictionary_path(arm)
             if path is not None and path not in seen:
-                seen[path] = study.stage("dictionary", lambda a=arm: learn_dictionary_for(study, a), arm)
+                seen[path] = study.stage("dictionary",
+                                         lambda a=arm: learn_dictionary_for(study, a), arm)
             if path is not None and not seen[path]:
                 failed.add(arm)
     from mlsm.study.executors import run_pretraining

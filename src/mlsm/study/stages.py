@@ -35,7 +35,8 @@ def run_probe(study: Study, arms: list[str]) -> set[str]:
     failed = set()
     for arm in [a for a in arms if study.is_latent(a)]:
         for frac in study.spec.blimp.readiness if study.spec.blimp.data else []:
-            if not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f), model_name(arm, frac)):
+            if not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f),
+                               model_name(arm, frac)):
                 failed.add(arm)
     return failed
 
@@ -47,10 +48,11 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
     if (out / "probe.json").is_file():
         return "skipped"
     p = study.spec.probe
-    train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr, select_steps=p.select_steps,
-                           max_steps=p.max_steps, eval_every=p.eval_every,
-                           patience=p.patience, min_delta=p.min_delta, heldout_batches=p.heldout_batches,
-                           batch_size=p.batch_size or None, threads=eval_threads(study))
+    train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr,
+                           select_steps=p.select_steps, max_steps=p.max_steps,
+                           eval_every=p.eval_every, patience=p.patience, min_delta=p.min_delta,
+                           heldout_batches=p.heldout_batches, batch_size=p.batch_size or None,
+                           threads=eval_threads(study))
     return None
 
 
@@ -75,10 +77,10 @@ def _finetune(study: Study, arm: str) -> None:
     if eval_threads(study):
         torch.set_num_threads(eval_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
-    finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs, batch_size=ft.batch_size,
-             max_len=ft.max_len, data_dir=ft.data_dir or None, results=study.results,
-             max_train_examples=ft.max_train_examples or None, warmup_ratio=ft.warmup_ratio,
-             weight_decay=ft.weight_decay,
+    finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs,
+             batch_size=ft.batch_size, max_len=ft.max_len, data_dir=ft.data_dir or None,
+             results=study.results, max_train_examples=ft.max_train_examples or None,
+             warmup_ratio=ft.warmup_ratio, weight_decay=ft.weight_decay,
              device="cpu" if study.spec.executor.kind == "local" else "auto",
              report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
 
@@ -94,7 +96,8 @@ def run_blimp(study: Study, arms: list[str]) -> set[str]:
     failed = set()
     for arm in arms:
         for frac in study.spec.blimp.readiness:
-            if not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f), model_name(arm, frac)):
+            if not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f),
+                               model_name(arm, frac)):
                 failed.add(arm)
     return failed
 
@@ -114,8 +117,9 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     if study.is_latent(arm):
         info = json.loads((study.probe_dir(arm, frac) / "probe.json").read_text())
         if not info["better_than_unigram"]:
-            raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss {info['heldout_loss']:.3f}) is no better "
-                            f"than the unigram distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
+            raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss "
+                            f"{info['heldout_loss']:.3f}) is no better than the unigram "
+                            f"distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
         probe, folder = info, Path(info["checkpoint"])
     if eval_threads(study):
         torch.set_num_threads(eval_threads(study))
@@ -126,17 +130,20 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     sets = {}
     for i, data in enumerate(b.data):
         limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
-        result = evaluate_blimp(model, tokenizer, data, phenomena=b.phenomena or None if i == 0 else None,
+        phenomena = b.phenomena or None if i == 0 else None
+        result = evaluate_blimp(model, tokenizer, data, phenomena=phenomena,
                                 limit_per_phenomenon=limit, progress=None)
         correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
                                          "correct": correct,
                                          "p_vs_chance": binomial_p(correct, result["n_pairs"], 0.5),
-                                         "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
-                                         "phenomena": {k: v["accuracy"] for k, v in result["phenomena"].items()}}
+                                         "fields": {k: v["accuracy"]
+                                                    for k, v in result["fields"].items()},
+                                         "phenomena": {k: v["accuracy"]
+                                                       for k, v in result["phenomena"].items()}}
     first = next(iter(sets.values()))
-    row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"], "sets": sets,
-           "heldout": heldout,
+    row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
+           "sets": sets, "heldout": heldout,
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
@@ -183,7 +190,8 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
     for step in steps:
         b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
         with torch.no_grad():
-            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()  # (N, V)
+            # (N, V)
+            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()
         if unigram is None:
             unigram = unigram_log_probs(train, logits.shape[-1])  # (V,)
         y = b.input_ids[b.selected]

@@ -14,7 +14,8 @@ atoms entering per step:
      then positive, and no entering atom bounces straight back out;
   3. z = G_AA⁻¹(c_A − λ), and while some z_s < 0 the Lawson–Hanson interpolation
      α ← α + t(z − α), t = min α_s/(α_s − z_s), moves to the boundary and the blocking atom
-     leaves (rank-one downdate of G_AA⁻¹; z is downdated in closed form, z ← z − G⁻¹[:,s] z_s/G⁻¹_ss);
+     leaves (rank-one downdate of G_AA⁻¹; z is downdated in closed form,
+     z ← z − G⁻¹[:,s] z_s/G⁻¹_ss);
   4. α = z. A row whose entering atoms all left again adds one atom at a time from then on
      (the Lawson–Hanson theory guarantees progress for one), else q doubles up to `q_max`.
 
@@ -61,7 +62,8 @@ class _Sets:
 
 
 def active_set(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float, max_steps: int,
-               q_max: int = 8, warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               q_max: int = 8,
+               warm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes for correlations c = Dᵀx (n, k); Gp = `slots.padded_gram(DᵀD)` in c's dtype.
 
     warm: optional (n, s) guessed supports (atoms; k or −1 = none), e.g. the supports of earlier
@@ -161,7 +163,8 @@ def _warm_sets(st: _Sets, warm: torch.Tensor, Gp: torch.Tensor) -> None:
     st.idx[:, :s] = torch.where(ok, idx, k)
     st.ok[:, :s] = ok
     st.Ginv[:, :s, :s] = torch.cholesky_inverse(L) * (ok[:, :, None] & ok[:, None, :])
-    st.cnt = (ok * torch.arange(1, s + 1, device=ok.device)).amax(1)  # new atoms go after the last kept slot
+    # new atoms go after the last kept slot
+    st.cnt = (ok * torch.arange(1, s + 1, device=ok.device)).amax(1)
     _feasible_solve(st, k)
 
 
@@ -175,11 +178,13 @@ def _factor(Gaa: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     g_jj = Gaa.diagonal(dim1=1, dim2=2)
     while True:  # every repeat leaves out an atom of a row, so this ends; usually runs once
         L, info = torch.linalg.cholesky_ex(torch.where(ok[:, :, None] & ok[:, None, :], Gaa, eye))
-        factored = col < torch.where(info > 0, info - 1, s)[:, None]  # columns before a failed pivot
+        # columns before a failed pivot
+        factored = col < torch.where(info > 0, info - 1, s)[:, None]
         weak = ok & ~(factored & (L.diagonal(dim1=1, dim2=2) ** 2 > 1e-5 * g_jj))
         if not bool(weak.any()):
             return L
-        rows = weak.any(1).nonzero().squeeze(1)  # the first weak atom of a row depends on earlier ones
+        # the first weak atom of a row depends on earlier ones
+        rows = weak.any(1).nonzero().squeeze(1)
         ok[rows, weak[rows].int().argmax(1)] = False
 
 
@@ -187,8 +192,9 @@ def _violators(st: _Sets, Gp: torch.Tensor, q: int) -> tuple[torch.Tensor, torch
     """The q largest KKT gradients v = c − λ − Gα among inactive atoms, (m, q) values and atoms."""
     flat = st.ok.view(-1).nonzero().squeeze(1)
     counts = st.ok.sum(1)
+    # (m, K) = Gα
     g = F.embedding_bag(st.idx.view(-1)[flat], Gp, counts.cumsum(0) - counts,
-                        per_sample_weights=st.alpha.view(-1)[flat].to(Gp.dtype), mode="sum")  # (m, K) = Gα
+                        per_sample_weights=st.alpha.view(-1)[flat].to(Gp.dtype), mode="sum")
     torch.sub(st.cpad, g, out=g)
     g.scatter_(1, st.idx, NEG)  # active atoms (and the empty-slot column) are not candidates
     v, j = g.topk(q, dim=1)
@@ -223,7 +229,8 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     eye = torch.eye(q, dtype=C.dtype, device=C.device)
     both = acc[:, :, None] & acc[:, None, :]
     Cinv, _ = torch.linalg.inv_ex(torch.where(both, C, eye))  # (m, q, q), identity off A'
-    slot = (st.cnt[:, None] + acc.cumsum(1) - 1).clamp(min=0, max=S - 1)  # new slot of each accepted
+    # new slot of each accepted
+    slot = (st.cnt[:, None] + acc.cumsum(1) - 1).clamp(min=0, max=S - 1)
     e, r = acc.nonzero(as_tuple=True)
     W = B * acc[:, None, :]  # (m, S, q): (B; −I) on the new slots, 0 for rejected candidates
     W[e, slot[e, r], r] = -1.0
@@ -234,7 +241,8 @@ def _enter(st: _Sets, v: torch.Tensor, j: torch.Tensor, Gp: torch.Tensor, tol: f
     return (acc, slot), stuck
 
 
-def _accept(C: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tol: float, g_jj: torch.Tensor) -> torch.Tensor:
+def _accept(C: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tol: float,
+            g_jj: torch.Tensor) -> torch.Tensor:
     """Sequential entry decisions on the candidates' Schur complement C (m, q, q), in place.
 
     A candidate enters while it still violates (v > tol) and its Schur complement is not

@@ -72,7 +72,9 @@ class Dictionary:
     def check_teacher(self, teacher: Teacher) -> None:
         """The dictionary must live in the teacher's hidden space (same d, same layer)."""
         if self.d != teacher.hidden_size:
-            raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is {teacher.hidden_size}; learn a dictionary with this teacher (`mlsm dictionary --teacher ...`)")
+            raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is "
+                            f"{teacher.hidden_size}; learn a dictionary with this teacher (`mlsm "
+                            "dictionary --teacher ...`)")
         layer = self.meta.get("layer")
         if layer is not None and int(layer) != teacher.layer:
             raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at "
@@ -82,7 +84,8 @@ class Dictionary:
 
 def _check_options(k: int, lam: float) -> None:
     if k < 1:
-        raise UserError(f"the dictionary size k must be >= 1 (got {k}); use e.g. --k 1536 (4 × hidden size)")
+        raise UserError(f"the dictionary size k must be >= 1 (got {k}); use e.g. --k 1536 "
+                        "(4 × hidden size)")
     if not lam > 0:
         raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
 
@@ -91,12 +94,14 @@ def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: 
     """Refuse sizes that would learn nonsense (more atoms than vectors) or fail after the slow
     collection of teacher states, before that collection starts."""
     if n_vectors < k:
-        raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); collect at least "
-                        f"k vectors (a dictionary is usually learned on >= 100 x k), or lower --k")
+        raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); "
+                        "collect at least k vectors (a dictionary is usually learned on >= 100 x "
+                        "k), or lower --k")
     if batch_size < 1 or (n_iter is not None and n_iter < 1):
         raise UserError(f"--batch-size and --n-iter must be positive (got {batch_size}, {n_iter})")
     if max_len < 3:
-        raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two special tokens; use >= 3")
+        raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two "
+                        "special tokens; use >= 3")
 
 
 # --------------------------------------------------------------------------- data
@@ -132,12 +137,14 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         ids, mask, content = teacher.batch_from_ids(seqs)
         h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
         if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint (its weights may hold NaN/inf) or load it in float32")
+            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint "
+                            "(its weights may hold NaN/inf) or load it in float32")
         norms = h.norm(dim=1, keepdim=True)
         h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
         empty = empty + 1 if h.shape[0] == 0 else 0
         if empty >= 20:  # nothing but special/unknown tokens: the loop would never end
-            raise UserError("the token store yields no ordinary tokens for this teacher; check that it was prepared with the teacher's tokenizer")
+            raise UserError("the token store yields no ordinary tokens for this teacher; check "
+                            "that it was prepared with the teacher's tokenizer")
         out.append(h[: n - got].cpu())
         got += out[-1].shape[0]
         bar.update(out[-1].shape[0])
@@ -165,9 +172,11 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None
         raise UserError("training vectors contain NaN or inf; check the teacher outputs")
     n, d = X.shape
     gen = torch.Generator().manual_seed(seed)
-    Dt = (_init_atoms(X, k, gen) if init is None else init.to(X)).T.contiguous()  # (k, d) atoms as rows
+    # (k, d) atoms as rows
+    Dt = (_init_atoms(X, k, gen) if init is None else init.to(X)).T.contiguous()
     stats = _Stats.zeros(k, d, X)
-    Gp = padded_gram(D=Dt.T)  # (k+1, K) Gram matrix of the atoms, kept up to date by `_update_atoms`
+    # (k+1, K) Gram matrix of the atoms, kept up to date by `_update_atoms`
+    Gp = padded_gram(D=Dt.T)
     n_iter = n_iter if n_iter is not None else max(1, math.ceil(n / batch_size))
     order, pos = torch.randperm(n, generator=gen), 0
     # Supports of every vector's last code: when X is cycled they warm-start its next code.
@@ -180,7 +189,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None
         rows = order[pos : pos + batch_size].to(X.device)
         pos += batch_size
         Xb = X[rows]  # (b, d)
-        codes = encode_with_gram(Xb, Dt.T, Gp, lam, warm=None if support is None else support.get(rows))
+        warm = None if support is None else support.get(rows)
+        codes = encode_with_gram(Xb, Dt.T, Gp, lam, warm=warm)
         if support is not None:
             support.put(rows, codes)
         stats.add(Xb, codes, beta=(1.0 - 1.0 / t) ** forget)
@@ -191,7 +201,8 @@ def learn_atoms(X: torch.Tensor, k: int, lam: float = LAM, *, n_iter: int | None
 
 
 class _Supports:
-    """The atoms of each vector's latest code, largest first: WARM_MAX int16s (int32 for k ≥ 2¹⁵) a vector."""
+    """The atoms of each vector's latest code, largest first: WARM_MAX int16s (int32 for k ≥ 2¹⁵) a
+    vector."""
 
     def __init__(self, n: int, k: int, device: torch.device) -> None:
         self.k = k
@@ -210,8 +221,8 @@ class _Supports:
 
 @dataclass
 class _Stats:
-    """The surrogate's statistics A = Σ_s w_s mean_i(α_i α_iᵀ) (k, k) and Bᵀ = Σ_s w_s mean_i(α_i x_iᵀ)
-    (k, d) over mini-batches s, with weights w_s = Π_{u>s} β_u.
+    """The surrogate's statistics A = Σ_s w_s mean_i(α_i α_iᵀ) (k, k) and
+    Bᵀ = Σ_s w_s mean_i(α_i x_iᵀ) (k, d) over mini-batches s, with weights w_s = Π_{u>s} β_u.
 
     Stored divided by `scale` = Π β, so forgetting costs one scalar per step, not a pass over k².
     When the data is cycled, the terms of a sample's older codes are stale: at the start of
@@ -256,7 +267,8 @@ class _Stats:
 def _init_atoms(X: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """k distinct random data vectors as unit columns (repeats only when n < k)."""
     n = X.shape[0]
-    idx = torch.randperm(n, generator=gen)[:k] if n >= k else torch.randint(0, n, (k,), generator=gen)
+    idx = (torch.randperm(n, generator=gen)[:k] if n >= k
+           else torch.randint(0, n, (k,), generator=gen))
     D = X[idx.to(X.device)].T.clone()  # (d, k)
     if n < k:
         D += 0.01 * torch.randn(D.shape, generator=gen).to(D)
@@ -272,9 +284,11 @@ def _threadpools() -> ThreadpoolController:
     return ThreadpoolController()
 
 
-def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.Tensor, codes: torch.Tensor,
-                  lam: float, X: torch.Tensor, gen: torch.Generator, block: int = 64) -> None:
-    """One block-coordinate pass over the atoms (rows of Dt (k, d)), in place (Mairal et al. 2009, Alg. 2).
+def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.Tensor,
+                  codes: torch.Tensor, lam: float, X: torch.Tensor, gen: torch.Generator,
+                  block: int = 64) -> None:
+    """One block-coordinate pass over the atoms (rows of Dt (k, d)), in place
+    (Mairal et al. 2009, Alg. 2).
 
     Atom j: u = (b_j − D a_j)/A_jj + d_j, d_j = u / max(1, ‖u‖), in order. Atoms the codes
     (almost) never use are wasted: they are replaced by the worst-coded vectors of the batch
@@ -284,7 +298,8 @@ def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.T
     """
     used = stats.usage() > MIN_USAGE
     dead = (~used).nonzero().squeeze(1)
-    fresh = _worst_coded(Xb, codes, Dt, lam, dead.numel()) if dead.numel() else None  # before D moves
+    # before D moves
+    fresh = _worst_coded(Xb, codes, Dt, lam, dead.numel()) if dead.numel() else None
     # NumPy's BLAS gets one thread: OpenBLAS workers spin after each call and would slow the
     # torch threads of the next sparse coding ~2× (measured: 180 → 80 ms per mini-batch).
     with _threadpools().limit(limits=1, user_api="blas"):
@@ -298,14 +313,15 @@ def _update_atoms(Dt: torch.Tensor, Gp: torch.Tensor, stats: _Stats, Xb: torch.T
         Gp[:k, dead] = Gp[dead, :k].T
 
 
-def _worst_coded(Xb: torch.Tensor, codes: torch.Tensor, Dt: torch.Tensor, lam: float, n: int) -> torch.Tensor:
+def _worst_coded(Xb: torch.Tensor, codes: torch.Tensor, Dt: torch.Tensor, lam: float,
+                 n: int) -> torch.Tensor:
     """Up to n rows of Xb (b, d) with the largest objective under codes (b, k), as unit vectors."""
     worst = Xb[objective(Xb, Dt.T, codes, lam).topk(min(n, Xb.shape[0])).indices]
     return worst / worst.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
 
-def _column_pass(Dt: torch.Tensor, Gp: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor, used: torch.Tensor,
-                 block: int) -> None:
+def _column_pass(Dt: torch.Tensor, Gp: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor,
+                 used: torch.Tensor, block: int) -> None:
     """The sequential atom updates of `_update_atoms` (unused atoms stay), and the new Gram matrix.
 
     D a_j would cost a (d × k) read per atom; instead D A[:, J] is computed once per block J of
@@ -316,7 +332,8 @@ def _column_pass(Dt: torch.Tensor, Gp: torch.Tensor, A: torch.Tensor, Bt: torch.
     and mirrored: half the flops of a fresh DᵀD.
     """
     k = Dt.shape[0]
-    inv = torch.where(used, 1.0 / A.diagonal().clamp(min=1e-30), 0.0)[:, None]  # (k, 1); 0: atom stays
+    # (k, 1); 0: atom stays
+    inv = torch.where(used, 1.0 / A.diagonal().clamp(min=1e-30), 0.0)[:, None]
     for lo in range(0, k, block):
         hi = min(lo + block, k)
         old = Dt[lo:hi].clone()  # (b, d)
@@ -341,12 +358,14 @@ def _block_moves_loop(xp: Any, R: Any, L: Any, old: Any) -> Any:
     for i in range(R.shape[0]):
         u = R[i] - L[i, :i] @ delta[:i]
         n2 = u @ u
-        u /= ((n2 + 1 + abs(n2 - 1)) / 2) ** 0.5  # max(1, ‖u‖) without a branch: no host sync on CUDA
+        # max(1, ‖u‖) without a branch: no host sync on CUDA
+        u /= ((n2 + 1 + abs(n2 - 1)) / 2) ** 0.5
         delta[i] = u - old[i]
     return delta
 
 
-def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float, batch_size: int = 4096) -> float:
+def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float,
+                         batch_size: int = 4096) -> float:
     """Mean of ½‖x − Dα*‖² + λ‖α*‖₁ over rows of X with exact codes α*."""
     G = D.T @ D
     total = 0.0
@@ -373,7 +392,8 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
     seconds = time.perf_counter() - start
-    sample = X[torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(seed + 1))[:eval_vectors]]
+    eval_gen = torch.Generator().manual_seed(seed + 1)
+    sample = X[torch.randperm(X.shape[0], generator=eval_gen)[:eval_vectors]]
     meta = _meta(teacher, store, k=k, lam=lam, n=X.shape[0], max_len=max_len, batch_size=batch_size,
                  n_iter=n_iter or math.ceil(X.shape[0] / batch_size), seed=seed, seconds=seconds,
                  objective=dictionary_objective(sample, D, lam), n_eval=sample.shape[0])
@@ -410,7 +430,8 @@ def check_dictionary_out(path: str | Path) -> None:
     weights, meta_path = _paths(path)
     for file in (weights, meta_path):
         if file.is_dir():
-            raise UserError(f"--out {path}: {file} is a folder; pass a file path such as dict.safetensors")
+            raise UserError(f"--out {path}: {file} is a folder; pass a file path such as "
+                            "dict.safetensors")
     if weights.exists():
         try:
             with safe_open(str(weights), "pt") as fh:
@@ -418,18 +439,21 @@ def check_dictionary_out(path: str | Path) -> None:
         except Exception:  # safetensors raises its own error types for a non-safetensors file
             ours = False
         if not ours:
-            raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; choose another --out")
+            raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; "
+                            "choose another --out")
     if meta_path.exists():
         try:
             ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
             ours = False
         if not ours:
-            raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's meta; choose another --out")
+            raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's "
+                            "meta; choose another --out")
 
 
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
-    """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the former."""
+    """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the
+    former."""
     check_dictionary_out(path)
     weights, meta_path = _paths(path)
     meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k}
@@ -440,7 +464,8 @@ def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
         atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
     except (OSError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc)).splitlines()[0]
-        raise UserError(f"could not write dictionary {weights} ({reason}); free space and re-run") from None
+        raise UserError(f"could not write dictionary {weights} ({reason}); free "
+                        "space and re-run") from None
     return weights
 
 
@@ -448,7 +473,8 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     """Read a dictionary written by `save_dictionary` (PATH or PATH.safetensors)."""
     weights, meta_path = _paths(path)
     if not weights.is_file():
-        raise UserError(f"no dictionary at {weights}; learn one with `mlsm dictionary --out {weights}`")
+        raise UserError(f"no dictionary at {weights}; learn one with `mlsm dictionary "
+                        f"--out {weights}`")
     atoms = load_file(str(weights), device=str(device))["atoms"]
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return Dictionary(atoms, meta)

@@ -55,7 +55,8 @@ def dictionary_hash(dictionary: Dictionary) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-_FILES = {"build.json", "progress.json", "meta.json", "counts.bin", "chunk_ptr.bin", "indices.bin", "values.bin"}
+_FILES = {"build.json", "progress.json", "meta.json", "counts.bin", "chunk_ptr.bin", "indices.bin",
+          "values.bin"}
 
 
 @dataclass
@@ -73,15 +74,19 @@ class TargetStore:
     def open(cls, path: str | Path) -> TargetStore:
         path = Path(path)
         if not (path / "meta.json").is_file():
-            raise UserError(f"{path} is not a complete target store (no meta.json); build or resume it with `mlsm targets --out {path}`")
+            raise UserError(f"{path} is not a complete target store (no meta.json); build or "
+                            f"resume it with `mlsm targets --out {path}`")
         meta = _read_json(path / "meta.json")
         if meta.get("format") != TARGETS_FORMAT:
             raise UserError(f"{path} is not an mlsm target store; build one with `mlsm targets`")
         if meta.get("version") != TARGETS_VERSION:
-            raise UserError(f"{path} was built by another version of mlsm (format {meta.get('version')}, need {TARGETS_VERSION}); rebuild it with `mlsm targets` into a new --out")
+            raise UserError(f"{path} was built by another version of mlsm (format "
+                            f"{meta.get('version')}, need {TARGETS_VERSION}); rebuild it with "
+                            "`mlsm targets` into a new --out")
         arrays = _arrays(path, meta, mode="r")
         if arrays is None or int(arrays[1][-1]) != int(meta["n_entries"]):
-            raise UserError(f"target store {path} is damaged (a data file is missing or has the wrong size); rebuild it with `mlsm targets` into a new --out")
+            raise UserError(f"target store {path} is damaged (a data file is missing or has the "
+                            "wrong size); rebuild it with `mlsm targets` into a new --out")
         return cls(path, meta, *arrays)
 
     @property
@@ -93,7 +98,8 @@ class TargetStore:
         rows = np.arange(len(chunks))
         counts = self.counts[chunks].astype(np.int64)  # (N, P)
         n = counts[rows, positions - 1]  # (N,) entries of each requested code
-        before = counts.cumsum(1)[rows, positions - 1] - n  # entries of earlier positions in the chunk
+        # entries of earlier positions in the chunk
+        before = counts.cumsum(1)[rows, positions - 1] - n
         start = self.chunk_ptr[chunks] + before  # (N,) offset of each code's first entry
         # flat offsets of all entries: start_r, start_r + 1, ..., start_r + n_r - 1 for each row r
         first = np.repeat(start - (np.cumsum(n) - n), n)
@@ -109,9 +115,11 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path} ({exc}); re-run the `mlsm targets` command that built it (same --out) to repair it") from exc
+        raise UserError(f"cannot read {path} ({exc}); re-run the `mlsm targets` command that built "
+                        "it (same --out) to repair it") from exc
     if not isinstance(payload, dict):
-        raise UserError(f"{path} is not a JSON object; re-run the `mlsm targets` command that built it (same --out) to repair it")
+        raise UserError(f"{path} is not a JSON object; re-run the `mlsm targets` command that "
+                        "built it (same --out) to repair it")
     return payload
 
 
@@ -131,9 +139,11 @@ def check_targets_out(out: str | Path) -> None:
     names = {e.name for e in out.iterdir()} if out.is_dir() else set()
     foreign = sorted(names - _FILES)
     if names and "build.json" not in names:
-        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm only writes into folders it created)")
+        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm "
+                        "only writes into folders it created)")
     if foreign:
-        raise UserError(f"--out {out} holds files that are not part of a target store ({', '.join(foreign[:3])}); move them or choose another --out")
+        raise UserError(f"--out {out} holds files that are not part of a target store "
+                        f"({', '.join(foreign[:3])}); move them or choose another --out")
 
 
 def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nnz: int | None,
@@ -142,8 +152,9 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
 
     return {
         "format": TARGETS_FORMAT, "version": TARGETS_VERSION,
-        "store": str(Path(store.path).resolve()), "store_fingerprint": store.meta.get("fingerprint"),
-        "store_n_tokens": store.n_tokens, "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
+        "store": str(Path(store.path).resolve()),
+        "store_fingerprint": store.meta.get("fingerprint"), "store_n_tokens": store.n_tokens,
+        "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
         "teacher": teacher.name, "layer": teacher.layer, "lam": lam, "k": dictionary.k,
         "max_len": max_len, "nnz": nnz, "n_chunks": n_chunks,
@@ -164,7 +175,8 @@ def _arrays(out: Path, spec: dict[str, Any], mode: str) -> _Arrays | None:
     arrays: list[np.ndarray] = []
     for name, dtype, shape in fixed:
         path = out / name
-        ok = path.is_file() and path.stat().st_size == int(np.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ok = path.is_file() and path.stat().st_size == nbytes
         if not ok and mode == "r":
             return None
         arrays.append(np.memmap(path, dtype=dtype, mode=mode if ok else "w+", shape=shape))
@@ -176,7 +188,8 @@ def _arrays(out: Path, spec: dict[str, Any], mode: str) -> _Arrays | None:
             path.touch()
         size = path.stat().st_size // np.dtype(dtype).itemsize
         # np.memmap cannot map an empty file
-        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(size,)) if size else np.empty(0, dtype))
+        arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(size,)) if size
+                      else np.empty(0, dtype))
     if mode == "r" and any(len(a) < int(arrays[1][-1]) for a in arrays[2:]):
         return None
     return arrays[0], arrays[1], arrays[2], arrays[3]
@@ -187,7 +200,8 @@ def _verified_prefix(arrays: _Arrays, done: int) -> int:
     a kill between writing data and progress, shortens the prefix; the rest is recomputed)."""
     counts, ptr, indices, values = arrays
     per_chunk = counts[:done].astype(np.int64).sum(1)  # (done,)
-    ok = (ptr[1 : done + 1] == ptr[:done] + per_chunk) & (ptr[1 : done + 1] <= min(len(indices), len(values)))
+    n_max = min(len(indices), len(values))
+    ok = (ptr[1 : done + 1] == ptr[:done] + per_chunk) & (ptr[1 : done + 1] <= n_max)
     if done == 0 or ptr[0] != 0:
         return 0
     bad = np.flatnonzero(~ok)
@@ -202,7 +216,8 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
     old = _read_json_or_none(build)
     if old is not None and old != expected:
         diff = [k for k in spec if old.get(k) != expected[k]]
-        raise UserError(f"{out} holds a target store built with other settings ({', '.join(diff)}); choose another --out")
+        raise UserError(f"{out} holds a target store built with other settings "
+                        f"({', '.join(diff)}); choose another --out")
     if old is None:  # new, or torn: only our files are there, so start over
         for name in ("meta.json", "progress.json"):
             (out / name).unlink(missing_ok=True)
@@ -215,14 +230,16 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
     if done < claimed and spec["nnz"] is not None:
         done = 0  # the truncation count covers all `claimed` chunks: recount it from the start
     if done < claimed:
-        print(f"mlsm targets: {out} holds {done} of the {claimed} chunks progress.json records; recomputing the rest", file=sys.stderr)
+        print(f"mlsm targets: {out} holds {done} of the {claimed} chunks progress.json records; "
+              "recomputing the rest", file=sys.stderr)
     return done
 
 
 @torch.no_grad()
 def _encode_chunks(ids: np.ndarray, teacher: Teacher, atoms: torch.Tensor, gram: torch.Tensor,
                    lam: float) -> torch.Tensor:
-    """Codes (B·(T−2), k) of the body positions of chunks (B, T), as the online MLSM computes them."""
+    """Codes (B·(T−2), k) of the body positions of chunks (B, T), as the online MLSM computes
+    them."""
     x = torch.from_numpy(ids).to(teacher.device)
     h = teacher.hidden_states(x, torch.ones_like(x))[:, 1:-1]  # (B, T-2, d), unmasked input
     h = F.normalize(h.reshape(-1, h.shape[-1]).float(), dim=-1)  # (B·(T-2), d)
@@ -251,15 +268,16 @@ def _write_codes(out: Path, spec: dict[str, Any], start: int, codes: torch.Tenso
     offset = int(ptr[start])
     _append(out / "indices.bin", offset, top.indices[keep].numpy().astype(spec["index_dtype"]))
     _append(out / "values.bin", offset, top.values[keep].numpy().astype(np.float16))
-    ptr[start + 1 : start + n_new + 1] = offset + np.cumsum(counts[start : start + n_new].astype(np.int64).sum(1))
+    new_counts = counts[start : start + n_new].astype(np.int64).sum(1)
+    ptr[start + 1 : start + n_new + 1] = offset + np.cumsum(new_counts)
     counts.flush()
     ptr.flush()
     return int((support > keep.sum(1)).sum())
 
 
-def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Path, teacher: Teacher,
-                       max_len: int, out: str | Path, nnz: int | None = None, batch_size: int = 64,
-                       lam: float | None = None) -> Path:
+def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Path,
+                       teacher: Teacher, max_len: int, out: str | Path, nnz: int | None = None,
+                       batch_size: int = 64, lam: float | None = None) -> Path:
     """Compute the codes of every body position of every packed chunk of a token store.
 
     nnz: None keeps every code whole (default); N keeps each code's N largest entries.
@@ -276,8 +294,10 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     dictionary.check_teacher(teacher)
     require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
     if nnz is not None and not 1 <= nnz <= dictionary.k:
-        raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to keep every code whole")
-    source = BatchSource(store, DataConfig(store=str(store.path), max_len=max_len), store.load_tokenizer())
+        raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to "
+                        "keep every code whole")
+    source = BatchSource(store, DataConfig(store=str(store.path), max_len=max_len),
+                         store.load_tokenizer())
     lam = float(lam or dictionary.lam)
     spec = _spec(store, dictionary, teacher, max_len, nnz, lam, source.n_sequences)
     out = Path(out)
@@ -285,7 +305,8 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
         try:
             return _build(out, spec, source, teacher, dictionary, lam, batch_size)
         except OSError as exc:
-            raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free space and re-run the same command to resume") from None
+            raise UserError(f"could not write target store {out} ({exc.strerror or exc}); free "
+                            "space and re-run the same command to resume") from None
 
 
 def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dictionary: Dictionary,
@@ -307,15 +328,17 @@ def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dicti
     bar = Progress(spec["n_chunks"], "targets", "chunk", initial=done)
     for start in range(done, spec["n_chunks"], batch_size):
         stop = min(start + batch_size, spec["n_chunks"])
-        codes = _encode_chunks(source.chunk_tokens(np.arange(start, stop)), teacher, atoms, gram, lam)
+        chunk_ids = source.chunk_tokens(np.arange(start, stop))
+        codes = _encode_chunks(chunk_ids, teacher, atoms, gram, lam)
         truncated += _write_codes(out, spec, start, codes.cpu())
         atomic_write_json(out / "progress.json", {"done": stop, "truncated": truncated})
         bar.update(stop - start)
     bar.close()
     counts, ptr, _, _ = _arrays(out, spec, mode="r+")
     n_positions = spec["n_chunks"] * (max_len - 2)
-    atomic_write_json(out / "meta.json", {**spec, "truncated": truncated, "n_positions": n_positions,
-                                          "n_entries": int(ptr[-1]), "mean_support": float(ptr[-1]) / n_positions})
+    atomic_write_json(out / "meta.json", {**spec, "truncated": truncated,
+                                          "n_positions": n_positions, "n_entries": int(ptr[-1]),
+                                          "mean_support": float(ptr[-1]) / n_positions})
     return out
 
 
@@ -333,7 +356,8 @@ class StoredTargets:
 
         self.store = TargetStore.open(path)
         meta = self.store.meta
-        if (tokens.meta.get("fingerprint"), tokens.n_tokens) != (meta["store_fingerprint"], meta["store_n_tokens"]):
+        if ((tokens.meta.get("fingerprint"), tokens.n_tokens)
+                != (meta["store_fingerprint"], meta["store_n_tokens"])):
             raise UserError(f"target store {path} was built from another token store "
                             f"({meta['store']}); rebuild it with "
                             f"`mlsm targets --store {tokens.path}`")

@@ -56,7 +56,8 @@ def _layer_list(model: nn.Module, n_layers: int) -> tuple[nn.Module, str, nn.Mod
             if isinstance(child, nn.ModuleList) and len(child) == n_layers:
                 candidates.append((f"{name}.{child_name}".strip("."), module, child_name, child))
     if not candidates:
-        raise UserError(f"cannot find the {n_layers} transformer blocks of {type(model).__name__}; use a BERT-like HF encoder as teacher")
+        raise UserError(f"cannot find the {n_layers} transformer blocks of {type(model).__name__}; "
+                        "use a BERT-like HF encoder as teacher")
     # Prefer the conventional names, then the shallowest path.
     candidates.sort(key=lambda c: (not c[2].startswith("layer"), c[0].count(".")))
     _, parent, attr, layers = candidates[0]
@@ -98,7 +99,8 @@ class Teacher:
         return self
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Layer-l states of a batch of *unmasked* inputs: (B, T) ids → (B, T, d)."""
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
@@ -110,7 +112,8 @@ class Teacher:
             return hs[self.layer]  # (B, T, d); index l as in the full model
         return out.last_hidden_state  # (B, T, d); with no blocks left (l = 0) HF records nothing
 
-    def batch_from_ids(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch_from_ids(
+            self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wrap token-id sequences with the tokenizer's special tokens and pad them.
 
         Returns input_ids (B, T), attention_mask (B, T) and content (B, T) — True on the
@@ -130,7 +133,8 @@ class Teacher:
             row = pre + [int(t) for t in s] + post
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
-            content[i, len(pre) : len(pre) + len(s)] = torch.tensor([int(t) not in special for t in s], dtype=torch.bool)
+            is_content = [int(t) not in special for t in s]
+            content[i, len(pre) : len(pre) + len(s)] = torch.tensor(is_content, dtype=torch.bool)
         return ids, mask, content
 
 
@@ -145,8 +149,10 @@ def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LA
     try:
         tokenizer = load_tokenizer(path)
         with quiet_head_mismatch(path, with_head=False):
-            model = load_model(AutoModel, path, dtype=dtype) if dtype else load_model(AutoModel, path)
+            model = (load_model(AutoModel, path, dtype=dtype) if dtype
+                     else load_model(AutoModel, path))
     except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
-        raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF model folder, or none for the packaged MiniLM") from None
+        raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF "
+                        "model folder, or none for the packaged MiniLM") from None
     name = "all-MiniLM-L6-v2" if name_or_path is None else str(name_or_path)
     return Teacher(model, tokenizer, layer, name=name).to(device)

@@ -4,7 +4,8 @@ Layout of checkpoints/<name>/:
   config.json, model.safetensors     HF weights (AutoModelForMaskedLM for MLM-family runs,
                                      AutoModel backbone otherwise)
   tokenizer files                    so the folder is self-contained for fine-tuning
-  heads.safetensors, heads.json      objective heads (latent head, MAE decoder) and how to rebuild them
+  heads.safetensors, heads.json      objective heads (latent head, MAE decoder) and how to
+                                     rebuild them
   training_state.pt                  optimizer state, RNG states (torch.load(weights_only=True))
   checkpoint.json                    step, readiness, objective, run; written last = complete marker
 
@@ -36,7 +37,8 @@ COMPLETE = "checkpoint.json"
 
 
 class DamagedCheckpoint(Exception):
-    """A checkpoint folder whose files are missing, torn or truncated (the reason is the message)."""
+    """A checkpoint folder whose files are missing, torn or truncated (the reason is the
+    message)."""
 
 
 def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
@@ -72,7 +74,8 @@ def save_checkpoint(
             (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
     except (OSError, RuntimeError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
-        raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints are intact — free space and rerun with --resume auto") from None
+        raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
+                        "are intact — free space and rerun with --resume auto") from None
     return folder
 
 
@@ -111,7 +114,8 @@ def _check_safetensors(path: Path) -> None:
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n)) if 8 + n <= size else None
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
         raise DamagedCheckpoint(f"{path.name} has no valid header") from None
     if 8 + n + end != size:
@@ -127,14 +131,16 @@ def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {first_line(exc)}") from None
-    if not isinstance(info, dict) or not isinstance(info.get("step"), int) or not isinstance(info.get("config"), dict):
+    if (not isinstance(info, dict) or not isinstance(info.get("step"), int)
+            or not isinstance(info.get("config"), dict)):
         raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
     _check_safetensors(folder / "model.safetensors")
     if (folder / "heads.json").is_file():
         _check_safetensors(folder / "heads.safetensors")
     state = read_training_state(folder)
     if not isinstance(state, dict) or "optimizer" not in state or state.get("step") != info["step"]:
-        raise DamagedCheckpoint("training_state.pt does not hold this checkpoint's step and optimizer")
+        raise DamagedCheckpoint("training_state.pt does not hold this checkpoint's "
+                                "step and optimizer")
     return info, state
 
 
@@ -146,7 +152,9 @@ def read_training_state(folder: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower():
-            raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond tensors, which mlsm never runs); delete that checkpoint folder and resume from another") from None
+            raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond "
+                            "tensors, which mlsm never runs); delete that checkpoint folder and "
+                            "resume from another") from None
         raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         why = first_line(exc)
@@ -159,8 +167,10 @@ def load_weights(folder: Path, module: TrainModule) -> None:
         load_student_weights(module.exported_model(), module.exported_heads(), folder)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()
-        detail = next((ln.strip() for ln in first if "size mismatch" in ln), first[0] if first else "")
-        raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume with the model config the run was started with") from None
+        detail = next((ln.strip() for ln in first if "size mismatch" in ln),
+                      first[0] if first else "")
+        raise UserError(f"checkpoint {folder} does not match the model ({detail[:160]}); resume "
+                        "with the model config the run was started with") from None
 
 
 def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
@@ -168,6 +178,7 @@ def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
     try:
         _, state = read_checkpoint(folder)
     except DamagedCheckpoint as exc:
-        raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another checkpoints/step-* folder") from None
+        raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another "
+                        "checkpoints/step-* folder") from None
     load_weights(folder, module)
     return state
