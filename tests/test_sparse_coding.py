@@ -318,6 +318,9 @@ def test_codes_do_not_depend_on_the_thread_count():
 
 
 def _encode_numpy(X, D):
+    # as a DataLoader worker does: torch's own OpenMP pool does not survive fork(), so PyTorch
+    # runs workers on one thread; what this test guards is that our kernel adds no such pool
+    torch.set_num_threads(1)
     return sparse_encode(X, D, LAM).numpy()
 
 
