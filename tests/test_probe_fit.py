@@ -56,8 +56,11 @@ def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_pat
         batch_size=8,
     )
     # the fixture corpus is random words: little beyond the unigram is learnable, but the probe
-    # starts exactly at it and must not end above it
-    assert info["heldout_loss"] < info["unigram_loss"]
+    # starts exactly at it and keeps its best weights, so it never ends above it
+    assert info["heldout_loss"] <= info["unigram_loss"]
+    # early stopping keeps the best weights: the reported loss is the lowest of its curve
+    curve = [p["heldout_loss"] for p in info["candidates"][info["input"]]["curve"]]
+    assert info["heldout_loss"] == pytest.approx(min([info["unigram_loss"], *curve]), rel=1e-6)
     assert info["steps"] < 300  # the plateau ended it, not max_steps
     assert set(info["candidates"]) == {"probs", "logprobs", "logits"}
     saved = json.loads((tmp_path / "probe" / "probe.json").read_text())
@@ -179,3 +182,14 @@ def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
     info = json.loads((out / "probe.json").read_text())
     scorer, _ = load_scorer(mlsm_ckpt.parent.parent)
     assert isinstance(scorer, ProbeScorer) and scorer.input == info["input"]
+
+
+def test_a_probe_that_gets_worse_keeps_its_best_weights(mlsm_ckpt: Path, tmp_path: Path) -> None:
+    """A far too large lr makes the held-out loss rise after the start: early stopping must hand
+    back the best weights seen (here the unigram start), not the last ones."""
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("logits",), lr=500.0,
+                                  max_steps=40, eval_every=10, patience=10, heldout_batches=2,
+                                  batch_size=8)
+    curve = [p["heldout_loss"] for p in info["candidates"]["logits"]["curve"]]
+    assert max(curve) > info["unigram_loss"]  # the fit did get worse
+    assert info["heldout_loss"] == pytest.approx(min([info["unigram_loss"], *curve]), rel=1e-6)

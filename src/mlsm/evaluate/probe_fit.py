@@ -120,7 +120,19 @@ class _Candidate:
             self.stale = patience  # diverged: stop this one
             return
         self.stale = 0 if held_loss < self.best * (1 - min_delta) else self.stale + 1
-        self.best = min(self.best, held_loss)
+        if held_loss < self.best:  # early stopping keeps the best weights, not the last ones
+            self.best, self.best_steps = held_loss, self.steps
+            self.best_state = {k: v.clone() for k, v in self.probe.state_dict().items()}
+
+    def start_from(self, held_loss: float) -> None:
+        """Record the starting point (the unigram distribution) as the best so far."""
+        self.best, self.best_steps = held_loss, 0
+        self.best_state = {k: v.clone() for k, v in self.probe.state_dict().items()}
+
+    def restore_best(self) -> None:
+        """Back to the weights of the lowest held-out loss seen (the start included)."""
+        self.probe.load_state_dict(self.best_state)
+        self.steps = self.best_steps
 
     def done(self, patience: int) -> bool:
         return self.stale >= patience
@@ -170,6 +182,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
     z0, _ = features(source.micro_batches(0, G, G, 0, 1)[0])
     cands = [_Candidate(kind, probe, unigram, lr, z0) for kind in inputs]
     unigram_loss, unigram_top1 = cands[0].evaluate(held)  # W = 0: the unigram distribution itself
+    for c in cands:
+        c.start_from(unigram_loss)
     live = list(cands)
     bar = Progress(max_steps, "probe", "step")  # plateau stops may end it early
     for step in range(1, max_steps + 1):
@@ -185,6 +199,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
                 c.check(step, train_loss, held, min_delta, patience)
         bar.update(1, loss=train_loss)
     bar.close()
+    for c in cands:
+        c.restore_best()
     best = min(cands, key=lambda c: c.evaluate(held)[0])
     held_loss, top1 = best.evaluate(held)
     if not math.isfinite(held_loss):
