@@ -35,12 +35,15 @@ class Runner:
 
     def __init__(self, name: str, args: argparse.Namespace, tok, source: BatchSource):
         torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=len(tok), hidden_size=args.hidden, num_hidden_layers=args.layers,
+        cfg = BertConfig(vocab_size=len(tok), hidden_size=args.hidden,
+                         num_hidden_layers=args.layers,
                          num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
                          max_position_embeddings=512)
         self.student = Student(BertForMaskedLM(cfg)).train()
-        spec = {"name": name, **({"decoder_layers": args.decoder_layers} if name == "mae_lm" else {})}
-        self.objective = build_objective(spec, Context(tok, torch.device("cpu"), 1, max_len=args.seq))
+        spec = {"name": name,
+                **({"decoder_layers": args.decoder_layers} if name == "mae_lm" else {})}
+        self.objective = build_objective(spec,
+                                         Context(tok, torch.device("cpu"), 1, max_len=args.seq))
         self.objective.attach(self.student)
         self.module = TrainModule(self.student, self.objective).train()
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
@@ -68,7 +71,8 @@ class Runner:
 
 
 def bench_rate(rate: float, store, tok, args: argparse.Namespace) -> dict[str, float]:
-    data = DataConfig(store=str(store.path), max_len=args.seq, mask_rate=rate, exact_count=args.exact_count)
+    data = DataConfig(store=str(store.path), max_len=args.seq, mask_rate=rate,
+                      exact_count=args.exact_count)
     source = BatchSource(store, data, tok)
     runners = {name: Runner(name, args, tok, source) for name in ("mlm", "mae_lm")}
     for r in runners.values():  # warm-up step, not timed
@@ -81,7 +85,8 @@ def bench_rate(rate: float, store, tok, args: argparse.Namespace) -> dict[str, f
     wall = {n: statistics.median(w for w, _ in t) for n, t in times.items()}
     cpu = {n: statistics.median(c for _, c in t) for n, t in times.items()}
     mlm, mae = runners["mlm"], runners["mae_lm"]
-    return {"rate": rate, "mlm_s": wall["mlm"], "mae_s": wall["mae_lm"], "mlm_cpu": cpu["mlm"], "mae_cpu": cpu["mae_lm"],
+    return {"rate": rate, "mlm_s": wall["mlm"], "mae_s": wall["mae_lm"], "mlm_cpu": cpu["mlm"],
+            "mae_cpu": cpu["mae_lm"],
             "mlm_tokens": statistics.mean(mlm.real), "mae_padded": statistics.mean(mae.padded),
             "mae_real": statistics.mean(mae.real)}
 
@@ -97,7 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per objective per timed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--exact-count", action="store_true", help="data.exact_count: same kept length in every row")
+    ap.add_argument("--exact-count", action="store_true",
+                    help="data.exact_count: same kept length in every row")
     args = ap.parse_args()
     if not CORPUS.is_file():
         sys.exit(f"skipped: {CORPUS} not found")

@@ -85,7 +85,8 @@ def main() -> None:
         store, tok = corpus_store(tmp)
         source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq), tok)
         ours_model, hf_model = make_model(args, len(tok)), make_model(args, len(tok))
-        time_ours(ours_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)  # warm-up
+        # warm-up
+        time_ours(ours_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)
         time_hf(hf_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)
         ours, hf = [], []
         for r in range(args.rounds):  # interleaved, so drifts in machine load hit both
