@@ -25,8 +25,8 @@ def make_text(n_docs: int, seed: int = 0, sentences: int = 8) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for _ in range(n_docs):
-        sents = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4,
-                                                                        12))).capitalize() + "." for _ in range(sentences)]
+        sents = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(sentences)]
         docs.append(" ".join(sents))
     return docs
 
@@ -139,10 +139,8 @@ def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     from mlsm.train.loop import pretrain
 
     out = tmp_path_factory.mktemp("teacher") / "run"
-    cfg = load_config(None,
-                      tiny_overrides(store_dir, out,
-                                     **{"train.steps": 30, "train.readiness": "[1.0]",
-                                        "optim.lr": 3e-3}))
+    overrides = {"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}
+    cfg = load_config(None, tiny_overrides(store_dir, out, **overrides))
     pretrain(cfg)
     return out / "checkpoints" / "step-0000030"
 
@@ -187,8 +185,7 @@ def _perturb(folder: Path) -> None:
 
     weights = load_file(folder / "model.safetensors")
     save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
-              folder / "model.safetensors",
-              metadata={"format": "pt"})
+              folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
@@ -210,9 +207,8 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
     from mlsm.config import load_config
     from mlsm.train.loop import pretrain
 
-    cfg = lambda out: load_config(None,
-                                  # noqa: E731
-                                  tiny_overrides(store, out, **{"train.steps": steps, **extra}))
+    cfg = lambda out: load_config(  # noqa: E731
+        None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))
     full = pretrain(cfg(tmp / "full"))
     final = f"checkpoints/step-{steps:07d}"
     part = tmp / "part"
@@ -236,6 +232,7 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
     _perturb(nudged)
     other = pretrain(cfg(tmp / "other"), resume=str(nudged))
     assert [m["step"] for m in read_metrics(other)] == list(range(at + 1, steps + 1))
-    a, b = load_file(full / final / "model.safetensors"), load_file(other / final / "model.safetensors")
-    assert any(not torch.equal(a[k],
-                               b[k]) for k in a), "a run resumed from a perturbed checkpoint ended unchanged"
+    a = load_file(full / final / "model.safetensors")
+    b = load_file(other / final / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a), (
+        "a run resumed from a perturbed checkpoint ended unchanged")

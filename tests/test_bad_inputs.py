@@ -126,7 +126,8 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
     z["afile"] = root / "afile"
     (root / "glue" / "RTE").mkdir(parents=True)
     for split in ("train", "dev"):
-        rows = ["index\tsentence1\tsentence2\tlabel"] + [f"{i}\tthe cat sees .\ta cat .\tentailment" for i in range(4)]
+        rows = ["index\tsentence1\tsentence2\tlabel"]
+        rows += [f"{i}\tthe cat sees .\ta cat .\tentailment" for i in range(4)]
         (root / "glue" / "RTE" / f"{split}.tsv").write_text("\n".join(rows) + "\n")
     z["glue"] = root / "glue"
     return z
@@ -176,7 +177,8 @@ def _foreign_args(zoo: dict, case: str, m: Path, out: Path) -> list[str]:
 
 @pytest.mark.parametrize("case, where", FOREIGN_SUBPROCESS)
 def test_foreign_code_never_runs_cli(zoo, tmp_path, case, where):
-    """The real CLI, "y" on stdin: refused in one line, no prompt, the folder's Python never runs."""
+    """The real CLI, "y" on stdin: refused in one line, no prompt, the folder's Python never
+    runs."""
     proc = run_cli(_foreign_args(zoo, case, zoo[f"evil_{where}"], tmp_path / "out"), tmp_path)
     assert_one_line(proc.returncode, proc.stderr, "auto_map")
     assert not zoo["marker"].exists(), "the folder's Python ran"
@@ -186,7 +188,8 @@ def test_foreign_code_never_runs_cli(zoo, tmp_path, case, where):
 @pytest.mark.parametrize("where", ["config", "tokenizer"])
 @pytest.mark.parametrize("case", list(FOREIGN))
 def test_foreign_code_never_runs_any_verb(zoo, tmp_path, case, where, capsys, monkeypatch):
-    """Every verb that reads a model folder, in process (same code path, no interpreter start-up)."""
+    """Every verb that reads a model folder, in process (same code path, no interpreter
+    start-up)."""
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))
     (tmp_path / "out").mkdir()
     code, err = main_err(capsys, _foreign_args(zoo, case, zoo[f"evil_{where}"], tmp_path / "out"))
@@ -226,10 +229,10 @@ def _loaders(good: Path) -> dict:
         "pll.load_masked_lm": lambda p: load_masked_lm(str(p)),
         "probe.load_scorer": load_scorer,
         "rank.load_encoder": lambda p: load_encoder(str(p)),
-        "backbone.build_student(init_from)": lambda p: build_student(ModelConfig(init_from=str(p)),
-                                                                     tok, 16, 0),
-        "backbone model.config": lambda p: _from_scratch_config(ModelConfig(config=str(p)), tok,
-                                                                16),
+        "backbone.build_student(init_from)":
+            lambda p: build_student(ModelConfig(init_from=str(p)), tok, 16, 0),
+        "backbone model.config":
+            lambda p: _from_scratch_config(ModelConfig(config=str(p)), tok, 16),
         "kd.has_mlm_head": lambda p: has_mlm_head(str(p)),
         "mlsm_naive.load_full_teacher": lambda p: load_full_teacher(str(p)),
         "teacher.load_teacher": lambda p: load_teacher(p, 1),
@@ -240,16 +243,14 @@ def _loaders(good: Path) -> dict:
 
 
 LOADERS = ["corpus.load_tokenizer", "finetune.load_tokenizer", "finetune._load_backbone",
-           "flops.teacher_shape_config",
-           "pll.load_masked_lm", "probe.load_scorer", "rank.load_encoder",
-           "backbone.build_student(init_from)",
-           "backbone model.config", "kd.has_mlm_head", "mlsm_naive.load_full_teacher",
-           "teacher.load_teacher",
+           "flops.teacher_shape_config", "pll.load_masked_lm", "probe.load_scorer",
+           "rank.load_encoder", "backbone.build_student(init_from)", "backbone model.config",
+           "kd.has_mlm_head", "mlsm_naive.load_full_teacher", "teacher.load_teacher",
            "hf.load_config", "hf.load_tokenizer", "hf.load_model"]
-# loaders that read only config.json / the tokenizer: a folder with bad or no weights is fine for them
+# loaders that read only config.json / the tokenizer: a folder with bad or no weights is fine
+# for them
 CONFIG_ONLY = {"corpus.load_tokenizer", "finetune.load_tokenizer", "flops.teacher_shape_config",
-               "backbone model.config",
-               "kd.has_mlm_head", "hf.load_config", "hf.load_tokenizer"}
+               "backbone model.config", "kd.has_mlm_head", "hf.load_config", "hf.load_tokenizer"}
 HOSTILE = {"evil_config": "auto_map", "evil_tokenizer": "auto_map", "foreign_type": "evilbert",
            "torn": "config.json", "no_weights": "no weights", "pickle": "not a safe checkpoint"}
 
@@ -289,9 +290,8 @@ def _unsafe_calls(tree: ast.AST) -> list[ast.Call]:
             continue
         name, owner = node.func.attr, node.func.value
         owner_name = owner.id if isinstance(owner, ast.Name) else ""
-        safe = any(k.arg == "weights_only" and isinstance(k.value,
-                                                          ast.Constant) and k.value.value is True
-                   for k in node.keywords)
+        safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
+                   and k.value.value is True for k in node.keywords)
         if name == "from_pretrained" or (owner_name == "torch" and name == "load" and not safe) or \
                 (owner_name == "pickle" and name in ("load", "loads")):
             found.append(node)
@@ -305,10 +305,12 @@ def test_no_from_pretrained_outside_the_one_door():
     for path in SRC.rglob("*.py"):
         if path.name == "hf.py":
             continue
-        offenders += [f"{path.relative_to(SRC)}:{c.lineno}" for c in _unsafe_calls(ast.parse(path.read_text()))]
+        calls = _unsafe_calls(ast.parse(path.read_text()))
+        offenders += [f"{path.relative_to(SRC)}:{c.lineno}" for c in calls]
     assert not offenders, offenders
     # the scan itself sees a call, and not a string
-    assert len(_unsafe_calls(ast.parse("AutoModel.from_pretrained(p)\ntorch.load(f)\nx = 'm.from_pretrained(p)'"))) == 2
+    tree = ast.parse("AutoModel.from_pretrained(p)\ntorch.load(f)\nx = 'm.from_pretrained(p)'")
+    assert len(_unsafe_calls(tree)) == 2
 
 
 def test_unsafe_checkpoint_cli(zoo, tmp_path):
@@ -434,8 +436,8 @@ CONFIG_CASES = {  # overrides (or YAML text under "yaml") -> a phrase of the mes
 
 
 @pytest.mark.parametrize("case, verb", [(c, "pretrain") for c in CONFIG_CASES] + [
-    (c,
-     "flops") for c in ("YAML syntax error", "scalar for a group", "train.steps=0", "unknown key")])
+    (c, "flops")
+    for c in ("YAML syntax error", "scalar for a group", "train.steps=0", "unknown key")])
 def test_bad_config_is_one_line(case, verb, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec, needle = CONFIG_CASES[case]
@@ -548,7 +550,7 @@ def test_bad_arguments_cli(tmp_path):
         assert_one_line(proc.returncode, proc.stderr, needle)
 
 
-# --------------------------------------------------------------------------- overrides anywhere, bugs stay loud
+# ------------------------------------------------------------- overrides anywhere, bugs stay loud
 
 
 @pytest.mark.parametrize("argv", [
