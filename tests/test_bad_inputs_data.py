@@ -42,7 +42,8 @@ RUN = {"train.steps": 3, "train.save_every": 1, "train.readiness": "[1.0]", "tra
 def _tree(path: Path) -> dict[str, str]:
     """sha256 of every file under `path` (or of `path` itself), hidden files included."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
 
 
 def _one_line_error(rc: int, err: str) -> str:
@@ -157,8 +158,8 @@ def _evil_state(run: Path) -> Path:
 
 def _case_prepare_overwrite_user_folder(tmp, fx):
     folder = _user_folder(tmp)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt",
-                    out=folder), [folder], "not a token store", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder], "not a token store",
+            "--overwrite")
 
 
 def _case_prepare_out_is_source_dir(tmp, fx):
@@ -184,8 +185,8 @@ def _case_prepare_out_holds_source_dir(tmp, fx):
 def _case_prepare_out_is_a_file(tmp, fx):
     path = tmp / "store"
     path.write_text("precious\n")
-    return _prepare(fx, fx["corpus_dir"] / "a.txt",
-                    out=path), [path], "existing file", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=path), [path], "existing file",
+            "--overwrite")
 
 
 def _case_prepare_store_with_user_files(tmp, fx):
@@ -197,27 +198,27 @@ def _case_prepare_foreign_meta(tmp, fx):
     folder = tmp / "other"
     folder.mkdir()
     (folder / "meta.json").write_text(json.dumps({"format": "someone-else"}))
-    return _prepare(fx, fx["corpus_dir"] / "a.txt",
-                    out=folder), [folder], "not an mlsm token store", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder],
+            "not an mlsm token store", "--overwrite")
 
 
 def _case_prepare_other_inputs_no_overwrite(tmp, fx):
     store = _store_copy(tmp, fx, lambda s: None)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=store,
-                    extra=()), [store], "--overwrite", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store], "--overwrite",
+            None)
 
 
 def _case_prepare_torn_store_no_overwrite(tmp, fx):
     store = _store_copy(tmp, fx, lambda s: (s / "meta.json").write_text('{"format": "mlsm-tok'))
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=store,
-                    extra=()), [store], "meta.json is unreadable", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store],
+            "meta.json is unreadable", None)
 
 
 def _case_prepare_locked(tmp, fx):
     out = tmp / "store"
     fx["hold"](out)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=out,
-                    extra=()), [], "in use by another mlsm process", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=out, extra=()), [],
+            "in use by another mlsm process", None)
 
 
 def _case_source_corrupt_gz(tmp, fx):
@@ -271,8 +272,8 @@ def _case_store_offsets_inconsistent(tmp, fx):
 
 def _case_run_out_holds_user_files(tmp, fx):
     folder = _user_folder(tmp)
-    return ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], folder)], [folder], "not an mlsm run", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], folder)], [folder],
+            "not an mlsm run", None)
 
 
 def _case_probe_out_user_folder(tmp, fx):
@@ -285,8 +286,8 @@ def _case_probe_out_user_folder(tmp, fx):
 def _case_probe_torn_checkpoint_json(tmp, fx):
     run = _run_copy(tmp, fx)
     _truncate(run / "checkpoints" / "step-0000003" / "checkpoint.json")
-    return ["probe",
-            str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn", None
+    return (["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn",
+            None)
 
 
 def _case_probe_corrupt_heads(tmp, fx):
@@ -298,8 +299,8 @@ def _case_probe_corrupt_heads(tmp, fx):
 
 
 def _case_run_out_is_root(tmp, fx):
-    return ["pretrain",
-            *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder", None
+    return (["pretrain", *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder",
+            None)
 
 
 def _case_run_out_is_a_file(tmp, fx):
@@ -311,27 +312,27 @@ def _case_run_out_is_a_file(tmp, fx):
 def _case_run_killed_before_first_log(tmp, fx):
     run = _run_copy(tmp, fx)
     (run / "metrics.jsonl").unlink()  # checkpoints, config.yaml and run.json still count
-    return ["pretrain",
-            *_run_args(fx["store_dir"], run,
-                       **{"train.seed": 7})], [run], "already holds a run", None
+    return (["pretrain", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run],
+            "already holds a run", None)
 
 
 def _case_resume_other_seed(tmp, fx):
     run = _run_copy(tmp, fx)
-    return ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run], "train.seed", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"train.seed": 7})],
+            [run], "train.seed", None)
 
 
 def _case_resume_no_checkpoint_other_config(tmp, fx):
     run = _run_copy(tmp, fx)
     shutil.rmtree(run / "checkpoints")  # only config.yaml tells what the run was
-    return ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], run, **{"optim.lr": 0.5})], [run], "optim.lr", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"optim.lr": 0.5})],
+            [run], "optim.lr", None)
 
 
 def _case_resume_changed_model_size(tmp, fx):
     run = _run_copy(tmp, fx)
-    bigger = "{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64}"
+    bigger = ("{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
+              "intermediate_size: 64}")
     args = ["pretrain", "--resume", "auto",
             *_run_args(fx["store_dir"], run, **{"model.overrides": bigger})]
     return args, [run], "model.overrides", None
@@ -357,15 +358,15 @@ def _case_resume_all_checkpoints_torn(tmp, fx):
     run = _run_copy(tmp, fx)
     for _, folder in ckpt.list_checkpoints(run):
         _truncate(folder / "training_state.pt")
-    return ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], run)], [run], "no intact checkpoint", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+            "no intact checkpoint", None)
 
 
 def _case_run_locked(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["hold"](run)
-    return ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], run)], [run], "in use by another mlsm process", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+            "in use by another mlsm process", None)
 
 
 def _case_targets_out_user_folder(tmp, fx):
@@ -410,8 +411,8 @@ def _case_dictionary_out_foreign_json(tmp, fx):
     return args, [tmp / "d.json"], "not an mlsm dictionary", None
 
 
-CASES = {name[len("_case_"):]: fn for name,
-         fn in sorted(globals().items()) if name.startswith("_case_")}
+CASES = {name[len("_case_"):]: fn
+         for name, fn in sorted(globals().items()) if name.startswith("_case_")}
 
 
 class _Fixtures(dict):
@@ -460,7 +461,8 @@ def test_bad_input_is_one_line_and_nothing_is_lost(name: str, fx: dict, tmp_path
     assert forbidden is None or forbidden not in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"
     assert "marker" not in fx or not fx["marker"].exists(), "foreign code ran"
-    leftovers = [p.name for p in tmp_path.rglob("*") if ".partial-" in p.name or p.name.endswith(".lock")]
+    leftovers = [p.name for p in tmp_path.rglob("*")
+                 if ".partial-" in p.name or p.name.endswith(".lock")]
     assert leftovers == [] or name.endswith("locked"), leftovers
 
 
@@ -490,7 +492,8 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     # a second one
     line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)
     assert "in use by another mlsm process" in line
-    while not (run / "metrics.jsonl").exists() and first.poll() is None and time.time() - start < 120:
+    while (not (run / "metrics.jsonl").exists() and first.poll() is None
+           and time.time() - start < 120):
         time.sleep(0.02)
     first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
@@ -562,7 +565,8 @@ def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Pat
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert ckpt.list_checkpoints(run) == []
     assert main(["pretrain", "--resume", "auto", *args]) == 0
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, store_dir: Path,
@@ -574,15 +578,17 @@ def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, 
     capsys.readouterr()
     assert main(["pretrain", "--resume", "auto", *_run_args(store_dir, run)]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mlsm")]
-    assert len(err) == 1 and "resuming from step-0000002" in err[0] and "step-0000003" in err[0], err
+    assert (len(err) == 1 and "resuming from step-0000002" in err[0]
+            and "step-0000003" in err[0]), err
     assert _tree(final / "model.safetensors") == reference  # step 3 redone bit-identically
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
-@pytest.mark.parametrize("error",
-                         [RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
-                                   SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
-                                   OSError(28, "No space left on device")])
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
+    SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+    OSError(28, "No space left on device")])
 def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Exception, store_dir: Path,
                                                                   tmp_path: Path, monkeypatch,
                                                                   capsys) -> None:
@@ -598,7 +604,8 @@ def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Excepti
     run = tmp_path / "run"
     capsys.readouterr()
     line = _one_line_error(main(["pretrain", *_run_args(store_dir, run)]), capsys.readouterr().err)
-    assert "could not write checkpoint step-0000002" in line and "older checkpoints are intact" in line
+    assert ("could not write checkpoint step-0000002" in line
+            and "older checkpoints are intact" in line)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [1]
     ckpt.read_checkpoint(run / "checkpoints" / "step-0000001")  # whole
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -662,7 +669,8 @@ def test_replace_dir_never_leaves_the_target_missing(tmp_path: Path) -> None:
     new.mkdir()
     (new / "new").write_text("new")
     fileio.replace_dir(new, target)
-    assert [p.name for p in target.iterdir()] == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    assert ([p.name for p in target.iterdir()] == ["new"]
+            and sorted(p.name for p in tmp_path.iterdir()) == ["store"])
 
 
 def test_text_sources_keep_their_documents(tmp_path: Path) -> None:
