@@ -16,8 +16,7 @@ def test_quiet_only_for_expected_head_mismatch(tmp_path):
     BertForMaskedLM(BertConfig(**TINY)).save_pretrained(tmp_path / "mlm")
     before = hf_logging.get_verbosity()
     expected = {("bare", True): True, ("bare", False): False, ("mlm", True): False,
-                ("mlm", False): True,
-                ("missing", True): False}
+                ("mlm", False): True, ("missing", True): False}
     for (folder, with_head), quiet in expected.items():
         with quiet_head_mismatch(tmp_path / folder, with_head=with_head):
             assert (hf_logging.get_verbosity() == hf_logging.ERROR) == quiet, (folder, with_head)

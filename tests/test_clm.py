@@ -100,8 +100,8 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
              "optim.schedule": "wsd"}
     full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
     m = _metrics(full)
-    assert [("clm_loss" in r,
-             "mlm_loss" in r) for r in m] == [(True, False)] * 3 + [(False, True)] * 3
+    assert ([("clm_loss" in r, "mlm_loss" in r) for r in m]
+            == [(True, False)] * 3 + [(False, True)] * 3)
     # resume from step 2 (CLM) across the switch at step 3: a real resume, bit-identical
     check_resume(store_dir, tmp_path / "resume", at=2, **extra)
     # the exported folder is a plain bidirectional encoder (+ the MLM head trained after the switch)
@@ -116,9 +116,9 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
 def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teacher_dir: Path,
                                                           tmp_path: Path) -> None:
     def run(out: str, **extra: object) -> tuple[Path, object]:
-        cfg = load_config(CONFIGS / "continue_mlm.yaml",
-                          tiny_overrides(store_dir, tmp_path / out, **{
-            "model.init_from": str(teacher_dir), "train.readiness": "[1.0]", **extra}))
+        overrides = tiny_overrides(store_dir, tmp_path / out, **{
+            "model.init_from": str(teacher_dir), "train.readiness": "[1.0]", **extra})
+        cfg = load_config(CONFIGS / "continue_mlm.yaml", overrides)
         return pretrain(cfg), cfg
 
     start = load_file(teacher_dir / "model.safetensors")
@@ -167,8 +167,8 @@ def test_clm_loss_equals_prefix_by_prefix_next_token_loss(impl: str, store_dir: 
     with torch.no_grad():
         out = forward_step(student, obj, batch)
         where = next_token_targets(batch)
-        # (N, V)
-        mine = student.vocab_logits(causal_encode(student, ids, batch.attention_mask)[where])
+        mine = student.vocab_logits(
+            causal_encode(student, ids, batch.attention_mask)[where])  # (N, V)
         for b in range(len(ids)):
             for t in range(ids.shape[1] - 1):
                 if special[b, t + 1] or not batch.attention_mask[b, t + 1]:

@@ -72,8 +72,7 @@ def _student(hidden: int, heads: int):
     from mlsm.models.backbone import Student
 
     cfg = BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=1,
-                     num_attention_heads=heads,
-                     intermediate_size=64, max_position_embeddings=64)
+                     num_attention_heads=heads, intermediate_size=64, max_position_embeddings=64)
     return Student(BertForMaskedLM(cfg))
 
 
@@ -98,7 +97,8 @@ def test_mae_decoder_depth_and_dropout_defaults() -> None:
 
 def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, teacher_dir,
                                                                      dictionary_path) -> None:
-    """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two softmaxes."""
+    """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two
+    softmaxes."""
     obj, student, batch = _setup(store_dir,
                                  _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.5,
                                             head="shared"))

@@ -34,8 +34,8 @@ def _setup(arch: str, store_dir: Path):
     student = build_student(ModelConfig(arch=arch, overrides=dict(sizes)), tok, 32, seed=0)
     obj = build_objective({"name": "mlm"}, Context(tok, torch.device("cpu"), 4, str(store_dir), 32))
     obj.attach(student)
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32),
-                        tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return student, obj, batch, tok
 
 
@@ -54,12 +54,13 @@ def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, stor
     module = TrainModule(student, obj)
     folder = save_checkpoint(tmp_path / "step-0000003", module, tok, {"step": 3}, {"step": 3})
     hf, info = AutoModelForMaskedLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert (not info["missing_keys"] and not info["unexpected_keys"]
+            and not info["mismatched_keys"]), info
     student.eval()
     hf.eval()
     with torch.no_grad():
-        mine = student.vocab_logits(student.encode(batch.corrupted_ids,
-                                                   batch.attention_mask)[batch.selected])
+        encoded = student.encode(batch.corrupted_ids, batch.attention_mask)
+        mine = student.vocab_logits(encoded[batch.selected])
         theirs = hf(input_ids=batch.corrupted_ids,
                     attention_mask=batch.attention_mask).logits[batch.selected]
         hidden = hf.base_model(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask)

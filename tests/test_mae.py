@@ -37,8 +37,8 @@ def _setup(store_dir: Path, spec: dict, arch: str = "bert", mask_rate: float = 0
 def _record_encoder_inputs(student) -> tuple[list, list]:
     """Forward pre-hooks: ids entering the word embeddings, kwargs entering the backbone."""
     ids, kwargs = [], []
-    student.backbone.get_input_embeddings().register_forward_pre_hook(lambda m,
-                                                                      a: ids.append(a[0].clone()))
+    student.backbone.get_input_embeddings().register_forward_pre_hook(
+        lambda m, a: ids.append(a[0].clone()))
     student.backbone.register_forward_pre_hook(lambda m, a, kw: kwargs.append(kw), with_kwargs=True)
     return ids, kwargs
 
@@ -119,7 +119,8 @@ def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_pat
                  files=("model.safetensors", "heads.safetensors"), **extra)
     folder = full / "checkpoints" / "step-0000006"
     encoder = AutoModel.from_pretrained(folder)
-    assert encoder.config.hidden_size == 32 and not any(k.startswith("cls.") for k in load_file(folder / "model.safetensors"))
+    assert encoder.config.hidden_size == 32
+    assert not any(k.startswith("cls.") for k in load_file(folder / "model.safetensors"))
     meta = json.loads((folder / "heads.json").read_text())
     assert meta[DECODER]["layers"] == 2 and meta[DECODER]["width"] == 32
     mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
@@ -135,7 +136,8 @@ def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_
     folder = run / "checkpoints" / "step-0000003"
     AutoModel.from_pretrained(folder)
     heads = load_file(folder / "heads.safetensors")
-    assert any(k.startswith("latent.") for k in heads) and any(k.startswith(f"{DECODER}.") for k in heads)
+    assert any(k.startswith("latent.") for k in heads)
+    assert any(k.startswith(f"{DECODER}.") for k in heads)
     assert {"kl", "top1_agreement"} <= _metrics(run)[0].keys()
 
 

@@ -29,8 +29,8 @@ def _objective(store_dir: Path, teacher_dir: Path, dictionary_path: Path, **extr
     spec = {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir),
             **extra}
     obj = build_objective(spec, Context(tok, torch.device("cpu"), 10, str(store_dir), 32))
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32),
-                        tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return obj, batch
 
 
@@ -107,10 +107,10 @@ def test_mlsm_run_checkpoint_is_backbone_plus_head(store_dir, teacher_dir, dicti
     folder = run / "checkpoints" / "step-0000003"
     backbone = AutoModel.from_pretrained(folder)
     assert backbone.config.hidden_size == 32
-    head = LatentHead(**{k: v for k,
-                         v in json.loads((folder / "heads.json").read_text())["latent"].items() if k in ("d", "k")})
-    head.load_state_dict({k.removeprefix("latent."): v for k,
-                          v in load_file(folder / "heads.safetensors").items()})
+    latent = json.loads((folder / "heads.json").read_text())["latent"]
+    head = LatentHead(**{k: v for k, v in latent.items() if k in ("d", "k")})
+    head.load_state_dict({k.removeprefix("latent."): v
+                          for k, v in load_file(folder / "heads.safetensors").items()})
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"kl", "target_entropy", "nnz", "top1_agreement", "dropped"} <= metrics[0].keys()
     # same data seed -> the same batches as an MLM run

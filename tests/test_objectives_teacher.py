@@ -31,8 +31,8 @@ def _setup(store_dir: Path, spec: dict):
     student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), tok, 32, 0)
     obj.attach(student)
     student.eval()  # no dropout: repeated passes must see the same network
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32),
-                        tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return obj, student, batch
 
 
@@ -117,8 +117,8 @@ def test_mtl_checkpoint_exports_both_heads(store_dir, teacher_dir, dictionary_pa
 def test_mtl_run_resumes(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
     check_resume(store_dir, tmp_path, at=2, steps=4,
                  files=("model.safetensors", "heads.safetensors"), **{
-        "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
-                                                                      "objective.teacher": str(teacher_dir)})
+                     "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
+                     "objective.teacher": str(teacher_dir)})
 
 
 # ----------------------------------------------------------------------------- naive MLSM
@@ -145,8 +145,8 @@ def test_naive_runs_every_teacher_layer_and_its_logits(store_dir, teacher_dir,
                         output_hidden_states=True).hidden_states[1][batch.selected]
     x = torch.nn.functional.normalize(h, dim=-1)
     exact = sparse_encode(x, obj.atoms, obj.lam)
-    gap = lasso_objective(x, obj.atoms, codes,
-                          obj.lam) - lasso_objective(x, obj.atoms, exact, obj.lam)
+    gap = (lasso_objective(x, obj.atoms, codes, obj.lam)
+           - lasso_objective(x, obj.atoms, exact, obj.lam))
     assert gap.min() > -1e-5 and gap.mean() < 1e-2
 
 

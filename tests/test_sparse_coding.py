@@ -38,8 +38,8 @@ def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch
     g = torch.Generator().manual_seed(seed)
     D = torch.randn(d, k, generator=g, dtype=dtype)
     D /= D.norm(dim=0, keepdim=True)
-    mix = (torch.rand(n, k, generator=g, dtype=dtype) < 0.05) * torch.rand(n, k, generator=g,
-                                                                           dtype=dtype)
+    mix = ((torch.rand(n, k, generator=g, dtype=dtype) < 0.05)
+           * torch.rand(n, k, generator=g, dtype=dtype))
     X = mix @ D.T + 0.2 * torch.randn(n, d, generator=g, dtype=dtype)
     return X / X.norm(dim=1, keepdim=True), D
 
@@ -143,8 +143,8 @@ def test_rows_the_active_set_fails_are_solved_by_the_homotopy(monkeypatch):
     real = sc.active_set
     _, _, crippled_fail = real(X @ D, padded_gram(D.T @ D), LAM, 1e-5, max_steps=2)
     assert crippled_fail.float().mean() > 0.5  # the injected fault really hands rows over
-    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps,
-                        warm=None: real(c, Gp, lam, tol, max_steps=2))
+    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps, warm=None:
+                        real(c, Gp, lam, tol, max_steps=2))
     codes = sparse_encode(X, D, LAM)
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
     assert _rel_gap(X, D, codes, ref).abs().max() <= 1e-6
@@ -167,8 +167,8 @@ def test_warm_start_only_saves_steps(solver):
     exact = _support(_codes(idx, alpha, k))
     fits = (alpha > 0).sum(1) <= WARM_MAX  # only the first WARM_MAX atoms of a guess are used
     assert fits.sum() >= 20
-    assert solver(c, Gp, LAM, tol=1e-9, max_steps=1,
-                  warm=exact[:, :WARM_MAX])[2][fits].float().mean() < 0.05
+    counts = solver(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact[:, :WARM_MAX])[2]
+    assert counts[fits].float().mean() < 0.05
     assert solver(c, Gp, LAM, tol=1e-9, max_steps=1)[2].all()
     # Realistic guesses (codes under a perturbed dictionary) and bad ones: random atoms with
     # repeats, "none" markers, out-of-range values, more than WARM_MAX columns.
