@@ -55,7 +55,8 @@ def _setup(tmp: Path, args: argparse.Namespace):
     print(f"dictionary: k=1536 on {args.dict_vectors} vectors in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     build_target_store(store.path, dictionary, teacher, args.seq, tmp / "targets")  # whole codes
-    print(f"target store: {json.loads((tmp / 'targets' / 'meta.json').read_text())['n_chunks']} chunks in {time.perf_counter() - t0:.0f} s")
+    n_chunks = json.loads((tmp / "targets" / "meta.json").read_text())["n_chunks"]
+    print(f"target store: {n_chunks} chunks in {time.perf_counter() - t0:.0f} s")
     return store, teacher_path
 
 
@@ -123,8 +124,8 @@ def main() -> int:
         runners = _runners(store, teacher_path, tmp, args)
         source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq),
                              store.load_tokenizer())
-        batches = [source.batch(np.arange(s * args.batch, (s + 1) * args.batch),
-                                s) for s in range(args.rounds + 1)]
+        batches = [source.batch(np.arange(s * args.batch, (s + 1) * args.batch), s)
+                   for s in range(args.rounds + 1)]
         times: dict[str, list[float]] = {n: [] for n in runners}
         for r, batch in enumerate(batches):  # round 0 = warm-up, not recorded
             for n, (objective, student, optimizer) in runners.items():
@@ -158,7 +159,8 @@ def _report(med: dict[str, float], times: dict[str, list[float]], args: argparse
     for a, b in (("MLSM online", "MLM"), ("MLSM store", "MLM"), ("MLSM naive", "MLSM online"),
                  ("MLSM naive", "MLSM store")):
         paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
-        print(f"paired {a} / {b}: median {statistics.median(paired):.2f} (rounds: {', '.join(f'{r:.2f}' for r in paired)})")
+        rounds = ", ".join(f"{r:.2f}" for r in paired)
+        print(f"paired {a} / {b}: median {statistics.median(paired):.2f} (rounds: {rounds})")
 
 
 if __name__ == "__main__":
