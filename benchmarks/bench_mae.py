@@ -88,8 +88,7 @@ def bench_rate(rate: float, store, tok, args: argparse.Namespace) -> dict[str, f
     mlm, mae = runners["mlm"], runners["mae_lm"]
     return {"rate": rate, "mlm_s": wall["mlm"], "mae_s": wall["mae_lm"], "mlm_cpu": cpu["mlm"],
             "mae_cpu": cpu["mae_lm"], "mlm_tokens": statistics.mean(mlm.real),
-            "mae_padded": statistics.mean(mae.padded),
-            "mae_real": statistics.mean(mae.real)}
+            "mae_padded": statistics.mean(mae.padded), "mae_real": statistics.mean(mae.real)}
 
 
 def main() -> None:

@@ -189,8 +189,7 @@ def _perturb(folder: Path) -> None:
 
 
 def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
-                 files: tuple[str, ...] = ("model.safetensors",),
-                 **extra: object) -> None:
+                 files: tuple[str, ...] = ("model.safetensors",), **extra: object) -> None:
     """Resume must be a resume, not a restart that happens to end in the same place.
 
     1. A run resumed from checkpoint `at` ends bit-identical to the uninterrupted run and its

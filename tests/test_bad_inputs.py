@@ -31,8 +31,7 @@ def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "mlsm", *args], cwd=cwd, env=env,
-                          input="y\ny\ny\n",
-                          capture_output=True, text=True, timeout=300)
+                          input="y\ny\ny\n", capture_output=True, text=True, timeout=300)
 
 
 def assert_one_line(code: int, err: str, *needles: str) -> None:
@@ -171,8 +170,7 @@ FOREIGN_SUBPROCESS = [("prepare --tokenizer", "tokenizer"), ("blimp", "config"),
 
 def _foreign_args(zoo: dict, case: str, m: Path, out: Path) -> list[str]:
     return [a.format(m=m, text=zoo["root"] / "text.txt", out=out, blimp=zoo["blimp"],
-                     store=zoo["store"],
-                     glue=zoo["glue"]) for a in FOREIGN[case]]
+                     store=zoo["store"], glue=zoo["glue"]) for a in FOREIGN[case]]
 
 
 @pytest.mark.parametrize("case, where", FOREIGN_SUBPROCESS)

@@ -398,8 +398,7 @@ def _case_dictionary_out_foreign_safetensors(tmp, fx):
     path = tmp / "model.safetensors"
     save_file({"weight": torch.ones(3)}, path)
     args = ["dictionary", "--store", str(fx["store_dir"]), "--teacher", str(fx["teacher_dir"]),
-            "--layer", "1",
-            "--k", "16", "--n-vectors", "50", "--max-len", "32", "--out", str(path)]
+            "--layer", "1", "--k", "16", "--n-vectors", "50", "--max-len", "32", "--out", str(path)]
     return args, [path], "not an mlsm dictionary", None
 
 
