@@ -5,8 +5,8 @@ should process ≈ (1 - mask_rate) of MLM's tokens; a shallow full-length decode
 Both objectives train the same 6-layer d=384 BERT (MAE-LM with a 2-layer decoder) on batches of
 real text (enwiki prefix, MiniLM tokenizer) at each mask rate, in interleaved rounds; medians are
 printed, in wall-clock seconds and in process CPU seconds (both threads; robust to other jobs on
-a shared machine). Encoder tokens are counted at the word embeddings (what the encoder really receives):
-`padded` = B x K after left-aligned gathering, `real` = tokens with attention_mask 1.
+a shared machine). Encoder tokens are counted at the word embeddings (what the encoder really
+receives): `padded` = B x K after left-aligned gathering, `real` = tokens with attention_mask 1.
 
     python benchmarks/bench_mae.py [--rates 0.15 0.4 --rounds 3 --steps 2]
 """
@@ -35,12 +35,14 @@ class Runner:
 
     def __init__(self, name: str, args: argparse.Namespace, tok, source: BatchSource):
         torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=len(tok), hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
-                         max_position_embeddings=512)
+        cfg = BertConfig(vocab_size=len(tok), hidden_size=args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         intermediate_size=4 * args.hidden, max_position_embeddings=512)
         self.student = Student(BertForMaskedLM(cfg)).train()
-        spec = {"name": name, **({"decoder_layers": args.decoder_layers} if name == "mae_lm" else {})}
-        self.objective = build_objective(spec, Context(tok, torch.device("cpu"), 1, max_len=args.seq))
+        spec = {"name": name,
+                **({"decoder_layers": args.decoder_layers} if name == "mae_lm" else {})}
+        self.objective = build_objective(spec,
+                                         Context(tok, torch.device("cpu"), 1, max_len=args.seq))
         self.objective.attach(self.student)
         self.module = TrainModule(self.student, self.objective).train()
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
@@ -68,7 +70,8 @@ class Runner:
 
 
 def bench_rate(rate: float, store, tok, args: argparse.Namespace) -> dict[str, float]:
-    data = DataConfig(store=str(store.path), max_len=args.seq, mask_rate=rate, exact_count=args.exact_count)
+    data = DataConfig(store=str(store.path), max_len=args.seq, mask_rate=rate,
+                      exact_count=args.exact_count)
     source = BatchSource(store, data, tok)
     runners = {name: Runner(name, args, tok, source) for name in ("mlm", "mae_lm")}
     for r in runners.values():  # warm-up step, not timed
@@ -77,13 +80,15 @@ def bench_rate(rate: float, store, tok, args: argparse.Namespace) -> dict[str, f
     for k in range(args.rounds):  # interleaved, so drifts in machine load hit both
         for name, r in runners.items():
             times[name] += r.step_times(1 + k * args.steps, args.steps)
-        print(f"  rate {rate} round {k}: " + "  ".join(f"{n} {t[-1][0]:.2f}s wall {t[-1][1]:.2f}s CPU" for n, t in times.items()), flush=True)
+        print(f"  rate {rate} round {k}: "
+              + "  ".join(f"{n} {t[-1][0]:.2f}s wall {t[-1][1]:.2f}s CPU"
+                          for n, t in times.items()), flush=True)
     wall = {n: statistics.median(w for w, _ in t) for n, t in times.items()}
     cpu = {n: statistics.median(c for _, c in t) for n, t in times.items()}
     mlm, mae = runners["mlm"], runners["mae_lm"]
-    return {"rate": rate, "mlm_s": wall["mlm"], "mae_s": wall["mae_lm"], "mlm_cpu": cpu["mlm"], "mae_cpu": cpu["mae_lm"],
-            "mlm_tokens": statistics.mean(mlm.real), "mae_padded": statistics.mean(mae.padded),
-            "mae_real": statistics.mean(mae.real)}
+    return {"rate": rate, "mlm_s": wall["mlm"], "mae_s": wall["mae_lm"], "mlm_cpu": cpu["mlm"],
+            "mae_cpu": cpu["mae_lm"], "mlm_tokens": statistics.mean(mlm.real),
+            "mae_padded": statistics.mean(mae.padded), "mae_real": statistics.mean(mae.real)}
 
 
 def main() -> None:
@@ -97,7 +102,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per objective per timed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--exact-count", action="store_true", help="data.exact_count: same kept length in every row")
+    ap.add_argument("--exact-count", action="store_true",
+                    help="data.exact_count: same kept length in every row")
     args = ap.parse_args()
     if not CORPUS.is_file():
         sys.exit(f"skipped: {CORPUS} not found")
@@ -105,16 +111,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store, tok = corpus_store(tmp)
         rows = [bench_rate(rate, store, tok, args) for rate in args.rates]
-    print(f"\nencoder: BERT {args.layers} layers d={args.hidden}, MAE decoder {args.decoder_layers} layers, "
-          f"|V|={len(tok)}, batch {args.batch} x {args.seq}, exact_count={args.exact_count}, {args.threads} threads, "
+    print(f"\nencoder: BERT {args.layers} layers d={args.hidden}, "
+          f"MAE decoder {args.decoder_layers} layers, "
+          f"|V|={len(tok)}, batch {args.batch} x {args.seq}, exact_count={args.exact_count}, "
+          f"{args.threads} threads, "
           f"torch {torch.__version__}")
-    print("| mask rate | MLM enc. tokens/step | MAE-LM enc. tokens/step real (padded) | real ratio (1 - rate) "
+    print("| mask rate | MLM enc. tokens/step | MAE-LM enc. tokens/step real (padded) "
+          "| real ratio (1 - rate) "
           "| MLM step s wall / CPU | MAE-LM step s wall / CPU | ratio wall / CPU |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rate']} | {r['mlm_tokens']:,.0f} | {r['mae_real']:,.0f} ({r['mae_padded']:,.0f}) "
-              f"| {r['mae_real'] / r['mlm_tokens']:.3f} ({1 - r['rate']:.2f}) | {r['mlm_s']:.2f} / {r['mlm_cpu']:.2f} "
-              f"| {r['mae_s']:.2f} / {r['mae_cpu']:.2f} | {r['mae_s'] / r['mlm_s']:.2f} / {r['mae_cpu'] / r['mlm_cpu']:.2f} |")
+        print(f"| {r['rate']} | {r['mlm_tokens']:,.0f} "
+              f"| {r['mae_real']:,.0f} ({r['mae_padded']:,.0f}) "
+              f"| {r['mae_real'] / r['mlm_tokens']:.3f} ({1 - r['rate']:.2f}) "
+              f"| {r['mlm_s']:.2f} / {r['mlm_cpu']:.2f} "
+              f"| {r['mae_s']:.2f} / {r['mae_cpu']:.2f} "
+              f"| {r['mae_s'] / r['mlm_s']:.2f} / {r['mae_cpu'] / r['mlm_cpu']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def main() -> None:
         store, tok = corpus_store(tmp)
         source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq), tok)
         ours_model, hf_model = make_model(args, len(tok)), make_model(args, len(tok))
-        time_ours(ours_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)  # warm-up
+        # warm-up
+        time_ours(ours_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)
         time_hf(hf_model, source, tok, argparse.Namespace(**{**vars(args), "steps": 1}), 0)
         ours, hf = [], []
         for r in range(args.rounds):  # interleaved, so drifts in machine load hit both
@@ -93,9 +94,11 @@ def main() -> None:
             hf.append(time_hf(hf_model, source, tok, args, 1 + r * args.steps))
             print(f"round {r}: ours {ours[-1]:,.0f} tok/s   HF {hf[-1]:,.0f} tok/s", flush=True)
     mo, mh = statistics.median(ours), statistics.median(hf)
-    print(f"model: BERT {args.layers} layers, d={args.hidden}, |V|={len(tok)}, batch {args.batch} x {args.seq}, "
+    print(f"model: BERT {args.layers} layers, d={args.hidden}, |V|={len(tok)}, "
+          f"batch {args.batch} x {args.seq}, "
           f"{args.threads} threads, torch {torch.__version__}")
-    print(f"median tokens/s: ours {mo:,.0f}  HF run_mlm-style {mh:,.0f}  ratio {mo / mh:.2f}x (goal >= 1.5x)")
+    print(f"median tokens/s: ours {mo:,.0f}  HF run_mlm-style {mh:,.0f}  "
+          f"ratio {mo / mh:.2f}x (goal >= 1.5x)")
 
 
 if __name__ == "__main__":

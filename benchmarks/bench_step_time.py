@@ -55,7 +55,8 @@ def _setup(tmp: Path, args: argparse.Namespace):
     print(f"dictionary: k=1536 on {args.dict_vectors} vectors in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     build_target_store(store.path, dictionary, teacher, args.seq, tmp / "targets")  # whole codes
-    print(f"target store: {json.loads((tmp / 'targets' / 'meta.json').read_text())['n_chunks']} chunks in {time.perf_counter() - t0:.0f} s")
+    n_chunks = json.loads((tmp / "targets" / "meta.json").read_text())["n_chunks"]
+    print(f"target store: {n_chunks} chunks in {time.perf_counter() - t0:.0f} s")
     return store, teacher_path
 
 
@@ -74,7 +75,8 @@ def _runners(store, teacher_path: Path, tmp: Path, args: argparse.Namespace) -> 
         "MLSM store": {"name": "mlsm", "targets": str(tmp / "targets")},
         "MLSM naive": {"name": "mlsm_naive", **mlsm},
     }
-    shape = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536}
+    shape = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
+             "intermediate_size": 1536}
     out = {}
     for name, spec in specs.items():
         objective = build_objective(spec, ctx)
@@ -120,8 +122,10 @@ def main() -> int:
         tmp = Path(name)
         store, teacher_path = _setup(tmp, args)
         runners = _runners(store, teacher_path, tmp, args)
-        source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq), store.load_tokenizer())
-        batches = [source.batch(np.arange(s * args.batch, (s + 1) * args.batch), s) for s in range(args.rounds + 1)]
+        source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq),
+                             store.load_tokenizer())
+        batches = [source.batch(np.arange(s * args.batch, (s + 1) * args.batch), s)
+                   for s in range(args.rounds + 1)]
         times: dict[str, list[float]] = {n: [] for n in runners}
         for r, batch in enumerate(batches):  # round 0 = warm-up, not recorded
             for n, (objective, student, optimizer) in runners.items():
@@ -152,9 +156,11 @@ def _report(med: dict[str, float], times: dict[str, list[float]], args: argparse
     for label, value, goal in checks:
         print(f"{label}: {value:.2f} (goal {goal})")
     # On a shared machine the paired (same-round) ratios are steadier than ratios of medians.
-    for a, b in (("MLSM online", "MLM"), ("MLSM store", "MLM"), ("MLSM naive", "MLSM online"), ("MLSM naive", "MLSM store")):
+    for a, b in (("MLSM online", "MLM"), ("MLSM store", "MLM"), ("MLSM naive", "MLSM online"),
+                 ("MLSM naive", "MLSM store")):
         paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
-        print(f"paired {a} / {b}: median {statistics.median(paired):.2f} (rounds: {', '.join(f'{r:.2f}' for r in paired)})")
+        rounds = ", ".join(f"{r:.2f}" for r in paired)
+        print(f"paired {a} / {b}: median {statistics.median(paired):.2f} (rounds: {rounds})")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
-_WORDS = ["the", "a", "cat", "dog", "bird", "sees", "chases", "likes", "small", "big", "red", "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but", "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book", "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music", "plays", "loud", "quiet"]
+_WORDS = ["the", "a", "cat", "dog", "bird", "sees", "chases", "likes", "small", "big", "red",
+          "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but",
+          "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book",
+          "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music",
+          "plays", "loud", "quiet"]
 
 
 def make_text(n_docs: int, seed: int = 0, sentences: int = 8) -> list[str]:
     rng = random.Random(seed)
     docs = []
     for _ in range(n_docs):
-        sents = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(sentences)]
+        sents = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(sentences)]
         docs.append(" ".join(sents))
     return docs
 
@@ -49,7 +54,8 @@ def tokenizer_dir(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
-def store_dir(corpus_dir: Path, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def store_dir(corpus_dir: Path, tokenizer_dir: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlsm.data.corpus import prepare_corpus
 
     out = tmp_path_factory.mktemp("stores") / "store"
@@ -76,7 +82,8 @@ def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
     assert not several, f"UserError message is not one line: {several[0]!r}"
 
 
-TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64}
 
 
 def tiny_overrides(store: Path, out: Path, **extra: object) -> list[str]:
@@ -90,7 +97,8 @@ def tiny_overrides(store: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3, arch: str = "bert") -> list[float]:
+def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3,
+                   arch: str = "bert") -> list[float]:
     """Train a tiny student with objective `spec` on one fixed batch; return the loss per step.
 
     Uses the library's own pieces (store, batches, student, objective) and the contract's
@@ -131,13 +139,15 @@ def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     from mlsm.train.loop import pretrain
 
     out = tmp_path_factory.mktemp("teacher") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}))
+    overrides = {"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}
+    cfg = load_config(None, tiny_overrides(store_dir, out, **overrides))
     pretrain(cfg)
     return out / "checkpoints" / "step-0000030"
 
 
 @pytest.fixture(scope="session")
-def dictionary_path(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dictionary_path(store_dir: Path, teacher_dir: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A k=64 dictionary on layer 1 of the tiny teacher."""
     from mlsm.data.corpus import TokenStore
     from mlsm.teacher.dictionary import learn_dictionary
@@ -145,12 +155,14 @@ def dictionary_path(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest
 
     out = tmp_path_factory.mktemp("dict") / "dict.safetensors"
     teacher = load_teacher(str(teacher_dir), layer=1)
-    learn_dictionary(TokenStore.open(store_dir), teacher, k=64, lam=0.05, n_vectors=3000, max_len=32, out=out)
+    learn_dictionary(TokenStore.open(store_dir), teacher, k=64, lam=0.05, n_vectors=3000,
+                     max_len=32, out=out)
     return out
 
 
 @pytest.fixture(scope="session")
-def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Codes of every position, whole (the default: nothing is truncated)."""
     from mlsm.teacher.targets import build_target_store
     from mlsm.teacher.teacher import load_teacher
@@ -172,12 +184,12 @@ def _perturb(folder: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     weights = load_file(folder / "model.safetensors")
-    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}, folder / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6, files: tuple[str, ...] = ("model.safetensors",),
-                 **extra: object) -> None:
+def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
+                 files: tuple[str, ...] = ("model.safetensors",), **extra: object) -> None:
     """Resume must be a resume, not a restart that happens to end in the same place.
 
     1. A run resumed from checkpoint `at` ends bit-identical to the uninterrupted run and its
@@ -194,7 +206,8 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6, files: tup
     from mlsm.config import load_config
     from mlsm.train.loop import pretrain
 
-    cfg = lambda out: load_config(None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))  # noqa: E731
+    cfg = lambda out: load_config(  # noqa: E731
+        None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))
     full = pretrain(cfg(tmp / "full"))
     final = f"checkpoints/step-{steps:07d}"
     part = tmp / "part"
@@ -218,5 +231,7 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6, files: tup
     _perturb(nudged)
     other = pretrain(cfg(tmp / "other"), resume=str(nudged))
     assert [m["step"] for m in read_metrics(other)] == list(range(at + 1, steps + 1))
-    a, b = load_file(full / final / "model.safetensors"), load_file(other / final / "model.safetensors")
-    assert any(not torch.equal(a[k], b[k]) for k in a), "a run resumed from a perturbed checkpoint ended unchanged"
+    a = load_file(full / final / "model.safetensors")
+    b = load_file(other / final / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a), (
+        "a run resumed from a perturbed checkpoint ended unchanged")

@@ -23,13 +23,15 @@ import torch
 from mlsm import cli
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 32}
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "mlsm", *args], cwd=cwd, env=env, input="y\ny\ny\n",
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "mlsm", *args], cwd=cwd, env=env,
+                          input="y\ny\ny\n", capture_output=True, text=True, timeout=300)
 
 
 def assert_one_line(code: int, err: str, *needles: str) -> None:
@@ -89,13 +91,15 @@ def make_evil(folder: Path, marker: Path, where: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, store_dir: Path) -> dict[str, Path]:
+def zoo(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
+        store_dir: Path) -> dict[str, Path]:
     """Model folders, good and hostile, plus inputs for the verbs that read them."""
     root = tmp_path_factory.mktemp("zoo")
     z = {"root": root, "store": store_dir, "marker": root / "MARKER"}
     z["good"] = model_folder(root / "good", tokenizer_dir)
     for where in ("config", "tokenizer"):
-        z[f"evil_{where}"] = make_evil(model_folder(root / f"evil_{where}", tokenizer_dir), z["marker"], where)
+        z[f"evil_{where}"] = make_evil(model_folder(root / f"evil_{where}", tokenizer_dir),
+                                       z["marker"], where)
     z["foreign_type"] = model_folder(root / "foreign_type", tokenizer_dir)
     cfg = json.loads((z["foreign_type"] / "config.json").read_text())
     (z["foreign_type"] / "config.json").write_text(json.dumps({**cfg, "model_type": "evilbert"}))
@@ -109,17 +113,20 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, store_dir
     (root / "text.txt").write_text("the cat sees a dog .\nthe dog sees a cat .\n")
     blimp = root / "blimp"
     blimp.mkdir()
-    (blimp / "toy.jsonl").write_text(json.dumps({"sentence_good": "the cat sees .", "sentence_bad": "the cat see ."}) + "\n")
+    (blimp / "toy.jsonl").write_text(json.dumps({"sentence_good": "the cat sees .",
+                                                 "sentence_bad": "the cat see ."}) + "\n")
     bad_gz = root / "blimp_gz"
     bad_gz.mkdir()
     raw = gzip.compress(b'{"sentence_good": "a b", "sentence_bad": "b a"}\n' * 50)
-    (bad_gz / "toy.jsonl.gz").write_bytes(raw[:12] + b"\xff" * 40 + raw[52:])  # zlib.error: invalid distance code
+    # zlib.error: invalid distance code
+    (bad_gz / "toy.jsonl.gz").write_bytes(raw[:12] + b"\xff" * 40 + raw[52:])
     z["blimp"], z["blimp_gz"] = blimp, bad_gz
     (root / "afile").write_text("precious\n")
     z["afile"] = root / "afile"
     (root / "glue" / "RTE").mkdir(parents=True)
     for split in ("train", "dev"):
-        rows = ["index\tsentence1\tsentence2\tlabel"] + [f"{i}\tthe cat sees .\ta cat .\tentailment" for i in range(4)]
+        rows = ["index\tsentence1\tsentence2\tlabel"]
+        rows += [f"{i}\tthe cat sees .\ta cat .\tentailment" for i in range(4)]
         (root / "glue" / "RTE" / f"{split}.tsv").write_text("\n".join(rows) + "\n")
     z["glue"] = root / "glue"
     return z
@@ -141,27 +148,35 @@ class _Pwn:
 FOREIGN = {  # verb -> command line loading the hostile folder `{m}`
     "prepare --tokenizer": ["prepare", "{text}", "--tokenizer", "{m}", "--out", "{out}"],
     "blimp": ["blimp", "{m}", "--data", "{blimp}", "--out", "{out}"],
-    "pretrain objective.teacher (kd)": ["pretrain", "data.store={store}", "train.out={out}", "train.steps=2",
+    "pretrain objective.teacher (kd)": ["pretrain", "data.store={store}", "train.out={out}",
+                                        "train.steps=2",
                                         "objective.name=kd", "objective.teacher={m}"],
-    "pretrain model.init_from": ["pretrain", "data.store={store}", "train.out={out}", "train.steps=2", "model.init_from={m}"],
-    "pretrain model.config": ["pretrain", "data.store={store}", "train.out={out}", "train.steps=2", "model.config={m}"],
-    "dictionary --teacher": ["dictionary", "--store", "{store}", "--teacher", "{m}", "--out", "{out}/d.safetensors"],
-    "targets --teacher": ["targets", "--store", "{store}", "--dictionary", "{m}/nosuch", "--teacher", "{m}", "--out", "{out}"],
+    "pretrain model.init_from": ["pretrain", "data.store={store}", "train.out={out}",
+                                 "train.steps=2", "model.init_from={m}"],
+    "pretrain model.config": ["pretrain", "data.store={store}", "train.out={out}", "train.steps=2",
+                              "model.config={m}"],
+    "dictionary --teacher": ["dictionary", "--store", "{store}", "--teacher", "{m}", "--out",
+                             "{out}/d.safetensors"],
+    "targets --teacher": ["targets", "--store", "{store}", "--dictionary", "{m}/nosuch",
+                          "--teacher", "{m}", "--out", "{out}"],
     "rank": ["rank", "{m}", "--text", "{text}", "--out", "{out}"],
     "flops --teacher": ["flops", "--teacher", "{m}"],
-    "finetune": ["finetune", "{m}", "--tasks", "rte", "--data-dir", "{glue}", "--results", "{out}/r.jsonl"],
+    "finetune": ["finetune", "{m}", "--tasks", "rte", "--data-dir", "{glue}", "--results",
+                 "{out}/r.jsonl"],
 }
-FOREIGN_SUBPROCESS = [("prepare --tokenizer", "tokenizer"), ("blimp", "config"), ("pretrain objective.teacher (kd)", "config")]
+FOREIGN_SUBPROCESS = [("prepare --tokenizer", "tokenizer"), ("blimp", "config"),
+                      ("pretrain objective.teacher (kd)", "config")]
 
 
 def _foreign_args(zoo: dict, case: str, m: Path, out: Path) -> list[str]:
-    return [a.format(m=m, text=zoo["root"] / "text.txt", out=out, blimp=zoo["blimp"], store=zoo["store"],
-                     glue=zoo["glue"]) for a in FOREIGN[case]]
+    return [a.format(m=m, text=zoo["root"] / "text.txt", out=out, blimp=zoo["blimp"],
+                     store=zoo["store"], glue=zoo["glue"]) for a in FOREIGN[case]]
 
 
 @pytest.mark.parametrize("case, where", FOREIGN_SUBPROCESS)
 def test_foreign_code_never_runs_cli(zoo, tmp_path, case, where):
-    """The real CLI, "y" on stdin: refused in one line, no prompt, the folder's Python never runs."""
+    """The real CLI, "y" on stdin: refused in one line, no prompt, the folder's Python never
+    runs."""
     proc = run_cli(_foreign_args(zoo, case, zoo[f"evil_{where}"], tmp_path / "out"), tmp_path)
     assert_one_line(proc.returncode, proc.stderr, "auto_map")
     assert not zoo["marker"].exists(), "the folder's Python ran"
@@ -171,11 +186,13 @@ def test_foreign_code_never_runs_cli(zoo, tmp_path, case, where):
 @pytest.mark.parametrize("where", ["config", "tokenizer"])
 @pytest.mark.parametrize("case", list(FOREIGN))
 def test_foreign_code_never_runs_any_verb(zoo, tmp_path, case, where, capsys, monkeypatch):
-    """Every verb that reads a model folder, in process (same code path, no interpreter start-up)."""
+    """Every verb that reads a model folder, in process (same code path, no interpreter
+    start-up)."""
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))
     (tmp_path / "out").mkdir()
     code, err = main_err(capsys, _foreign_args(zoo, case, zoo[f"evil_{where}"], tmp_path / "out"))
-    if case == "targets --teacher":  # the dictionary is read first: refused for lack of it, before the teacher
+    # the dictionary is read first: refused for lack of it, before the teacher
+    if case == "targets --teacher":
         assert code == 2 and "Traceback" not in err, err
     else:
         assert_one_line(code, err, "auto_map")
@@ -210,8 +227,10 @@ def _loaders(good: Path) -> dict:
         "pll.load_masked_lm": lambda p: load_masked_lm(str(p)),
         "probe.load_scorer": load_scorer,
         "rank.load_encoder": lambda p: load_encoder(str(p)),
-        "backbone.build_student(init_from)": lambda p: build_student(ModelConfig(init_from=str(p)), tok, 16, 0),
-        "backbone model.config": lambda p: _from_scratch_config(ModelConfig(config=str(p)), tok, 16),
+        "backbone.build_student(init_from)":
+            lambda p: build_student(ModelConfig(init_from=str(p)), tok, 16, 0),
+        "backbone model.config":
+            lambda p: _from_scratch_config(ModelConfig(config=str(p)), tok, 16),
         "kd.has_mlm_head": lambda p: has_mlm_head(str(p)),
         "mlsm_naive.load_full_teacher": lambda p: load_full_teacher(str(p)),
         "teacher.load_teacher": lambda p: load_teacher(p, 1),
@@ -221,13 +240,15 @@ def _loaders(good: Path) -> dict:
     }
 
 
-LOADERS = ["corpus.load_tokenizer", "finetune.load_tokenizer", "finetune._load_backbone", "flops.teacher_shape_config",
-           "pll.load_masked_lm", "probe.load_scorer", "rank.load_encoder", "backbone.build_student(init_from)",
-           "backbone model.config", "kd.has_mlm_head", "mlsm_naive.load_full_teacher", "teacher.load_teacher",
+LOADERS = ["corpus.load_tokenizer", "finetune.load_tokenizer", "finetune._load_backbone",
+           "flops.teacher_shape_config", "pll.load_masked_lm", "probe.load_scorer",
+           "rank.load_encoder", "backbone.build_student(init_from)", "backbone model.config",
+           "kd.has_mlm_head", "mlsm_naive.load_full_teacher", "teacher.load_teacher",
            "hf.load_config", "hf.load_tokenizer", "hf.load_model"]
-# loaders that read only config.json / the tokenizer: a folder with bad or no weights is fine for them
-CONFIG_ONLY = {"corpus.load_tokenizer", "finetune.load_tokenizer", "flops.teacher_shape_config", "backbone model.config",
-               "kd.has_mlm_head", "hf.load_config", "hf.load_tokenizer"}
+# loaders that read only config.json / the tokenizer: a folder with bad or no weights is fine
+# for them
+CONFIG_ONLY = {"corpus.load_tokenizer", "finetune.load_tokenizer", "flops.teacher_shape_config",
+               "backbone model.config", "kd.has_mlm_head", "hf.load_config", "hf.load_tokenizer"}
 HOSTILE = {"evil_config": "auto_map", "evil_tokenizer": "auto_map", "foreign_type": "evilbert",
            "torn": "config.json", "no_weights": "no weights", "pickle": "not a safe checkpoint"}
 
@@ -267,8 +288,8 @@ def _unsafe_calls(tree: ast.AST) -> list[ast.Call]:
             continue
         name, owner = node.func.attr, node.func.value
         owner_name = owner.id if isinstance(owner, ast.Name) else ""
-        safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                   for k in node.keywords)
+        safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant)
+                   and k.value.value is True for k in node.keywords)
         if name == "from_pretrained" or (owner_name == "torch" and name == "load" and not safe) or \
                 (owner_name == "pickle" and name in ("load", "loads")):
             found.append(node)
@@ -282,21 +303,25 @@ def test_no_from_pretrained_outside_the_one_door():
     for path in SRC.rglob("*.py"):
         if path.name == "hf.py":
             continue
-        offenders += [f"{path.relative_to(SRC)}:{c.lineno}" for c in _unsafe_calls(ast.parse(path.read_text()))]
+        calls = _unsafe_calls(ast.parse(path.read_text()))
+        offenders += [f"{path.relative_to(SRC)}:{c.lineno}" for c in calls]
     assert not offenders, offenders
     # the scan itself sees a call, and not a string
-    assert len(_unsafe_calls(ast.parse("AutoModel.from_pretrained(p)\ntorch.load(f)\nx = 'm.from_pretrained(p)'"))) == 2
+    tree = ast.parse("AutoModel.from_pretrained(p)\ntorch.load(f)\nx = 'm.from_pretrained(p)'")
+    assert len(_unsafe_calls(tree)) == 2
 
 
 def test_unsafe_checkpoint_cli(zoo, tmp_path):
-    proc = run_cli(["blimp", str(zoo["pickle"]), "--data", str(zoo["blimp"]), "--out", str(tmp_path / "o")], tmp_path)
+    proc = run_cli(["blimp", str(zoo["pickle"]), "--data", str(zoo["blimp"]), "--out",
+                    str(tmp_path / "o")], tmp_path)
     assert_one_line(proc.returncode, proc.stderr, "not a safe checkpoint")
     assert "weights_only=False" not in proc.stderr
     assert not zoo["marker"].exists()
 
 
 @pytest.mark.parametrize("folder, needle", [("no_weights", "no weights"), ("torn", "config.json"),
-                                            ("foreign_type", "evilbert"), ("pickle", "not a safe checkpoint")])
+                                            ("foreign_type", "evilbert"),
+                                            ("pickle", "not a safe checkpoint")])
 def test_broken_model_folder_is_one_line(zoo, tmp_path, folder, needle, capsys):
     code, err = main_err(capsys, ["rank", str(zoo[folder]), "--text", str(zoo["root"] / "text.txt"),
                                   "--out", str(tmp_path / "o")])
@@ -309,28 +334,38 @@ def test_broken_model_folder_is_one_line(zoo, tmp_path, folder, needle, capsys):
 ARG_CASES = {
     "finetune --lrs abc": (["finetune", "m", "--tasks", "rte", "--lrs", "abc"], "--lrs"),
     "finetune --lrs empty": (["finetune", "m", "--tasks", "rte", "--lrs", ","], "--lrs"),
-    "finetune --lrs negative": (["finetune", "m", "--tasks", "rte", "--lrs", "1e-5,-2e-5"], "--lrs"),
+    "finetune --lrs negative": (["finetune", "m", "--tasks", "rte", "--lrs", "1e-5,-2e-5"],
+                                "--lrs"),
     "finetune --epochs 0": (["finetune", "m", "--tasks", "rte", "--epochs", "0"], "--epochs"),
-    "finetune --max-train-examples 0": (["finetune", "m", "--tasks", "rte", "--max-train-examples", "0"], "--max-train-examples"),
-    "finetune --batch-size 0": (["finetune", "m", "--tasks", "rte", "--batch-size", "0"], "--batch-size"),
+    "finetune --max-train-examples 0": (["finetune", "m", "--tasks", "rte", "--max-train-examples",
+                                         "0"], "--max-train-examples"),
+    "finetune --batch-size 0": (["finetune", "m", "--tasks", "rte", "--batch-size", "0"],
+                                "--batch-size"),
     "finetune --seeds 0": (["finetune", "m", "--tasks", "rte", "--seeds", "0"], "--seeds"),
-    "finetune --warmup-ratio 2": (["finetune", "m", "--tasks", "rte", "--warmup-ratio", "2"], "--warmup-ratio"),
+    "finetune --warmup-ratio 2": (["finetune", "m", "--tasks", "rte", "--warmup-ratio", "2"],
+                                  "--warmup-ratio"),
     "finetune --device gpu": (["finetune", "m", "--tasks", "rte", "--device", "gpu"], "--device"),
-    "finetune --results DIR": (["finetune", "m", "--tasks", "rte", "--results", "{dir}"], "--results"),
+    "finetune --results DIR": (["finetune", "m", "--tasks", "rte", "--results", "{dir}"],
+                               "--results"),
     "finetune --report-to unknown": (
         ["finetune", "m", "--tasks", "rte", "--report-to", "neptune"], "--report-to"),
-    "dictionary --batch-size 0": (["dictionary", "--store", "s", "--out", "d", "--batch-size", "0"], "--batch-size"),
+    "dictionary --batch-size 0": (["dictionary", "--store", "s", "--out", "d", "--batch-size", "0"],
+                                  "--batch-size"),
     "dictionary --k -3": (["dictionary", "--store", "s", "--out", "d", "--k", "-3"], "--k"),
     "dictionary --lam nan": (["dictionary", "--store", "s", "--out", "d", "--lam", "nan"], "--lam"),
     "dictionary --out DIR": (["dictionary", "--store", "s", "--out", "{dir}"], "--out"),
     "prepare --out FILE": (["prepare", "x.txt", "--tokenizer", "t", "--out", "{file}"], "--out"),
-    "train-tokenizer --vocab-size 0": (["train-tokenizer", "x.txt", "--out", "t", "--vocab-size", "0"], "--vocab-size"),
+    "train-tokenizer --vocab-size 0": (["train-tokenizer", "x.txt", "--out", "t", "--vocab-size",
+                                        "0"], "--vocab-size"),
     "blimp --out FILE": (["blimp", "m", "--out", "{file}"], "--out"),
     "blimp --limit 0": (["blimp", "m", "--out", "o", "--limit", "0"], "--limit"),
     "rank --tau 0": (["rank", "m", "--text", "t", "--out", "o", "--tau", "0"], "--tau"),
-    "rank --mask-rate 1": (["rank", "m", "--text", "t", "--out", "o", "--mask-rate", "1"], "--mask-rate"),
-    "targets --nnz 0": (["targets", "--store", "s", "--dictionary", "d", "--out", "o", "--nnz", "0"], "--nnz"),
-    "targets --out FILE": (["targets", "--store", "s", "--dictionary", "d", "--out", "{file}"], "--out"),
+    "rank --mask-rate 1": (["rank", "m", "--text", "t", "--out", "o", "--mask-rate", "1"],
+                           "--mask-rate"),
+    "targets --nnz 0": (["targets", "--store", "s", "--dictionary", "d", "--out", "o", "--nnz",
+                         "0"], "--nnz"),
+    "targets --out FILE": (["targets", "--store", "s", "--dictionary", "d", "--out", "{file}"],
+                           "--out"),
     "compare --out FILE": (["compare", "r.jsonl", "--out", "{file}"], "--out"),
     "report --out FILE": (["report", "r.jsonl", "--out", "{file}"], "--out"),
     "demo --steps 0": (["demo", "--steps", "0"], "--steps"),
@@ -374,7 +409,8 @@ CONFIG_CASES = {  # overrides (or YAML text under "yaml") -> a phrase of the mes
     "train.steps negative": (["train.steps=-5"], "train.steps must be positive"),
     "train.batch_size=0": (["train.batch_size=0"], "train.batch_size"),
     "micro batch > batch": (["train.batch_size=4", "train.micro_batch_size=8"], "micro_batch_size"),
-    "heads do not divide hidden": (["model.overrides.hidden_size=100", "model.overrides.num_attention_heads=3"], "divisible"),
+    "heads do not divide hidden": (["model.overrides.hidden_size=100",
+                                    "model.overrides.num_attention_heads=3"], "divisible"),
     "hidden_size=0": (["model.overrides.hidden_size=0"], "hidden_size"),
     "train.out is a file": (["train.out={file}"], "train.out"),
     "optim.lr negative": (["optim.lr=-1e-4"], "optim.lr"),
@@ -386,8 +422,10 @@ CONFIG_CASES = {  # overrides (or YAML text under "yaml") -> a phrase of the mes
     "train.report_to unknown": (["train.report_to=[neptune]"], "train.report_to"),
     "train.peak_flops negative": (["train.peak_flops=-1"], "train.peak_flops"),
     "objective.name unknown": (["objective.name=nosuch"], "objective.name"),
-    "objective unknown key": (["objective.name=kd", "objective.temprature=2"], "objective.temprature"),
-    "objective option range": (["objective.name=kd", "objective.temperature=0"], "objective.temperature"),
+    "objective unknown key": (["objective.name=kd", "objective.temprature=2"],
+                              "objective.temprature"),
+    "objective option range": (["objective.name=kd", "objective.temperature=0"],
+                               "objective.temperature"),
     "override not key=value": (["steps"], "group.key=value"),
     "override conflicts": (["train.steps=5", "train.steps.x=1"], "conflicts"),
     "override value not YAML": (["optim.lr=:"], "not valid YAML"),
@@ -396,7 +434,8 @@ CONFIG_CASES = {  # overrides (or YAML text under "yaml") -> a phrase of the mes
 
 
 @pytest.mark.parametrize("case, verb", [(c, "pretrain") for c in CONFIG_CASES] + [
-    (c, "flops") for c in ("YAML syntax error", "scalar for a group", "train.steps=0", "unknown key")])
+    (c, "flops")
+    for c in ("YAML syntax error", "scalar for a group", "train.steps=0", "unknown key")])
 def test_bad_config_is_one_line(case, verb, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec, needle = CONFIG_CASES[case]
@@ -428,7 +467,8 @@ def test_yaml_error_names_file_and_line(capsys, tmp_path):
 
 
 def _rows(values: dict[tuple[str, int], object]) -> str:
-    return "".join(json.dumps({"model": m, "task": "rte", "metric": "accuracy", "seed": s, "lr": 2e-5, "epochs": 3,
+    return "".join(json.dumps({"model": m, "task": "rte", "metric": "accuracy", "seed": s,
+                               "lr": 2e-5, "epochs": 3,
                                "batch_size": 32, "max_len": 128, "n_train": 100, "value": v}) + "\n"
                    for (m, s), v in values.items())
 
@@ -454,15 +494,19 @@ def test_compare_skips_non_numeric_values_and_warns_once(capsys, tmp_path):
 def test_results_not_utf8_names_file_and_line(capsys, tmp_path):
     results = tmp_path / "r.jsonl"
     results.write_bytes(_rows({("a", 0): 0.7}).encode() + b'{"model": "\xff\xfe"}\n')
-    for verb in (["compare", str(results)], ["report", str(results), "--out", str(tmp_path / "rep")]):
+    for verb in (["compare", str(results)],
+                 ["report", str(results), "--out", str(tmp_path / "rep")]):
         code, err = main_err(capsys, verb)
         assert_one_line(code, err, f"{results}:2")
 
 
 def test_report_unknown_baseline_lists_models(capsys, tmp_path):
     results = tmp_path / "r.jsonl"
-    results.write_text(_rows({("mlm", 0): 0.7, ("mlsm", 0): 0.8, ("mlm", 1): 0.6, ("mlsm", 1): 0.9}))
-    code, err = main_err(capsys, ["report", str(results), "--out", str(tmp_path / "rep"), "--baseline", "NOSUCH"])
+    results.write_text(_rows({("mlm", 0): 0.7, ("mlsm", 0): 0.8, ("mlm", 1): 0.6,
+                              ("mlsm", 1): 0.9}))
+    code, err = main_err(capsys,
+                         ["report", str(results), "--out", str(tmp_path / "rep"), "--baseline",
+                          "NOSUCH"])
     assert_one_line(code, err, "NOSUCH", "mlm, mlsm")
     assert not (tmp_path / "rep").exists()
 
@@ -473,32 +517,38 @@ def test_report_unknown_baseline_lists_models(capsys, tmp_path):
 def test_dictionary_more_atoms_than_vectors(zoo, tmp_path, capsys):
     teacher = model_folder(tmp_path / "teacher", zoo["store"] / "tokenizer", mlm=False)
     out = tmp_path / "d.safetensors"
-    code, err = main_err(capsys, ["dictionary", "--store", str(zoo["store"]), "--teacher", str(teacher), "--layer", "1",
+    code, err = main_err(capsys,
+                         ["dictionary", "--store", str(zoo["store"]), "--teacher", str(teacher),
+                          "--layer", "1",
                                   "--k", "64", "--n-vectors", "3", "--out", str(out)])
     assert_one_line(code, err, "--n-vectors 3", "64 atoms")
     assert not out.exists()
 
 
 def test_blimp_corrupt_gz_names_the_file(zoo, tmp_path, capsys):
-    code, err = main_err(capsys, ["blimp", str(zoo["good"]), "--data", str(zoo["blimp_gz"]), "--out", str(tmp_path / "o")])
+    code, err = main_err(capsys,
+                         ["blimp", str(zoo["good"]), "--data", str(zoo["blimp_gz"]), "--out",
+                          str(tmp_path / "o")])
     assert_one_line(code, err, "toy.jsonl.gz")
 
 
 def test_blimp_out_file_refused_before_loading(zoo, tmp_path):
     (tmp_path / "afile").write_text("precious\n")
-    proc = run_cli(["blimp", str(zoo["good"]), "--data", str(zoo["blimp"]), "--out", str(tmp_path / "afile")], tmp_path)
+    proc = run_cli(["blimp", str(zoo["good"]), "--data", str(zoo["blimp"]), "--out",
+                    str(tmp_path / "afile")], tmp_path)
     assert_one_line(proc.returncode, proc.stderr, "--out")
     assert (tmp_path / "afile").read_text() == "precious\n"
 
 
 def test_bad_arguments_cli(tmp_path):
     """The real CLI: argument errors are one line before anything heavy is imported."""
-    for args, needle in (ARG_CASES["finetune --lrs abc"], ARG_CASES["finetune --epochs 0"], ARG_CASES["unknown flag"]):
+    for args, needle in (ARG_CASES["finetune --lrs abc"], ARG_CASES["finetune --epochs 0"],
+                         ARG_CASES["unknown flag"]):
         proc = run_cli(args, tmp_path)
         assert_one_line(proc.returncode, proc.stderr, needle)
 
 
-# --------------------------------------------------------------------------- overrides anywhere, bugs stay loud
+# ------------------------------------------------------------- overrides anywhere, bugs stay loud
 
 
 @pytest.mark.parametrize("argv", [

@@ -42,7 +42,8 @@ RUN = {"train.steps": 3, "train.save_every": 1, "train.readiness": "[1.0]", "tra
 def _tree(path: Path) -> dict[str, str]:
     """sha256 of every file under `path` (or of `path` itself), hidden files included."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
 
 
 def _one_line_error(rc: int, err: str) -> str:
@@ -78,9 +79,11 @@ def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
 
 
 @pytest.fixture(scope="module")
-def targets_cmd(store_dir: Path, teacher_dir: Path, dictionary_path: Path) -> Callable[[Path], list[str]]:
+def targets_cmd(store_dir: Path, teacher_dir: Path,
+                dictionary_path: Path) -> Callable[[Path], list[str]]:
     def cmd(out: Path) -> list[str]:
-        return ["targets", "--store", str(store_dir), "--dictionary", str(dictionary_path), "--teacher", str(teacher_dir),
+        return ["targets", "--store", str(store_dir), "--dictionary", str(dictionary_path),
+                "--teacher", str(teacher_dir),
                 "--layer", "1", "--max-len", "32", "--batch-size", "16", "--out", str(out)]
     return cmd
 
@@ -109,8 +112,10 @@ def _corpus_copy(tmp: Path, fx: dict) -> Path:
     return Path(shutil.copytree(fx["corpus_dir"], tmp / "corpus"))
 
 
-def _prepare(fx: dict, *sources: object, out: Path, extra: tuple[str, ...] = ("--overwrite",)) -> list[str]:
-    return ["prepare", *map(str, sources), "--tokenizer", str(fx["tokenizer_dir"]), "--out", str(out), *extra]
+def _prepare(fx: dict, *sources: object, out: Path,
+             extra: tuple[str, ...] = ("--overwrite",)) -> list[str]:
+    return ["prepare", *map(str, sources), "--tokenizer", str(fx["tokenizer_dir"]), "--out",
+            str(out), *extra]
 
 
 def _store_copy(tmp: Path, fx: dict, damage: Callable[[Path], None]) -> Path:
@@ -146,13 +151,15 @@ def _evil_state(run: Path) -> Path:
         def __reduce__(self):  # what a malicious pickle does on load: call anything
             return (Path.touch, (marker,))
 
-    torch.save({"step": 3, "optimizer": Evil()}, run / "checkpoints" / "step-0000003" / "training_state.pt")
+    torch.save({"step": 3, "optimizer": Evil()},
+               run / "checkpoints" / "step-0000003" / "training_state.pt")
     return marker
 
 
 def _case_prepare_overwrite_user_folder(tmp, fx):
     folder = _user_folder(tmp)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder], "not a token store", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder], "not a token store",
+            "--overwrite")
 
 
 def _case_prepare_out_is_source_dir(tmp, fx):
@@ -178,7 +185,8 @@ def _case_prepare_out_holds_source_dir(tmp, fx):
 def _case_prepare_out_is_a_file(tmp, fx):
     path = tmp / "store"
     path.write_text("precious\n")
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=path), [path], "existing file", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=path), [path], "existing file",
+            "--overwrite")
 
 
 def _case_prepare_store_with_user_files(tmp, fx):
@@ -190,23 +198,27 @@ def _case_prepare_foreign_meta(tmp, fx):
     folder = tmp / "other"
     folder.mkdir()
     (folder / "meta.json").write_text(json.dumps({"format": "someone-else"}))
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder], "not an mlsm token store", "--overwrite"
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=folder), [folder],
+            "not an mlsm token store", "--overwrite")
 
 
 def _case_prepare_other_inputs_no_overwrite(tmp, fx):
     store = _store_copy(tmp, fx, lambda s: None)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store], "--overwrite", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store], "--overwrite",
+            None)
 
 
 def _case_prepare_torn_store_no_overwrite(tmp, fx):
     store = _store_copy(tmp, fx, lambda s: (s / "meta.json").write_text('{"format": "mlsm-tok'))
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store], "meta.json is unreadable", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=store, extra=()), [store],
+            "meta.json is unreadable", None)
 
 
 def _case_prepare_locked(tmp, fx):
     out = tmp / "store"
     fx["hold"](out)
-    return _prepare(fx, fx["corpus_dir"] / "a.txt", out=out, extra=()), [], "in use by another mlsm process", None
+    return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=out, extra=()), [],
+            "in use by another mlsm process", None)
 
 
 def _case_source_corrupt_gz(tmp, fx):
@@ -260,19 +272,22 @@ def _case_store_offsets_inconsistent(tmp, fx):
 
 def _case_run_out_holds_user_files(tmp, fx):
     folder = _user_folder(tmp)
-    return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], folder)], [folder], "not an mlsm run", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], folder)], [folder],
+            "not an mlsm run", None)
 
 
 def _case_probe_out_user_folder(tmp, fx):
     folder = _user_folder(tmp)
-    args = ["probe", str(fx["base_run"] / "checkpoints" / "step-0000003"), "--out", str(folder), "--resume"]
+    args = ["probe", str(fx["base_run"] / "checkpoints" / "step-0000003"), "--out", str(folder),
+            "--resume"]
     return args, [folder, fx["base_run"]], "not an mlsm run", None
 
 
 def _case_probe_torn_checkpoint_json(tmp, fx):
     run = _run_copy(tmp, fx)
     _truncate(run / "checkpoints" / "step-0000003" / "checkpoint.json")
-    return ["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn", None
+    return (["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn",
+            None)
 
 
 def _case_probe_corrupt_heads(tmp, fx):
@@ -284,7 +299,8 @@ def _case_probe_corrupt_heads(tmp, fx):
 
 
 def _case_run_out_is_root(tmp, fx):
-    return ["pretrain", *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder", None
+    return (["pretrain", *_run_args(fx["store_dir"], Path("/"))], [], "cannot be an output folder",
+            None)
 
 
 def _case_run_out_is_a_file(tmp, fx):
@@ -296,38 +312,45 @@ def _case_run_out_is_a_file(tmp, fx):
 def _case_run_killed_before_first_log(tmp, fx):
     run = _run_copy(tmp, fx)
     (run / "metrics.jsonl").unlink()  # checkpoints, config.yaml and run.json still count
-    return ["pretrain", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run], "already holds a run", None
+    return (["pretrain", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run],
+            "already holds a run", None)
 
 
 def _case_resume_other_seed(tmp, fx):
     run = _run_copy(tmp, fx)
-    return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run], "train.seed", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"train.seed": 7})],
+            [run], "train.seed", None)
 
 
 def _case_resume_no_checkpoint_other_config(tmp, fx):
     run = _run_copy(tmp, fx)
     shutil.rmtree(run / "checkpoints")  # only config.yaml tells what the run was
-    return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"optim.lr": 0.5})], [run], "optim.lr", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"optim.lr": 0.5})],
+            [run], "optim.lr", None)
 
 
 def _case_resume_changed_model_size(tmp, fx):
     run = _run_copy(tmp, fx)
-    bigger = "{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64}"
-    args = ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"model.overrides": bigger})]
+    bigger = ("{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
+              "intermediate_size: 64}")
+    args = ["pretrain", "--resume", "auto",
+            *_run_args(fx["store_dir"], run, **{"model.overrides": bigger})]
     return args, [run], "model.overrides", None
 
 
 def _case_resume_unsafe_training_state(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["marker"] = _evil_state(run)
-    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"), *_run_args(fx["store_dir"], run)]
+    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"),
+            *_run_args(fx["store_dir"], run)]
     return args, [run], "not a safe checkpoint", "weights_only"
 
 
 def _case_resume_named_torn_checkpoint(tmp, fx):
     run = _run_copy(tmp, fx)
     _truncate(run / "checkpoints" / "step-0000003" / "model.safetensors")
-    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"), *_run_args(fx["store_dir"], run)]
+    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"),
+            *_run_args(fx["store_dir"], run)]
     return args, [run], "is damaged (model.safetensors is truncated", None
 
 
@@ -335,13 +358,15 @@ def _case_resume_all_checkpoints_torn(tmp, fx):
     run = _run_copy(tmp, fx)
     for _, folder in ckpt.list_checkpoints(run):
         _truncate(folder / "training_state.pt")
-    return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run], "no intact checkpoint", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+            "no intact checkpoint", None)
 
 
 def _case_run_locked(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["hold"](run)
-    return ["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run], "in use by another mlsm process", None
+    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+            "in use by another mlsm process", None)
 
 
 def _case_targets_out_user_folder(tmp, fx):
@@ -363,26 +388,30 @@ def _case_targets_locked(tmp, fx):
 def _case_targets_damaged_in_training(tmp, fx):
     tgt = Path(shutil.copytree(fx["fresh_targets"], tmp / "t"))
     _truncate(tgt / "values.bin")
-    args = ["pretrain", *_run_args(fx["store_dir"], tmp / "run", **{"objective.name": "mlsm", "objective.targets": str(tgt)})]
+    args = ["pretrain",
+            *_run_args(fx["store_dir"], tmp / "run",
+                       **{"objective.name": "mlsm", "objective.targets": str(tgt)})]
     return args, [tgt], "is damaged", None
 
 
 def _case_dictionary_out_foreign_safetensors(tmp, fx):
     path = tmp / "model.safetensors"
     save_file({"weight": torch.ones(3)}, path)
-    args = ["dictionary", "--store", str(fx["store_dir"]), "--teacher", str(fx["teacher_dir"]), "--layer", "1",
-            "--k", "16", "--n-vectors", "50", "--max-len", "32", "--out", str(path)]
+    args = ["dictionary", "--store", str(fx["store_dir"]), "--teacher", str(fx["teacher_dir"]),
+            "--layer", "1", "--k", "16", "--n-vectors", "50", "--max-len", "32", "--out", str(path)]
     return args, [path], "not an mlsm dictionary", None
 
 
 def _case_dictionary_out_foreign_json(tmp, fx):
     (tmp / "d.json").write_text('{"my": "settings"}\n')
-    args = ["dictionary", "--store", str(fx["store_dir"]), "--teacher", str(fx["teacher_dir"]), "--layer", "1",
+    args = ["dictionary", "--store", str(fx["store_dir"]), "--teacher", str(fx["teacher_dir"]),
+            "--layer", "1",
             "--k", "16", "--n-vectors", "50", "--max-len", "32", "--out", str(tmp / "d")]
     return args, [tmp / "d.json"], "not an mlsm dictionary", None
 
 
-CASES = {name[len("_case_"):]: fn for name, fn in sorted(globals().items()) if name.startswith("_case_")}
+CASES = {name[len("_case_"):]: fn
+         for name, fn in sorted(globals().items()) if name.startswith("_case_")}
 
 
 class _Fixtures(dict):
@@ -421,7 +450,8 @@ def test_case_count() -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_and_nothing_is_lost(name: str, fx: dict, tmp_path: Path, capsys) -> None:
+def test_bad_input_is_one_line_and_nothing_is_lost(name: str, fx: dict, tmp_path: Path,
+                                                   capsys) -> None:
     args, protect, needle, forbidden = CASES[name](tmp_path, fx)
     before = {str(p): _tree(p) for p in protect}
     capsys.readouterr()
@@ -430,14 +460,16 @@ def test_bad_input_is_one_line_and_nothing_is_lost(name: str, fx: dict, tmp_path
     assert forbidden is None or forbidden not in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"
     assert "marker" not in fx or not fx["marker"].exists(), "foreign code ran"
-    leftovers = [p.name for p in tmp_path.rglob("*") if ".partial-" in p.name or p.name.endswith(".lock")]
+    leftovers = [p.name for p in tmp_path.rglob("*")
+                 if ".partial-" in p.name or p.name.endswith(".lock")]
     assert leftovers == [] or name.endswith("locked"), leftovers
 
 
 # --------------------------------------------------------------------------- real processes
 
 
-def test_prepare_overwrite_replaces_a_torn_store(corpus_dir: Path, tokenizer_dir: Path, store_dir: Path, tmp_path: Path, capsys) -> None:
+def test_prepare_overwrite_replaces_a_torn_store(corpus_dir: Path, tokenizer_dir: Path,
+                                                 store_dir: Path, tmp_path: Path, capsys) -> None:
     store = Path(shutil.copytree(store_dir, tmp_path / "store"))
     (store / "meta.json").write_text("{")
     assert main(_prepare({"tokenizer_dir": tokenizer_dir}, corpus_dir / "a.txt", out=store)) == 0
@@ -447,16 +479,20 @@ def test_prepare_overwrite_replaces_a_torn_store(corpus_dir: Path, tokenizer_dir
 
 def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
-    args = _run_args(store_dir, run, **{"train.steps": 2000, "train.save_every": 0, "train.log_every": 1})
-    first = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = _run_args(store_dir, run,
+                     **{"train.steps": 2000, "train.save_every": 0, "train.log_every": 1})
+    first = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = time.time()
     while not locking.is_locked(run) and first.poll() is None and time.time() - start < 120:
         time.sleep(0.02)  # is_locked reads /proc/locks: looking never takes the lock
     assert locking.is_locked(run), "the first run holds its lock from its start"
     capsys.readouterr()
-    line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)  # a second one
+    # a second one
+    line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)
     assert "in use by another mlsm process" in line
-    while not (run / "metrics.jsonl").exists() and first.poll() is None and time.time() - start < 120:
+    while (not (run / "metrics.jsonl").exists() and first.poll() is None
+           and time.time() - start < 120):
         time.sleep(0.02)
     first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
@@ -514,22 +550,26 @@ def test_second_ctrl_c_aborts_at_once() -> None:
     assert proc.returncode == 0 and proc.stdout == "aborted\n", proc.stderr
 
 
-def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Path, tmp_path: Path) -> None:
+def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Path,
+                                                                  tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = _run_args(store_dir, run, **{"train.log_every": 1})
     # SIGKILL this process once the first checkpoint is written but not yet renamed into place
     kill = ("import os, signal, sys; from mlsm import fileio as c; "
             "c.replace_dir = lambda tmp, target: os.kill(os.getpid(), signal.SIGKILL); "
             "from mlsm.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", kill, "pretrain", *args], env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", kill, "pretrain", *args], env=ENV,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert ckpt.list_checkpoints(run) == []
     assert main(["pretrain", "--resume", "auto", *args]) == 0
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
-def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, store_dir: Path, tmp_path: Path, capsys) -> None:
+def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, store_dir: Path,
+                                                                tmp_path: Path, capsys) -> None:
     run = Path(shutil.copytree(base_run, tmp_path / "run"))
     final = run / "checkpoints" / "step-0000003"
     reference = _tree(final / "model.safetensors")
@@ -537,15 +577,20 @@ def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, 
     capsys.readouterr()
     assert main(["pretrain", "--resume", "auto", *_run_args(store_dir, run)]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mlsm")]
-    assert len(err) == 1 and "resuming from step-0000002" in err[0] and "step-0000003" in err[0], err
+    assert (len(err) == 1 and "resuming from step-0000002" in err[0]
+            and "step-0000003" in err[0]), err
     assert _tree(final / "model.safetensors") == reference  # step 3 redone bit-identically
-    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
-@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
-                                   SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
-                                   OSError(28, "No space left on device")])
-def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Exception, store_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
+    SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+    OSError(28, "No space left on device")])
+def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Exception, store_dir: Path,
+                                                                  tmp_path: Path, monkeypatch,
+                                                                  capsys) -> None:
     real, calls = ckpt.save_model_folder, {"n": 0}
 
     def fail_second(*a, **k):
@@ -558,13 +603,16 @@ def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Excepti
     run = tmp_path / "run"
     capsys.readouterr()
     line = _one_line_error(main(["pretrain", *_run_args(store_dir, run)]), capsys.readouterr().err)
-    assert "could not write checkpoint step-0000002" in line and "older checkpoints are intact" in line
+    assert ("could not write checkpoint step-0000002" in line
+            and "older checkpoints are intact" in line)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [1]
     ckpt.read_checkpoint(run / "checkpoints" / "step-0000001")  # whole
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_targets_resume_recomputes_deleted_or_truncated_data(fresh_targets: Path, targets_cmd: Callable, tmp_path: Path, capsys) -> None:
+def test_targets_resume_recomputes_deleted_or_truncated_data(fresh_targets: Path,
+                                                             targets_cmd: Callable, tmp_path: Path,
+                                                             capsys) -> None:
     ref = TargetStore.open(fresh_targets)
     # a complete store whose values.bin was deleted, and a killed build whose indices.bin was cut
     deleted = Path(shutil.copytree(fresh_targets, tmp_path / "deleted"))
@@ -607,7 +655,8 @@ def test_atomic_write_fsyncs_the_file_and_its_directory(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(os, "fsync", spy)
     fileio.atomic_write_text(tmp_path / "a.txt", "data")
-    assert any(Path(p).name.startswith(".a.txt.") for p in synced), synced  # the file, before the rename
+    # the file, before the rename
+    assert any(Path(p).name.startswith(".a.txt.") for p in synced), synced
     assert synced[-1] == str(tmp_path)  # the directory, after it
     assert (tmp_path / "a.txt").read_text() == "data"
 
@@ -619,7 +668,8 @@ def test_replace_dir_never_leaves_the_target_missing(tmp_path: Path) -> None:
     new.mkdir()
     (new / "new").write_text("new")
     fileio.replace_dir(new, target)
-    assert [p.name for p in target.iterdir()] == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    assert ([p.name for p in target.iterdir()] == ["new"]
+            and sorted(p.name for p in tmp_path.iterdir()) == ["store"])
 
 
 def test_text_sources_keep_their_documents(tmp_path: Path) -> None:
@@ -630,7 +680,10 @@ def test_text_sources_keep_their_documents(tmp_path: Path) -> None:
     assert list(iter_documents([str(tmp_path / "crlf.txt")])) == docs
 
 
-def test_targets_disk_full_is_one_line_and_the_rerun_completes(fresh_targets: Path, targets_cmd: Callable, tmp_path: Path, monkeypatch, capsys) -> None:
+def test_targets_disk_full_is_one_line_and_the_rerun_completes(fresh_targets: Path,
+                                                               targets_cmd: Callable,
+                                                               tmp_path: Path, monkeypatch,
+                                                               capsys) -> None:
     from mlsm.teacher import targets
 
     real, calls = targets.atomic_write_json, {"n": 0}

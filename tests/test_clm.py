@@ -29,7 +29,8 @@ def _setup(store_dir: Path, arch: str = "bert", spec: dict | None = None, total:
     store = TokenStore.open(store_dir)
     tok = store.load_tokenizer()
     student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
-    obj = build_objective(spec or {"name": "clm"}, Context(tok, torch.device("cpu"), total, str(store_dir), 32))
+    obj = build_objective(spec or {"name": "clm"},
+                          Context(tok, torch.device("cpu"), total, str(store_dir), 32))
     obj.attach(student)
     source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
     return student.eval(), obj, source
@@ -53,8 +54,10 @@ def test_causal_mask_blocks_the_future(arch: str, store_dir: Path) -> None:
         bidi_b = student.encode(changed, batch.attention_mask)
     torch.testing.assert_close(a[:, :j], b[:, :j], rtol=0, atol=1e-5)
     assert (a[:, j:] - b[:, j:]).abs().max() > 1e-3
-    assert (bidi_a[:, :j] - bidi_b[:, :j]).abs().max() > 1e-3  # without the mask the past does change
-    assert not getattr(student.config, "is_decoder", False)  # the config stays a bidirectional encoder
+    # without the mask the past does change
+    assert (bidi_a[:, :j] - bidi_b[:, :j]).abs().max() > 1e-3
+    # the config stays a bidirectional encoder
+    assert not getattr(student.config, "is_decoder", False)
 
 
 def test_clm_targets_are_real_successors_and_loss_falls(store_dir: Path) -> None:
@@ -76,7 +79,8 @@ def test_unsupported_arch_is_a_one_line_error(store_dir: Path) -> None:
 
 
 def test_attention_is_causal_exactly_before_the_switch(store_dir: Path) -> None:
-    student, obj, source = _setup(store_dir, spec={"name": "clm_then_mlm", "clm_fraction": 0.5}, total=6)
+    student, obj, source = _setup(store_dir, spec={"name": "clm_then_mlm", "clm_fraction": 0.5},
+                                  total=6)
     seen: list[int] = []
     hook = student.backbone.register_forward_pre_hook(
         lambda m, a, kw: seen.append(kw["attention_mask"].dim()), with_kwargs=True)
@@ -90,11 +94,14 @@ def test_attention_is_causal_exactly_before_the_switch(store_dir: Path) -> None:
         _setup(store_dir, spec={"name": "clm_then_mlm", "clm_fraction": 1.5})
 
 
-def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path, tmp_path: Path) -> None:
-    extra = {"objective.name": "clm_then_mlm", "objective.clm_fraction": 0.5, "optim.schedule": "wsd"}
+def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
+                                                               tmp_path: Path) -> None:
+    extra = {"objective.name": "clm_then_mlm", "objective.clm_fraction": 0.5,
+             "optim.schedule": "wsd"}
     full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
     m = _metrics(full)
-    assert [("clm_loss" in r, "mlm_loss" in r) for r in m] == [(True, False)] * 3 + [(False, True)] * 3
+    assert ([("clm_loss" in r, "mlm_loss" in r) for r in m]
+            == [(True, False)] * 3 + [(False, True)] * 3)
     # resume from step 2 (CLM) across the switch at step 3: a real resume, bit-identical
     check_resume(store_dir, tmp_path / "resume", at=2, **extra)
     # the exported folder is a plain bidirectional encoder (+ the MLM head trained after the switch)
@@ -106,10 +113,12 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path, 
     assert [r["batch_digest"] for r in m] == [r["batch_digest"] for r in _metrics(mlm)]
 
 
-def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teacher_dir: Path, tmp_path: Path) -> None:
+def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teacher_dir: Path,
+                                                          tmp_path: Path) -> None:
     def run(out: str, **extra: object) -> tuple[Path, object]:
-        cfg = load_config(CONFIGS / "continue_mlm.yaml", tiny_overrides(store_dir, tmp_path / out, **{
-            "model.init_from": str(teacher_dir), "train.readiness": "[1.0]", **extra}))
+        overrides = tiny_overrides(store_dir, tmp_path / out, **{
+            "model.init_from": str(teacher_dir), "train.readiness": "[1.0]", **extra})
+        cfg = load_config(CONFIGS / "continue_mlm.yaml", overrides)
         return pretrain(cfg), cfg
 
     start = load_file(teacher_dir / "model.safetensors")
@@ -158,15 +167,18 @@ def test_clm_loss_equals_prefix_by_prefix_next_token_loss(impl: str, store_dir: 
     with torch.no_grad():
         out = forward_step(student, obj, batch)
         where = next_token_targets(batch)
-        mine = student.vocab_logits(causal_encode(student, ids, batch.attention_mask)[where])  # (N, V)
+        mine = student.vocab_logits(
+            causal_encode(student, ids, batch.attention_mask)[where])  # (N, V)
         for b in range(len(ids)):
             for t in range(ids.shape[1] - 1):
                 if special[b, t + 1] or not batch.attention_mask[b, t + 1]:
                     continue
                 prefix = ids[b : b + 1, : t + 1]
-                logits = student.hf(input_ids=prefix, attention_mask=torch.ones_like(prefix)).logits[0, -1]
+                logits = student.hf(input_ids=prefix,
+                                    attention_mask=torch.ones_like(prefix)).logits[0, -1]
                 ref_logits.append(logits)
-                total += torch.nn.functional.cross_entropy(logits[None], ids[b, t + 1][None], reduction="sum")
+                total += torch.nn.functional.cross_entropy(logits[None], ids[b, t + 1][None],
+                                                           reduction="sum")
                 count += 1
     assert int(out.n_targets) == count > 0
     # the attention really is causal (a leak of the future is small at init: compare logits tightly)

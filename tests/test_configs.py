@@ -14,7 +14,8 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml
 
 def test_there_are_recipes() -> None:
     names = {p.relative_to(p.parents[1]).as_posix() for p in CONFIGS}
-    assert {"tiny/mlm.yaml", "tiny/mlsm.yaml", "tiny/kd.yaml", "tiny/mtl.yaml", "hitchhiker/mlsm.yaml"} <= names
+    assert {"tiny/mlm.yaml", "tiny/mlsm.yaml", "tiny/kd.yaml", "tiny/mtl.yaml",
+            "hitchhiker/mlsm.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(p.parents[1]).as_posix())

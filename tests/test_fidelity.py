@@ -26,19 +26,25 @@ def _reference_x(teacher_dir, batch, layer: int) -> torch.Tensor:
 
 
 def test_fista_solver_gives_the_official_targets(store_dir, teacher_dir, dictionary_path) -> None:
-    obj, _, batch = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, solver="fista", fista_iters=7))
+    obj, _, batch = _setup(store_dir,
+                           _mlsm_spec("mlsm", teacher_dir, dictionary_path, solver="fista",
+                                      fista_iters=7))
     d = load_dictionary(str(dictionary_path))
     x = _reference_x(teacher_dir, batch, 1)
     got = obj.coder.codes(batch)
-    torch.testing.assert_close(got, fista(x, d.atoms.float(), d.lam, n_iter=7), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, fista(x, d.atoms.float(), d.lam, n_iter=7), rtol=1e-4,
+                               atol=1e-5)
     exact, _, _ = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path))
-    torch.testing.assert_close(exact.coder.codes(batch), sparse_encode(x, d.atoms.float(), d.lam), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(got, exact.coder.codes(batch), atol=1e-4)  # 7 iterations are not exact
+    torch.testing.assert_close(exact.coder.codes(batch), sparse_encode(x, d.atoms.float(), d.lam),
+                               rtol=1e-4, atol=1e-5)
+    # 7 iterations are not exact
+    assert not torch.allclose(got, exact.coder.codes(batch), atol=1e-4)
 
 
 def test_zero_codes_count_in_the_denominator(store_dir, teacher_dir, dictionary_path) -> None:
     drop, student, batch = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path))
-    count, _, _ = _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, zero_codes="count"))
+    count, _, _ = _setup(store_dir,
+                         _mlsm_spec("mlsm", teacher_dir, dictionary_path, zero_codes="count"))
     codes = drop.coder.codes(batch)
     codes[::3] = 0  # force all-zero codes at a third of the positions
     hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]
@@ -48,10 +54,13 @@ def test_zero_codes_count_in_the_denominator(store_dir, teacher_dir, dictionary_
     b = latent_kl(drop.heads["latent"], hidden, codes, count.count_zero)
     n, zero = len(codes), int((codes.sum(1) == 0).sum())
     assert zero >= n // 3 and int(a.n_targets) == n - zero and int(b.n_targets) == n
-    torch.testing.assert_close(a.loss_sum, b.loss_sum)  # the official batchmean: same sum, over all N
+    # the official batchmean: same sum, over all N
+    torch.testing.assert_close(a.loss_sum, b.loss_sum)
 
 
-@pytest.mark.parametrize("bad", [{"solver": "spams"}, {"zero_codes": "keep"}, {"solver": "fista", "fista_iters": 0}])
+@pytest.mark.parametrize("bad",
+                         [{"solver": "spams"}, {"zero_codes": "keep"},
+                          {"solver": "fista", "fista_iters": 0}])
 def test_mlsm_switches_are_checked(store_dir, teacher_dir, dictionary_path, bad) -> None:
     with pytest.raises(UserError, match="objective."):
         _setup(store_dir, _mlsm_spec("mlsm", teacher_dir, dictionary_path, **bad))
@@ -62,8 +71,8 @@ def _student(hidden: int, heads: int):
 
     from mlsm.models.backbone import Student
 
-    cfg = BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
-                     intermediate_size=64, max_position_embeddings=64)
+    cfg = BertConfig(vocab_size=100, hidden_size=hidden, num_hidden_layers=1,
+                     num_attention_heads=heads, intermediate_size=64, max_position_embeddings=64)
     return Student(BertForMaskedLM(cfg))
 
 
@@ -86,11 +95,16 @@ def test_mae_decoder_depth_and_dropout_defaults() -> None:
     assert {m.p for m in decoder.modules() if isinstance(m, torch.nn.Dropout)} == {0.1}
 
 
-def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, teacher_dir, dictionary_path) -> None:
-    """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two softmaxes."""
-    obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.5, head="shared"))
+def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, teacher_dir,
+                                                                     dictionary_path) -> None:
+    """objective.head=shared (the official MTL): one transform, decoder d × (|V| + k), two
+    softmaxes."""
+    obj, student, batch = _setup(store_dir,
+                                 _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.5,
+                                            head="shared"))
     latent = obj.exported_heads()["latent"]
-    assert sorted(n for n, _ in latent.named_parameters()) == ["proj.bias", "proj.weight"]  # no own transform
+    # no own transform
+    assert sorted(n for n, _ in latent.named_parameters()) == ["proj.bias", "proj.weight"]
     pred = student.hf.cls.predictions
     hidden = student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
     t = pred.transform(hidden)
@@ -129,6 +143,7 @@ def test_hitchhiker_recipes_are_the_papers_setting() -> None:
         assert cfg.data.exact_count and cfg.data.mask_split == [1.0, 0.0, 0.0], name
     assert load_config(root / "kd.yaml").objective.teacher_input == "original"
     m = load_config(root / "mlsm.yaml").model
-    config = AutoConfig.for_model(m.arch, **{**m.overrides, "num_hidden_layers": 1, "vocab_size": 28996})
+    config = AutoConfig.for_model(m.arch,
+                                  **{**m.overrides, "num_hidden_layers": 1, "vocab_size": 28996})
     layer = AutoModel.from_config(config).encoder.layer[0]
     assert 8.2e6 < sum(p.numel() for p in layer.parameters()) < 8.4e6

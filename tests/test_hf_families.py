@@ -34,12 +34,14 @@ def _setup(arch: str, store_dir: Path):
     student = build_student(ModelConfig(arch=arch, overrides=dict(sizes)), tok, 32, seed=0)
     obj = build_objective({"name": "mlm"}, Context(tok, torch.device("cpu"), 4, str(store_dir), 32))
     obj.attach(student)
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return student, obj, batch, tok
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, store_dir: Path, tmp_path: Path) -> None:
+def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, store_dir: Path,
+                                                                 tmp_path: Path) -> None:
     student, obj, batch, tok = _setup(arch, store_dir)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     init = {k: v.clone() for k, v in student.hf.state_dict().items()}
@@ -52,12 +54,15 @@ def test_checkpoint_loads_in_hf_with_the_trained_students_logits(arch: str, stor
     module = TrainModule(student, obj)
     folder = save_checkpoint(tmp_path / "step-0000003", module, tok, {"step": 3}, {"step": 3})
     hf, info = AutoModelForMaskedLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert (not info["missing_keys"] and not info["unexpected_keys"]
+            and not info["mismatched_keys"]), info
     student.eval()
     hf.eval()
     with torch.no_grad():
-        mine = student.vocab_logits(student.encode(batch.corrupted_ids, batch.attention_mask)[batch.selected])
-        theirs = hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask).logits[batch.selected]
+        encoded = student.encode(batch.corrupted_ids, batch.attention_mask)
+        mine = student.vocab_logits(encoded[batch.selected])
+        theirs = hf(input_ids=batch.corrupted_ids,
+                    attention_mask=batch.attention_mask).logits[batch.selected]
         hidden = hf.base_model(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask)
         sparse = mlm_head_fn(hf)(hidden.last_hidden_state[batch.selected])  # (N, d) -> (N, V)
     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
@@ -71,8 +76,10 @@ def test_mlm_loss_equals_hf_masked_lm_loss(arch: str, store_dir: Path) -> None:
     with torch.no_grad():
         out = forward_step(student, obj, batch)
         # HF's reference: labels are the ORIGINAL ids at the selected positions, -100 elsewhere
-        labels = torch.where(batch.selected, batch.input_ids, torch.full_like(batch.input_ids, -100))
-        ref = student.hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask, labels=labels).loss
+        labels = torch.where(batch.selected, batch.input_ids,
+                             torch.full_like(batch.input_ids, -100))
+        ref = student.hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask,
+                         labels=labels).loss
     assert int(out.n_targets) == int(batch.selected.sum()) > 0
     assert not torch.equal(batch.corrupted_ids[batch.selected], batch.input_ids[batch.selected])
     torch.testing.assert_close(out.loss_sum / out.n_targets, ref, rtol=1e-5, atol=1e-5)

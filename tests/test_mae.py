@@ -29,14 +29,16 @@ def _setup(store_dir: Path, spec: dict, arch: str = "bert", mask_rate: float = 0
     student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
     obj = build_objective(spec, Context(tok, torch.device("cpu"), 6, str(store_dir), 32))
     obj.attach(student)
-    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32, mask_rate=mask_rate), tok)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32, mask_rate=mask_rate),
+                         tok)
     return student.eval(), obj, source.batch(np.arange(8), 0), tok
 
 
 def _record_encoder_inputs(student) -> tuple[list, list]:
     """Forward pre-hooks: ids entering the word embeddings, kwargs entering the backbone."""
     ids, kwargs = [], []
-    student.backbone.get_input_embeddings().register_forward_pre_hook(lambda m, a: ids.append(a[0].clone()))
+    student.backbone.get_input_embeddings().register_forward_pre_hook(
+        lambda m, a: ids.append(a[0].clone()))
     student.backbone.register_forward_pre_hook(lambda m, a, kw: kwargs.append(kw), with_kwargs=True)
     return ids, kwargs
 
@@ -63,7 +65,8 @@ def test_delta_keeps_that_fraction_as_mask(store_dir: Path) -> None:
     ids, _ = _record_encoder_inputs(student)
     with torch.no_grad():
         forward_step(student, obj, batch)
-    assert int((ids[0] == tok.mask_token_id).sum()) == int(batch.selected.sum())  # δ=1: all kept as [MASK]
+    # δ=1: all kept as [MASK]
+    assert int((ids[0] == tok.mask_token_id).sum()) == int(batch.selected.sum())
     student, obj, batch, tok = _setup(store_dir, {"name": "mae_lm", "delta": 0.5}, mask_rate=0.4)
     ids, _ = _record_encoder_inputs(student)
     with torch.no_grad():
@@ -77,14 +80,17 @@ def test_delta_keeps_that_fraction_as_mask(store_dir: Path) -> None:
 def test_batched_split_equals_each_row_alone(store_dir: Path) -> None:
     # padding the kept tokens to a common length must not leak into any row's encoder states
     student, _, batch, tok = _setup(store_dir, {"name": "mae_lm"}, mask_rate=0.4)
-    split = split_encoder_input(batch.input_ids, batch.attention_mask, batch.selected, tok.pad_token_id)
+    split = split_encoder_input(batch.input_ids, batch.attention_mask, batch.selected,
+                                tok.pad_token_id)
     assert len(set(split.attention_mask.sum(1).tolist())) > 1  # rows really differ in length
     with torch.no_grad():
-        together = student.encode(split.input_ids, split.attention_mask, position_ids=split.positions)
+        together = student.encode(split.input_ids, split.attention_mask,
+                                  position_ids=split.positions)
         for b in range(len(batch.input_ids)):
             keep = ~batch.selected[b]
             pos = torch.nonzero(keep).T  # (1, n_b)
-            alone = student.encode(batch.input_ids[b, keep][None], torch.ones_like(pos), position_ids=pos)[0]
+            alone = student.encode(batch.input_ids[b, keep][None], torch.ones_like(pos),
+                                   position_ids=pos)[0]
             torch.testing.assert_close(together[b, : len(alone)], alone, rtol=1e-4, atol=1e-5)
 
 
@@ -109,10 +115,12 @@ def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_pat
     extra = {"objective.name": "mae_lm"}
     full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
     # encoder and decoder both exact, and a real resume
-    check_resume(store_dir, tmp_path / "resume", at=3, files=("model.safetensors", "heads.safetensors"), **extra)
+    check_resume(store_dir, tmp_path / "resume", at=3,
+                 files=("model.safetensors", "heads.safetensors"), **extra)
     folder = full / "checkpoints" / "step-0000006"
     encoder = AutoModel.from_pretrained(folder)
-    assert encoder.config.hidden_size == 32 and not any(k.startswith("cls.") for k in load_file(folder / "model.safetensors"))
+    assert encoder.config.hidden_size == 32
+    assert not any(k.startswith("cls.") for k in load_file(folder / "model.safetensors"))
     meta = json.loads((folder / "heads.json").read_text())
     assert meta[DECODER]["layers"] == 2 and meta[DECODER]["width"] == 32
     mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
@@ -120,14 +128,16 @@ def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_pat
     assert [m["n_targets"] for m in _metrics(full)] == [m["n_targets"] for m in _metrics(mlm)]
 
 
-def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path) -> None:
+def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+                                 tmp_path: Path) -> None:
     run = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{
         "objective.name": "mae_mlsm", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "train.steps": 3, "objective.decoder_width": 16})))
     folder = run / "checkpoints" / "step-0000003"
     AutoModel.from_pretrained(folder)
     heads = load_file(folder / "heads.safetensors")
-    assert any(k.startswith("latent.") for k in heads) and any(k.startswith(f"{DECODER}.") for k in heads)
+    assert any(k.startswith("latent.") for k in heads)
+    assert any(k.startswith(f"{DECODER}.") for k in heads)
     assert {"kl", "top1_agreement"} <= _metrics(run)[0].keys()
 
 
@@ -145,7 +155,8 @@ def test_mae_lm_loss_recomputed_row_by_row(store_dir: Path) -> None:
         for b in range(len(batch.input_ids)):
             sel = batch.selected[b]  # (T,)
             pos = torch.nonzero(~sel).T  # (1, n_b) original positions of the kept tokens
-            enc = student.encode(batch.input_ids[b, ~sel][None], torch.ones_like(pos), position_ids=pos)[0]  # (n_b, d)
+            enc = student.encode(batch.input_ids[b, ~sel][None], torch.ones_like(pos),
+                                 position_ids=pos)[0]  # (n_b, d)
             x = torch.zeros(len(sel), dec.mask_embedding.numel())
             x[~sel] = dec.proj_in(enc)
             x[sel] = dec.mask_embedding
@@ -155,6 +166,7 @@ def test_mae_lm_loss_recomputed_row_by_row(store_dir: Path) -> None:
             h = dec.proj_out(x)[0][sel]  # (n_sel, d)
             logits = torch.nn.functional.gelu(head.dense(h))
             logits = head.norm(logits) @ emb.T + head.bias  # (n_sel, V)
-            total += torch.nn.functional.cross_entropy(logits, batch.input_ids[b, sel], reduction="sum")
+            total += torch.nn.functional.cross_entropy(logits, batch.input_ids[b, sel],
+                                                       reduction="sum")
     assert int(out.n_targets) == int(batch.selected.sum())
     torch.testing.assert_close(out.loss_sum, total, rtol=1e-5, atol=1e-4)

@@ -26,13 +26,16 @@ from .conftest import overfit_losses, tiny_overrides
 def _objective(store_dir: Path, teacher_dir: Path, dictionary_path: Path, **extra):
     store = TokenStore.open(store_dir)
     tok = store.load_tokenizer()
-    spec = {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir), **extra}
+    spec = {"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir),
+            **extra}
     obj = build_objective(spec, Context(tok, torch.device("cpu"), 10, str(store_dir), 32))
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return obj, batch
 
 
-def test_targets_are_exact_codes_of_unmasked_teacher_states(store_dir, teacher_dir, dictionary_path) -> None:
+def test_targets_are_exact_codes_of_unmasked_teacher_states(store_dir, teacher_dir,
+                                                            dictionary_path) -> None:
     obj, batch = _objective(store_dir, teacher_dir, dictionary_path)
     codes = obj.coder.codes(batch)  # (N, k)
     assert codes.shape == (int(batch.selected.sum()), 64) and (codes >= 0).all()
@@ -42,7 +45,8 @@ def test_targets_are_exact_codes_of_unmasked_teacher_states(store_dir, teacher_d
     atoms = load_file(dictionary_path)["atoms"]  # (d, k)
     full = AutoModel.from_pretrained(teacher_dir).eval()
     with torch.no_grad():
-        h = full(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True).hidden_states[meta["layer"]]
+        h = full(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                 output_hidden_states=True).hidden_states[meta["layer"]]
     x = torch.nn.functional.normalize(h[batch.selected], dim=-1)
     assert kkt_violation(x, atoms, codes, meta["lam"]).max() < 1e-4
     assert (codes.sum(1) > 0).float().mean() > 0.5
@@ -61,7 +65,8 @@ def test_loss_is_kl_and_falls(store_dir, teacher_dir, dictionary_path) -> None:
 
     from .conftest import TINY_MODEL
 
-    student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), obj.coder.teacher.tokenizer, 32, 0)
+    student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), obj.coder.teacher.tokenizer,
+                            32, 0)
     obj.attach(student)
     assert isinstance(obj.heads["latent"], LatentHead) and not obj.exports_vocab_head
     student.eval()  # no dropout: the two passes below must see the same network
@@ -77,7 +82,8 @@ def test_loss_is_kl_and_falls(store_dir, teacher_dir, dictionary_path) -> None:
     torch.testing.assert_close(out.loss_sum.detach(), expected, rtol=1e-4, atol=1e-4)
     assert out.loss_sum >= 0 and int(out.n_targets) == int(keep.sum())
     torch.testing.assert_close(p.sum(1), torch.ones(len(p)))
-    losses = overfit_losses({"name": "mlsm", "dictionary": str(dictionary_path), "teacher": str(teacher_dir)}, store_dir, steps=30)
+    losses = overfit_losses({"name": "mlsm", "dictionary": str(dictionary_path),
+                             "teacher": str(teacher_dir)}, store_dir, steps=30)
     assert losses[-1] < 0.6 * losses[0]
 
 
@@ -92,7 +98,8 @@ def test_mismatches_are_one_line_errors(store_dir, teacher_dir, dictionary_path)
         _objective(store_dir, teacher_dir, "")
 
 
-def test_mlsm_run_checkpoint_is_backbone_plus_head(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_mlsm_run_checkpoint_is_backbone_plus_head(store_dir, teacher_dir, dictionary_path,
+                                                   tmp_path) -> None:
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{
         "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "train.steps": 3}))
@@ -100,12 +107,15 @@ def test_mlsm_run_checkpoint_is_backbone_plus_head(store_dir, teacher_dir, dicti
     folder = run / "checkpoints" / "step-0000003"
     backbone = AutoModel.from_pretrained(folder)
     assert backbone.config.hidden_size == 32
-    head = LatentHead(**{k: v for k, v in json.loads((folder / "heads.json").read_text())["latent"].items() if k in ("d", "k")})
-    head.load_state_dict({k.removeprefix("latent."): v for k, v in load_file(folder / "heads.safetensors").items()})
+    latent = json.loads((folder / "heads.json").read_text())["latent"]
+    head = LatentHead(**{k: v for k, v in latent.items() if k in ("d", "k")})
+    head.load_state_dict({k.removeprefix("latent."): v
+                          for k, v in load_file(folder / "heads.safetensors").items()})
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {"kl", "target_entropy", "nnz", "top1_agreement", "dropped"} <= metrics[0].keys()
     # same data seed -> the same batches as an MLM run
-    mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm", **{"train.steps": 3})))
+    mlm = pretrain(load_config(None,
+                               tiny_overrides(store_dir, tmp_path / "mlm", **{"train.steps": 3})))
     mlm_metrics = [json.loads(x) for x in (mlm / "metrics.jsonl").read_text().splitlines()]
     assert [m["batch_digest"] for m in metrics] == [m["batch_digest"] for m in mlm_metrics]
     # a second fresh run with the same seeds is bit-identical, heads included

@@ -31,7 +31,8 @@ def _setup(store_dir: Path, spec: dict):
     student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), tok, 32, 0)
     obj.attach(student)
     student.eval()  # no dropout: repeated passes must see the same network
-    batch = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok).batch(np.arange(8), 0)
+    source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
+    batch = source.batch(np.arange(8), 0)
     return obj, student, batch
 
 
@@ -43,14 +44,17 @@ def _mlsm_spec(name: str, teacher_dir: Path, dictionary_path: Path, **extra) -> 
 
 
 def test_kd_is_scaled_kl_to_the_full_teacher(store_dir, teacher_dir) -> None:
-    obj, student, batch = _setup(store_dir, {"name": "kd", "teacher": str(teacher_dir), "temperature": 2.0})
+    obj, student, batch = _setup(store_dir,
+                                 {"name": "kd", "teacher": str(teacher_dir), "temperature": 2.0})
     assert obj.exports_vocab_head
     out = forward_step(student, obj, batch)
     # independent reference: the teacher's *full* HF forward (logits at every position)
     full = AutoModelForMaskedLM.from_pretrained(teacher_dir).eval()
     with torch.no_grad():
-        t = full(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask).logits[batch.selected]
-        s = student.hf(input_ids=batch.corrupted_ids, attention_mask=batch.attention_mask).logits[batch.selected]
+        t = full(input_ids=batch.corrupted_ids,
+                 attention_mask=batch.attention_mask).logits[batch.selected]
+        s = student.hf(input_ids=batch.corrupted_ids,
+                       attention_mask=batch.attention_mask).logits[batch.selected]
     p, q = torch.softmax(t / 2, -1), torch.softmax(s / 2, -1)
     torch.testing.assert_close(p.sum(1), torch.ones(len(p)))
     kl = (p * (p.log() - q.log())).sum(1)  # (N,)
@@ -76,26 +80,30 @@ def test_kd_needs_an_mlm_head(store_dir) -> None:
 
 
 def test_kd_run_resumes(store_dir, teacher_dir, tmp_path) -> None:
-    check_resume(store_dir, tmp_path, at=2, steps=4, **{"objective.name": "kd", "objective.teacher": str(teacher_dir)})
+    check_resume(store_dir, tmp_path, at=2, steps=4,
+                 **{"objective.name": "kd", "objective.teacher": str(teacher_dir)})
 
 
 # ----------------------------------------------------------------------------- MTL
 
 
 def test_mtl_is_mean_mlsm_plus_kappa_mean_mlm(store_dir, teacher_dir, dictionary_path) -> None:
-    obj, student, batch = _setup(store_dir, _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.25))
+    obj, student, batch = _setup(store_dir,
+                                 _mlsm_spec("mtl", teacher_dir, dictionary_path, kappa=0.25))
     assert "latent" in obj.exported_heads() and obj.exports_vocab_head
     out = forward_step(student, obj, batch)
     # the two parts, separately
     a, b = forward_step(student, obj.mlsm, batch), forward_step(student, obj.mlm, batch)
     expected = a.loss_sum / a.n_targets + 0.25 * b.loss_sum / b.n_targets
-    torch.testing.assert_close((out.loss_sum / out.n_targets).detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((out.loss_sum / out.n_targets).detach(), expected.detach(),
+                               rtol=1e-5, atol=1e-6)
     assert int(out.n_targets) == int(batch.selected.sum())
     losses = overfit_losses(_mlsm_spec("mtl", teacher_dir, dictionary_path), store_dir, steps=25)
     assert losses[-1] < 0.6 * losses[0]
 
 
-def test_mtl_checkpoint_exports_both_heads(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_mtl_checkpoint_exports_both_heads(store_dir, teacher_dir, dictionary_path,
+                                           tmp_path) -> None:
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "run", **{
         "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "objective.kappa": 1.0, "train.steps": 2}))
@@ -107,14 +115,17 @@ def test_mtl_checkpoint_exports_both_heads(store_dir, teacher_dir, dictionary_pa
 
 
 def test_mtl_run_resumes(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
-    check_resume(store_dir, tmp_path, at=2, steps=4, files=("model.safetensors", "heads.safetensors"), **{
-        "objective.name": "mtl", "objective.dictionary": str(dictionary_path), "objective.teacher": str(teacher_dir)})
+    check_resume(store_dir, tmp_path, at=2, steps=4,
+                 files=("model.safetensors", "heads.safetensors"), **{
+                     "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
+                     "objective.teacher": str(teacher_dir)})
 
 
 # ----------------------------------------------------------------------------- naive MLSM
 
 
-def test_naive_runs_every_teacher_layer_and_its_logits(store_dir, teacher_dir, dictionary_path) -> None:
+def test_naive_runs_every_teacher_layer_and_its_logits(store_dir, teacher_dir,
+                                                       dictionary_path) -> None:
     obj, student, batch = _setup(store_dir, _mlsm_spec("mlsm_naive", teacher_dir, dictionary_path))
     ran: list[str] = []
     layers = obj.teacher.base_model.encoder.layer
@@ -130,15 +141,18 @@ def test_naive_runs_every_teacher_layer_and_its_logits(store_dir, teacher_dir, d
     # FISTA-100 codes are close to the exact optimum of the same problem
     codes = obj.codes(batch)
     with torch.no_grad():
-        h = obj.teacher(input_ids=batch.input_ids, output_hidden_states=True).hidden_states[1][batch.selected]
+        h = obj.teacher(input_ids=batch.input_ids,
+                        output_hidden_states=True).hidden_states[1][batch.selected]
     x = torch.nn.functional.normalize(h, dim=-1)
     exact = sparse_encode(x, obj.atoms, obj.lam)
-    gap = lasso_objective(x, obj.atoms, codes, obj.lam) - lasso_objective(x, obj.atoms, exact, obj.lam)
+    gap = (lasso_objective(x, obj.atoms, codes, obj.lam)
+           - lasso_objective(x, obj.atoms, exact, obj.lam))
     assert gap.min() > -1e-5 and gap.mean() < 1e-2
 
 
 def test_naive_loss_falls(store_dir, teacher_dir, dictionary_path) -> None:
-    losses = overfit_losses(_mlsm_spec("mlsm_naive", teacher_dir, dictionary_path), store_dir, steps=25)
+    losses = overfit_losses(_mlsm_spec("mlsm_naive", teacher_dir, dictionary_path), store_dir,
+                            steps=25)
     assert losses[-1] < 0.6 * losses[0]
 
 
@@ -157,7 +171,8 @@ def foreign_tokenizer_teacher(teacher_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", ["mlsm", "kd", "mlsm_naive", "mtl"])
-def test_tokenizer_mismatch_is_one_line_error(name, store_dir, foreign_tokenizer_teacher, dictionary_path) -> None:
+def test_tokenizer_mismatch_is_one_line_error(name, store_dir, foreign_tokenizer_teacher,
+                                              dictionary_path) -> None:
     spec = _mlsm_spec(name, foreign_tokenizer_teacher, dictionary_path)
     if name == "kd":
         spec = {"name": "kd", "teacher": str(foreign_tokenizer_teacher)}

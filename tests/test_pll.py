@@ -147,7 +147,8 @@ def _other_families(vocab_size: int, pad_id: int):
     torch.manual_seed(1)
     small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
     roberta = RobertaForMaskedLM(
-        RobertaConfig(vocab_size=vocab_size, max_position_embeddings=80, pad_token_id=pad_id, **small)
+        RobertaConfig(vocab_size=vocab_size, max_position_embeddings=80, pad_token_id=pad_id,
+                      **small)
     )
     distil = DistilBertForMaskedLM(
         DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,

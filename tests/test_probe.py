@@ -30,9 +30,11 @@ def _mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path, out: Pa
     return pretrain(cfg) / "checkpoints" / "step-0000020"
 
 
-def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictionary_path,
+                                                tmp_path) -> None:
     mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
-    run = run_probe(mlsm_ckpt, steps=40, out=str(tmp_path / "probe"), overrides=["optim.lr=0.1", "optim.warmup=0", "train.log_every=1"])
+    run = run_probe(mlsm_ckpt, steps=40, out=str(tmp_path / "probe"),
+                    overrides=["optim.lr=0.1", "optim.warmup=0", "train.log_every=1"])
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(m["loss"] for m in metrics[:5]) / 5, sum(m["loss"] for m in metrics[-5:]) / 5
     assert last < 0.9 * first  # an untrained probe stays at ln |V|
@@ -43,7 +45,8 @@ def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictiona
     ha, hb = load_file(mlsm_ckpt / "heads.safetensors"), load_file(folder / "heads.safetensors")
     assert all(torch.equal(ha[k], hb[k]) for k in ha) and any(k.startswith("probe.") for k in hb)
     # readiness checkpoints: 10/25/50/100 % of the 40 probe steps
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000004", "step-0000010", "step-0000020", "step-0000040"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-0000004", "step-0000010", "step-0000020", "step-0000040"]
     scorer, tok = load_scorer(folder)
     assert isinstance(scorer, ProbeScorer)
     sentences = ["the cat sees a dog.", "dog a sees cat the the."]
@@ -51,7 +54,9 @@ def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictiona
     assert len(scores) == 2 and all(s < 0 for s in scores)
     # the scorer computes what the probe was trained on: student + latent head + probe
     student = _student_with_probe(folder, store_dir)
-    batch = BatchSource(TokenStore.open(store_dir), DataConfig(store=str(store_dir), max_len=32), tok).batch(np.arange(8), 0)
+    source = BatchSource(TokenStore.open(store_dir), DataConfig(store=str(store_dir), max_len=32),
+                         tok)
+    batch = source.batch(np.arange(8), 0)
     with torch.no_grad():
         mine = scorer.logits_at(batch.corrupted_ids, batch.attention_mask, batch.selected)
         ref = _probe_logits(student, batch.corrupted_ids, batch.attention_mask, batch.selected)
@@ -91,7 +96,8 @@ def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor,
     return heads["probe"](torch.softmax(heads["latent"](hidden), -1))  # (N, V)
 
 
-def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path,
+                                                         tmp_path) -> None:
     """Berend (2023) Fig. 6 "MLSM+MLM": an MTL model has a trained vocabulary head, so `mlsm blimp`
     scores it like an MLM model (no probe); a pure MLSM checkpoint still asks for its probe."""
     from transformers import AutoModelForMaskedLM
@@ -102,7 +108,8 @@ def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir,
         "objective.name": "mtl", "objective.dictionary": str(dictionary_path),
         "objective.teacher": str(teacher_dir), "train.steps": 2, "train.readiness": "[1.0]"}))
     folder = pretrain(cfg) / "checkpoints" / "step-0000002"
-    assert (folder / "heads.json").is_file() and "latent" in json.loads((folder / "heads.json").read_text())
+    assert ((folder / "heads.json").is_file()
+            and "latent" in json.loads((folder / "heads.json").read_text()))
     scorer, tok = load_scorer(folder)
     sentences = ["the cat sees a dog.", "dog a sees cat the the."]
     reference = AutoModelForMaskedLM.from_pretrained(folder).eval()  # its exported vocabulary head

@@ -29,7 +29,8 @@ from mlsm.teacher.sparse_coding import (
 LAM = 0.05
 # The two implementations of the active-set method: compiled per row (what CPUs run) and
 # batched in lock-step (what CUDA runs; here on CPU tensors).
-SOLVERS = pytest.mark.parametrize("solver", [active_set_rows, active_set_batched], ids=["rows", "batched"])
+SOLVERS = pytest.mark.parametrize("solver", [active_set_rows, active_set_batched],
+                                  ids=["rows", "batched"])
 
 
 def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch.float64):
@@ -37,7 +38,8 @@ def _problem(n: int = 120, d: int = 32, k: int = 128, seed: int = 0, dtype=torch
     g = torch.Generator().manual_seed(seed)
     D = torch.randn(d, k, generator=g, dtype=dtype)
     D /= D.norm(dim=0, keepdim=True)
-    mix = (torch.rand(n, k, generator=g, dtype=dtype) < 0.05) * torch.rand(n, k, generator=g, dtype=dtype)
+    mix = ((torch.rand(n, k, generator=g, dtype=dtype) < 0.05)
+           * torch.rand(n, k, generator=g, dtype=dtype))
     X = mix @ D.T + 0.2 * torch.randn(n, d, generator=g, dtype=dtype)
     return X / X.norm(dim=1, keepdim=True), D
 
@@ -141,7 +143,8 @@ def test_rows_the_active_set_fails_are_solved_by_the_homotopy(monkeypatch):
     real = sc.active_set
     _, _, crippled_fail = real(X @ D, padded_gram(D.T @ D), LAM, 1e-5, max_steps=2)
     assert crippled_fail.float().mean() > 0.5  # the injected fault really hands rows over
-    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps, warm=None: real(c, Gp, lam, tol, max_steps=2))
+    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps, warm=None:
+                        real(c, Gp, lam, tol, max_steps=2))
     codes = sparse_encode(X, D, LAM)
     assert kkt_violation(X, D, codes, LAM).max() <= 1e-4
     assert _rel_gap(X, D, codes, ref).abs().max() <= 1e-6
@@ -164,7 +167,8 @@ def test_warm_start_only_saves_steps(solver):
     exact = _support(_codes(idx, alpha, k))
     fits = (alpha > 0).sum(1) <= WARM_MAX  # only the first WARM_MAX atoms of a guess are used
     assert fits.sum() >= 20
-    assert solver(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact[:, :WARM_MAX])[2][fits].float().mean() < 0.05
+    counts = solver(c, Gp, LAM, tol=1e-9, max_steps=1, warm=exact[:, :WARM_MAX])[2]
+    assert counts[fits].float().mean() < 0.05
     assert solver(c, Gp, LAM, tol=1e-9, max_steps=1)[2].all()
     # Realistic guesses (codes under a perturbed dictionary) and bad ones: random atoms with
     # repeats, "none" markers, out-of-range values, more than WARM_MAX columns.
@@ -199,7 +203,8 @@ def test_internal_kkt_check_matches_kkt_violation():
     dense = sparse_encode(X, D, LAM)
     exact = top_nnz(dense)
     idle = (dense == 0).int().argmax(1, keepdim=True)  # an atom off every support
-    idx = torch.cat([torch.where(exact.values > 0, exact.indices, k), idle, torch.full_like(idle, k)], 1)
+    idx = torch.cat([torch.where(exact.values > 0, exact.indices, k), idle,
+                     torch.full_like(idle, k)], 1)
     alpha = torch.cat([exact.values, torch.zeros(40, 2, dtype=X.dtype)], 1)
     alpha[:5, 0] = 0.0  # a support atom loses its coefficient but keeps its slot: now violating
     fail = torch.zeros(40, dtype=torch.bool)
@@ -267,7 +272,8 @@ def test_bad_input(X, D, lam, match):
 
 def test_bad_warm_start():
     X, D = _problem(n=10)
-    for warm in (torch.zeros(10, 3), torch.zeros(9, 3, dtype=torch.long), torch.zeros(10, dtype=torch.long)):
+    for warm in (torch.zeros(10, 3), torch.zeros(9, 3, dtype=torch.long),
+                 torch.zeros(10, dtype=torch.long)):
         with pytest.raises(UserError, match="warm_start"):
             sparse_encode(X, D, LAM, warm_start=warm)
 
@@ -298,13 +304,15 @@ def test_rows_needing_more_slots_run_again(monkeypatch):
     ref = _dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k)
     assert ((ref > 0).sum(1) > 3).float().mean() > 0.5  # most rows overflow 3 slots below
     monkeypatch.setattr(compiled, "SLOTS", 3)
-    torch.testing.assert_close(_dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(_dense(active_set_rows(c, Gp, LAM, 1e-9, 1000), k), ref, rtol=0,
+                               atol=1e-12)
 
 
 def test_codes_do_not_depend_on_the_thread_count():
     # Every row is solved by one thread alone: the split over threads must not show in the codes.
     X, D = _problem(n=101, seed=18, dtype=torch.float32)
-    c, Gp = X @ D, padded_gram(D.T @ D)  # computed once: a GEMM may round differently per thread count
+    # computed once: a GEMM may round differently per thread count
+    c, Gp = X @ D, padded_gram(D.T @ D)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
