@@ -14,7 +14,7 @@ import hashlib
 import io
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,17 +154,22 @@ def content_digest(path: Path) -> str:
     return "sampled:" + h.hexdigest()
 
 
-def fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
-    """Content fingerprint of the inputs: per file (in source order) how it is parsed, its size
-    and `content_digest`; `hf:` sources by name."""
+def _per_file(sources: list[str], describe: Callable[[Path], list[Any]]) -> list[Any]:
+    """`describe(path)` of every file of the sources, in order; `hf:` sources by name."""
     items: list[Any] = []
     for source in sources:
         if source.startswith("hf:"):
             items.append(source)
             continue
-        for path in resolve_paths(source):
-            gz = path.name.endswith(".gz")
-            items.append([_kind(path), gz, path.stat().st_size, content_digest(path)])
+        items += [describe(path) for path in resolve_paths(source)]
+    return items
+
+
+def fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
+    """Content fingerprint of the inputs: per file (in source order) how it is parsed, its size
+    and `content_digest`; `hf:` sources by name."""
+    items = _per_file(sources, lambda path: [_kind(path), path.name.endswith(".gz"),
+                                             path.stat().st_size, content_digest(path)])
     payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field,
                "v": STORE_VERSION, "scheme": "content"}
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
@@ -173,14 +178,8 @@ def fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
 def legacy_fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
     """The fingerprint stores written before the content scheme carry: (absolute path, size,
     mtime) per file. Kept only to recognise those stores, never to write new ones."""
-    items: list[Any] = []
-    for source in sources:
-        if source.startswith("hf:"):
-            items.append(source)
-            continue
-        for path in resolve_paths(source):
-            st = path.stat()
-            items.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    items = _per_file(sources, lambda path: [str(path.resolve()), path.stat().st_size,
+                                             path.stat().st_mtime_ns])
     payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field,
                "v": STORE_VERSION}
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
