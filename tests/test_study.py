@@ -279,3 +279,17 @@ def test_slurm_executor_through_submitit_local(
         and "objective.dictionary is not set" in status["pretrain:bad"]["error"]
     )
     assert any((out / "slurm").glob("*_log.out"))  # submitit's own job logs
+
+
+def test_training_time_sums_every_resumed_window_once() -> None:
+    """An arm killed and resumed twice: its training time is the sum of every logged window
+    (tokens since the previous row / that row's rate), not the last segment's wall time."""
+    from mlsm.study.report import training_seconds
+
+    rows = [{"step": 10, "tokens": 100, "tokens_per_s": 10.0},   # 10 s
+            {"step": 20, "tokens": 200, "tokens_per_s": 20.0},   # 5 s, then killed, resumed at 20
+            {"step": 30, "tokens": 300, "tokens_per_s": 50.0},   # 2 s
+            {"step": 30, "loss": 1.0},                           # a row without a rate
+            {"step": 40, "tokens": 400, "tokens_per_s": 25.0}]   # 4 s
+    assert training_seconds(rows) == pytest.approx(21.0)
+    assert training_seconds([]) == 0.0

@@ -61,9 +61,27 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
     return _save(fig, path)
 
 
+def training_seconds(rows: list[dict[str, Any]]) -> float:
+    """Seconds spent in training steps, summed over the logged windows of metrics.jsonl.
+
+    Each row's `tokens_per_s` is measured over the steps since the previous row of the same
+    process, so tokens / rate summed over rows stays exact across any number of resumes (the
+    stage's wall time only covers its last, uninterrupted segment) and leaves out checkpoint saves.
+    """
+    total, prev_tokens = 0.0, 0
+    for row in rows:
+        tokens, rate = row.get("tokens"), row.get("tokens_per_s")
+        if tokens is None or not rate or tokens <= prev_tokens:
+            prev_tokens = tokens or prev_tokens
+            continue
+        total += (tokens - prev_tokens) / rate
+        prev_tokens = tokens
+    return total
+
+
 def arm_compute(study: Study) -> list[dict[str, Any]]:
     """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
-    time."""
+    time of the stage's last run and training time summed over every resumed segment."""
     from mlsm.evaluate.flops import flops_for_run
 
     times = _stage_times(study)
@@ -85,6 +103,7 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
                     "steps": cfg.train.steps,
                     "tokens": step * cfg.train.batch_size * cfg.data.max_len,
                     "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
+                    "training_seconds": training_seconds(rows),
                     "final_loss": rows[-1]["loss"] if rows else math.nan})
     return out
 
@@ -200,12 +219,16 @@ def _set_cells(s: dict[str, Any] | None) -> str:
 
 def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict,
             study: Study) -> list[str]:
-    lines = ["## Compute per arm\n", "| arm | objective | steps | tokens | GFLOPs / batch | "
-             "pre-training wall (s) | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["## Compute per arm\n",
+             "Pre-training wall: the stage's last uninterrupted run. Training time: the logged "
+             "windows of `metrics.jsonl` summed over every resumed segment (saves left out).\n",
+             "| arm | objective | steps | tokens | GFLOPs / batch | "
+             "pre-training wall (s) | training time (s) | final loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | "
               f"{c['tokens']:,} | {_fmt(c['flops_per_batch'], 1e9, 0)} | "
-              f"{c['pretrain_seconds']:.0f} | {_fmt(c['final_loss'], 1, 3)} |" for c in compute]
+              f"{c['pretrain_seconds']:.0f} | {c['training_seconds']:.0f} | "
+              f"{_fmt(c['final_loss'], 1, 3)} |" for c in compute]
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
         lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
