@@ -117,3 +117,18 @@ def test_declarations_match_what_the_objective_does(
     assert (row is None) == (cls.flops_row is None), name
     assert row is None or row.total > 0
 
+
+
+def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(
+    store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
+) -> None:
+    from mlsm.evaluate.flops import flops_for_run
+
+    overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
+                 "objective.dictionary": str(dictionary_path)}
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "r", **overrides))
+    labels = [r.objective.split(" (")[0] for r in flops_for_run(cfg, k=64)]
+    labels = [label if label != "MLSM" else "MLSM (naive)" for label in labels]
+    # MLSM_L is `mlsm` with its teacher layer at the top (no early exit): a setting, not an objective
+    declared = sorted(c.flops_row for c in REGISTERED.values() if c.flops_row)
+    assert sorted(set(labels) - {"MLSM_L"}) == declared
