@@ -129,6 +129,6 @@ def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "r", **overrides))
     labels = [r.objective.split(" (")[0] for r in flops_for_run(cfg, k=64)]
     labels = [label if label != "MLSM" else "MLSM (naive)" for label in labels]
-    # MLSM_L is `mlsm` with its teacher layer at the top (no early exit): a setting, not an objective
+    # MLSM_L is `mlsm` with its teacher layer at the top (no early exit): a setting of `mlsm`
     declared = sorted(c.flops_row for c in REGISTERED.values() if c.flops_row)
     assert sorted(set(labels) - {"MLSM_L"}) == declared
