@@ -19,11 +19,12 @@ logging is switched off with one line on stderr: the training itself never stops
 Resuming (`open_tracker(..., resume_step=N)`, N = the step of the checkpoint the run continues
 from) continues the SAME tracker run, never a second one of the same name. The ids are kept in
 FOLDER/tracking.json. TensorBoard purges the points after step N (`purge_step`), so the steps
-replayed after the checkpoint are plotted once, with their new values. W&B resumes the stored run
-id (`resume="allow"`), MLflow the stored run_id and trackio the run name; those three cannot erase
-points, so steps they already hold are not sent again (W&B's own client drops them online): their
-replayed steps keep the first values, equal to the new ones on an exact resume except wall-clock
-rates (tokens_per_s, flops_per_s, mfu).
+replayed after the checkpoint are plotted once, with their new values. MLflow reopens the stored
+run_id and trackio the run name; neither can erase a point, so the steps they already hold are not
+sent again and keep their first values (equal to the new ones on an exact resume, except the
+wall-clock rates tokens_per_s, flops_per_s, mfu). W&B resumes the stored run id
+(`resume="allow"`); the replayed steps are sent again and W&B's server decides which values it
+keeps (offline, both segments wait in FOLDER/wandb for `wandb sync`; not checked without a server).
 """
 
 from __future__ import annotations
