@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import CORPUS, skip_reason
+from common import CORPUS, step_bench_args
 
 PHASES = ("student forward", "teacher forward", "sparse coding", "backward", "optimizer")
 
@@ -135,18 +135,9 @@ def _step(objective, student, optimizer, batch, clock: dict[str, float]) -> dict
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dict-vectors", type=int, default=4096)
-    args = ap.parse_args()
-    reason = skip_reason()
-    if reason:
-        print(f"skipped: {reason}")
+    args = step_bench_args(__doc__, rounds=2, dict_vectors=4096)
+    if args is None:
         return 0
-    torch.set_num_threads(args.threads)
     from mlsm.config import DataConfig
     from mlsm.data.batches import BatchSource
 

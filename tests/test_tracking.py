@@ -117,8 +117,8 @@ def test_trackio_run_holds_the_logged_metrics_offline(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("LOGS ")]  # trackio chats too
-    assert json.loads(line[5:]) == [[1, 2.5], [2, 1.25]]
+    assert done.stdout.startswith("LOGS ")  # trackio's own lines go to stderr
+    assert json.loads(done.stdout[5:]) == [[1, 2.5], [2, 1.25]], done.stdout
 
 
 def test_wandb_offline_run_is_written_without_network(
@@ -198,3 +198,132 @@ def test_study_passes_report_to_and_checks_it_before_any_stage(
     with pytest.raises(UserError, match=r"base.train.report_to .* wandb package is not installed"):
         run_study(spec, log=lambda s: None)
     assert not (tmp_path / "study" / "stages.jsonl").exists()  # no stage ran
+
+
+def _interrupted_and_resumed(store: Path, out: Path, trackers: str, at: int = 3) -> Path:
+    """A 6-step run that logged every step but was cut off before its last checkpoint (a crash
+    between logging and saving), then resumed with --resume auto from checkpoint `at`. The first
+    segment's metrics.jsonl is kept as first-metrics.jsonl beside the run."""
+    import shutil
+
+    cfg = load_config(None, tiny_overrides(store, out, **{"train.report_to": trackers}))
+    run = pretrain(cfg)
+    shutil.copy(run / "metrics.jsonl", out.parent / "first-metrics.jsonl")
+    for folder in (run / "checkpoints").glob("step-*"):
+        if int(folder.name.removeprefix("step-")) > at:
+            shutil.rmtree(folder)
+    assert (run / "checkpoints" / f"step-{at:07d}").is_dir()
+    return pretrain(cfg, resume="auto")
+
+
+def test_a_resumed_run_continues_one_tensorboard_series(store_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = _interrupted_and_resumed(store_dir, tmp_path / "r", "[tensorboard]")
+    (board,) = (run / "tensorboard").iterdir()  # one run folder, written by both segments
+    assert len(list(board.glob("events.out.tfevents.*"))) == 2
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    logged, first = (
+        {m["step"]: m["tokens_per_s"] for m in map(json.loads, path.read_text().splitlines())}
+        for path in (run / "metrics.jsonl", tmp_path / "first-metrics.jsonl")
+    )
+    for tag in ("loss", "tokens_per_s"):
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert steps == [1, 2, 3, 4, 5, 6], tag  # every step once, in order
+    # tokens_per_s is a wall-clock rate, different in each segment: steps 1-3 carry the first
+    # segment's values and 4-6 the resumed one's, as metrics.jsonl does
+    read = {e.step: e.value for e in acc.Scalars("tokens_per_s")}
+    assert all(read[s] == float(np.float32(logged[s])) for s in logged)
+    assert [logged[s] == first[s] for s in logged] == [True] * 3 + [False] * 3
+    texts = [e.step for e in acc.Tensors("config/text_summary")]
+    assert texts == [0]  # the config text was written once
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(
+    store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    run = _interrupted_and_resumed(store_dir, tmp_path / "r", "[wandb]")
+    stored = json.loads((run / "tracking.json").read_text())[run.name]["wandb"]
+    # W&B names each offline segment offline-run-<time>-<run id>; both carry the stored id
+    segments = sorted((run / "wandb").glob("offline-run-*"))
+    assert [s.name.rsplit("-", 1)[1] for s in segments] == [stored] * len(segments)
+    records = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(records) == 2 and {r.name for r in records} == {f"run-{stored}.wandb"}
+
+
+def test_a_resumed_mlflow_run_is_the_same_run_with_each_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    config = {"train": {"steps": 5, "threads": 1}}
+    with open_tracker(["mlflow"], tmp_path, config, "run-a") as tracker:
+        for step in (1, 2, 3, 4):
+            tracker.log({"loss": float(step)}, step)
+        first = tracker.backends["mlflow"].run_id
+    config["train"]["threads"] = 2  # may change on resume; MLflow params are write-once
+    with open_tracker(["mlflow"], tmp_path, config, "run-a", resume_step=2) as tracker:
+        for step in (3, 4, 5):  # 3 and 4 replayed after the checkpoint at step 2
+            tracker.log({"loss": 10.0 * step}, step)
+        assert tracker.backends["mlflow"].run_id == first
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    history = sorted((m.step, m.value) for m in client.get_metric_history(first, "loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0)]
+    (run,) = client.search_runs([client.get_run(first).info.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["train.threads"] == "1"
+
+
+_TRACKIO_RESUME_SCRIPT = """
+import json, shutil, sys
+from pathlib import Path
+from mlsm.config import load_config
+from mlsm.train.loop import pretrain
+cfg = load_config(None, json.loads(sys.argv[1]))
+run = pretrain(cfg)
+for folder in (run / "checkpoints").glob("step-*"):
+    if int(folder.name.removeprefix("step-")) > 3:
+        shutil.rmtree(folder)
+pretrain(cfg, resume="auto")
+from trackio.sqlite_storage import SQLiteStorage
+runs = [(r["name"], r["id"]) for r in SQLiteStorage.get_run_records("mlsm-test")]
+stored = json.loads((run / "tracking.json").read_text())[run.name]["trackio"]
+logs = [r["step"] for r in SQLiteStorage.get_logs("mlsm-test", run.name)]
+runs = [[name, run_id == stored] for name, run_id in runs]
+Path(sys.argv[2]).write_text(json.dumps({"runs": runs, "steps": logs}))
+"""
+
+
+def test_trackio_keeps_stdout_clean_and_resumes_the_same_run(
+    store_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("trackio")
+    overrides = tiny_overrides(store_dir, tmp_path / "r", **{"train.report_to": "[trackio]"})
+    env = {
+        **os.environ,
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "TRACKIO_PROJECT": "mlsm-test",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACKIO_RESUME_SCRIPT, json.dumps(overrides), str(result)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == ""  # mlsm's stdout carries results: trackio's news goes to stderr
+    assert "Trackio" in done.stderr
+    got = json.loads(result.read_text())
+    assert got == {"runs": [["r", True]], "steps": [1, 2, 3, 4, 5, 6]}  # one run, the stored one

@@ -30,7 +30,6 @@ EXPORT_FORMAT = "mlsm-export"
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
 _SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
-_TEACHER_OBJECTIVES = {"mlsm", "mlsm_naive", "kd", "mtl", "mae_mlsm"}
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
@@ -155,6 +154,8 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"),
         "tokens": info.get("tokens"),
         "objective": objective.get("name"), "objective_config": objective,
+        # a probe checkpoint is an MLSM model with its probe: the probed objective decides
+        "predicts_latent": _declares(source, "predicts_latent"),
         "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
         "git_revision": (json.loads(run_json.read_text()).get("git_revision")
                          if run_json.is_file() else None),
@@ -166,8 +167,16 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
     }
 
 
+def _declares(objective: dict[str, Any], attribute: str) -> bool:
+    """What the objective's class declares (`uses_teacher`, ...); False for a name this version
+    does not know."""
+    from mlsm.objectives import objective_class
+
+    return bool(getattr(objective_class(objective.get("name")), attribute, False))
+
+
 def _teacher(objective: dict[str, Any]) -> dict[str, Any] | None:
-    if objective.get("name") not in _TEACHER_OBJECTIVES:
+    if not _declares(objective, "uses_teacher"):
         return None
     layer = objective.get("layer")
     # -1, the saved default, means the dictionary's layer: unknown here, as when it was not saved
@@ -224,8 +233,7 @@ def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = 
     header: dict[str, Any] = {
         "library_name": "transformers", "license": license,
         "tags": ["mlsm", f"objective:{p['objective']}",
-                 "masked-latent-semantic-modeling"
-                 if p["objective"] in ("mlsm", "mtl", "probe") else "encoder"],
+                 "masked-latent-semantic-modeling" if p.get("predicts_latent") else "encoder"],
         "pipeline_tag": "fill-mask" if p["masked_lm"] else "feature-extraction",
     }
     datasets = hub_datasets(p["data"])

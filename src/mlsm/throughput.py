@@ -36,8 +36,6 @@ GPU_PEAK_FLOPS: list[tuple[str, float, str]] = [
     (r"RTX 4090", 165.2e12, "NVIDIA Ada whitepaper: RTX 4090 FP16/BF16 tensor, FP32 accumulate"),
 ]
 
-# objective.name -> the row of `flops_table` it runs; objectives without a row log no FLOP/s
-_ROWS = {"mlm": "MLM", "kd": "KD", "mlsm_naive": "MLSM (naive)", "mlsm": "MLSM_l", "mtl": "MTL"}
 
 
 def peak_from_name(name: str) -> float | None:
@@ -57,17 +55,33 @@ def device_peak(device: torch.device, configured: float) -> float | None:
     return None
 
 
+def flops_label(objective: str) -> str | None:
+    """The `flops_table` row an objective runs, as its class declares (`flops_row`)."""
+    from mlsm.objectives import objective_class
+
+    cls = objective_class(objective)
+    return cls.flops_row if cls is not None else None
+
+
+def flops_row_of(rows: list[Any], objective: str) -> Any:
+    """The row of `rows` (a `flops_table`) that `objective` runs; None when it has none. Rows
+    are named by their label, some with a parenthesis after it (`MLSM_l (l=3)`)."""
+    label = flops_label(objective)
+    return next((r for r in rows if label is not None
+                 and (r.objective == label or r.objective.split(" (")[0] == label)), None)
+
+
 def flops_per_step(cfg: Any, student_config: Any) -> int | None:
     """Analytic FLOPs of one optimizer step of this run (None for objectives `flops_table` does
-    not cover: clm, clm_then_mlm, mae_lm, mae_mlsm, probe)."""
+    not cover: those whose class declares no `flops_row`)."""
     from mlsm.evaluate.flops import flops_for_run
 
-    label = _ROWS.get(cfg.objective.name)
-    if label is None:
+    if flops_label(cfg.objective.name) is None:
         return None
     vocab = int(student_config.vocab_size)
     rows = flops_for_run(cfg, vocab_size=vocab, student_config=student_config)
-    row = next(r for r in rows if r.objective.split(" (")[0] == label or r.objective == label)
+    row = flops_row_of(rows, cfg.objective.name)
+    assert row is not None, f"flops_table has no {flops_label(cfg.objective.name)!r} row"
     # MLSM from a target store: no teacher runs during training
     if getattr(cfg.objective, "targets", ""):
         return row.student

@@ -15,24 +15,39 @@ installed with the `tracking` extra (`pip install -e ".[tracking]"`), and works 
 
 Every run records the resolved config and the git revision of mlsm. A tracker that fails while
 logging is switched off with one line on stderr: the training itself never stops for it.
+
+Resuming (`open_tracker(..., resume_step=N)`, N = the step of the checkpoint the run continues
+from) continues the SAME tracker run, never a second one of the same name. The ids are kept in
+FOLDER/tracking.json. TensorBoard purges the points after step N (`purge_step`), so the steps
+replayed after the checkpoint are plotted once, with their new values. MLflow reopens the stored
+run_id and trackio the run name; neither can erase a point, so the steps they already hold are not
+sent again and keep their first values (equal to the new ones on an exact resume, except the
+wall-clock rates tokens_per_s, flops_per_s, mfu). W&B resumes the stored run id
+(`resume="allow"`); the replayed steps are sent again and W&B's server decides which values it
+keeps (offline, both segments wait in FOLDER/wandb for `wandb sync`; not checked without a server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_json
 
 BACKENDS = ("tensorboard", "wandb", "mlflow", "trackio")
 EXTRA = 'pip install -e ".[tracking]"'
 # backend -> package that must be importable (torch.utils.tensorboard needs tensorboard)
 _PACKAGES = {name: name for name in BACKENDS}
+STATE = "tracking.json"
+"""FOLDER/STATE: {run name: {backend: id}}, what a resumed run reopens."""
 
 
 def check_names(names: list[str], where: str) -> None:
@@ -56,6 +71,31 @@ def require(names: list[str], where: str) -> None:
                             f"install the tracking extra: {EXTRA}")
 
 
+@dataclass(frozen=True)
+class _Resume:
+    """How a backend starts: step = the checkpoint step a resumed run continues from (None for a
+    fresh run); id = this backend's stored run id for it (None: start a new tracker run)."""
+
+    step: int | None = None
+    id: str | None = None
+
+
+def _read_state(folder: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _write_state(folder: Path, name: str, ids: dict[str, str]) -> None:
+    """Record the run ids of `name` (kept beside those of other runs in the folder)."""
+    state = _read_state(folder)
+    state[name] = ids
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / STATE, state)
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"steps": 3}} -> {"train.steps": 3}."""
     out: dict[str, Any] = {}
@@ -75,11 +115,20 @@ def _config_yaml(config: dict[str, Any]) -> str:
 
 
 class _TensorBoard:
-    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str) -> None:
+    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str,
+                 resume: _Resume) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # one sub-folder per run: `tensorboard --logdir FOLDER/tensorboard` compares them
-        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard" / name))
+        log_dir = folder / "tensorboard" / name
+        earlier = resume.step is not None and any(log_dir.glob("events.out.tfevents.*"))
+        # On resume from step N the steps after N are logged again: purge_step writes a
+        # SessionLog.START at N + 1, and TensorBoard's readers drop every earlier-written point
+        # at or after it, so each step keeps one point, the new one.
+        purge = None if resume.step is None else resume.step + 1
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+        if earlier:  # the first segment's texts (step 0) stay
+            return
         # 4-space indent: TensorBoard renders text as Markdown, this keeps the YAML a code block
         self.writer.add_text("config", "    " + _config_yaml(config).replace("\n", "\n    "))
         self.writer.add_text("git_revision", revision)
@@ -109,14 +158,18 @@ def wandb_mode() -> str:
 
 
 class _WandB:
-    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str) -> None:
+    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str,
+                 resume: _Resume) -> None:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
+        # a stored id is resumed ("allow": a run the server never saw, e.g. offline, is created)
+        reopen = {"id": resume.id, "resume": "allow"} if resume.id else {}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mlsm"), name=name,
                               dir=str(folder), config={**config, "git_revision": revision},
-                              mode=wandb_mode(),
+                              mode=wandb_mode(), **reopen,
                               settings=wandb.Settings(console="off", silent=True))
+        self.id = self.run.id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -126,8 +179,8 @@ class _WandB:
 
 
 class _MLflow:
-    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str) -> None:
-        from mlflow.entities import Param
+    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str,
+                 resume: _Resume) -> None:
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -136,41 +189,93 @@ class _MLflow:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (folder / "mlruns").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
+        self.held = -1  # steps up to this one are in the run already (a resumed run)
+        if resume.id and self._reopen(resume.id):
+            return
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "mlsm")
         found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
         tags = {"mlflow.source.git.commit": revision}
         run = self.client.create_run(exp_id, run_name=name, tags=tags)
-        self.run_id = run.info.run_id
+        self.id = run.info.run_id
+        self._log_config(config)
+
+    def _reopen(self, run_id: str) -> bool:
+        """Continue the stored run (False when the store no longer has it)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        self.id = run_id
+        self.client.update_run(run_id, status="RUNNING")
+        # params are write-once in MLflow (and device/threads may change on resume): kept as logged
+        steps = [m.step for key in run.data.metrics
+                 for m in self.client.get_metric_history(run_id, key)]
+        self.held = max(steps, default=-1)
+        return True
+
+    def _log_config(self, config: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
         params = [Param(k, str(v)[:500]) for k, v in flatten(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
-        self.client.log_text(self.run_id, _config_yaml(config), "config.yaml")
+            self.client.log_batch(self.id, params=params[i:i + 100])
+        self.client.log_text(self.id, _config_yaml(config), "config.yaml")
+
+    @property
+    def run_id(self) -> str:
+        return self.id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        if step <= self.held:  # MLflow cannot replace a point: a replayed step would be doubled
+            return
         now = int(time.time() * 1000)
         rows = [Metric(k, v, now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=rows)
+        self.client.log_batch(self.id, metrics=rows)
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.id)
 
 
 class _Trackio:
-    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str) -> None:
+    def __init__(self, folder: Path, name: str, config: dict[str, Any], revision: str,
+                 resume: _Resume) -> None:
         import trackio
 
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "mlsm"), name=name,
-                                config={**config, "git_revision": revision}, embed=False,
-                                auto_log_gpu=False, auto_log_cpu=False)
+        project = os.environ.get("TRACKIO_PROJECT", "mlsm")
+        # trackio prints its news ("* Created new run: ...") on stdout, which carries mlsm's results
+        with contextlib.redirect_stdout(sys.stderr):
+            self.run = trackio.init(project=project, name=name,
+                                    config={**config, "git_revision": revision}, embed=False,
+                                    auto_log_gpu=False, auto_log_cpu=False,
+                                    resume="allow" if resume.id else "never")
+        self.id = self.run.id  # recorded; trackio itself resumes a run by its name
+        self.held = -1
+        if resume.id:
+            from trackio.sqlite_storage import SQLiteStorage
+
+            with contextlib.suppress(Exception):  # unknown: replayed steps are sent again
+                held = SQLiteStorage.get_max_step_for_run(project, name, run_id=self.run.id)
+                self.held = -1 if held is None else held
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
+        if step > self.held:  # trackio cannot replace a point: a replayed step would be doubled
+            with contextlib.redirect_stdout(sys.stderr):
+                self.run.log(metrics, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        with contextlib.redirect_stdout(sys.stderr):  # "* Run finished. ..."
+            self.run.finish()
+        # trackio finishes its current run again at exit, printing once more, outside this redirect
+        with contextlib.suppress(ImportError, AttributeError):
+            from trackio import context_vars
+
+            if context_vars.current_run.get() is self.run:
+                context_vars.current_run.set(None)
 
 
 _CLASSES = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow, "trackio": _Trackio}
@@ -214,9 +319,11 @@ class Tracker:
 
 
 def open_tracker(names: list[str], folder: str | Path, config: dict[str, Any], name: str,
-                 where: str = "train.report_to") -> Tracker:
+                 where: str = "train.report_to", resume_step: int | None = None) -> Tracker:
     """Start a run in every backend of `names`; folder holds the local files of those that write
-    any. A backend that cannot start is one UserError naming it (nothing of the run is lost)."""
+    any. resume_step: the step a resumed run continues from; the tracker runs started for `name`
+    in `folder` are then continued (module docstring). A backend that cannot start is one
+    UserError naming it (nothing of the run is lost)."""
     require(names, where)
     if not names:
         return Tracker()
@@ -224,14 +331,19 @@ def open_tracker(names: list[str], folder: str | Path, config: dict[str, Any], n
 
     revision = git_revision()
     folder = Path(folder)
+    stored = _read_state(folder).get(name, {}) if resume_step is not None else {}
     started: dict[str, Any] = {}
     for backend in names:
+        known = stored.get(backend) if isinstance(stored, dict) else None
+        resume = _Resume(resume_step, str(known) if known else None)
         try:
-            started[backend] = _CLASSES[backend](folder, name, config, revision)
+            started[backend] = _CLASSES[backend](folder, name, config, revision, resume)
         except Exception as exc:
             Tracker(started).close()
             first = (str(exc).strip().splitlines() or [""])[0]
             raise UserError(f"cannot start the {backend} tracker ({type(exc).__name__}: {first}); "
                             f"fix its setup or drop it from {where}") from None
+    ids = {k: b.id for k, b in started.items() if getattr(b, "id", None)}
+    if ids:
+        _write_state(folder, name, ids)
     return Tracker(started)
-

@@ -39,16 +39,21 @@ for _name, _cls in {**OBJECTIVES, **INTERNAL}.items():
     register_objective(_cls.Config, internal=_name in INTERNAL)
 
 
+def objective_class(name: object) -> type[Objective] | None:
+    """The class registered under `name` (OBJECTIVES or INTERNAL); None for an unknown name."""
+    return {**OBJECTIVES, **INTERNAL}.get(name) if isinstance(name, str) else None
+
+
 def build_objective(spec: object, ctx: Context) -> Objective:
     """Instantiate the objective of `spec`: its typed Config, or a dict {name: ..., options}."""
     from mlsm.config import resolve_objective
 
     cfg = spec if not isinstance(spec, dict) else resolve_objective(spec)
-    cls = {**OBJECTIVES, **INTERNAL}.get(getattr(cfg, "name", None))
+    cls = objective_class(getattr(cfg, "name", None))
     if cls is None:
         raise UserError(f"unknown objective {spec!r}; valid: {', '.join(OBJECTIVES)}")
     return cls(cfg, ctx)
 
 
 __all__ = ["INTERNAL", "OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "TrainModule",
-           "build_objective", "forward_step"]
+           "build_objective", "forward_step", "objective_class"]

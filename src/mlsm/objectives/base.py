@@ -15,7 +15,10 @@ accumulation and DDP give exactly the full-batch gradient.
 
 What a checkpoint holds is declared, not set by side effect: `exports_vocab_head` (class-level:
 does the HF folder keep the student's masked-LM head?) and `exported_heads()` (name -> module,
-saved in heads.safetensors, described by `head_meta()` in heads.json).
+saved in heads.safetensors, described by `head_meta()` in heads.json). What the rest of mlsm needs
+to know about an objective is declared on its class too (`uses_teacher`, `predicts_latent`,
+`flops_row`), so no other module keeps a list of objective names: adding an objective touches
+its module, the registry and its test.
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ class Objective(nn.Module):
     objective trains) rather than the bare encoder."""
     trains_student: ClassVar[bool] = True
     """False: the student is frozen (eval mode, no grad) and only the objective's heads learn."""
+    uses_teacher: ClassVar[bool] = False
+    """Its targets come from a frozen teacher model (its Config has a `teacher` option; empty =
+    the packaged MiniLM): `mlsm export` names the teacher and its layer in the model card."""
+    predicts_latent: ClassVar[bool] = False
+    """It trains a head over the k latent properties of MLSM (Berend 2023): a study fits the
+    k -> |V| probe on its checkpoints to score words and compares it as a latent arm."""
+    flops_row: ClassVar[str | None] = None
+    """The row of `flops_table` (`mlsm flops`) whose step this objective runs; None = not
+    modelled (no FLOP/s or MFU in its logs)."""
 
     def __init__(self) -> None:
         super().__init__()

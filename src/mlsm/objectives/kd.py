@@ -97,6 +97,8 @@ def distill_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 class KD(Objective):
     Config = KDConfig
     exports_vocab_head = True  # KD trains the student's vocabulary head
+    uses_teacher = True
+    flops_row = "KD"
 
     def __init__(self, cfg: KDConfig, ctx: Context):
         super().__init__()

@@ -47,6 +47,7 @@ def _part(cls: type, cfg: Any) -> Any:
 
 class MAEMLSM(Objective):
     Config = MAEMLSMConfig
+    uses_teacher = predicts_latent = True  # its MLSM member's
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
         super().__init__()

@@ -33,6 +33,7 @@ def vocab_loss(logits: torch.Tensor, labels: torch.Tensor, loss_name: str = "mlm
 class MLM(Objective):
     Config = MLMConfig
     exports_vocab_head = True  # the student's masked-LM head is what MLM trains
+    flops_row = "MLM"
 
     def __init__(self, cfg: MLMConfig, ctx: Context):
         super().__init__()

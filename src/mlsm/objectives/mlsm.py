@@ -147,6 +147,8 @@ def stored_targets(cfg: MLSMConfig, ctx: Context) -> StoredTargets:
 
 class MLSM(Objective):
     Config = MLSMConfig
+    uses_teacher = predicts_latent = True  # the teacher's codes, stored or computed online
+    flops_row = "MLSM_l"
 
     def __init__(self, cfg: MLSMConfig, ctx: Context):
         super().__init__()

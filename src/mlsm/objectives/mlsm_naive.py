@@ -62,6 +62,8 @@ def load_full_teacher(path: str) -> tuple[nn.Module, object]:
 
 class MLSMNaive(Objective):
     Config = MLSMNaiveConfig
+    uses_teacher = predicts_latent = True
+    flops_row = "MLSM (naive)"
 
     def __init__(self, cfg: MLSMNaiveConfig, ctx: Context):
         super().__init__()
@@ -102,7 +104,8 @@ class MLSMNaive(Objective):
     def attach(self, student: Student) -> None:
         d = student.hidden_size  # d → |V| + k, as the official code
         self.add_head("naive", nn.Linear(d, self.vocab + self.k),
-                      {"class": "Linear", "d": d, "out": self.vocab + self.k, "latent": "last k"})
+                      {"class": "Linear", "d": d, "out": self.vocab + self.k, "k": self.k,
+                       "latent": "last k"})
 
     def targets(self, batch: Batch) -> torch.Tensor:
         """FISTA codes (N, k) of the full teacher's layer-l states at the selected positions."""

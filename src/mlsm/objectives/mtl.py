@@ -77,6 +77,8 @@ def shared_head(student: Student, k: int) -> tuple[nn.Module, dict[str, Any]]:
 class MTL(Objective):
     Config = MTLConfig
     exports_vocab_head = True  # MLM's vocabulary head is trained and exported
+    uses_teacher = predicts_latent = True  # its MLSM member's
+    flops_row = "MTL"
 
     def __init__(self, cfg: MTLConfig, ctx: Context):
         super().__init__()

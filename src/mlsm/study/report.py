@@ -83,6 +83,7 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
     """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
     time of the stage's last run and training time summed over every resumed segment."""
     from mlsm.evaluate.flops import flops_for_run
+    from mlsm.throughput import flops_row_of
 
     times = _stage_times(study)
     out = []
@@ -92,11 +93,8 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
         step = rows[-1]["step"] if rows else 0
         try:
             table = flops_for_run(cfg)
-            name = cfg.objective.name
-            match = {"mlm": "MLM", "kd": "KD", "mlsm": "MLSM_l", "mtl": "MTL",
-                     "mlsm_naive": "MLSM (naive)"}.get(name, "")
-            flops = next((r.total for r in table if match and r.objective.startswith(match)),
-                         math.nan)
+            row = flops_row_of(table, cfg.objective.name)
+            flops = row.total if row is not None else math.nan
         except Exception:  # a missing dictionary/teacher config: report the rest
             flops = math.nan
         out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step,

@@ -26,8 +26,6 @@ from mlsm.fileio import atomic_write_text
 from mlsm.runs import readiness_step
 from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
 
-LATENT = ("mlsm", "mtl", "mae_mlsm", "mlsm_naive")
-"""Objectives whose model predicts latent properties and needs a probe to score words."""
 _VOLATILE = (("train", "threads"), ("train", "device"))
 """Config keys that may change between a run and its resumption (they do not change the result)."""
 
@@ -73,7 +71,12 @@ class Study:
         return self.run_dir(arm) / f"probe-{readiness_label(frac).rstrip('%')}"
 
     def is_latent(self, arm: str) -> bool:
-        return str(self.spec.arms[arm].objective.get("name")) in LATENT
+        """The arm's model predicts latent properties and needs a probe to score words (its
+        objective declares `predicts_latent`)."""
+        from mlsm.objectives import objective_class
+
+        cls = objective_class(self.spec.arms[arm].objective.get("name"))
+        return bool(cls and cls.predicts_latent)
 
     # --- configs -------------------------------------------------------------------------
     def arm_config(self, arm: str) -> RunConfig:

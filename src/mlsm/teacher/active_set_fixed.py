@@ -66,31 +66,40 @@ def active_set_fixed(c: torch.Tensor, Gp: torch.Tensor, lam: float, tol: float,
     q = min(q, k)
     G = fixed_gram(Gp, S, q)  # (k + S + q, K')
     cpad = F.pad(c.double() - lam, (0, G.shape[1] - k))  # (n, K') c − λ; 0 on sentinels/padding
-    sent_slot = torch.arange(k, k + S, device=dev).expand(n, S)  # distinct sentinels per slot
-    sent_new = torch.arange(k + S, k + S + q, device=dev).expand(n, q)
-    idx = sent_slot
+    # distinct sentinels: k … k+S−1 mark empty slots, k+S … k+S+q−1 empty entering places
+    sent = torch.arange(k, k + S + q, device=dev).expand(n, S + q)
+    sent_slot = idx = sent[:, :S]
+    # what a candidate must exceed to stay or enter: z > 0 for the S slots, v > tol for the q
+    bar = torch.tensor([0.0] * S + [tol] * q, dtype=torch.float64, device=dev)
     if warm is not None and warm.shape[1]:
         w = warm[:, :S].long().to(dev)
         w = torch.where((w >= 0) & (w < k), w, sent_slot[:, : w.shape[1]])
         idx = torch.cat([w, sent_slot[:, w.shape[1]:]], 1)
-    z = _solve(idx, G, cpad) if warm is not None else c.new_zeros(n, S, dtype=torch.float64)
+    cpad3 = cpad[:, :, None]  # (n, K', 1), for the gathers of c_A − λ
+    # one bag of S slots per row; given once (F.embedding_bag would make them at every call)
+    offsets = torch.arange(0, n * S, S, device=dev)
+    z = _solve(idx, G, cpad3) if warm is not None else c.new_zeros(n, S, dtype=torch.float64)
     for _ in range(min(max_steps, FIXED_STEPS)):
-        g = F.embedding_bag(idx, G, per_sample_weights=z, mode="sum")  # (n, K') = G z
+        g = F.embedding_bag(idx.reshape(-1), G, offsets, per_sample_weights=z.reshape(-1),
+                            mode="sum")  # (n, K') = G z
         v, j = torch.sub(cpad, g).scatter_(1, idx, float("-inf")).topk(q, dim=1)  # (n, q)
-        keep = torch.where(z > 0, idx, sent_slot)  # negative (or NaN) atoms leave
-        new = torch.where(v > tol, j, sent_new)  # violators enter
+        # negative (or NaN) atoms leave, violators enter: one comparison for both, (n, S + q)
+        both = torch.where(torch.cat([z, v], 1) > bar, torch.cat([idx, j], 1), sent)
         # S smallest ids of the S + q: atoms before sentinels (slot order is irrelevant); a row
         # with more than S atoms loses its largest ids and is caught by the caller's KKT check
-        idx = torch.cat([keep, new], 1).topk(S, dim=1, largest=False).values
-        z = _solve(idx, G, cpad)
-    fail = torch.zeros_like(z[:, 0], dtype=torch.bool)
-    return torch.where(idx < k, idx, k), torch.where(z > 0, z, 0.0), fail
+        idx = both.topk(S, dim=1, largest=False).values
+        z = _solve(idx, G, cpad3)
+    fail = z.new_zeros(n, dtype=torch.bool)
+    # z > 0 (not clamp) also zeroes a NaN z (singular G_AA): the caller's KKT check then sees it
+    return idx.clamp(max=k), torch.where(z > 0, z, 0.0), fail
 
 
-def _solve(idx: torch.Tensor, G: torch.Tensor, cpad: torch.Tensor) -> torch.Tensor:
+def _solve(idx: torch.Tensor, G: torch.Tensor, cpad3: torch.Tensor) -> torch.Tensor:
     """z = G_AA⁻¹ (c_A − λ) per row (n, S), G_AA gathered from the slots' Gram rows (identity on
-    sentinels). A singular G_AA gives non-finite or meaningless z; no error is read on the host."""
-    L, _ = torch.linalg.cholesky_ex(G[idx[:, :, None], idx[:, None, :]])  # (n, S, S)
+    sentinels); cpad3 = c − λ as (n, K', 1). A singular G_AA gives non-finite or meaningless z;
+    no error is read on the host."""
+    col = idx[:, :, None]  # (n, S, 1)
+    L, _ = torch.linalg.cholesky_ex(G[col, idx[:, None, :]])  # (n, S, S)
     # two triangular solves: cholesky_solve and solve_ex read error flags on the host
-    y = torch.linalg.solve_triangular(L, cpad.gather(1, idx)[:, :, None], upper=False)
+    y = torch.linalg.solve_triangular(L, cpad3.gather(1, col), upper=False)  # (n, S, 1)
     return torch.linalg.solve_triangular(L.mT, y, upper=True)[:, :, 0]

@@ -188,7 +188,7 @@ def _checked(sol: tuple[torch.Tensor, torch.Tensor, torch.Tensor], c: torch.Tens
     on = g.gather(1, support).abs().amax(1)
     off = g.scatter_(1, support, float("-inf"))[:, :k].amax(1)
     viol = torch.maximum(on, off)
-    return codes, torch.where(fail, torch.full_like(viol, float("inf")), viol)
+    return codes, viol.masked_fill(fail, float("inf"))
 
 
 def _violation_from_grad(g: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     meter = FlopMeter(None)
     if dist_info.is_main:
         meter = flop_meter(cfg, student.config, device, dist_info.world)
-    tracker = _open_tracker(cfg, run_dir, dist_info)
+    tracker = _open_tracker(cfg, run_dir, dist_info, start if resume else None)
     bar = Progress(cfg.train.steps, "pretrain", "step", initial=start, enabled=dist_info.is_main)
     t_last, s_last = time.perf_counter(), start
     stopper = StopOnSignal()
@@ -419,12 +419,15 @@ def _prune(run_dir: Path, cfg: RunConfig) -> None:
         ckpt.remove_checkpoint(folder)
 
 
-def _open_tracker(cfg: RunConfig, run_dir: Path, info: DistInfo) -> tracking.Tracker:
-    """The run's experiment trackers (`train.report_to`), on rank 0 only; files in run_dir."""
+def _open_tracker(cfg: RunConfig, run_dir: Path, info: DistInfo,
+                  resumed_from: int | None) -> tracking.Tracker:
+    """The run's experiment trackers (`train.report_to`), on rank 0 only; files in run_dir.
+    A resumed run (resumed_from = its checkpoint's step) continues the same tracker runs."""
     if not info.is_main:
         return tracking.Tracker()
     config = json.loads(json.dumps(config_to_dict(cfg)))
-    return tracking.open_tracker(cfg.train.report_to, run_dir, config, run_dir.name)
+    return tracking.open_tracker(cfg.train.report_to, run_dir, config, run_dir.name,
+                                 resume_step=resumed_from)
 
 
 def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps: float,

@@ -1,0 +1,134 @@
+"""What mlsm needs to know about an objective is declared on its class (`uses_teacher`,
+`predicts_latent`, `flops_row`), checked here against what each objective does when it is built
+on a tiny model, and no module keeps its own list of objective names."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mlsm.config import ModelConfig, load_config
+from mlsm.data.corpus import TokenStore
+from mlsm.errors import UserError
+from mlsm.models.backbone import build_student
+from mlsm.models.heads import LatentHead
+from mlsm.objectives import INTERNAL, OBJECTIVES, Context, Objective, build_objective
+
+from .conftest import TINY_MODEL, tiny_overrides
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mlsm"
+REGISTERED = {**OBJECTIVES, **INTERNAL}
+TEACHERLESS = {"mlm", "clm", "clm_then_mlm", "mae_lm"}  # build from their name alone
+
+
+def _literal_name_lists(path: Path) -> list[tuple[int, list[str]]]:
+    """(line, names) of every tuple/list/set literal or dict's keys naming >= 2 registered
+    objectives. A dict whose values are all dict literals is configuration (e.g. study arms named
+    after their objective), not a list of objectives."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = node.elts
+        elif isinstance(node, ast.Dict) and not all(isinstance(v, ast.Dict) for v in node.values):
+            items = [k for k in node.keys if k is not None]
+        else:
+            continue
+        names = [i.value for i in items if isinstance(i, ast.Constant) and i.value in REGISTERED]
+        if len(names) >= 2:
+            found.append((node.lineno, names))
+    return found
+
+
+def test_no_module_keeps_a_list_of_objective_names() -> None:
+    registry = SRC / "objectives" / "__init__.py"
+    found = {str(p.relative_to(SRC)): hits for p in sorted(SRC.rglob("*.py"))
+             if p != registry and (hits := _literal_name_lists(p))}
+    assert found == {}, "declare it on the objective classes (objectives/base.py) instead"
+    assert len(_literal_name_lists(registry)) == 2  # the check sees the registry's own dicts
+
+
+def _spec(name: str, teacher: str, dictionary: Path, folder: Path) -> dict:
+    if name in TEACHERLESS:
+        return {"name": name}
+    if name == "kd":
+        return {"name": name, "teacher": teacher}
+    if name == "probe":
+        return {"name": name, "checkpoint": str(_latent_checkpoint(folder))}
+    return {"name": name, "teacher": teacher, "dictionary": str(dictionary)}
+
+
+def _latent_checkpoint(folder: Path) -> Path:
+    """The heads of an MLSM checkpoint (all a probe reads of it), written as mlsm writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    head = LatentHead(TINY_MODEL["hidden_size"], 64)
+    save_file({f"latent.{k}": v for k, v in head.state_dict().items()},
+              folder / "heads.safetensors")
+    entry = {"class": "LatentHead", "d": TINY_MODEL["hidden_size"], "k": 64}
+    (folder / "heads.json").write_text(json.dumps({"latent": entry}))
+    return folder
+
+
+def _context(store_dir: Path) -> Context:
+    tok = TokenStore.open(store_dir).load_tokenizer()
+    return Context(tok, torch.device("cpu"), 10, str(store_dir), 32)
+
+
+def _built(spec: dict, store_dir: Path) -> Objective:
+    ctx = _context(store_dir)
+    obj = build_objective(spec, ctx)
+    obj.attach(build_student(ModelConfig(overrides=dict(TINY_MODEL)), ctx.tokenizer, 32, 0))
+    return obj
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_declarations_match_what_the_objective_does(
+    name: str, store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
+) -> None:
+    cls = REGISTERED[name]
+    spec = _spec(name, str(teacher_dir), dictionary_path, tmp_path / "mlsm-ckpt")
+    # uses_teacher: the objective has a teacher option (export reads it) and really loads it
+    options = {f.name for f in dataclasses.fields(cls.Config)}
+    assert cls.uses_teacher == ("teacher" in options), name
+    if cls.uses_teacher:
+        missing = str(tmp_path / "no-such-teacher")
+        with pytest.raises(UserError, match="no-such-teacher"):
+            build_objective({**spec, "teacher": missing}, _context(store_dir))
+    # predicts_latent: a head it trains outputs the dictionary's k latent properties
+    obj = _built(spec, store_dir)
+    trained = {n for n, h in obj.exported_heads().items()
+               if any(p.requires_grad for p in h.parameters())}
+    latent = [n for n in trained if obj.head_meta().get(n, {}).get("k") == 64]
+    assert cls.predicts_latent == bool(latent), (name, obj.head_meta())
+    # flops_row: a row of `mlsm flops`'s table for this run, or none
+    from mlsm.evaluate.flops import flops_for_run
+    from mlsm.throughput import flops_row_of
+
+    overrides = {"objective.name": name} if name in TEACHERLESS else {
+        f"objective.{k}": v for k, v in spec.items() if k != "checkpoint"}
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "r", **overrides))
+    rows = flops_for_run(cfg, teacher=str(teacher_dir), k=64)
+    row = flops_row_of(rows, name)
+    assert (row is None) == (cls.flops_row is None), name
+    assert row is None or row.total > 0
+
+
+
+def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(
+    store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
+) -> None:
+    from mlsm.evaluate.flops import flops_for_run
+
+    overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
+                 "objective.dictionary": str(dictionary_path)}
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "r", **overrides))
+    labels = [r.objective.split(" (")[0] for r in flops_for_run(cfg, k=64)]
+    labels = [label if label != "MLSM" else "MLSM (naive)" for label in labels]
+    # MLSM_L is `mlsm` with its teacher layer at the top (no early exit): a setting of `mlsm`
+    declared = sorted(c.flops_row for c in REGISTERED.values() if c.flops_row)
+    assert sorted(set(labels) - {"MLSM_L"}) == declared
