@@ -92,31 +92,34 @@ def test_study_on_real_slurm_matches_the_local_executor(
     executor = {"kind": "slurm", "slurm": {"partition": PARTITION, "cpus_per_task": 1,
                                            "timeout_min": 5}}
     spec = study_from_dict(_spec(corpus_dir, tokenizer_dir, tmp_path, "slurm", executor))
-    lines: list[str] = []
-    assert run_study(spec, log=lines.append) == slurm_out / "report.md", "\n".join(lines)
-    status = Study(spec).status()
-    assert all(v["state"] == "done" for v in status.values()), status
-
-    jobs = {k: v["slurm_job"] for k, v in status.items() if "slurm_job" in v}
-    assert set(jobs) == {f"{s}:{a}" for s in ("pretrain", "finetune-job", "blimp-job")
-                         for a in "ab"}
-    assert len(set(jobs.values())) == len(jobs)  # one job per stage and arm
-    for key, job in jobs.items():  # submitit's log of the job, written inside it by Slurm's task
-        log = (slurm_out / "slurm" / f"{job}_0_log.out").read_text()
-        assert f"JobEnvironment(job_id={job}," in log and "completed successfully" in log, key
-    # each job's own time, not how long the driver waited for it after awaiting the other arm's
-    times = {(r["stage"], r["arm"]): r["seconds"] for r in _rows(slurm_out / "stages.jsonl")}
-    assert all(times[tuple(k.split(":"))] > 0 for k in jobs), times
-    for arm in "ab":
+    run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
+    for arm in "ab":  # pre-training first: a job that ran the wrong mlsm fails fast here
         run = json.loads((slurm_out / "runs" / arm / "run.json").read_text())
-        assert run["threads"] == 1  # SLURM_CPUS_PER_TASK, not one thread per core of the node
         assert run["git_revision"] == git_revision()  # the driver's mlsm ran in the job
+        assert run["threads"] == 1  # SLURM_CPUS_PER_TASK, not one thread per core of the node
         final = "checkpoints/step-0000004/model.safetensors"
         a = load_file(local_out / "runs" / arm / final)
         b = load_file(slurm_out / "runs" / arm / final)
         assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a), arm
         assert _rows(local_out / "runs" / arm / "metrics.jsonl")[-1]["loss"] == \
             _rows(slurm_out / "runs" / arm / "metrics.jsonl")[-1]["loss"]
+
+    lines: list[str] = []
+    assert run_study(spec, log=lines.append) == slurm_out / "report.md", "\n".join(lines)
+    status = Study(spec).status()
+    assert all(v["state"] == "done" for v in status.values()), status
+    jobs = {k: v["slurm_job"] for k, v in status.items() if "slurm_job" in v}
+    assert set(jobs) == {f"{s}:{a}" for s in ("pretrain", "finetune-job", "blimp-job")
+                         for a in "ab"}
+    assert len(set(jobs.values())) == len(jobs)  # one job per stage and arm
+    submitted = sorted(p.name for p in (slurm_out / "slurm").glob("*_submission.sh"))
+    assert submitted == sorted(f"{j}_submission.sh" for j in jobs.values())  # and no others
+    for key, job in jobs.items():  # submitit's log of the job, written inside it by Slurm's task
+        log = (slurm_out / "slurm" / f"{job}_0_log.out").read_text()
+        assert f"JobEnvironment(job_id={job}," in log and "completed successfully" in log, key
+    # each job's own time, not how long the driver waited for it after awaiting the other arm's
+    times = {(r["stage"], r["arm"]): r["seconds"] for r in _rows(slurm_out / "stages.jsonl")}
+    assert all(times[tuple(k.split(":"))] > 0 for k in jobs), times
     assert _scores(slurm_out) == _scores(local_out)
     assert len(_scores(slurm_out)["finetune"]) == 2 and len(_scores(slurm_out)["blimp"]) == 2
 

@@ -129,11 +129,12 @@ class ExecutorSpec:
     jobs: int = 1
     """local: arms pre-trained at once (each a subprocess with `threads` threads)."""
     threads: int = 0
-    """torch threads per job (0 = torch's default); overrides base train.threads. Local
-    evaluation stages (one model at a time) use jobs x threads."""
+    """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
+    base train.threads. Local evaluation stages (one model at a time) use jobs x threads."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """slurm: submitit parameters, e.g. {partition: gpu, gpus_per_node: 1, timeout_min: 1440,
-    cpus_per_task: 8, nodes: 1}; `folder` (logs) defaults to STUDY_OUT/slurm."""
+    cpus_per_task: 8, nodes: 1}; timeout_min is required; `setup` (shell lines before each
+    job); `folder` (logs) defaults to STUDY_OUT/slurm. See docs/study.md."""
 
 
 @dataclass
