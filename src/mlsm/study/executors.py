@@ -114,11 +114,7 @@ def make_executor(study: Study, cluster: str | None = None) -> Any:
               for k, v in params.items()}
     if executor.cluster != "slurm":
         mapped = {k: v for k, v in mapped.items() if k in native}
-    else:
-        if "timeout_min" not in params:  # submitit's default is 5 minutes
-            raise UserError("executor.slurm.timeout_min is not set, so every job would get "
-                            "submitit's 5 minutes; set it to the longest stage's minutes (e.g. "
-                            "timeout_min: 1440)")
+    else:  # (timeout_min is required by the study file's checks)
         # the job's own shell and srun get the driver's Python path and offline / cache
         # settings even where the site exports nothing (SBATCH_EXPORT=NONE)
         mapped["slurm_setup"] = _exports() + list(params.get("setup", []))

@@ -211,6 +211,11 @@ def _validate(spec: StudySpec) -> None:
                         f"{len(spec.blimp.data)}; give one per set")
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
+    slurm = spec.executor.slurm
+    if spec.executor.kind == "slurm" and "timeout_min" not in slurm \
+            and slurm.get("cluster") not in ("local", "debug"):  # submitit would ask for 5 min
+        raise UserError("executor.slurm.timeout_min is not set, so every job would get submitit's "
+                        "5 minutes; set it to the longest stage's minutes (e.g. timeout_min: 1440)")
 
 
 def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:
