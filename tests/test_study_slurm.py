@@ -22,18 +22,21 @@ def _slurm_skip_reason() -> str | None:
     if shutil.which("sbatch") is None:
         return "no sbatch on PATH (scripts/slurm_single_node.sh starts a one-machine Slurm)"
     try:
-        up = subprocess.run(["sinfo", "-h", "-p", PARTITION, "-o", "%a %D"], capture_output=True,
+        up = subprocess.run(["sinfo", "-h", "-p", PARTITION, "-o", "%a %T"], capture_output=True,
                             text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"sinfo did not answer: {exc}"
-    if up.returncode != 0 or not up.stdout.startswith("up"):
-        reason = up.stderr.strip().splitlines()[-1] if up.stderr.strip() else "not found"
-        return f"no Slurm controller answers with an `up` partition {PARTITION}: {reason}"
+    usable = ("idle", "mixed", "allocated", "completing")  # else the jobs would pend forever
+    if up.returncode != 0 or not any(line.startswith("up ") and line.split()[1].rstrip("*~#")
+                                     in usable for line in up.stdout.splitlines()):
+        reason = up.stderr.strip().splitlines()[-1] if up.stderr.strip() else \
+            (up.stdout.strip() or "no such partition")
+        return f"no Slurm controller answers with a usable node in partition {PARTITION}: {reason}"
     return None
 
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_slurm_skip_reason() is not None,
-                                                    reason=str(_slurm_skip_reason()))]
+_SKIP = _slurm_skip_reason()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
 
 
 def _spec(corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, name: str,
