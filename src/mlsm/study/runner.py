@@ -38,8 +38,7 @@ class Study:
     def __init__(self, spec: StudySpec, log: Callable[[str], None] = print,
                  in_job: bool = False):
         self.spec = spec
-        self.in_job = in_job
-        """True inside a slurm job of the study: its stages run here, never as new jobs."""
+        self.in_job = in_job  # inside a slurm job of the study: stages run here, never as jobs
         self.root = spec.root
         self.log = log
         self.root.mkdir(parents=True, exist_ok=True)
