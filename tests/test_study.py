@@ -164,6 +164,9 @@ def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
         study_from_dict({"arms": {"a": {"oops": 1}}})
     with pytest.raises(UserError, match="finetune.readiness lists 0.3"):
         study_from_dict({"arms": {"a": {}}, "finetune": {"readiness": [0.3]}})
+    with pytest.raises(UserError, match="executor.slurm.timeout_min is not set"):
+        study_from_dict({"arms": {"a": {}}, "executor": {"kind": "slurm",
+                                                         "slurm": {"partition": "gpu"}}})
     with pytest.raises(UserError, match="study file .* not found"):
         load_study(tmp_path / "nope.yaml")
 

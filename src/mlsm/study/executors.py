@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -60,11 +62,39 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     return None
 
 
-def pretrain_job(config: dict[str, Any]) -> str:
-    """What one slurm job runs: continue (or start) the run; returns its directory."""
+def pretrain_job(config: dict[str, Any]) -> dict[str, Any]:
+    """What one slurm job runs: continue (or start) the run; returns its directory and the
+    seconds it took here."""
     from mlsm.train.loop import pretrain
 
-    return str(pretrain(config_from_dict(config), resume="auto"))
+    start = time.time()
+    cfg = config_from_dict(config)
+    if not cfg.train.threads and _job_cpus():  # torch would take every core of the node
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=_job_cpus()))
+    run = pretrain(cfg, resume="auto")
+    return {"run": str(run), "seconds": time.time() - start}
+
+
+def _job_cpus() -> int:
+    """The cores Slurm gave this job's task (0 outside Slurm or when not stated)."""
+    return int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+
+
+PROPAGATED = ("PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX")
+"""Variables the jobs get from the driver even where the site sets SBATCH_EXPORT=NONE ..."""
+PROPAGATED_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "MLSM_", "WANDB_", "MLFLOW_",
+                       "TRACKIO_")
+"""... and those of mlsm and the libraries it drives (offline switches, caches, trackers)."""
+_SECRET = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+"""Never written into a submission script (those files stay in the study folder)."""
+
+
+def _exports() -> list[str]:
+    """`export` lines that give a job the driver's Python path and library settings."""
+    names = sorted(k for k in os.environ
+                   if (k in PROPAGATED or k.startswith(PROPAGATED_PREFIXES))
+                   and not any(s in k for s in _SECRET))
+    return [f"export {k}={shlex.quote(os.environ[k])}" for k in names]
 
 
 def make_executor(study: Study, cluster: str | None = None) -> Any:
@@ -76,7 +106,7 @@ def make_executor(study: Study, cluster: str | None = None) -> Any:
         raise UserError("executor.kind: slurm needs submitit; install it with pip "
                         "install 'mlsm[slurm]'") from None
     params = dict(study.spec.executor.slurm)
-    folder = Path(params.pop("folder", study.root / "slurm"))
+    folder = Path(params.pop("folder", study.root / "slurm")).absolute()
     cluster = params.pop("cluster", cluster)
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
     native = ("timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb")
@@ -84,6 +114,11 @@ def make_executor(study: Study, cluster: str | None = None) -> Any:
               for k, v in params.items()}
     if executor.cluster != "slurm":
         mapped = {k: v for k, v in mapped.items() if k in native}
+    else:  # (timeout_min is required by the study file's checks)
+        # the job's own shell and srun get the driver's Python path and offline / cache
+        # settings even where the site exports nothing (SBATCH_EXPORT=NONE)
+        mapped["slurm_setup"] = _exports() + list(params.get("setup", []))
+        mapped["slurm_srun_args"] = ["--export=ALL", *params.get("srun_args", [])]
     executor.update_parameters(name=f"mlsm-{study.spec.name}", **mapped)
     return executor
 
@@ -99,21 +134,70 @@ def _slurm(study: Study, arms: list[str]) -> set[str]:
         return "skipped"
 
     failed = {a for a in arms if not study.stage("pretrain-check", lambda a=a: check(a), a)}
+    if not todo:
+        return failed
     executor = make_executor(study)
     jobs = {arm: executor.submit(pretrain_job, config_to_dict(study.arm_config(arm)))
             for arm in todo}
     for arm, job in jobs.items():
-        study.log(f"[study] pretrain:{arm}: submitted as job {job.job_id}")
+        study.log(f"[study] pretrain:{arm}: submitted as job {job.job_id}, log {job.paths.stdout}")
     for arm, job in jobs.items():
-        if not study.stage("pretrain", lambda j=job, a=arm: _wait(j, study, a), arm):
+        if not study.stage("pretrain", lambda j=job, a=arm: _wait(j, study, a), arm,
+                           record={"slurm_job": str(job.job_id)}):
             failed.add(arm)
     return failed
 
 
-def _wait(job: Any, study: Study, arm: str) -> None:
-    job.result()  # raises submitit's FailedJobError with the job's traceback
+def _wait(job: Any, study: Study, arm: str) -> dict[str, Any]:
+    result = await_job(job)  # raises submitit's FailedJobError with the job's traceback
     if not pretrain_done(study, arm):
-        raise RuntimeError(f"slurm job {job.job_id} ended before the last step of {arm}")
+        raise RuntimeError(f"slurm job {job.job_id} ended before the last step of {arm}; "
+                           f"run the same command to resume (log: {job.paths.stdout})")
+    return result
+
+
+_RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+            "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")
+
+
+def await_job(job: Any, poll_s: float = 2.0, grace_s: float = 30.0) -> Any:
+    """The job's result (or its exception, raised), once its result file exists.
+
+    submitit alone waits for a result file or for `sacct` to say the job ended; where Slurm keeps
+    no accounting (`sacct` fails, as on a single-node install) a job that was cancelled, ran out of
+    time or memory, or lost its node leaves no result and submitit would wait forever. So the
+    queue is asked too (`squeue`), and a job that left it without a result is a failure naming
+    its state and log.
+    """
+    if getattr(job, "_cancel_command", "") != "scancel":  # not a slurm job: submitit knows
+        return job.result()
+    gone_since = None
+    while not job.paths.result_pickle.exists():
+        state = _queue_state(str(job.job_id))
+        if state is None or state in _RUNNING:
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.time()
+        elif time.time() - gone_since > grace_s:  # the result file may lag on a shared disk
+            how = f"ended {state}" if state else "left the queue"
+            raise RuntimeError(f"slurm job {job.job_id} {how} without a result (cancelled, out "
+                               f"of time or memory?); see {job.paths.stderr}")
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 1.5, 30.0)
+    return job.result()
+
+
+def _queue_state(job_id: str) -> str | None:
+    """The job's state per `squeue` ('' once Slurm has forgotten it), None if Slurm did not
+    answer (then nothing is concluded)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return "" if "invalid job id" in out.stderr.lower() else None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
 
 
 def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
@@ -121,27 +205,46 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
 
     Locally the stage runs here. On slurm each arm's stage is one job (`run_study` restricted to
     that arm and stage, so skip-if-complete and failure records work inside the job as here),
-    submitted after pre-training finished and awaited before the next stage.
+    submitted after pre-training finished and awaited before the next stage. An arm whose stage
+    has nothing to do (its files exist, or the stage does not apply to it) gets no job.
     """
     from mlsm.study import stages as st
 
-    if study.spec.executor.kind != "slurm" or not arms:
+    if study.spec.executor.kind != "slurm" or study.in_job or not arms:
         return getattr(st, f"run_{stage}")(study, arms)
+    arms = [a for a in arms if st.has_work(study, stage, a)]
+    if not arms:
+        return set()
     executor = make_executor(study)
     spec = dataclasses.asdict(study.spec)
     jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in arms}
-    failed = {a for a, job in jobs.items()
-              if not study.stage(f"{stage}-job", lambda j=job: j.result() and None, a)}
-    status = study.status()
-    return failed | {a for a in arms
-                     if any((k == f"{stage}:{a}" or k.startswith(f"{stage}:{a}@"))
-                            and v.get("state") == "failed" for k, v in status.items())}
+    for arm, job in jobs.items():
+        study.log(f"[study] {stage}:{arm}: submitted as job {job.job_id}, log {job.paths.stdout}")
+    return {a for a, job in jobs.items()
+            if not study.stage(f"{stage}-job", lambda j=job: await_job(j), a,
+                               record={"slurm_job": str(job.job_id)})}
 
 
-def stage_job(spec: dict[str, Any], stage: str, arm: str) -> bool:
-    """What one evaluation job runs: that stage of that arm, in the same study folder."""
+def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, float]:
+    """What one evaluation job runs: that stage of that arm, in the same study folder, in this
+    process (a job must not submit jobs of its own); raises when the stage failed, and returns
+    "skipped" when it found its work done, else the seconds it took here."""
     from mlsm.study.runner import run_study
     from mlsm.study.spec import study_from_dict
 
-    run_study(study_from_dict(spec), stages=[stage], arms=[arm])
-    return True
+    start = time.time()
+
+    study = study_from_dict(spec)
+    threads = study.executor.threads or _job_cpus()  # else torch takes every core of the node
+    study = dataclasses.replace(study, executor=dataclasses.replace(study.executor,
+                                                                    threads=threads))
+    run_study(study, stages=[stage], arms=[arm], in_job=True)
+    mine = {k: v for k, v in Study(study, log=lambda s: None).status().items()
+            if k == f"{stage}:{arm}" or k.startswith(f"{stage}:{arm}@")}
+    failed = [f"{k}: {v.get('error', '')}" for k, v in mine.items() if v.get("state") == "failed"]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    # a stage that ran records its seconds; one that found its output complete does not
+    if all("seconds" not in v for v in mine.values()):
+        return "skipped"
+    return {"seconds": time.time() - start}

@@ -33,8 +33,10 @@ _VOLATILE = (("train", "threads"), ("train", "device"))
 class Study:
     """Paths and bookkeeping of one study folder."""
 
-    def __init__(self, spec: StudySpec, log: Callable[[str], None] = print):
+    def __init__(self, spec: StudySpec, log: Callable[[str], None] = print,
+                 in_job: bool = False):
         self.spec = spec
+        self.in_job = in_job  # inside a slurm job of the study: stages run here, never as jobs
         self.root = spec.root
         self.log = log
         self.root.mkdir(parents=True, exist_ok=True)
@@ -111,36 +113,43 @@ class Study:
             status[key] = value
             atomic_write_text(path, json.dumps(status, indent=2) + "\n")
 
-    def stage(self, name: str, fn: Callable[[], Any], arm: str | None = None) -> bool:
-        """Run one stage, time it, record success or failure; False when it failed."""
+    def stage(self, name: str, fn: Callable[[], Any], arm: str | None = None,
+              record: dict[str, Any] | None = None) -> bool:
+        """Run one stage, time it, record success or failure; False when it failed.
+
+        fn returns "skipped" (its output was complete), None, or {"seconds": s} when the work ran
+        elsewhere and measured itself (a slurm job: the driver's wait is not the stage's time).
+        record: kept with the stage's status and time rows (e.g. the slurm job that ran it)."""
         key = f"{name}:{arm}" if arm else name
+        extra = dict(record or {})
         start = time.time()
         self.log(f"[study] {key}: start")
         try:
-            skipped = fn() == "skipped"
+            outcome = fn()
         except Exception as exc:  # one arm's failure must not stop the others
             seconds = time.time() - start
             message = f"{type(exc).__name__}: {exc}"
             self.set_status(key, {"state": "failed", "error": message,
-                                  "seconds": round(seconds, 1)})
-            self._append_time(name, arm, seconds, "failed", message)
+                                  "seconds": round(seconds, 1), **extra})
+            self._append_time(name, arm, seconds, "failed", message, extra)
             self.log(f"[study] {key}: FAILED ({message})")
             if not isinstance(exc, UserError):
                 (self.root / "errors.log").open("a").write(f"--- {key}\n{traceback.format_exc()}\n")
             return False
-        seconds = time.time() - start
+        skipped = outcome == "skipped"
+        seconds = outcome["seconds"] if isinstance(outcome, dict) else time.time() - start
         if not skipped:
-            self._append_time(name, arm, seconds, "done")
+            self._append_time(name, arm, seconds, "done", "", extra)
         self.set_status(key, {"state": "done",
-                              **({} if skipped else {"seconds": round(seconds, 1)})})
+                              **({} if skipped else {"seconds": round(seconds, 1)}), **extra})
         self.log(f"[study] {key}: {'already complete' if skipped else f'done in {seconds:.0f} s'}")
         return True
 
     def _append_time(self, stage: str, arm: str | None, seconds: float, state: str,
-                     error: str = "") -> None:
+                     error: str = "", extra: dict[str, Any] | None = None) -> None:
         row = {"stage": stage, "arm": arm, "seconds": round(seconds, 1), "state": state,
                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "git_revision": git_revision()}
+               "git_revision": git_revision(), **(extra or {})}
         if error:
             row["error"] = error
         with (self.root / "stages.jsonl").open("a") as fh:
@@ -232,11 +241,12 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
 
 
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
-              arms: list[str] | None = None) -> Path | None:
+              arms: list[str] | None = None, in_job: bool = False) -> Path | None:
     """Run every stage of a study that is not complete; returns the report path (None if not
     reached).
 
-    arms: only these arms (what one slurm job of an evaluation stage runs).
+    arms: only these arms (what one slurm job of an evaluation stage runs); in_job: this is that
+    job, so the stages run in this process whatever the executor.
     """
     from mlsm.study.executors import run_evaluation
 
@@ -249,7 +259,7 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     train = spec.base.get("train") if isinstance(spec.base, dict) else None
     report_to = (train or {}).get("report_to") or []
     tracking.require(list(report_to), "base.train.report_to of the study file")  # before any stage
-    study = Study(spec, log)
+    study = Study(spec, log, in_job)
     record = {"spec": _plain(spec), "git_revision": git_revision()}
     atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
     wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]

@@ -129,11 +129,12 @@ class ExecutorSpec:
     jobs: int = 1
     """local: arms pre-trained at once (each a subprocess with `threads` threads)."""
     threads: int = 0
-    """torch threads per job (0 = torch's default); overrides base train.threads. Local
-    evaluation stages (one model at a time) use jobs x threads."""
+    """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
+    base train.threads. Local evaluation stages (one model at a time) use jobs x threads."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """slurm: submitit parameters, e.g. {partition: gpu, gpus_per_node: 1, timeout_min: 1440,
-    cpus_per_task: 8, nodes: 1}; `folder` (logs) defaults to STUDY_OUT/slurm."""
+    cpus_per_task: 8, nodes: 1}; timeout_min is required; `setup` (shell lines before each
+    job); `folder` (logs) defaults to STUDY_OUT/slurm. See docs/study.md."""
 
 
 @dataclass
@@ -210,6 +211,11 @@ def _validate(spec: StudySpec) -> None:
                         f"{len(spec.blimp.data)}; give one per set")
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
+    slurm = spec.executor.slurm
+    if spec.executor.kind == "slurm" and "timeout_min" not in slurm \
+            and slurm.get("cluster") not in ("local", "debug"):  # submitit would ask for 5 min
+        raise UserError("executor.slurm.timeout_min is not set, so every job would get submitit's "
+                        "5 minutes; set it to the longest stage's minutes (e.g. timeout_min: 1440)")
 
 
 def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:

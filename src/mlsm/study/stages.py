@@ -30,6 +30,19 @@ def model_name(arm: str, frac: float) -> str:
     return f"{arm}@{readiness_label(frac)}"
 
 
+def has_work(study: Study, stage: str, arm: str) -> bool:
+    """Whether `stage` may still have work for `arm` (else a slurm driver submits no job for it).
+    Fine-tuning decides per cell inside the job (a cell's key needs the task data), so it always
+    may."""
+    b = study.spec.blimp
+    if stage == "probe":
+        return study.is_latent(arm) and bool(b.data) and not all(
+            (study.probe_dir(arm, f) / "probe.json").is_file() for f in b.readiness)
+    if stage == "blimp":
+        return bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in b.readiness)
+    return stage != "finetune" or bool(study.spec.finetune.tasks)
+
+
 def run_probe(study: Study, arms: list[str]) -> set[str]:
     """Train the k -> |V| probe of every latent arm at each BLiMP readiness point."""
     failed = set()
@@ -68,7 +81,7 @@ def run_finetune(study: Study, arms: list[str]) -> set[str]:
     return failed
 
 
-def _finetune(study: Study, arm: str) -> None:
+def _finetune(study: Study, arm: str) -> str | None:
     import torch
 
     from mlsm.evaluate.finetune import finetune
@@ -77,12 +90,23 @@ def _finetune(study: Study, arm: str) -> None:
     if eval_threads(study):
         torch.set_num_threads(eval_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
+    before = _rows_of(study, arm)
     finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs,
              batch_size=ft.batch_size, max_len=ft.max_len, data_dir=ft.data_dir or None,
              results=study.results, max_train_examples=ft.max_train_examples or None,
              warmup_ratio=ft.warmup_ratio, weight_decay=ft.weight_decay,
              device="cpu" if study.spec.executor.kind == "local" else "auto",
              report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
+    return "skipped" if _rows_of(study, arm) == before else None  # every cell was there
+
+
+def _rows_of(study: Study, arm: str) -> int:
+    """Fine-tuning rows of this arm's models (other arms' jobs may append meanwhile)."""
+    from mlsm.evaluate.stats import read_results
+
+    if not study.results.is_file():
+        return 0
+    return sum(str(r.get("model", "")).startswith(f"{arm}@") for r in read_results(study.results))
 
 
 def blimp_path(study: Study, arm: str, frac: float) -> Path:
