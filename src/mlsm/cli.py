@@ -112,7 +112,7 @@ def device(text: str) -> str:
 
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is "
-                                             "visible; use cpu")
+                                             "visible; pass --device cpu")
     return text
 
 
