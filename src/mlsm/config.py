@@ -238,7 +238,7 @@ def _as_float(where: str, value: Any) -> float:
         with contextlib.suppress(ValueError):
             number = float(value)
     if number is None:
-        raise UserError(f"{where} must be a number, got {value!r}")
+        raise UserError(f"{where} must be of type float, got {value!r}")
     if not math.isfinite(number):
         raise UserError(f"{where} must be a finite number, got {value!r}")
     return number
