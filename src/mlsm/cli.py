@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
 from mlsm.errors import UserError
+from mlsm.inputs import check_apart
 
 # --------------------------------------------------------------------------- argument types
 
@@ -111,7 +112,7 @@ def device(text: str) -> str:
 
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is "
-                                             "visible; use cpu")
+                                             "visible; pass --device cpu")
     return text
 
 
@@ -202,6 +203,7 @@ def _blimp(a: argparse.Namespace) -> None:
     from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
     from mlsm.evaluate.probe import load_scorer
 
+    check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
                             limit_per_phenomenon=a.limit, variant=a.variant,
@@ -219,6 +221,7 @@ def _rank(a: argparse.Namespace) -> None:
         write_rank_report,
     )
 
+    check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})
     model, tokenizer = load_encoder(a.model, device=a.device)
     sentences = read_sentences(a.text, limit=a.max_sentences)
     table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,
@@ -234,6 +237,7 @@ def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
     from mlsm.teacher.teacher import load_teacher
 
+    check_apart(a.out, "--out", {"--store": a.store, "--teacher": a.teacher})
     check_dictionary_out(a.out)  # before minutes of work
     d = learn_dictionary(TokenStore.open(a.store),
                          load_teacher(a.teacher, a.layer, device=a.device),
@@ -249,6 +253,8 @@ def _targets(a: argparse.Namespace) -> None:
     from mlsm.teacher.targets import TargetStore, build_target_store, check_targets_out
     from mlsm.teacher.teacher import load_teacher
 
+    check_apart(a.out, "--out", {"--store": a.store, "--dictionary": a.dictionary,
+                                 "--teacher": a.teacher})
     check_targets_out(a.out)  # the folder and its lock before loading the teacher
     with hold(a.out, "target store"):
         dictionary = load_dictionary(a.dictionary)
@@ -653,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None:  # not about a path the user gave: a bug until shown otherwise
             return _report_bug(prog, exc)
         # the user's environment (missing file, permissions, disk full): say so in one line
-        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {exc.filename}; check the path, "
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {where}; check the path, "
               "its permissions and the free disk space", file=sys.stderr)
         return 2
     except Exception as exc:

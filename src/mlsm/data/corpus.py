@@ -153,6 +153,18 @@ class TokenStore:
         return np.asarray(self.tokens[self.offsets[j] : self.offsets[j + 1]])
 
 
+def check_token_ids(tokens: np.ndarray, vocab_size: int, store: object, who: str) -> None:
+    """Refuse a store holding a token id that `who` (a model with `vocab_size` embeddings) cannot
+    embed: a store of another tokenizer or a damaged tokens.bin would otherwise be an index error
+    deep inside the first forward pass. One pass over the memmap (~1 s per GB)."""
+    top = int(tokens.max()) if len(tokens) else -1
+    if top >= vocab_size:
+        raise UserError(f"token store {store} holds token id {top} but {who} has only "
+                        f"{vocab_size} embeddings; the store was made with another tokenizer or "
+                        f"is damaged: rebuild it with `mlsm prepare SOURCES --tokenizer TOK --out "
+                        f"{store} --overwrite` using the model's tokenizer")
+
+
 def _damaged(path: Path, why: str) -> UserError:
     return UserError(f"token store {path} is damaged ({why}); rebuild it with "
                      f"`mlsm prepare SOURCES --tokenizer TOK --out {path} --overwrite`")
@@ -232,9 +244,17 @@ def prepare_corpus(
     `num_proc` tokenising processes (default: every CPU this process may use) write the same
     store, byte for byte, as one.
     """
-    sources = [sources] if isinstance(sources, str) else list(sources)
+    if isinstance(sources, str | Path):
+        sources = [str(sources)]
+    if not isinstance(sources, list | tuple) or not all(isinstance(s, str | Path) for s in sources):
+        raise UserError(f"sources must be a path or a list of paths (files, directories, globs or "
+                        f"hf:NAME), got {sources!r}")
+    sources = [str(s) for s in sources]
     if not sources:
         raise UserError("no corpus sources given; pass files, directories, globs or hf:NAME")
+    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)
+                                 or num_proc < 1):
+        raise UserError(f"--num-proc must be a positive number of processes, got {num_proc!r}")
     out = Path(out)
     _guard_out(out, sources)  # fail on a bad path before the (slower) tokenizer load
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer

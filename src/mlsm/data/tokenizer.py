@@ -5,6 +5,7 @@ For from-scratch runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import (
@@ -20,6 +21,8 @@ from transformers import PreTrainedTokenizerFast
 
 from mlsm.data.corpus import iter_documents
 from mlsm.errors import UserError
+from mlsm.fileio import building_dir
+from mlsm.inputs import check_apart
 
 # (unk, cls, sep, pad, mask) for each kind, in the conventions of BERT and of XLM-R/DeBERTa-v3.
 _SPECIALS = {
@@ -61,9 +64,25 @@ def train_tokenizer(
     """Train a tokenizer on the documents of `sources` and save it as an HF folder at `out`."""
     if kind not in _SPECIALS:
         raise UserError(f"tokenizer kind {kind!r} is unknown; use wordpiece or unigram")
-    sources = [sources] if isinstance(sources, str) else list(sources)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not (
+            len(_SPECIALS[kind]) < vocab_size < 2**31):
+        raise UserError(f"--vocab-size must be a whole number between {len(_SPECIALS[kind]) + 1} "
+                        f"and {2**31 - 1}, got {vocab_size!r}; e.g. 30522 (BERT)")
+    sources = [sources] if isinstance(sources, str | Path) else list(sources)
+    out = Path(out)
+    _check_out(out, sources)
     tok, trainer = _backend(kind, vocab_size, lowercase)
-    tok.train_from_iterator(iter_documents(sources, text_field), trainer=trainer)
+    seen = [0]
+
+    def documents() -> Iterator[str]:
+        for doc in iter_documents([str(s) for s in sources], text_field):
+            seen[0] += 1
+            yield doc
+
+    tok.train_from_iterator(documents(), trainer=trainer)
+    if not seen[0]:
+        raise UserError(f"no text in {', '.join(map(str, sources))}; pass text or .jsonl files "
+                        "(for .jsonl, name the field with --text-field)")
     unk, cls, sep, pad, mask = _SPECIALS[kind]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
@@ -79,5 +98,30 @@ def train_tokenizer(
         bos_token=cls if kind == "unigram" else None,
         eos_token=sep if kind == "unigram" else None,
     )
-    fast.save_pretrained(out)
+    try:
+        with building_dir(out, "tokenizer") as tmp:  # an older tokenizer there is replaced whole
+            fast.save_pretrained(tmp)
+    except Exception as exc:  # the Rust writer raises a plain Exception ("File too large")
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise
+        raise UserError(f"could not write tokenizer {out} ({' '.join(str(exc).split())}); free "
+                        "space and re-run (an earlier tokenizer there is intact)") from None
     return fast
+
+
+# What save_pretrained writes into a tokenizer folder: an --out holding anything else is not ours.
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.txt", "added_tokens.json", "chat_template.jinja"}
+
+
+def _check_out(out: Path, sources: list) -> None:
+    """Refuse an --out that is a file, lies inside or is a source, or holds files other than a
+    tokenizer's (they would be replaced): before the minutes of training."""
+    check_apart(out, "--out", {f"source {s}": s for s in sources}, contains=True)
+    if out.is_file():
+        raise UserError(f"--out {out} is an existing file; pass a folder")
+    other = sorted(p.name for p in out.iterdir() if p.name not in _TOKENIZER_FILES) \
+        if out.is_dir() else []
+    if other:
+        raise UserError(f"--out {out} holds {other[0]}, which is not a tokenizer file; choose an "
+                        "empty or new folder (mlsm replaces only a tokenizer folder)")

@@ -77,11 +77,11 @@ def _read_file(path: Path) -> list[BlimpPair]:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if (not isinstance(row, dict) or "sentence_good" not in row
-                        or "sentence_bad" not in row):
+                if (not isinstance(row, dict) or not isinstance(row.get("sentence_good"), str)
+                        or not isinstance(row.get("sentence_bad"), str)):
                     raise UserError(
                         f"{path}:{number} is not a BLiMP row: each JSON line needs "
-                        f"sentence_good and sentence_bad; {_FIX_DATA}"
+                        f"sentence_good and sentence_bad as text; {_FIX_DATA}"
                     )
                 pairs.append(_pair(row, _stem(path), number - 1))
     # OSError: BadGzipFile

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from mlsm import tracking
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.inputs import check_apart, read_json
 from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
 
@@ -61,12 +61,8 @@ def resolve_model(spec: str | Path) -> ModelRef:
         raise UserError(f"{folder}: not an HF model folder (no config.json); "
                         "pass a save_pretrained folder")
     meta: dict[str, Any] = {}
-    if (folder / "checkpoint.json").is_file():
-        try:
-            meta = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{folder}/checkpoint.json is not valid JSON ({exc.msg}); "
-                            "fix or remove it") from exc
+    if (folder / "checkpoint.json").exists():
+        meta = read_json(folder / "checkpoint.json", "checkpoint file", "fix or remove it")
     step = meta.get("step")
     run = meta.get("run")
     # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
@@ -392,10 +388,10 @@ def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int
     if max_train_examples is not None:
         sizes["--max-train-examples"] = max_train_examples
     for flag, value in sizes.items():
-        if not value >= 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{flag} must be a positive integer, got {value}; "
                             "nothing was trained or written")
-    if not all(lr > 0 for lr in lrs):
+    if not all(isinstance(lr, int | float) and math.isfinite(lr) and lr > 0 for lr in lrs):
         raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; "
                         "nothing was trained or written")
 
@@ -436,6 +432,10 @@ def finetune(
     if clip < 0:
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
     tracking.require(list(report_to), "--report-to")  # before any model is loaded
+    for name, value in (("models", models), ("tasks", tasks)):
+        if isinstance(value, str | Path):  # a string would be iterated letter by letter
+            raise UserError(f"finetune(): {name} must be a list, got the string {str(value)!r}; "
+                            f"write [{str(value)!r}]")
     if not models or not tasks or not seeds or not lrs:
         raise UserError("finetune needs at least one model, task, seed and learning rate")
     _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
@@ -443,6 +443,11 @@ def finetune(
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")
     specs = [get_task(t) for t in tasks]
+    twice = sorted({s.name for s in specs if [x.name for x in specs].count(s.name) > 1})
+    if twice:
+        raise UserError(f"--tasks lists {twice[0]} twice; give each task once")
+    check_apart(results, "--results", {"--data-dir": data_dir,
+                                       **{f"model {r.name}": r.path for r in refs}})
     dev = pick_device(device)
     path = Path(results)
     done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()

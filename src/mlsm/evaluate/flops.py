@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlsm.defaults import default_k
+from mlsm.errors import UserError
 
 # Hub teachers built from transformers' BertConfig defaults (BERT-base) so the table works
 # offline; only what differs from the defaults is listed (Devlin et al. 2019, Table/appendix).
@@ -215,7 +216,6 @@ def format_table(rows: list[FlopRow], accounting: str | None = None) -> str:
 
 def teacher_shape_config(name: str) -> Any:
     """HF config of a teacher: packaged MiniLM for '', a known hub shape, or AutoConfig."""
-    from mlsm.errors import UserError
     from mlsm.hf import first_line, load_config
     from mlsm.teacher.teacher import default_teacher_path
 
@@ -254,6 +254,9 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     k = k or int(obj.get("k", 0) or meta.get("k", 0) or default_k(t.d))
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
+    if not 0 <= layer <= t.layers:
+        raise UserError(f"teacher layer {layer} does not exist: the teacher has layers "
+                        f"0..{t.layers}; pass --layer (or objective.layer) from 0 to {t.layers}")
     m = cfg.model
     student = student_config
     if student is None:
@@ -268,11 +271,13 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
 
 
 def _dictionary_meta(path: str) -> dict[str, Any]:
-    import json
     from pathlib import Path
 
     if not path:
         return {}
     meta = (Path(path).with_suffix(".json") if path.endswith(".safetensors")
             else Path(path + ".json"))
-    return json.loads(meta.read_text()) if meta.is_file() else {}
+    from mlsm.inputs import read_json
+
+    fix = "restore it or drop objective.dictionary"
+    return read_json(meta, "dictionary meta", fix) if meta.exists() else {}

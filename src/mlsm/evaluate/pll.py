@@ -338,6 +338,10 @@ def score_pll(
         raise UserError("token_budget and max_rows must be positive integers")
     if isinstance(sentences, str):
         sentences = [sentences]
+    bad = next((i for i, x in enumerate(sentences) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise UserError(f"sentence {bad} is a {type(sentences[bad]).__name__}, not text; pass a "
+                        "list of strings")
     scorer = as_scorer(model)
     mask_id, pad_id = _special_ids(tokenizer)
     items, which = _encode(tokenizer, sentences, variant, _model_max_len(tokenizer, scorer))

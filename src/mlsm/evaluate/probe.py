@@ -18,6 +18,7 @@ from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet, read_json
+from mlsm.inputs import check_apart
 from mlsm.models.backbone import read_heads
 from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
@@ -63,6 +64,11 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
 
         folder = resolve_checkpoint(checkpoint)
         out = Path(kw.get("out") or probe_run_of(folder))
+        check_apart(out, "--out", {"CHECKPOINT": folder})
+        if (out.is_dir() and any(out.iterdir()) and not (out / "probe.json").is_file()
+                and not is_run_dir(out)):  # only an earlier probe is replaced
+            raise UserError(f"--out {out} holds files that are not an mlsm probe run; choose "
+                            "another --out (mlsm never writes into a folder it did not create)")
         probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
         train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out

@@ -25,6 +25,7 @@ from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.inputs import read_json
 from mlsm.models.backbone import build_student
 from mlsm.objectives.base import Context, TrainModule
 from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
@@ -35,7 +36,12 @@ from mlsm.train import checkpoint as ckpt
 def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
     """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
     the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
-    cfg = json.loads((checkpoint / "checkpoint.json").read_text())["config"]["train"]
+    info = read_json(checkpoint / "checkpoint.json", "checkpoint file",
+                     "pass an intact checkpoints/step-* folder")
+    cfg = info.get("config", {}).get("train") if isinstance(info.get("config"), dict) else None
+    if not isinstance(cfg, dict) or "steps" not in cfg or "batch_size" not in cfg:
+        raise UserError(f"{checkpoint / 'checkpoint.json'} has no train config; pass an intact "
+                        "checkpoints/step-* folder")
     # ceil(samples seen / batch_size)
     first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
     return [first + j for j in range(n)]

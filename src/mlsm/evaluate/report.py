@@ -15,8 +15,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.errors import UserError
-from mlsm.evaluate.stats import SIGNIFICANCE, Comparison, compare_runs
+from mlsm.evaluate.stats import (
+    COMPARISON_FILES,
+    COMPARISON_HEADINGS,
+    SIGNIFICANCE,
+    Comparison,
+    compare_runs,
+)
 from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.inputs import check_output_folder
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -124,12 +131,23 @@ def check_baseline(cmp: Comparison, baseline: str | None, results_path: str | Pa
                         f"models present: {', '.join(cmp.models)}")
 
 
+HEADING = "# Fine-tuning report"  # report.md's first line: how a rerun knows the file is ours
+
+
+def _writes(name: str) -> bool:
+    """Whether `make_report` writes a file of this name."""
+    return (name in COMPARISON_FILES or name in ("report.md", "readiness.png", "wilcoxon.png")
+            or (name.startswith("paired_") and name.endswith(".png")))
+
+
 def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
     """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
 
     ``baseline``: the model on the x axis of the paired scatters (default: the first model).
     Returns the path of ``report.md``.
     """
+    check_output_folder(out_dir, "--out", _writes, {**COMPARISON_HEADINGS, "report.md": HEADING},
+                        keep=[results_path])  # a user's own files there are never overwritten
     cmp = compare_runs(results_path)
     check_baseline(cmp, baseline, results_path)
     out = Path(out_dir)
@@ -142,7 +160,7 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
         png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)
         if png is not None:
             figures.append((f"{task}: paired runs (Fig. 7)", png))
-    parts = [f"# Fine-tuning report\n\nResults: `{results_path}`; "
+    parts = [f"{HEADING}\n\nResults: `{results_path}`; "
              f"models: {', '.join(cmp.models)}.\n"]
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())

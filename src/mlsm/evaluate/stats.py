@@ -27,7 +27,8 @@ import numpy as np
 from scipy import stats as sps
 
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text, name_the_file
+from mlsm.inputs import check_output_folder
 
 try:  # POSIX advisory lock: several finetune processes may append to one results file
     import fcntl
@@ -35,6 +36,10 @@ except ImportError:  # Windows: appends of one write() call are still whole in p
     fcntl = None
 
 SIGNIFICANCE = 0.01  # Berend 2023 marks p < 0.01
+# What Comparison.write puts into an output folder (and the first line of its Markdown).
+COMPARISON_FILES = {"comparison.md", "means.csv", "pvalues.csv", "pvalues_two_sided.csv",
+                    "wins.csv", "mean_diff_ci.csv"}
+COMPARISON_HEADINGS = {"comparison.md": "# Fine-tuning comparison"}
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
 
 
@@ -56,25 +61,54 @@ def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
             text = "\n" + text
         os.write(fd, text.encode("utf-8"))
         os.fsync(fd)
+    except OSError as exc:  # disk full: the rows of earlier cells stay, this cell is redone
+        raise name_the_file(exc, path) from exc
     finally:
         os.close(fd)  # closing releases the lock
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
-    """All complete rows of a results file; torn or foreign lines are skipped."""
+    """All complete rows of a results file. A line torn by a killed writer (not JSON) is
+    skipped; a JSON line that is not a result row, or a file with no row at all among its lines,
+    is not a results file: one UserError naming the line (so `finetune --results` never appends
+    to someone else's file)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no results file; run `mlsm finetune ... --results {path}` first")
-    rows = []
+    rows, torn = [], 0
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         line = _decode_line(path, number, raw)
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
+            torn += 1
             continue
-        if isinstance(row, dict) and {"model", "value", *CELL_FIELDS} <= row.keys():
-            rows.append(row)
+        rows.append(_result_row(path, number, row))
+    if torn and not rows:
+        raise UserError(f"{path} is not a results file (no line is a JSON result row); pass the "
+                        "results.jsonl written by `mlsm finetune`, or a new file")
     return rows
+
+
+def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
+    """A parsed line checked to be a result row: the cell's keys present, names as text and the
+    cell's settings scalars (they are grouped on)."""
+    fix = "remove or fix that line (results files are JSON lines written by mlsm finetune)"
+    if not isinstance(row, dict):
+        raise UserError(f"{path}:{number} is a JSON {type(row).__name__}, not a result row; {fix}")
+    missing = [k for k in ("model", "value", *CELL_FIELDS) if k not in row]
+    if missing:
+        raise UserError(f"{path}:{number} is not a result row (no {', '.join(missing)}); {fix}")
+    for key in ("model", "task", "metric"):
+        if not isinstance(row[key], str):
+            raise UserError(f"{path}:{number}: {key} must be text, got {row[key]!r}; {fix}")
+    for key in CELL_FIELDS:
+        if isinstance(row[key], dict | list):
+            raise UserError(f"{path}:{number}: {key} must be a single value, got {row[key]!r}; "
+                            f"{fix}")
+    return row
 
 
 def _decode_line(path: Path, number: int, raw: bytes) -> str:
@@ -206,7 +240,8 @@ class Comparison:
                  [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
                   for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
         paths["markdown"] = out / "comparison.md"
-        atomic_write_text(paths["markdown"], "# Fine-tuning comparison\n\n" + self.to_markdown())
+        atomic_write_text(paths["markdown"],
+                          COMPARISON_HEADINGS["comparison.md"] + "\n\n" + self.to_markdown())
         return paths
 
 
@@ -322,6 +357,9 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
     bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
+    if out_dir is not None:  # a user's own files there are never overwritten
+        check_output_folder(out_dir, "--out", COMPARISON_FILES.__contains__, COMPARISON_HEADINGS,
+                            keep=[results_path])
     rows = read_scores(results_path)
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from seqeval.metrics import f1_score as seqeval_f1
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 from mlsm.errors import UserError
+from mlsm.inputs import read_text
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,15 @@ def metric_entity_f1(preds: Sequence[Sequence[str]],
 
 def read_tsv(path: Path) -> list[list[str]]:
     """All rows of a GLUE TSV (BOM stripped; quotes are literal characters)."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); expected a GLUE TSV "
+                        "file, point --data-dir at the GLUE folders") from None
+    except csv.Error as exc:  # a NUL byte, a field beyond csv's size limit
+        raise UserError(f"{path} is not a TSV table ({exc}); expected a GLUE TSV file, point "
+                        "--data-dir at the GLUE folders") from None
 
 
 def _find(folder: Path, names: Sequence[str], what: str) -> Path:
@@ -206,7 +215,8 @@ def _read_wic(folder: Path, split: str) -> list[Example]:
     data = _find(base, (f"{split}.data.txt",), what)
     gold = _find(base, (f"{split}.gold.txt",), what)
     rows = read_tsv(data)
-    golds = [g.strip() for g in gold.read_text(encoding="utf-8").splitlines() if g.strip()]
+    text = read_text(gold, "WiC gold file", "point --data-dir at the WiC folder")
+    golds = [g.strip() for g in text.splitlines() if g.strip()]
     if len(rows) != len(golds) or any(len(r) != 5 or r[1] not in ("N", "V") for r in rows):
         raise UserError(f"{data}: expected 5 tab-separated WiC columns (lemma, N/V, i-j, s1, s2), "
                         "one T/F gold line per row")
@@ -220,8 +230,12 @@ CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 
 def _conll_lines(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return f.read().splitlines()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:  # OSError: BadGzipFile
+        raise UserError(f"{path} is not CoNLL text ({' '.join(str(exc).split())}); point "
+                        "--data-dir at the conll2003 folder") from None
 
 
 def _read_conll(folder: Path, split: str) -> list[Example]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
@@ -69,6 +70,9 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
     except (ValueError, OSError) as exc:
         raise UserError(f"cannot build a model config from model.arch={cfg.arch!r} / "
                         f"model.config={cfg.config!r}: {str(exc).splitlines()[0]}") from None
+    if "vocab_size" in cfg.overrides:
+        raise UserError(f"model.overrides.vocab_size={cfg.overrides['vocab_size']!r} is not used: "
+                        f"the vocabulary is the token store's tokenizer's ({len(tok)}); drop it")
     for key in cfg.overrides:
         if not hasattr(default, key):
             raise UserError(f"model.overrides.{key} is not a field of {type(default).__name__}; "
@@ -83,7 +87,11 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
     positions = kw.get("max_position_embeddings", fallback)
     # roberta offsets positions by pad + 1
     kw["max_position_embeddings"] = max(positions, max_len + 2)
-    return make(**kw)
+    try:
+        return make(**kw)
+    except (ValueError, TypeError, StrictDataclassError) as exc:  # a value of the wrong type
+        raise UserError(f"model.overrides: {type(default).__name__} refuses the values given "
+                        f"({' '.join(str(exc).split())[:300]}); fix model.overrides") from None
 
 
 def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int,

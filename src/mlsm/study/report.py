@@ -147,7 +147,7 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
     from mlsm.evaluate.report import plot_readiness, plot_wilcoxon
     from mlsm.evaluate.stats import compare_runs
 
-    if not study.results.is_file() or not study.results.read_text().strip():
+    if not study.results.is_file() or not study.results.read_bytes().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
     # one lr per task: no selection
     cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)

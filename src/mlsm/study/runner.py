@@ -23,6 +23,7 @@ from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revisio
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.inputs import read_json
 from mlsm.runs import readiness_step
 from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
 
@@ -101,7 +102,10 @@ class Study:
     # --- bookkeeping ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         path = self.root / "status.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        if not path.exists():
+            return {}
+        return read_json(path, "study status", "restore it, or delete it to let the study redo "
+                         "its bookkeeping")
 
     def set_status(self, key: str, value: dict[str, Any]) -> None:
         """Record one stage's outcome. A locked read-modify-write: local jobs (threads) and slurm

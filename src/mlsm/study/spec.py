@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mlsm.config import build_dataclass, config_from_dict, merge
+from mlsm.config import FIELD_CHECKS, build_dataclass, config_from_dict, merge
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
+from mlsm.inputs import read_yaml
 
 
 @dataclass
@@ -165,6 +164,31 @@ class StudySpec:
         return Path(self.out)
 
 
+_POS = (lambda v: v > 0, "positive")
+_NONNEG = (lambda v: v >= 0, "0 or more")
+_FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
+              "distinct fractions in (0, 1]")
+# Ranges of the study's own keys, checked by build_dataclass like a run config's (FIELD_CHECKS
+# keys are "group.key"; these groups do not clash with the run config's data/model/optim/train).
+FIELD_CHECKS.update({
+    "study.readiness": _FRACTIONS,
+    "dictionary.n_vectors": _POS, "dictionary.max_len": (lambda v: v >= 4, "at least 4"),
+    "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
+    "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
+    "probe.heldout_batches": _POS, "probe.batch_size": _POS,
+    "probe.inputs": (lambda v: bool(v) and len(set(v)) == len(v)
+                     and set(v) <= {"probs", "logprobs", "logits"},
+                     "distinct input kinds among probs, logprobs, logits"),
+    "finetune.readiness": _FRACTIONS, "finetune.seeds": _POS, "finetune.epochs": _POS,
+    "finetune.batch_size": _POS, "finetune.max_len": (lambda v: v >= 4, "at least 4"),
+    "finetune.max_train_examples": _NONNEG, "finetune.weight_decay": _NONNEG,
+    "finetune.lrs": (lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
+    "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
+    "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
+    "executor.jobs": _POS, "executor.threads": _NONNEG,
+})
+
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
            "finetune": FinetuneSpec, "blimp": BlimpSpec, "executor": ExecutorSpec}
 
@@ -209,6 +233,7 @@ def _validate(spec: StudySpec) -> None:
     if spec.blimp.limits and len(spec.blimp.limits) != len(spec.blimp.data):
         raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has "
                         f"{len(spec.blimp.data)}; give one per set")
+    _check_tasks(spec.finetune.tasks)
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
     slurm = spec.executor.slurm
@@ -216,6 +241,16 @@ def _validate(spec: StudySpec) -> None:
             and slurm.get("cluster") not in ("local", "debug"):  # submitit would ask for 5 min
         raise UserError("executor.slurm.timeout_min is not set, so every job would get submitit's "
                         "5 minutes; set it to the longest stage's minutes (e.g. timeout_min: 1440)")
+
+
+def _check_tasks(tasks: list[str]) -> None:
+    """finetune.tasks: known names, each once (a repeated task would be fine-tuned twice)."""
+    from mlsm.evaluate.tasks import get_task
+
+    names = [get_task(t).name for t in tasks]  # an unknown name is one line listing the tasks
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"finetune.tasks lists {twice[0]} twice; give each task once")
 
 
 def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:
@@ -244,10 +279,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
     if not p.is_file():
         raise UserError(f"study file {p} not found; "
                         "pass a YAML file such as studies/cpu_replication.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"study file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    raw = read_yaml(p, "study file", "fix it (see studies/*.yaml)") or {}
     spec = study_from_dict(raw, str(p))
     folder = out or spec.out or str(p.parent / p.stem)
     return dataclasses.replace(spec, out=str(Path(folder).expanduser()))

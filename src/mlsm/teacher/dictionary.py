@@ -36,6 +36,8 @@ from threadpoolctl import ThreadpoolController
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
+from mlsm.hf import first_line
+from mlsm.inputs import read_json
 from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
@@ -117,11 +119,17 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     """
     if n < 1:
         raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
-    from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash  # the tokenizers stack
+    from mlsm.data.corpus import (  # the tokenizers stack
+        check_token_ids,
+        require_same_tokenizer,
+        tokenizer_hash,
+    )
 
     store_hash = tokenizer_hash(store.load_tokenizer())
     require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
     tokens, offsets = store.tokens, np.asarray(store.offsets)
+    check_token_ids(tokens, teacher.vocab_size, getattr(store, "path", "the store"),
+                    f"teacher {teacher.name or ''}".strip())
     n_tokens = int(offsets[-1])
     if n_tokens == 0:
         raise UserError("the token store is empty; prepare it from a non-empty corpus")
@@ -383,6 +391,13 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     k defaults to 4 × the teacher's hidden size. The final objective is the mean over up to
     eval_vectors of the collected vectors. When `out` is given the result is saved there.
     """
+    if isinstance(store, str | Path):  # a path is opened (and checked) here
+        from mlsm.data.corpus import TokenStore
+
+        store = TokenStore.open(store)
+    if not isinstance(teacher, Teacher):
+        raise UserError(f"learn_dictionary() takes a Teacher, got a {type(teacher).__name__}; "
+                        "load one with mlsm.load_teacher(PATH, layer)")
     k = default_k(teacher.hidden_size) if k is None else k
     _check_options(k, lam)
     _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
@@ -475,6 +490,15 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     if not weights.is_file():
         raise UserError(f"no dictionary at {weights}; learn one with `mlsm dictionary "
                         f"--out {weights}`")
-    atoms = load_file(str(weights), device=str(device))["atoms"]
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    fix = f"learn it again with `mlsm dictionary --out {weights}`"
+    try:
+        tensors = load_file(str(weights), device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:  # binary, truncated, torn header
+        raise UserError(f"dictionary {weights} is damaged or not a safetensors file "
+                        f"({first_line(exc)}); {fix}") from None
+    atoms = tensors.get("atoms")
+    if atoms is None or atoms.dim() != 2 or not atoms.is_floating_point():
+        raise UserError(f"{weights} is not an mlsm dictionary (no 2-D float tensor `atoms`; it "
+                        f"holds {', '.join(sorted(tensors)) or 'nothing'}); {fix}")
+    meta = read_json(meta_path, "dictionary meta", fix) if meta_path.exists() else {}
     return Dictionary(atoms, meta)

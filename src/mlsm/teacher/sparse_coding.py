@@ -54,6 +54,11 @@ class SparseCodes:
 
 def check_problem(X: torch.Tensor, D: torch.Tensor, lam: float) -> None:
     """Raise UserError for inputs the solvers cannot handle."""
+    for name, t in (("X", X), ("D", D)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UserError(f"sparse coding needs {name} as a floating-point torch tensor, got "
+                            f"{got}; convert it with torch.as_tensor({name}, dtype=torch.float32)")
     if X.dim() != 2 or D.dim() != 2:
         raise UserError(f"sparse coding needs X of shape (n, d) and D of shape (d, k); "
                         f"got {tuple(X.shape)} and {tuple(D.shape)}")

@@ -286,13 +286,15 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     """
     from mlsm.config import DataConfig
     from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import TokenStore, require_same_tokenizer
+    from mlsm.data.corpus import TokenStore, check_token_ids, require_same_tokenizer
 
     store = TokenStore.open(store_path)
     if not isinstance(dictionary, Dictionary):
         dictionary = load_dictionary(dictionary)
     dictionary.check_teacher(teacher)
     require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
+    check_token_ids(store.tokens, teacher.vocab_size, store_path,
+                    f"teacher {teacher.name or ''}".strip())
     if nnz is not None and not 1 <= nnz <= dictionary.k:
         raise UserError(f"--nnz must be between 1 and k={dictionary.k} (got {nnz}); omit it to "
                         "keep every code whole")

@@ -87,6 +87,11 @@ class Teacher:
         self.n_layers_full = n_layers
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the teacher's token embedding: the largest token id it can read, plus one."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 

@@ -24,10 +24,11 @@ import torch
 from mlsm import locking, tracking
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
-from mlsm.data.corpus import TokenStore, require_mask_token
+from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
+from mlsm.inputs import check_apart
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
@@ -45,12 +46,27 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     resume: None (fresh run), "auto" (newest intact checkpoint of cfg.train.out, fresh if none)
     or a checkpoint folder. A resumed run continues exactly: same batches, RNG, optimizer, schedule.
     """
+    if not isinstance(cfg, RunConfig):
+        raise UserError(f"pretrain() takes a RunConfig, got a {type(cfg).__name__}; build it with "
+                        "mlsm.load_config(PATH, overrides) (a dict: mlsm.config.config_from_dict)")
+    check_apart(cfg.train.out, "train.out", _inputs(cfg))  # before anything is written
     dist_info = init_distributed(cfg.train.device)
     run_dir = Path(cfg.train.out)
     # One process per run directory; under DDP rank 0 holds the lock for the whole group.
     with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
         _check_run_dir(run_dir, resume)  # before minutes of loading
         return _pretrain(cfg, resume, dist_info, run_dir)
+
+
+def _inputs(cfg: RunConfig) -> dict[str, str]:
+    """The files and folders a run reads, by the key that names them (train.out must be apart)."""
+    found = {"data.store": cfg.data.store, "model.init_from": cfg.model.init_from,
+             "model.config": cfg.model.config}
+    for key in ("teacher", "dictionary", "targets", "checkpoint"):
+        value = getattr(cfg.objective, key, None)
+        if isinstance(value, str) and value:
+            found[f"objective.{key}"] = value
+    return found
 
 
 def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: Path) -> Path:
@@ -65,6 +81,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                   store=store)
     objective = build_objective(cfg.objective, ctx)
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
+    check_token_ids(store.tokens, student.hf.get_input_embeddings().num_embeddings, store.path,
+                    "the student")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)  # heads an objective adds start the same in every run
         objective.attach(student)

@@ -1,0 +1,158 @@
+"""Reading what users hand to mlsm: one helper per kind of input, each failing with ONE line.
+
+Every file a verb reads (JSON metadata, YAML recipes, text tables) and every output path it is
+about to write goes through these helpers at the edge, so a hostile input (binary bytes, a torn
+file, a list where a mapping belongs, a folder where a file belongs, an output inside an input)
+is a `UserError` naming the file and the fix, never a traceback from deep inside the work.
+docs/reliability.md lists the classes of input and the tests that try each against every verb.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlsm.errors import UserError
+
+
+def suggest(name: object, valid: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
+    close = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def read_text(path: str | os.PathLike, what: str, fix: str) -> str:
+    """A UTF-8 text file; missing, a folder, unreadable or binary is one UserError."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{what} {p} is a folder, not a file; {fix}")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {p} ({exc.strerror or exc}); {fix}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} {p} is not UTF-8 text (byte {exc.start}); {fix}") from None
+
+
+def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict) -> Any:
+    """A JSON file whose top level is a `kind` (a mapping by default); else one UserError."""
+    p = Path(path)
+    text = read_text(p, what, fix)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{what} {p} is torn or not JSON (line {exc.lineno}, column "
+                        f"{exc.colno}: {exc.msg}); {fix}") from None
+    if not isinstance(data, kind):
+        raise UserError(f"{what} {p} must hold a JSON {_KINDS.get(kind, kind.__name__)}, "
+                        f"got {type(data).__name__}; {fix}")
+    return data
+
+
+_KINDS = {dict: "object", list: "list"}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently: a study with two arms of one name would quietly lose the first)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, Mapping | list):
+            continue  # unhashable: let the constructor report it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (also on line {seen[key] + 1})",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: the problem and its line number (1-based)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
+def parse_yaml(text: str) -> Any:
+    """Safe YAML (no Python tags, no duplicate keys); raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def read_yaml(path: str | os.PathLike, what: str, fix: str) -> Any:
+    """A YAML file read safely; missing, binary, invalid or with a duplicate key: one UserError
+    naming the file and line."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{what} {p} not found; {fix}")
+    try:
+        return parse_yaml(read_text(p, what, fix))
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {p} is not valid YAML ({yaml_problem(exc)}); {fix}") from None
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_apart(out: str | os.PathLike, flag: str, inputs: Mapping[str, Any],
+                contains: bool = False) -> None:
+    """Refuse an output path that is one of the inputs or lies inside an input folder (and, when
+    the output folder is replaced as a whole, `contains`: one that holds an input), before
+    anything is written. `inputs` maps how each input was named (a flag or key) to its path;
+    empty or missing ones are skipped."""
+    target = Path(out).expanduser().resolve()
+    for name, value in inputs.items():
+        if not value:
+            continue
+        source = Path(value).expanduser()
+        if not source.exists():
+            continue
+        source = source.resolve()
+        clash = _within(target, source) or (contains and _within(source, target))
+        if clash:
+            how = ("is" if target == source else "lies inside" if _within(target, source)
+                   else "holds")
+            raise UserError(f"{flag} {out} {how} the input {name} {value}; write the output "
+                            "somewhere else (nothing was written)")
+
+
+def check_output_folder(out: str | os.PathLike, flag: str, writes: Callable[[str], bool],
+                        headings: Mapping[str, str],
+                        keep: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse an existing output folder that holds files this verb would not write (`writes`
+    says which names it writes; `keep`: inputs that may lie there, e.g. results.jsonl), or a
+    Markdown file of one of its names that it did not write (its first line is not the verb's
+    heading in `headings`): a user's own report.md is never overwritten."""
+    folder = Path(out)
+    if not folder.is_dir():
+        return
+    kept = {Path(k).resolve() for k in keep if k}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.resolve() in kept:
+            continue
+        if not writes(path.name) or path.is_dir():
+            raise UserError(f"{flag} {folder} holds {path.name}, which this command does not "
+                            "write; choose an empty or new folder (nothing was written)")
+        heading = headings.get(path.name)
+        if heading is not None:
+            first = read_text(path, "file", "choose another folder").partition("\n")[0]
+            if first.strip() != heading:
+                raise UserError(f"{flag} {folder} holds a {path.name} that mlsm did not write; "
+                                "choose an empty or new folder (nothing was written)")

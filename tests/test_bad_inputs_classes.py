@@ -1,0 +1,450 @@
+"""Hostile inputs by class x entry point: the table of `test_bad_inputs_data.py`, extended.
+
+Each case is one class of hostile input (file content, values, consistency between inputs,
+paths and state) tried on one verb; every one ran into a traceback, a silent acceptance or a
+lost file before the input helpers of `mlsm.inputs` were used at the edges. The CLI cases assert
+what the data table asserts: exit 2, one line on stderr naming the problem, no traceback, and
+the user's files byte-for-byte intact. The API cases assert a one-line `UserError`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mlsm.cli import main
+from mlsm.errors import UserError
+
+from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
+    ENV,
+    _one_line_error,
+    _run_args,
+    _tree,
+    _user_folder,
+    fx,
+    mlsm_ckpt,
+)
+
+ROW = {"task": "rte", "metric": "accuracy", "lr": 2e-5, "epochs": 3, "batch_size": 32,
+       "max_len": 128, "n_train": 100}
+
+
+def _rows(extra: str = "") -> str:
+    rows = [json.dumps({**ROW, "model": m, "seed": s, "value": 0.5 + 0.1 * s})
+            for m in ("a", "b") for s in range(3)]
+    return "\n".join(rows) + "\n" + extra
+
+
+def _write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return path
+
+
+def _glue(tmp: Path, train: str | bytes | None = None) -> Path:
+    good = "index\tsentence1\tsentence2\tlabel\n" + "".join(
+        f"{i}\tthe cat .\ta cat .\tentailment\n" for i in range(4))
+    _write(tmp / "glue" / "RTE" / "train.tsv", good if train is None else train)
+    _write(tmp / "glue" / "RTE" / "dev.tsv", good)
+    return tmp / "glue"
+
+
+def _finetune(fix: dict, tmp: Path, data: Path, model: Path | None = None,
+              results: Path | None = None, tasks: str = "rte") -> list[str]:
+    return ["finetune", str(model or fix["teacher_dir"]), "--tasks", tasks, "--data-dir", str(data),
+            "--results", str(results or tmp / "res.jsonl"), "--seeds", "1", "--epochs", "1",
+            "--max-len", "16"]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(src, dst))
+
+
+def _store_with_id(tmp: Path, fix: dict, token_id: int) -> Path:
+    """A copy of the fixture store holding `token_id` (beyond every model's vocabulary)."""
+    store = _copy(fix["store_dir"], tmp / "store")
+    meta = json.loads((store / "meta.json").read_text())
+    tokens = np.memmap(store / "tokens.bin", dtype=meta["dtype"], mode="r+")
+    tokens[3] = token_id
+    tokens.flush()
+    del tokens
+    return store
+
+
+def _targets(fix: dict, out: Path, **flags: str) -> list[str]:
+    args = {"--store": str(fix["store_dir"]), "--dictionary": str(fix["dictionary_path"]),
+            "--teacher": str(fix["teacher_dir"]), "--max-len": "32", "--batch-size": "16",
+            "--out": str(out), **flags}
+    return ["targets", *[x for kv in args.items() for x in kv]]
+
+
+def _dictionary(fix: dict, out: Path, store: Path | None = None) -> list[str]:
+    return ["dictionary", "--store", str(store or fix["store_dir"]), "--teacher",
+            str(fix["teacher_dir"]), "--layer", "1", "--k", "16", "--n-vectors", "50",
+            "--max-len", "32", "--out", str(out)]
+
+
+def _study(tmp: Path, fix: dict, tail: str) -> Path:
+    head = (f"corpus: {{sources: [{fix['corpus_dir'] / 'a.txt'}]}}\n"
+            "base: {data: {max_len: 32}, train: {steps: 1, batch_size: 4}}\n"
+            f"readiness: [1.0]\nout: {tmp / 'study'}\n")
+    return _write(tmp / "s.yaml", head + tail)
+
+
+def _blimp_dir(tmp: Path, line: str) -> Path:
+    return _write(tmp / "blimp" / "toy.jsonl", line + "\n").parent
+
+
+GOOD_PAIR = '{"sentence_good": "the cat sees .", "sentence_bad": "cat the sees ."}'
+
+# --------------------------------------------------------------------------- the table
+# (class, verb) -> case(tmp, fix) -> (argv, paths that must stay intact, text of the error line)
+
+
+def _content_targets_dictionary_truncated(tmp, fix):
+    weights = _write(tmp / "d.safetensors", fix["dictionary_path"].read_bytes()[:200])
+    shutil.copy(fix["dictionary_path"].with_suffix(".json"), tmp / "d.json")
+    return _targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights], "is damaged"
+
+
+def _content_targets_dictionary_meta_is_a_list(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    _write(tmp / "d.json", "[1, 2]")
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [tmp / "d.json"],
+            "must hold a JSON object")
+
+
+def _content_finetune_tsv_binary(tmp, fix):
+    glue = _glue(tmp, train=b"\xff\xfe\x00\x01")
+    return _finetune(fix, tmp, glue), [glue], "train.tsv is not UTF-8"
+
+
+def _content_finetune_results_not_a_results_file(tmp, fix):
+    notes = _write(tmp / "notes.txt", "my thesis, chapter 1\nchapter 2\n")
+    return (_finetune(fix, tmp, _glue(tmp), results=notes), [notes],
+            "notes.txt is not a results file")
+
+
+def _content_compare_line_is_a_list(tmp, fix):
+    results = _write(tmp / "r.jsonl", _rows("[1, 2]\n"))
+    return ["compare", str(results)], [results], "r.jsonl:7 is a JSON list"
+
+
+def _content_export_checkpoint_json_torn(tmp, fix):
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    _write(ckpt / "checkpoint.json", '{"step": ')
+    return ["export", str(ckpt), "--out", str(tmp / "e")], [ckpt], "checkpoint.json is torn"
+
+
+def _content_study_file_binary(tmp, fix):
+    study = _write(tmp / "s.yaml", b"name: \xff\xfe\n")
+    return ["study", str(study)], [study], "s.yaml is not UTF-8"
+
+
+def _content_blimp_sentence_not_text(tmp, fix):
+    data = _blimp_dir(tmp, '{"sentence_good": 5, "sentence_bad": null}')
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(tmp / "o")],
+            [data], "toy.jsonl:1 is not a BLiMP row")
+
+
+def _content_pretrain_yaml_duplicate_key(tmp, fix):
+    recipe = _write(tmp / "r.yaml", "train:\n  steps: 1\n  steps: 2\n")
+    return (["pretrain", "--config", str(recipe), *_run_args(fix["store_dir"], tmp / "run")],
+            [recipe], "duplicate key 'steps'")
+
+
+def _values_pretrain_lr_inf(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{"optim.lr": ".inf"})], [],
+            "optim.lr must be a finite number")
+
+
+def _values_pretrain_override_wrong_type(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run"),
+             "model.overrides.hidden_dropout_prob=high"], [], "model.overrides")
+
+
+def _values_pretrain_vocab_size_ignored(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run"),
+             "model.overrides.vocab_size=0"], [], "model.overrides.vocab_size=0 is not used")
+
+
+def _values_pretrain_unknown_key_suggests(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run"), "train.step=5"], [],
+            "train.step (did you mean steps?)")
+
+
+def _values_study_duplicate_arm(tmp, fix):
+    study = _study(tmp, fix, "arms:\n  a: {objective: {name: mlm}}\n  a: {objective: {name: kd}}\n")
+    return ["study", str(study)], [study], "duplicate key 'a'"
+
+
+def _values_study_duplicate_task(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nfinetune: {tasks: [rte, rte]}\n")
+    return ["study", str(study)], [study], "rte twice"
+
+
+def _values_study_unknown_task(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nfinetune: {tasks: [rtee]}\n")
+    return ["study", str(study)], [study], "unknown task 'rtee'"
+
+
+def _values_study_negative_seeds(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n"
+                            "finetune: {tasks: [rte], seeds: -1}\n")
+    return ["study", str(study)], [study], "finetune.seeds must be positive"
+
+
+def _values_study_unknown_probe_input(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nprobe: {inputs: [nosuch]}\n")
+    return ["study", str(study)], [study], "probe.inputs"
+
+
+def _values_finetune_duplicate_task(tmp, fix):
+    return _finetune(fix, tmp, _glue(tmp), tasks="rte,RTE"), [], "rte twice"
+
+
+def _values_compare_seed_is_a_list(tmp, fix):
+    results = _write(tmp / "r.jsonl", _rows().replace('"seed": 0', '"seed": [0]'))
+    return ["compare", str(results)], [results], "seed must be a single value"
+
+
+def _values_train_tokenizer_vocab_huge(tmp, fix):
+    return (["train-tokenizer", str(fix["corpus_dir"] / "a.txt"), "--out", str(tmp / "tok"),
+             "--vocab-size", "99999999999999999999"], [], "--vocab-size")
+
+
+def _values_train_tokenizer_no_text(tmp, fix):
+    empty = _write(tmp / "empty.txt", "")
+    return ["train-tokenizer", str(empty), "--out", str(tmp / "tok")], [empty], "no text in"
+
+
+def _consistency_pretrain_token_id_beyond_vocab(tmp, fix):
+    store = _store_with_id(tmp, fix, 60000)
+    return ["pretrain", *_run_args(store, tmp / "run")], [store], "holds token id 60000"
+
+
+def _consistency_dictionary_token_id_beyond_vocab(tmp, fix):
+    store = _store_with_id(tmp, fix, 60000)
+    return _dictionary(fix, tmp / "d", store), [store], "holds token id 60000"
+
+
+def _consistency_flops_layer_beyond_teacher(tmp, fix):
+    return (["flops", "--teacher", str(fix["teacher_dir"]), "--layer", "9"], [],
+            "teacher layer 9 does not exist")
+
+
+def _consistency_export_probe_of_another_kind(tmp, fix):
+    return (["export", str(fix["mlsm_ckpt"]), "--out", str(tmp / "e"), "--probe",
+             str(fix["teacher_dir"])], [], "has no heads.safetensors")
+
+
+def _paths_finetune_results_inside_model(tmp, fix):
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    return (_finetune(fix, tmp, _glue(tmp), model=model, results=model / "config.json"), [model],
+            "lies inside the input model")
+
+
+def _paths_finetune_results_is_task_data(tmp, fix):
+    glue = _glue(tmp)
+    return (_finetune(fix, tmp, glue, results=glue / "RTE" / "train.tsv"), [glue],
+            "lies inside the input --data-dir")
+
+
+def _paths_dictionary_out_inside_store(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    return (_dictionary(fix, store / "tokens.bin", store), [store],
+            "lies inside the input --store")
+
+
+def _paths_targets_out_inside_store(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    return (_targets(fix, store / "t", **{"--store": str(store)}), [store],
+            "lies inside the input --store")
+
+
+def _paths_pretrain_out_inside_store(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    return (["pretrain", *_run_args(store, store / "run")], [store],
+            "train.out")
+
+
+def _paths_probe_out_is_the_checkpoint(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    return (["probe", str(ckpt), "--out", str(ckpt), "--max-steps", "1"], [ckpt],
+            "is the input CHECKPOINT")
+
+
+def _paths_probe_out_user_folder(tmp, fix):
+    folder = _user_folder(tmp)
+    return (["probe", str(fix["mlsm_ckpt"]), "--out", str(folder), "--max-steps", "1"], [folder],
+            "not an mlsm probe run")
+
+
+def _paths_blimp_out_is_the_data(tmp, fix):
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(data)], [data],
+            "is the input --data")
+
+
+def _paths_rank_out_is_the_model(tmp, fix):
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    text = _write(tmp / "x.txt", "the cat sees a dog .\n")
+    return (["rank", str(model), "--text", str(text), "--out", str(model)], [model],
+            "is the input MODEL")
+
+
+def _paths_export_out_inside_checkpoint(tmp, fix):
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    return (["export", str(ckpt), "--out", str(ckpt / "export")], [ckpt],
+            "lies inside the input checkpoint")
+
+
+def _paths_report_out_holds_users_report(tmp, fix):
+    results = _write(tmp / "r.jsonl", _rows())
+    mine = _write(tmp / "rep" / "report.md", "# My own report\n")
+    return (["report", str(results), "--out", str(tmp / "rep")], [mine],
+            "report.md that mlsm did not write")
+
+
+def _paths_compare_out_user_folder(tmp, fix):
+    results = _write(tmp / "r.jsonl", _rows())
+    folder = _user_folder(tmp)
+    return (["compare", str(results), "--out", str(folder)], [folder],
+            "which this command does not write")
+
+
+def _paths_train_tokenizer_out_user_folder(tmp, fix):
+    folder = _user_folder(tmp)
+    return (["train-tokenizer", str(fix["corpus_dir"] / "a.txt"), "--out", str(folder)], [folder],
+            "not a tokenizer file")
+
+
+def _paths_study_corrupt_status(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    status = _write(tmp / "study" / "status.json", b"\xff\x00{")
+    return ["study", str(study), "--stages", "store"], [status], "study status"
+
+
+CASES = {name[1:]: fn for name, fn in sorted(globals().items())
+         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
+
+
+def test_every_class_is_tried_on_several_verbs() -> None:
+    for kind in ("content", "values", "consistency", "paths"):
+        verbs = {name.split("_")[1] for name in CASES if name.startswith(kind)}
+        assert len(verbs) >= 3, (kind, verbs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hostile_input_is_one_line_and_nothing_is_lost(name: str, fx: dict,  # noqa: F811
+                                                      tmp_path: Path, capsys) -> None:
+    args, protect, needle = CASES[name](tmp_path, fx)
+    before = {str(p): _tree(p) for p in protect}
+    capsys.readouterr()
+    line = _one_line_error(main(args), capsys.readouterr().err)
+    assert needle in line, line
+    assert {str(p): _tree(p) for p in protect} == before, "user files changed"
+
+
+# --------------------------------------------------------------------------- the Python API
+
+
+def _api_cases(fix: dict, tmp: Path) -> dict:
+    from mlsm import (
+        compare_runs,
+        finetune,
+        learn_dictionary,
+        prepare_corpus,
+        pretrain,
+        score_pll,
+        sparse_encode,
+    )
+    from mlsm.evaluate.pll import load_masked_lm
+
+    def pll(sentences: list) -> None:
+        model, tok = load_masked_lm(str(fix["teacher_dir"]))
+        score_pll(model, tok, sentences)
+
+    glue = _glue(tmp)
+    tiny = {"data_dir": glue, "results": tmp / "r.jsonl", "seeds": [0], "max_len": 16}
+    return {
+        "prepare_corpus sources=None": (
+            lambda: prepare_corpus(None, str(fix["tokenizer_dir"]), tmp / "s"), "sources"),
+        "prepare_corpus num_proc=0": (
+            lambda: prepare_corpus(str(fix["corpus_dir"]), str(fix["tokenizer_dir"]), tmp / "s",
+                                   num_proc=0), "--num-proc"),
+        "learn_dictionary teacher=path": (
+            lambda: learn_dictionary(fix["store_dir"], str(fix["teacher_dir"]), k=8), "Teacher"),
+        "sparse_encode numpy": (
+            lambda: sparse_encode(np.ones((2, 4)), torch.ones(4, 8), 0.1), "torch tensor"),
+        "sparse_encode integer tensor": (
+            lambda: sparse_encode(torch.ones(2, 4, dtype=torch.long), torch.ones(4, 8), 0.1),
+            "floating-point"),
+        "pretrain dict": (lambda: pretrain({"train": {"steps": 1}}), "RunConfig"),
+        "finetune models=str": (lambda: finetune(str(fix["teacher_dir"]), ["rte"], **tiny),
+                                "must be a list"),
+        "finetune epochs=True": (lambda: finetune([str(fix["teacher_dir"])], ["rte"], epochs=True,
+                                                  **tiny), "--epochs"),
+        "score_pll None sentence": (lambda: pll(["the cat .", None]), "sentence 1"),
+        "compare_runs list line": (
+            lambda: compare_runs(_write(tmp / "c.jsonl", _rows("[1]\n"))), "c.jsonl:7"),
+    }
+
+
+API = ["prepare_corpus sources=None", "prepare_corpus num_proc=0", "learn_dictionary teacher=path",
+       "sparse_encode numpy", "sparse_encode integer tensor", "pretrain dict",
+       "finetune models=str", "finetune epochs=True", "score_pll None sentence",
+       "compare_runs list line"]
+
+
+@pytest.mark.parametrize("case", API)
+def test_api_refuses_hostile_input_with_a_user_error(case: str, fx: dict,  # noqa: F811
+                                                      tmp_path: Path) -> None:
+    call, needle = _api_cases(fx, tmp_path)[case]
+    with pytest.raises(UserError) as info:
+        call()
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------- a full disk
+
+# Each verb writes once with room, then again with the file-size limit of a full disk
+# (RLIMIT_FSIZE: writes past it fail with EFBIG, as ENOSPC would): one line, and the first
+# output is still whole.
+FULL = {
+    "compare": (["compare", "{results}", "--out", "{out}"], 300),
+    "report": (["report", "{results}", "--out", "{out}"], 3000),
+    "train-tokenizer": (["train-tokenizer", "{corpus}/a.txt", "--out", "{out}", "--vocab-size",
+                         "100"], 2000),
+}
+_LIMITED = ("import resource, sys; n = int(sys.argv[1]); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+            "from mlsm.cli import main; sys.exit(main(sys.argv[2:]))")
+
+
+@pytest.mark.parametrize("verb", list(FULL))
+def test_full_disk_is_one_line_and_keeps_the_earlier_output(verb: str, corpus_dir: Path,
+                                                           tmp_path: Path) -> None:
+    template, limit = FULL[verb]
+    results = _write(tmp_path / "r.jsonl", _rows())
+    out = tmp_path / "out"
+    args = [a.format(results=results, out=out, corpus=corpus_dir) for a in template]
+
+    def run(limit: int) -> subprocess.CompletedProcess:
+        env = {**ENV, "TOKENIZERS_PARALLELISM": "false"}
+        return subprocess.run([sys.executable, "-c", _LIMITED, str(limit), *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    assert run(10**9).returncode == 0
+    before = _tree(out)
+    proc = run(limit)
+    _one_line_error(proc.returncode, proc.stderr)
+    assert _tree(out) == before
+    assert not [p for p in tmp_path.rglob(".*") if not p.name.endswith(".lock")], "temp left"
