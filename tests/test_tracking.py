@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -250,9 +251,12 @@ def test_a_resumed_run_continues_the_same_wandb_run(
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     run = _interrupted_and_resumed(store_dir, tmp_path / "r", "[wandb]")
     stored = json.loads((run / "tracking.json").read_text())[run.name]["wandb"]
-    # W&B names each offline segment offline-run-<time>-<run id>; both carry the stored id
+    # W&B names each offline segment offline-run-<time>-<run id>, with "-1" appended when two
+    # start within the same second; both carry the stored id
     segments = sorted((run / "wandb").glob("offline-run-*"))
-    assert [s.name.rsplit("-", 1)[1] for s in segments] == [stored] * len(segments)
+    pattern = re.compile(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)(?:-\d+)?")
+    ids = [(pattern.fullmatch(s.name) or re.match("(.*)", s.name)).group(1) for s in segments]
+    assert ids == [stored] * len(segments)
     records = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(records) == 2 and {r.name for r in records} == {f"run-{stored}.wandb"}
 
