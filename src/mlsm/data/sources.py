@@ -101,7 +101,9 @@ def _file_units(path: Path, chunk_lines: int) -> Iterator[Unit]:
     buf, first, scan_from = bytearray(), 1, 0
     with _open_bytes(path) as fh:
         for block in iter(lambda: fh.read(READ_BYTES), b""):
-            scan_from = max(0, buf.rfind(b"\n"))  # a boundary needs a line ending in `block`
+            # a boundary not found yet needs a line ending in `block`: search from the last
+            # "\n" before it (found from where the previous search began: linear, not quadratic)
+            scan_from = max(scan_from, buf.rfind(b"\n", scan_from))
             buf += block
             while (end := _unit_end(buf, kind, chunk_lines, scan_from)) is not None:
                 payload = bytes(buf[:end])
