@@ -23,19 +23,28 @@ from .conftest import make_text
 
 @pytest.fixture(scope="module")
 def shards_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """Uneven shards of both formats, and the documents they hold in reading order."""
+    """Uneven shards of every file kind (.txt, .txt.gz, .jsonl, .jsonl.gz), blank lines of
+    spaces, tabs and CRLF, and the documents they hold in reading order."""
     root = tmp_path_factory.mktemp("shards")
     docs: list[str] = []
-    for i, n in enumerate((23, 1, 57, 9)):
-        texts = make_text(n, seed=10 + i, sentences=2 + i)  # 3- and 5-line periods
+    for i, n in enumerate((23, 1, 57, 9, 14, 11)):
+        texts = make_text(n, seed=10 + i, sentences=2 + i)  # 3- to 7-line periods
         if i % 2:
-            with gzip.open(root / f"s{i}.jsonl.gz", "wt", encoding="utf-8") as fh:
-                fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+            records = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+            if i == 5:
+                (root / f"s{i}.jsonl").write_text(records)
+            else:
+                with gzip.open(root / f"s{i}.jsonl.gz", "wt", encoding="utf-8") as fh:
+                    fh.write(records)
             docs += texts
-        else:  # multi-line documents separated by blank lines (one holds only spaces)
-            blocks = [t.replace(". ", ".\n") for t in texts]
-            (root / f"s{i}.txt").write_text("\n \n".join(blocks) + "\n")
-            docs += blocks
+            continue
+        blocks = [t.replace(". ", ".\n") for t in texts]  # multi-line documents
+        if i == 4:  # Windows line ends, gzipped: the same documents without the "\r"
+            raw = "\r\n\r\n".join(b.replace("\n", "\r\n") for b in blocks) + "\r\n"
+            (root / f"s{i}.txt.gz").write_bytes(gzip.compress(raw.encode()))
+        else:  # blank lines holding only spaces or a tab
+            (root / f"s{i}.txt").write_text(("\n\t \n" if i else "\n \n").join(blocks) + "\n")
+        docs += blocks
     return root, docs
 
 
@@ -68,8 +77,65 @@ def test_cli_num_proc(shards_dir, tokenizer_dir: Path, tmp_path: Path) -> None:
     assert _store_bytes(tmp_path / "a") == _store_bytes(tmp_path / "b")
 
 
+def test_tiny_units_blocks_and_batches_change_nothing(shards_dir, tokenizer_dir: Path,
+                                                       tmp_path: Path, monkeypatch) -> None:
+    """Units cut every few hundred bytes (mid-line: the cut moves to the next document start),
+    reads of a few bytes, and tokenizer batches of one document, several per unit: the same
+    store as the defaults (a unit per file), on one process and on two."""
+    root, docs = shards_dir
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    prepare_corpus(str(root), str(tokenizer_dir), tmp_path / "default", num_proc=1)
+    monkeypatch.setattr(sources, "UNIT_BYTES", 397)  # the reader (main process) ...
+    monkeypatch.setattr(sources, "READ_BYTES", 13)
+    monkeypatch.setattr(shards, "ENCODE_CHARS", 40)  # ... and the workers, forked after this
+    units = list(sources.iter_units([str(root)], "text", 512))
+    assert len(units) > 3 * len(list(root.iterdir()))
+    assert sum(len(list(shards.unit_documents(u, "text"))) > 1 for u in units) > 10
+    for n in (1, 2):
+        store = prepare_corpus(str(root), str(tokenizer_dir), tmp_path / f"p{n}", num_proc=n)
+        assert [store.document(j).tolist() for j in range(store.n_docs)] == expected
+        assert _store_bytes(tmp_path / f"p{n}") == _store_bytes(tmp_path / "default")
+
+
+def test_units_hold_whole_lines_numbered_from_their_first(shards_dir, monkeypatch) -> None:
+    root, _ = shards_dir
+    monkeypatch.setattr(sources, "UNIT_BYTES", 61)
+    monkeypatch.setattr(sources, "READ_BYTES", 7)
+    for path in sorted(root.iterdir()):
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        lines = raw.splitlines(keepends=True)
+        units = list(sources.iter_units([str(path)], "text", 3))
+        assert b"".join(u[3] for u in units) == raw
+        for _, label, first, payload in units:
+            assert label == str(path) and payload.endswith(b"\n")
+            assert payload.startswith(lines[first - 1])
+            if path.name.endswith((".txt", ".txt.gz")) and first > 1:
+                assert not lines[first - 1].strip(), (path, first)  # cut before a blank line
+
+
+def test_parts_of_workers_are_not_left_in_the_store(shards_dir, tokenizer_dir: Path,
+                                                    tmp_path: Path) -> None:
+    root, _ = shards_dir
+    prepare_corpus(str(root), str(tokenizer_dir), tmp_path / "s", chunk_docs=4, num_proc=2)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [
+        "meta.json", "offsets.bin", "tokenizer", "tokens.bin"]
+
+
+def test_bad_utf8_in_a_later_unit_names_line_and_column(tokenizer_dir: Path, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    monkeypatch.setattr(sources, "UNIT_BYTES", 40)
+    lines = [f"line {i} of some text".encode() for i in range(60)]
+    lines[43] = "caf\u00e9 au lait".encode("latin-1")  # \xe9 alone: column 4
+    (tmp_path / "latin.txt").write_bytes(b"\n\n".join(lines) + b"\n")  # line 87 of the file
+    bad = r"latin\.txt:87 is not UTF-8 text \(bad byte at column 4\)"
+    with pytest.raises(UserError, match=bad):
+        prepare_corpus(str(tmp_path / "latin.txt"), str(tokenizer_dir), tmp_path / "s",
+                       num_proc=2)
+
+
 @pytest.mark.parametrize("num_proc", [1, 2])
-def test_read_ahead_is_bounded(tokenizer_dir: Path, num_proc: int) -> None:
+def test_read_ahead_is_bounded(tokenizer_dir: Path, tmp_path: Path, num_proc: int) -> None:
     """At most 2 x num_proc units are in flight: the corpus is streamed, never read ahead."""
     pulled = []
 
@@ -79,11 +145,12 @@ def test_read_ahead_is_bounded(tokenizer_dir: Path, num_proc: int) -> None:
             yield "docs", "mem", 0, [f"document number {i}"]
 
     tok_json = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer.to_str()
-    out = shards.tokenise_units(units(), tok_json, "text", "uint16", num_proc=num_proc)
-    first = next(out)
-    assert len(first[1]) == 1 and len(pulled) <= 2 * num_proc + 2
-    assert sum(len(lengths) for _, lengths in out) == 39
-    out.close()
+    with open(tmp_path / "ids.bin", "wb", buffering=0) as ids:
+        out = shards.tokenise_units(units(), tok_json, "text", "uint16", num_proc, ids, tmp_path)
+        first = next(out)
+        assert len(first[1]) == 1 and len(pulled) <= 2 * num_proc + 2
+        assert sum(len(lengths) for _, lengths in out) == 39
+        out.close()
 
 
 def test_worker_errors_name_the_right_line(tokenizer_dir: Path, tmp_path: Path) -> None:

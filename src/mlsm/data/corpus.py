@@ -208,19 +208,20 @@ def _write_store(tmp: Path, units: Iterator[Unit], tok: PreTrainedTokenizerBase,
     """Tokenise `units` (on `num_proc` processes) into tmp/tokens.bin and tmp/offsets.bin."""
     dtype = "uint16" if len(tok) < 65536 else "uint32"
     n_tokens, n_docs = 0, 0
-    parts = tokenise_units(units, tok.backend_tokenizer.to_str(), text_field, dtype, num_proc)
-    with open(tmp / "tokens.bin", "wb") as ftok, open(tmp / "offsets.bin", "wb") as foff:
+    # unbuffered: worker parts are appended to it by the kernel (`shards._append_file`)
+    with (open(tmp / "tokens.bin", "wb", buffering=0) as ftok,
+          open(tmp / "offsets.bin", "wb") as foff):
+        parts = tokenise_units(units, tok.backend_tokenizer.to_str(), text_field, dtype, num_proc,
+                               ftok, tmp)
         np.zeros(1, dtype=np.int64).tofile(foff)
         bar = Progress(None, "tokenising", "doc")
-        for ids, lengths in parts:  # in document order, one unit at a time
-            ids.tofile(ftok)
+        for n_ids, lengths in parts:  # in document order, one unit at a time
             (n_tokens + np.cumsum(lengths)).tofile(foff)
-            n_tokens += len(ids)
+            n_tokens += n_ids
             n_docs += len(lengths)
             bar.update(len(lengths))
             bar.set_postfix(tokens=n_tokens)
         bar.close()
-        ftok.flush()
         os.fsync(ftok.fileno())
         foff.flush()
         os.fsync(foff.fileno())

@@ -1,10 +1,14 @@
 """Parallel tokenisation of corpus shards, in document order.
 
-The reader (the main process) cuts each source into *units*: a few hundred raw lines of one file
-(cut only where a document ends) or a batch of ready documents (`hf:` sources). A unit is turned
-into documents and token ids by `tokenise_unit`, either in-process or in a pool of worker
-processes; results come back in submission order, so the store is byte-identical whatever the
-number of processes. At most `2 x workers` units are in flight: memory stays bounded.
+The reader (the main process) cuts each source into *units*: about a megabyte of one file's raw
+bytes (cut only where a document may begin) or a batch of ready documents (`hf:` sources). All
+the per-token work is `tokenise_unit`'s: decoding, JSON parsing, splitting into documents and
+tokenising, either in-process or in a pool of worker processes. A worker writes its unit's ids
+to a part file and sends back only the document lengths; the main process appends the parts to
+tokens.bin in submission order with a kernel-side copy, so the store is byte-identical whatever
+the number of processes and the main process stays nearly idle: what it does alone (gunzip,
+finding cut points, copying parts) caps the speed-up. At most `2 x workers` units are in flight:
+memory stays bounded.
 
 Workers are forked on Linux (see `_context`) and run only this module's code.
 """
@@ -16,11 +20,13 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -29,10 +35,13 @@ from mlsm.errors import UserError
 from mlsm.hf import first_line
 
 # (kind, file label for messages, number of the first line, payload):
-#   kind "text": raw lines of a blank-line separated text file (bytes, newline kept)
-#   kind "jsonl": raw lines of a JSON-lines file, one record each
-#   kind "docs": decoded documents (strings), e.g. from an HF dataset
-Unit = tuple[str, str, int, list[Any]]
+#   kind "text": whole raw lines of a blank-line separated text file (bytes)
+#   kind "jsonl": whole raw lines of a JSON-lines file, one record each (bytes)
+#   kind "docs": decoded documents (a list of strings), e.g. from an HF dataset
+Unit = tuple[str, str, int, Any]
+# Documents are tokenised in batches of about this many characters: the batch's encodings
+# (~100 bytes a token) then stay in the CPU caches instead of filling ~100 MB per unit.
+ENCODE_CHARS = 1 << 16
 
 _WORKER: dict[str, Any] = {}
 
@@ -45,17 +54,22 @@ def default_num_proc() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _decoded(unit: Unit) -> Iterator[str]:
+def _decoded(unit: Unit) -> list[str]:
     """Lines of a raw unit as text without the newline; a bad byte names FILE:LINE."""
-    _, label, first, lines = unit
-    for lineno, raw in enumerate(lines, first):
-        try:
-            yield raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError as exc:
-            raise UserError(
-                f"{label}:{lineno} is not UTF-8 text (bad byte at column {exc.start + 1}); convert "
-                "the file (e.g. iconv -t utf-8) or leave it out"
-            ) from None
+    _, label, first, payload = unit
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_start = payload.rfind(b"\n", 0, exc.start) + 1
+        lineno = first + payload.count(b"\n", 0, exc.start)
+        raise UserError(
+            f"{label}:{lineno} is not UTF-8 text (bad byte at column {exc.start - line_start + 1});"
+            " convert the file (e.g. iconv -t utf-8) or leave it out"
+        ) from None
+    lines = text.split("\n")  # UTF-8 never uses the byte 0x0A inside a character
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the unit's last line
+    return [line.rstrip("\r") for line in lines]
 
 
 def _text_blocks(unit: Unit) -> Iterator[str]:
@@ -110,11 +124,46 @@ def _init_worker(tokenizer_json: str, text_field: str, dtype: str) -> None:
 def tokenise_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of the unit's documents concatenated, (n_docs,) int64 document lengths)."""
     docs = list(unit_documents(unit, _WORKER["text_field"]))
-    encodings = _WORKER["tokenizer"].encode_batch(docs, add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-    dtype = _WORKER["dtype"]
-    ids = [np.asarray(e.ids, dtype=dtype) for e in encodings]
+    tokenizer, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
+    ids: list[np.ndarray] = []
+    start = 0
+    while start < len(docs):
+        stop, size = start, 0
+        while stop < len(docs) and size < ENCODE_CHARS:
+            size += len(docs[stop])
+            stop += 1
+        # offsets are not needed: the fast variant skips them (same ids)
+        encodings = tokenizer.encode_batch_fast(docs[start:stop], add_special_tokens=False)
+        ids += [np.asarray(e.ids, dtype=dtype) for e in encodings]
+        start = stop
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     return (np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)), lengths
+
+
+def _tokenise_to_part(unit: Unit, part: str) -> tuple[int, np.ndarray]:
+    """`tokenise_unit` in a worker: the ids go to the file `part` rather than back through the
+    pipe; (number of ids, document lengths) is what returns."""
+    ids, lengths = tokenise_unit(unit)
+    ids.tofile(part)
+    return len(ids), lengths
+
+
+def _append_file(part: Path, out: BinaryIO) -> None:
+    """Append the file `part` to the unbuffered file `out`, then delete it."""
+    with open(part, "rb", buffering=0) as src:
+        left = os.fstat(src.fileno()).st_size
+        copy = getattr(os, "copy_file_range", None)  # Linux: the kernel copies, no user buffer
+        while left and copy is not None:
+            try:
+                copied = copy(src.fileno(), out.fileno(), left)
+            except OSError:  # a file system without it: copy the rest below
+                break
+            if copied == 0:
+                break
+            left -= copied
+        if left:
+            shutil.copyfileobj(src, out)
+    part.unlink()
 
 
 @contextlib.contextmanager
@@ -132,8 +181,10 @@ def _single_threaded() -> Iterator[None]:
 
 
 def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
-                   num_proc: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """`tokenise_unit` over `units`, in order, on `num_proc` processes (1: in this process).
+                   num_proc: int, out: BinaryIO, spool: Path) -> Iterator[tuple[int, np.ndarray]]:
+    """`tokenise_unit` over `units` on `num_proc` processes (1: in this process), appending the
+    ids to `out` (a file opened unbuffered) in unit order; yields (number of ids, document
+    lengths) per unit once its ids are in `out`. Workers write part files in `spool`.
 
     A corpus of a single unit is tokenised in-process: a pool would only add its start-up time.
     """
@@ -145,12 +196,18 @@ def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, 
             _init_worker_state(tokenizer_json, text_field, dtype)
             try:
                 for unit in itertools.chain(head, units):
-                    yield tokenise_unit(unit)
+                    ids, lengths = tokenise_unit(unit)
+                    ids.tofile(out)
+                    yield len(ids), lengths
             finally:
                 _WORKER.clear()
                 _WORKER.update(saved)
         return
-    yield from _pool_map(itertools.chain(head, units), tokenizer_json, text_field, dtype, num_proc)
+    parts = _pool_map(itertools.chain(head, units), tokenizer_json, text_field, dtype, num_proc,
+                      spool)
+    for part, n_ids, lengths in parts:
+        _append_file(part, out)
+        yield n_ids, lengths
 
 
 def _init_worker_state(tokenizer_json: str, text_field: str, dtype: str) -> None:
@@ -180,8 +237,9 @@ def _context() -> mp.context.BaseContext:
 
 
 def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
-              num_proc: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Ordered map with a bounded window (Pool.imap would read the whole corpus ahead).
+              num_proc: int, spool: Path) -> Iterator[tuple[Path, int, np.ndarray]]:
+    """(part file, number of ids, document lengths) per unit, in order, with a bounded window
+    (Pool.imap would read the whole corpus ahead).
 
     An error while reading is raised only after the units read before it are tokenised, so the
     first error reported is the one a single process would report.
@@ -190,6 +248,7 @@ def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype
     with _single_threaded(), _context().Pool(num_proc, _init_worker,
                                              (tokenizer_json, text_field, dtype)) as pool:
         read_error: BaseException | None = None
+        submitted = 0
         while True:
             while read_error is None and len(pending) < 2 * num_proc:
                 try:
@@ -199,9 +258,12 @@ def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype
                 except UserError as exc:
                     read_error = exc
                     break
-                pending.append(pool.apply_async(tokenise_unit, (unit,)))
+                part = spool / f"part-{submitted:09d}.bin"
+                submitted += 1
+                pending.append((part, pool.apply_async(_tokenise_to_part, (unit, str(part)))))
             if not pending:
                 break
-            yield pending.popleft().get()
+            part, result = pending.popleft()
+            yield (part, *result.get())
         if read_error is not None:
             raise read_error

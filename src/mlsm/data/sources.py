@@ -1,4 +1,4 @@
-"""Corpus sources: files, directories, globs and `hf:` datasets, read as units of raw lines.
+"""Corpus sources: files, directories, globs and `hf:` datasets, read as units of raw bytes.
 
 Also the inputs' fingerprint, which decides whether an existing token store can be reused. It
 covers what decides the tokens — each file's bytes, how it is parsed, the source order, the
@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,10 @@ from mlsm.errors import UserError
 
 STORE_VERSION = 1
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
-UNIT_BYTES = 4 << 20  # a unit ends after this many raw bytes (or `chunk_docs` lines)
+UNIT_BYTES = 1 << 20  # a unit ends after this many raw bytes (or `chunk_docs` lines)
+READ_BYTES = 1 << 20  # bytes read (after gunzip) at a time
+# A line holding only ASCII whitespace (what bytes.strip() removes), complete: "\n" both sides.
+_BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
 HASH_WHOLE_BELOW = 64 << 20  # files up to this size are hashed whole
 EDGE_BYTES = 1 << 20  # larger files: their head and tail ...
 SAMPLES, SAMPLE_BYTES = 62, 64 << 10  # ... and this many blocks spread evenly in between
@@ -67,22 +71,48 @@ def _kind(path: Path) -> str:
     return "jsonl" if ".json" in path.name else "text"
 
 
+def _unit_end(buf: bytearray, kind: str, chunk_lines: int, scan_from: int) -> int | None:
+    """Where the unit at the start of `buf` ends: the first line start, at or after
+    `chunk_lines` lines or `UNIT_BYTES` bytes, where a document may begin (any line of a
+    JSON-lines file; an ASCII-blank line of a text file). None while `buf` holds no such point;
+    `scan_from` skips the part of `buf` already searched in vain."""
+    threshold = 0
+    for _ in range(max(1, chunk_lines)):
+        newline = buf.find(b"\n", threshold, UNIT_BYTES)
+        if newline < 0:
+            if len(buf) < UNIT_BYTES:
+                return None
+            threshold = UNIT_BYTES
+            break
+        threshold = newline + 1
+    start = max(threshold - 1, scan_from)
+    if kind == "jsonl":
+        newline = buf.find(b"\n", start)
+        return None if newline < 0 else newline + 1
+    blank = _BLANK_LINE.search(buf, start)
+    return None if blank is None else blank.start() + 1
+
+
 def _file_units(path: Path, chunk_lines: int) -> Iterator[Unit]:
-    """Raw lines of one file in units; a text unit ends only before an (ASCII-)blank line, so a
-    document never spans two units."""
+    """One file's raw bytes in units of whole lines; a text unit ends only before an
+    (ASCII-)blank line, so a document never spans two units. Only bytes are handled here: the
+    workers decode, parse and tokenise (see `shards`)."""
     kind, label = _kind(path), str(path)
-    lines: list[bytes] = []
-    size, first = 0, 1
+    buf, first, scan_from = bytearray(), 1, 0
     with _open_bytes(path) as fh:
-        for lineno, raw in enumerate(fh, 1):
-            full = len(lines) >= chunk_lines or size >= UNIT_BYTES
-            if full and (kind == "jsonl" or not raw.strip()):
-                yield kind, label, first, lines
-                lines, size, first = [], 0, lineno
-            lines.append(raw)
-            size += len(raw)
-    if lines:
-        yield kind, label, first, lines
+        for block in iter(lambda: fh.read(READ_BYTES), b""):
+            # a boundary not found yet needs a line ending in `block`: search from the last
+            # "\n" before it (found from where the previous search began: linear, not quadratic)
+            scan_from = max(scan_from, buf.rfind(b"\n", scan_from))
+            buf += block
+            while (end := _unit_end(buf, kind, chunk_lines, scan_from)) is not None:
+                payload = bytes(buf[:end])
+                del buf[:end]
+                scan_from = 0
+                yield kind, label, first, payload
+                first += payload.count(b"\n")
+    if buf:
+        yield kind, label, first, bytes(buf)
 
 
 def _hf_units(spec: str, text_field: str, chunk_docs: int) -> Iterator[Unit]:
