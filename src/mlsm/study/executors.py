@@ -54,10 +54,25 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"]
     with log.open("a") as fh:
-        code = subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        code, cpu = _call_measured(command, fh, env)
+    study.add_child_cpu(cpu)
     if code != 0 or not pretrain_done(study, arm):
         raise RuntimeError(f"mlsm pretrain exited with {code}; see {log}")
     return None
+
+
+def _call_measured(command: list[str], fh: Any, env: dict[str, str]) -> tuple[int, float]:
+    """Run `command` to its end like `subprocess.call`; (exit code, its CPU seconds). The child is
+    reaped with `os.wait4`, which returns its own resource usage: two arms run at once, and
+    RUSAGE_CHILDREN could not tell their costs apart."""
+    with subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env) as proc:
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # as subprocess.call: an interrupted driver leaves no orphan
+            proc.kill()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def pretrain_job(config: dict[str, Any]) -> str:
