@@ -193,3 +193,72 @@ def test_a_probe_that_gets_worse_keeps_its_best_weights(mlsm_ckpt: Path, tmp_pat
     curve = [p["heldout_loss"] for p in info["candidates"]["logits"]["curve"]]
     assert max(curve) > info["unigram_loss"]  # the fit did get worse
     assert info["heldout_loss"] == pytest.approx(min([info["unigram_loss"], *curve]), rel=1e-6)
+
+
+def test_probe_fit_equals_a_plain_adam_reference(mlsm_ckpt: Path, store_dir: Path,
+                                                 tmp_path: Path) -> None:
+    """The fit (features of the frozen student computed once per batch, fused Adam, the best
+    weights' held-out scores kept from when they were measured) follows the trajectory of a plain
+    re-implementation: features recomputed from the saved encoder + latent head, torch's default
+    Adam, the same standardisation, start and batches; same held-out curve, same saved probe."""
+    import numpy as np
+    from transformers import AutoModel
+
+    from mlsm.config import config_from_dict
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+    from mlsm.models.heads import read_latent_head
+
+    lr, G, every = 0.2, 8, 4
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("probs",), lr=lr,
+                                  max_steps=3 * every, eval_every=every, patience=100,
+                                  min_delta=0.0, heldout_batches=2, batch_size=G)
+    encoder, (latent, _) = AutoModel.from_pretrained(mlsm_ckpt).eval(), read_latent_head(mlsm_ckpt)
+    cfg = config_from_dict(json.loads((mlsm_ckpt / "checkpoint.json").read_text())["config"])
+    store = TokenStore.open(store_dir)
+    source = BatchSource(store, cfg.data, store.load_tokenizer())
+
+    def feats(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = source.micro_batches(step, G, G, 0, 1)[0]
+        with torch.no_grad():
+            h = encoder(input_ids=b.corrupted_ids, attention_mask=b.attention_mask)
+            z = latent(h.last_hidden_state[b.selected])
+        return torch.softmax(z.float(), -1), b.input_ids[b.selected]
+
+    vocab = len(store.load_tokenizer())
+    counts = np.bincount(np.asarray(store.tokens[:], dtype=np.int64), minlength=vocab) + 1.0
+    x0 = feats(0)[0]
+    mu, sigma = x0.mean(0), x0.std(0).clamp(min=1e-6)
+    ref = torch.nn.Linear(x0.shape[1], vocab)
+    with torch.no_grad():
+        ref.weight.zero_()
+        ref.bias.copy_(torch.from_numpy(np.log(counts / counts.sum())).float())
+    scale = float(((x0 - mu) / sigma).abs().sum(-1).mean())
+    opt = torch.optim.Adam(ref.parameters(), lr=lr / max(scale, 1.0))
+    held = [feats(s) for s in heldout_steps(mlsm_ckpt, G, 2)]
+
+    def exported() -> tuple[torch.Tensor, torch.Tensor]:  # the raw-input form the fit saves
+        w = ref.weight.detach() / sigma
+        return w.clone(), ref.bias.detach() - w @ mu
+
+    def held_loss(w: torch.Tensor, b: torch.Tensor) -> float:
+        with torch.no_grad():
+            total = sum(F.cross_entropy(x @ w.T + b, y, reduction="sum") for x, y in held)
+        return float(total) / sum(len(y) for _, y in held)
+
+    states, curve = {0: exported()}, []
+    for step in range(1, 3 * every + 1):
+        x, y = feats(step - 1)
+        F.cross_entropy(ref((x - mu) / sigma), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step % every == 0:
+            states[step] = exported()
+            curve.append(held_loss(*states[step]))
+    fit = [p["heldout_loss"] for p in info["candidates"]["probs"]["curve"]]
+    assert fit == pytest.approx(curve, rel=1e-4)
+    got, _ = load_scorer(info["checkpoint"])  # the best weights, saved
+    w, b = states[info["steps"]]
+    assert torch.allclose(got.probe.weight, w, rtol=1e-3, atol=1e-5)
+    assert torch.allclose(got.probe.bias, b, rtol=1e-3, atol=1e-4)
+    assert held_loss(w, b) == pytest.approx(info["heldout_loss"], rel=1e-4)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 from mlsm.study.runner import Study, run_study
@@ -71,3 +74,51 @@ def test_concurrent_status_writers_lose_no_record(tmp_path) -> None:
     status = json.loads((Path(out) / "status.json").read_text())
     expected = {f"{who}{k}:{i}" for who in ("proc", "thread") for k in range(3) for i in range(n)}
     assert set(status) == expected, f"{len(expected - set(status))} records lost"
+
+
+def _burn(seconds: float) -> list[str]:
+    """A subprocess that spends `seconds` of CPU time (plus Python's start-up)."""
+    loop = f"t = time.process_time()\nwhile time.process_time() - t < {seconds}: pass"
+    return [sys.executable, "-c", f"import time\n{loop}"]
+
+
+def test_each_stage_is_charged_its_own_cpu_seconds(tmp_path) -> None:
+    """stages.jsonl records CPU seconds per stage: an in-process stage its own work, and two
+    stages running subprocesses at once (local jobs > 1) each their own child's, not also the
+    other one's (RUSAGE_CHILDREN grows by every child reaped meanwhile, whichever stage ran it)."""
+    from mlsm.study.executors import _call_measured
+
+    spec = study_from_dict({"name": "cpu", "out": str(tmp_path / "study"),
+                            "arms": {"m": {"objective": {"name": "mlm"}}}})
+    study = Study(spec, log=lambda s: None)
+    big_done = threading.Event()
+
+    def child(seconds: float) -> None:
+        with (tmp_path / "child.log").open("a") as fh:
+            code, cpu = _call_measured(_burn(seconds), fh, dict(os.environ))
+        assert code == 0
+        study.add_child_cpu(cpu)
+
+    def small_after_big() -> None:  # starts before the big child ends, ends after it was reaped
+        assert big_done.wait(timeout=300)
+        child(0.02)
+
+    def big() -> None:
+        child(0.5)
+        big_done.set()
+
+    def in_process() -> None:
+        t = time.process_time()
+        while time.process_time() - t < 0.2:
+            pass
+
+    waiter = threading.Thread(target=study.stage, args=("small", small_after_big))
+    waiter.start()
+    study.stage("big", big)
+    waiter.join(timeout=300)
+    study.stage("here", in_process)
+    cpu = {r["stage"]: r["cpu_seconds"]
+           for r in map(json.loads, (study.root / "stages.jsonl").read_text().splitlines())}
+    assert 0.5 <= cpu["big"] < 0.5 + 0.4, cpu
+    assert 0.02 <= cpu["small"] < 0.02 + 0.4, cpu  # with the big child's 0.5 s it would be > 0.5
+    assert 0.2 <= cpu["here"] < 0.2 + 0.4, cpu

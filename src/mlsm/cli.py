@@ -193,10 +193,10 @@ def _probe(a: argparse.Namespace) -> None:
 
 
 def _demo(a: argparse.Namespace) -> None:
-    from mlsm.demo import BATCH, STEPS, run_demo
+    from mlsm.demo import BATCH, SEEDS, STEPS, run_demo
 
     run_demo(a.out, corpus=a.corpus, data=a.data, steps=a.steps or STEPS, batch=a.batch or BATCH,
-             seeds=a.seeds, blimp_pairs=a.blimp_pairs)
+             seeds=a.seeds or SEEDS, blimp_pairs=a.blimp_pairs)
 
 
 def _blimp(a: argparse.Namespace) -> None:
@@ -329,7 +329,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> Callable:
                    help="pre-training steps per student (default: mlsm.demo.STEPS)")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="sequences per step (default: mlsm.demo.BATCH)")
-    p.add_argument("--seeds", type=positive_int, default=2, help="fine-tuning seeds per model")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help="SST-2 fine-tuning seeds per model (default: mlsm.demo.SEEDS)")
     p.add_argument("--blimp-pairs", type=positive_int, default=10,
                    help="BLiMP pairs per phenomenon (the held-out prose pairs are all scored)")
     return _demo

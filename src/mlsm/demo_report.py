@@ -120,9 +120,14 @@ def _stage_lines(study: Study) -> list[str]:
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
     if not rows:
         return []
-    times = ", ".join(f"{r['stage']}{':' + r['arm'] if r.get('arm') else ''} {r['seconds']:.0f} s"
+
+    def cost(r: dict[str, Any]) -> str:  # rows written before the CPU column have none
+        cpu = r.get("cpu_seconds")
+        return f"{r['seconds']:.0f} s" + (f" ({cpu:.0f} s CPU)" if _finite(cpu) else "")
+
+    times = ", ".join(f"{r['stage']}{':' + r['arm'] if r.get('arm') else ''} {cost(r)}"
                       for r in rows)
-    return [f"stage wall times: {times}"]
+    return [f"stage wall (CPU) times: {times}"]
 
 
 def _p(p: float | None) -> str:

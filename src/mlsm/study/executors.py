@@ -56,10 +56,25 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"]
     with log.open("a") as fh:
-        code = subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        code, cpu = _call_measured(command, fh, env)
+    study.add_child_cpu(cpu)
     if code != 0 or not pretrain_done(study, arm):
         raise RuntimeError(f"mlsm pretrain exited with {code}; see {log}")
     return None
+
+
+def _call_measured(command: list[str], fh: Any, env: dict[str, str]) -> tuple[int, float]:
+    """Run `command` to its end like `subprocess.call`; (exit code, its CPU seconds). The child is
+    reaped with `os.wait4`, which returns its own resource usage: two arms run at once, and
+    RUSAGE_CHILDREN could not tell their costs apart."""
+    with subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env) as proc:
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # as subprocess.call: an interrupted driver leaves no orphan
+            proc.kill()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def pretrain_job(config: dict[str, Any]) -> dict[str, Any]:
@@ -67,12 +82,13 @@ def pretrain_job(config: dict[str, Any]) -> dict[str, Any]:
     seconds it took here."""
     from mlsm.train.loop import pretrain
 
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     cfg = config_from_dict(config)
     if not cfg.train.threads and _job_cpus():  # torch would take every core of the node
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=_job_cpus()))
     run = pretrain(cfg, resume="auto")
-    return {"run": str(run), "seconds": time.time() - start}
+    return {"run": str(run), "seconds": time.time() - start,
+            "cpu_seconds": time.process_time() - cpu}
 
 
 def _job_cpus() -> int:
@@ -232,8 +248,7 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     from mlsm.study.runner import run_study
     from mlsm.study.spec import study_from_dict
 
-    start = time.time()
-
+    start, cpu = time.time(), time.process_time()
     study = study_from_dict(spec)
     threads = study.executor.threads or _job_cpus()  # else torch takes every core of the node
     study = dataclasses.replace(study, executor=dataclasses.replace(study.executor,
@@ -247,4 +262,4 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     # a stage that ran records its seconds; one that found its output complete does not
     if all("seconds" not in v for v in mine.values()):
         return "skipped"
-    return {"seconds": time.time() - start}
+    return {"seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu}

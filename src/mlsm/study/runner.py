@@ -3,7 +3,9 @@
 store -> dictionaries (one per (teacher, layer, k, lam), shared by arms) -> pre-training per arm ->
 probes (latent arms, at the BLiMP readiness points) -> fine-tuning of readiness checkpoints ->
 BLiMP -> report. A failing arm is recorded in STUDY_OUT/status.json and the other arms go on; every
-stage's wall time is appended to STUDY_OUT/stages.jsonl, so the report can state what each cost.
+stage's wall time and CPU time (user + sys of this process and of the subprocesses it ran) is
+appended to STUDY_OUT/stages.jsonl, so the report can state what each cost, also on a loaded
+machine where wall time says little.
 Re-running the same command resumes: finished stages are skipped, an interrupted run continues
 from its last checkpoint (batches depend only on (data.seed, step)).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -41,6 +45,7 @@ class Study:
         self.root = spec.root
         self.log = log
         self.root.mkdir(parents=True, exist_ok=True)
+        self._child_cpu = threading.local()
 
     # --- paths ---------------------------------------------------------------------------
     @property
@@ -117,16 +122,23 @@ class Study:
             status[key] = value
             atomic_write_text(path, json.dumps(status, indent=2) + "\n")
 
+    def add_child_cpu(self, seconds: float) -> None:
+        """CPU seconds of a subprocess the current stage ran and reaped itself (`os.wait4`): its
+        exact cost, where RUSAGE_CHILDREN would also count another thread's stage's children."""
+        self._child_cpu.seconds = (getattr(self._child_cpu, "seconds", None) or 0.0) + seconds
+
     def stage(self, name: str, fn: Callable[[], Any], arm: str | None = None,
               record: dict[str, Any] | None = None) -> bool:
-        """Run one stage, time it, record success or failure; False when it failed.
+        """Run one stage, time it (wall and CPU), record success or failure; False when it failed.
 
         fn returns "skipped" (its output was complete), None, or {"seconds": s} when the work ran
-        elsewhere and measured itself (a slurm job: the driver's wait is not the stage's time).
-        record: kept with the stage's status and time rows (e.g. the slurm job that ran it)."""
+        elsewhere and measured itself (a slurm job: the driver's wait is not the stage's time, and
+        its CPU is not the driver's). record: kept with the stage's status and time rows (e.g. the
+        slurm job that ran it)."""
         key = f"{name}:{arm}" if arm else name
         extra = dict(record or {})
-        start = time.time()
+        start, cpu0 = time.time(), _cpu_now()
+        self._child_cpu.seconds = None
         self.log(f"[study] {key}: start")
         try:
             outcome = fn()
@@ -135,29 +147,50 @@ class Study:
             message = f"{type(exc).__name__}: {exc}"
             self.set_status(key, {"state": "failed", "error": message,
                                   "seconds": round(seconds, 1), **extra})
-            self._append_time(name, arm, seconds, "failed", message, extra)
+            self._append_time(name, arm, seconds, self._cpu_since(cpu0), "failed", message, extra)
             self.log(f"[study] {key}: FAILED ({message})")
             if not isinstance(exc, UserError):
                 (self.root / "errors.log").open("a").write(f"--- {key}\n{traceback.format_exc()}\n")
             return False
         skipped = outcome == "skipped"
-        seconds = outcome["seconds"] if isinstance(outcome, dict) else time.time() - start
+        elsewhere = isinstance(outcome, dict)
+        seconds = outcome["seconds"] if elsewhere else time.time() - start
+        cpu = outcome.get("cpu_seconds") if elsewhere else self._cpu_since(cpu0)
         if not skipped:
-            self._append_time(name, arm, seconds, "done", "", extra)
+            self._append_time(name, arm, seconds, cpu, "done", "", extra)
         self.set_status(key, {"state": "done",
                               **({} if skipped else {"seconds": round(seconds, 1)}), **extra})
-        self.log(f"[study] {key}: {'already complete' if skipped else f'done in {seconds:.0f} s'}")
+        cpu_note = f" ({cpu:.0f} s CPU)" if cpu is not None else ""
+        self.log(f"[study] {key}: " + ("already complete" if skipped
+                                       else f"done in {seconds:.0f} s{cpu_note}"))
         return True
 
-    def _append_time(self, stage: str, arm: str | None, seconds: float, state: str,
-                     error: str = "", extra: dict[str, Any] | None = None) -> None:
-        row = {"stage": stage, "arm": arm, "seconds": round(seconds, 1), "state": state,
+    def _cpu_since(self, start: tuple[float, float]) -> float:
+        """CPU seconds since `start` (`_cpu_now`): this process's, plus the subprocesses the
+        stage reported through `add_child_cpu`, else all children reaped meanwhile."""
+        own, children = _cpu_now()
+        reported = getattr(self._child_cpu, "seconds", None)
+        return own - start[0] + (children - start[1] if reported is None else reported)
+
+    def _append_time(self, stage: str, arm: str | None, seconds: float, cpu: float | None,
+                     state: str, error: str = "", extra: dict[str, Any] | None = None) -> None:
+        row = {"stage": stage, "arm": arm, "seconds": round(seconds, 1),
+               "cpu_seconds": None if cpu is None else round(cpu, 1), "state": state,
                "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "git_revision": git_revision(), **(extra or {})}
         if error:
             row["error"] = error
         with (self.root / "stages.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+
+
+def _cpu_now() -> tuple[float, float]:
+    """(user + sys of this process, of its reaped children) in seconds. The process's figure
+    counts every thread, so a stage running while another thread's stage waits on a subprocess
+    (local executor, jobs > 1) is charged the little CPU that waiting costs."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
