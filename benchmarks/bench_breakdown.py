@@ -90,7 +90,7 @@ def _runners(store, tmp: Path, args: argparse.Namespace, clock: dict[str, float]
     import mlsm.objectives.mlsm as mlsm_module
     from mlsm.config import ModelConfig
     from mlsm.models.backbone import build_student
-    from mlsm.objectives import Context, build_objective
+    from mlsm.objectives import Context, TrainModule, build_objective
     from mlsm.teacher.teacher import default_teacher_path
 
     tok = store.load_tokenizer()
@@ -112,17 +112,17 @@ def _runners(store, tmp: Path, args: argparse.Namespace, clock: dict[str, float]
             _timed(objective.teacher, "logits", clock, "teacher forward")
         student = build_student(ModelConfig(arch="bert", overrides=shape), tok, args.seq, seed=0)
         objective.attach(student)
-        student.train()
-        out[name] = (objective, student, torch.optim.AdamW(student.parameters(), lr=1e-4))
+        module = TrainModule(student, objective).train()  # what the loop steps: student + heads
+        out[name] = (module, torch.optim.AdamW(module.parameters(), lr=1e-4))
     _timed(mlsm_module, "sparse_encode", clock, "sparse coding")  # looked up at call time
     return out
 
 
-def _step(objective, student, optimizer, batch, clock: dict[str, float]) -> dict[str, float]:
+def _step(module, optimizer, batch, clock: dict[str, float]) -> dict[str, float]:
     """One step; seconds per phase (student forward = objective forward − teacher − coding)."""
     clock.clear()
     t0 = time.perf_counter()
-    out = student(objective, batch)
+    out = module(batch)  # batch -> targets -> student -> loss, as in the loop
     t1 = time.perf_counter()
     (out.loss_sum / out.n_targets.clamp(min=1)).backward()
     t2 = time.perf_counter()
@@ -151,8 +151,8 @@ def main() -> int:
                              store.load_tokenizer())
         for r in range(args.rounds + 1):  # round 0 = warm-up, not recorded
             batch = source.batch(np.arange(r * args.batch, (r + 1) * args.batch), r)
-            for n, (objective, student, optimizer) in runners.items():
-                phases = _step(objective, student, optimizer, batch, clock)
+            for n, (module, optimizer) in runners.items():
+                phases = _step(module, optimizer, batch, clock)
                 if r:
                     rows[n].append(phases)
                 print(f"round {r} {n:12s} {sum(phases.values()):7.2f} s", flush=True)
