@@ -532,10 +532,13 @@ def test_ctrl_c_stops_pretraining_with_a_checkpoint_like_sigterm(store_dir: Path
 
 def test_second_ctrl_c_aborts_at_once() -> None:
     """The first SIGINT asks for a stop after the step; the second raises KeyboardInterrupt at
-    once. (In a subprocess: a regression must not interrupt the test session itself.)"""
+    once. (In a subprocess: a regression must not interrupt the test session itself. Python keeps
+    SIGINT ignored when its parent ignored it, as a shell does for a background job, so the child
+    sets Python's usual handler first: the one the context must give back.)"""
     check = (
         "import os, signal, time\n"
         "from mlsm.train.signals import StopOnSignal\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "with StopOnSignal() as stopper:\n"
         "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)\n"
         "    assert stopper.flag\n"
