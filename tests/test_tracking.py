@@ -69,14 +69,19 @@ def test_unknown_tracker_is_refused_at_config_load(store_dir: Path, tmp_path: Pa
         require(["neptune"], "--report-to")
 
 
-def test_mlflow_run_holds_the_logged_metrics_offline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def mlflow_client(monkeypatch: pytest.MonkeyPatch):
+    """MLflow's client class, with runs kept in a local file store (no server, no network)."""
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MlflowClient
+
+
+def test_mlflow_run_holds_the_logged_metrics_offline(tmp_path: Path, mlflow_client) -> None:
+    MlflowClient = mlflow_client  # noqa: N806 - the library's class
     with open_tracker(["mlflow"], tmp_path, {"train": {"steps": 2}}, "run-a") as tracker:
         tracker.log({"loss": 2.5, "note": "text is skipped"}, 1)
         tracker.log({"loss": 1.25}, 2)
@@ -262,13 +267,9 @@ def test_a_resumed_run_continues_the_same_wandb_run(
 
 
 def test_a_resumed_mlflow_run_is_the_same_run_with_each_step_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mlflow_client
 ) -> None:
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    MlflowClient = mlflow_client  # noqa: N806 - the library's class
     config = {"train": {"steps": 5, "threads": 1}}
     with open_tracker(["mlflow"], tmp_path, config, "run-a") as tracker:
         for step in (1, 2, 3, 4):
