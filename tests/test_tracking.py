@@ -105,23 +105,18 @@ print("LOGS", json.dumps(rows))
 """
 
 
+def _run_trackio(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh process: trackio reads TRACKIO_DIR when it is imported, so a new
+    process keeps ~/.cache untouched."""
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"),
+           "TRACKIO_PROJECT": "mlsm-test", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
 def test_trackio_run_holds_the_logged_metrics_offline(tmp_path: Path) -> None:
     pytest.importorskip("trackio")
-    # trackio reads TRACKIO_DIR when it is imported: a fresh process keeps ~/.cache untouched
-    env = {
-        **os.environ,
-        "TRACKIO_DIR": str(tmp_path / "trackio"),
-        "TRACKIO_PROJECT": "mlsm-test",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _TRACKIO_SCRIPT],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run_trackio(tmp_path, _TRACKIO_SCRIPT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("LOGS ")  # trackio's own lines go to stderr
     assert json.loads(done.stdout[5:]) == [[1, 2.5], [2, 1.25]], done.stdout
@@ -312,21 +307,8 @@ def test_trackio_keeps_stdout_clean_and_resumes_the_same_run(
 ) -> None:
     pytest.importorskip("trackio")
     overrides = tiny_overrides(store_dir, tmp_path / "r", **{"train.report_to": "[trackio]"})
-    env = {
-        **os.environ,
-        "TRACKIO_DIR": str(tmp_path / "trackio"),
-        "TRACKIO_PROJECT": "mlsm-test",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
     result = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, "-c", _TRACKIO_RESUME_SCRIPT, json.dumps(overrides), str(result)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _run_trackio(tmp_path, _TRACKIO_RESUME_SCRIPT, json.dumps(overrides), str(result))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == ""  # mlsm's stdout carries results: trackio's news goes to stderr
     assert "Trackio" in done.stderr
