@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from mlsm.study.runner import Study, run_study
 from mlsm.study.spec import study_from_dict
 from tests.conftest import TINY_MODEL
@@ -29,14 +31,21 @@ def _two_arm_spec(corpus_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
     }
 
 
-def test_local_executor_with_two_jobs_runs_both_arms_with_their_thread_budget(
-        corpus_dir, tokenizer_dir, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def two_jobs(corpus_dir, tokenizer_dir, tmp_path_factory) -> tuple[dict, Path]:
+    """A two-arm study with jobs = 2, pre-trained (shared by the tests below: ~30 s)."""
+    out = tmp_path_factory.mktemp("jobs") / "study"
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, out)
+    run_study(study_from_dict(raw), stages=["store", "pretrain"], log=lambda s: None)
+    return raw, out
+
+
+def test_local_executor_with_two_jobs_runs_both_arms_with_their_thread_budget(two_jobs) -> None:
     """jobs = 2: each arm is a `mlsm pretrain` subprocess; both finish, each ran with
     executor.threads torch threads (recorded by the subprocess itself in run.json, not torch's
     default of one per core), and status / stages.jsonl hold a record of each."""
-    out = tmp_path / "study"
-    spec = study_from_dict(_two_arm_spec(corpus_dir, tokenizer_dir, out))
-    run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
+    raw, out = two_jobs
+    spec = study_from_dict(raw)
     status = Study(spec).status()
     for arm in ("a", "b"):
         assert status[f"pretrain:{arm}"]["state"] == "done", status
@@ -45,7 +54,7 @@ def test_local_executor_with_two_jobs_runs_both_arms_with_their_thread_budget(
         assert (out / "logs" / f"pretrain-{arm}.log").is_file()
     rows = [json.loads(x) for x in (out / "stages.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in rows if r["stage"] == "pretrain") == ["a", "b"]
-    assert all(r["state"] == "done" for r in rows)
+    assert all(r["state"] == "done" for r in rows if r["stage"] in ("store", "pretrain"))
     # the two seeds gave two different models: each subprocess ran its own arm's config
     losses = [json.loads((out / "runs" / a / "metrics.jsonl").read_text().splitlines()[0])["loss"]
               for a in ("a", "b")]
@@ -122,3 +131,96 @@ def test_each_stage_is_charged_its_own_cpu_seconds(tmp_path) -> None:
     assert 0.5 <= cpu["big"] < 0.5 + 0.4, cpu
     assert 0.02 <= cpu["small"] < 0.02 + 0.4, cpu  # with the big child's 0.5 s it would be > 0.5
     assert 0.2 <= cpu["here"] < 0.2 + 0.4, cpu
+
+
+def _pairs(root: Path) -> Path:
+    """A one-phenomenon pair set in BLiMP's format, from fixture words (PLL of 4 pairs: cheap)."""
+    from tests.conftest import make_text
+
+    words = " ".join(make_text(1, seed=3)).split()
+    lines = [json.dumps({"sentence_good": " ".join(words[i:i + 5]),
+                         "sentence_bad": " ".join(reversed(words[i:i + 5])), "UID": "uid_a",
+                         "field": "syntax", "linguistics_term": "order", "pairID": str(i)})
+             for i in range(0, 20, 5)]
+    (root / "pairs").mkdir()
+    (root / "pairs" / "uid_a.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "pairs"
+
+
+def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp_path) -> None:
+    """jobs = 2: each arm's BLiMP stage is a `mlsm study --stages blimp --arms ARM` subprocess
+    with executor.threads torch threads (the scorer records its threads; in the driver it would
+    have had jobs x threads), both at once (their job rows overlap in time), and an arm whose
+    stage fails is recorded as failed while the other arm's score is written."""
+    raw, out = two_jobs
+    raw = {**raw, "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
+           "probe": {"heldout_batches": 1, "batch_size": 2}}
+    spec = study_from_dict(raw)
+    broken = out / "runs" / "b" / "checkpoints" / "step-0000004" / "model.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])  # b's scorer cannot load: its stage fails
+    run_study(spec, stages=["blimp"], log=lambda s: None)
+    status = Study(spec).status()
+    assert status["blimp:a@100%"]["state"] == "done", status
+    assert status["blimp:b@100%"]["state"] == "failed", status
+    assert status["blimp-job:b"]["state"] == "failed" and "blimp:b@100%" in \
+        status["blimp-job:b"]["error"]
+    row = json.loads((out / "blimp" / "a@100pct.json").read_text())
+    assert row["threads"] == 1 and row["n_pairs"] == 4
+    assert "[study] blimp:a@100%: start" in (out / "logs" / "blimp-a.log").read_text()
+    assert "blimp:b@100%: FAILED" in (out / "logs" / "blimp-b.log").read_text()
+    jobs = [r for r in map(json.loads, (out / "stages.jsonl").read_text().splitlines())
+            if r["stage"] == "blimp-job"]
+    assert sorted(r["arm"] for r in jobs) == ["a", "b"]
+    ends = [time.mktime(time.strptime(r["finished"], "%Y-%m-%dT%H:%M:%SZ")) for r in jobs]
+    (s0, e0), (s1, e1) = [(e - r["seconds"] - 1, e + 1) for r, e in zip(jobs, ends, strict=True)]
+    assert s0 < e1 and s1 < e0, "the two arms' stages ran one after the other"
+
+
+def test_slurm_executor_without_slurm_is_refused_before_anything_is_written(
+        corpus_dir, tmp_path, monkeypatch, capsys) -> None:
+    """Where no Slurm client is on PATH, submitit's AutoExecutor would run the 'slurm' study on
+    this machine without a word; the study refuses with one line naming the fix instead."""
+    pytest.importorskip("submitit")
+    from mlsm.cli import main
+
+    out = tmp_path / "study"
+    study = tmp_path / "s.yaml"
+    study.write_text(f"corpus: {{sources: [{corpus_dir}]}}\nout: {out}\n"
+                     "arms: {a: {objective: {name: mlm}}}\n"
+                     "executor: {kind: slurm, slurm: {timeout_min: 10}}\n")
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no srun, no sbatch
+    capsys.readouterr()
+    assert main(["study", str(study), "--stages", "report"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no Slurm" in err and "executor.slurm.cluster: local" in err, err
+    assert not out.exists()
+
+
+def test_timed_out_pretrain_job_is_requeued_and_resumes_from_its_last_checkpoint(
+        corpus_dir, tokenizer_dir, tmp_path) -> None:
+    """What submitit does when a slurm pre-training job reaches its time limit: call the job's
+    `checkpoint`, pickle the DelayedSubmission it returns and run that in the requeued job. The
+    run, stopped after step 2 of 4, must continue from its checkpoint to the last step."""
+    submitit = pytest.importorskip("submitit")
+    from mlsm.config import config_to_dict
+    from mlsm.study.executors import PretrainJob
+    from mlsm.train.loop import pretrain
+    from tests.test_study import _stop_after
+
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, tmp_path / "study")
+    raw["base"]["train"]["save_every"] = 2
+    spec = study_from_dict(raw)
+    run_study(spec, stages=["store"], log=lambda s: None)
+    study = Study(spec, log=lambda s: None)
+    cfg = study.arm_config("a")
+    _stop_after(cfg, 2, pretrain)  # as the time limit's signal leaves it: checkpoint 2 saved
+    run = study.run_dir("a")
+    assert not (run / "checkpoints" / "step-0000004").exists()
+    requeued = PretrainJob().checkpoint(config_to_dict(cfg))
+    requeued.dump(tmp_path / "submitted.pkl")  # what the requeued job reads back
+    result = submitit.helpers.DelayedSubmission.load(tmp_path / "submitted.pkl").result()
+    assert result["run"] == str(run)
+    assert (run / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4], steps  # resumed after step 2, not started over

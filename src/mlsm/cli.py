@@ -288,7 +288,8 @@ def _study(a: argparse.Namespace) -> None:
         raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study "
                         "report STUDY.yaml)")
     spec = load_study(files[0], out=a.out)
-    report = run_study(spec, stages=["report"] if report_only else a.stages or None)
+    report = run_study(spec, stages=["report"] if report_only else a.stages or None,
+                       arms=a.arms)
     print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))
 
 
@@ -303,6 +304,9 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
                                                    "finetune", "blimp", "report"],
                    help="run only these stages (default: all that are not complete)")
+    p.add_argument("--arms", nargs="+", metavar="ARM",
+                   help="run the stages of these arms only (default: every arm of the study); "
+                        "what each subprocess of a local study with executor.jobs > 1 runs")
     return _study
 
 

@@ -302,19 +302,8 @@ def _guard_out(out: Path, sources: list[str]) -> None:
     write."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder path for the token store")
-    target = out.resolve()
-    for source in sources:
-        if source.startswith("hf:"):
-            continue
-        root = Path(source).resolve()
-        related = Path(source).is_dir() and (root == target or root in target.parents)
-        files = resolve_paths(source)
-        if related or any(target in f.resolve().parents or f.resolve() == target for f in files):
-            raise UserError(f"--out {out} overlaps the corpus source {source}; write the token "
-                            "store to a folder outside the sources")
-        if target in root.parents:
-            raise UserError(f"--out {out} contains the corpus source {source}; write the token "
-                            "store to a folder outside the sources")
+    check_apart_from_sources([out], sources, "--out", "write the token store to a folder outside "
+                             "the sources")
     if not out.is_dir() or not any(out.iterdir()):
         return
     foreign = sorted(e.name for e in out.iterdir() if e.name not in _STORE_FILES)
@@ -324,6 +313,32 @@ def _guard_out(out: Path, sources: list[str]) -> None:
     if foreign:
         raise UserError(f"--out {out} holds files that are not part of a token store "
                         f"({', '.join(foreign[:3])}); move them or choose another --out")
+
+
+def check_apart_from_sources(outs: list[Path], sources: list[str], name: str, fix: str,
+                             contains: bool = True, missing_ok: bool = False) -> None:
+    """Refuse an output path that is a corpus source, lies inside one, or (`contains`) holds one
+    (a source is a file, a folder or the files of a glob): writing there would mix outputs into
+    the corpus, and replacing the output would delete it. `outs`: the output paths, `name` how
+    they were given (`--out`, a study's `out`), `fix` what to do instead. missing_ok: skip
+    sources that name no files now (a study re-read after its corpus moved)."""
+    for source in sources:
+        if source.startswith("hf:"):
+            continue
+        root = Path(source).resolve()
+        try:
+            files = [f.resolve() for f in resolve_paths(source)]
+        except UserError:
+            if not missing_ok:
+                raise
+            files = []
+        for out in outs:
+            target = out.resolve()
+            related = Path(source).is_dir() and (root == target or root in target.parents)
+            if related or any(f == target or (contains and target in f.parents) for f in files):
+                raise UserError(f"{name} {out} overlaps the corpus source {source}; {fix}")
+            if contains and target in root.parents:
+                raise UserError(f"{name} {out} contains the corpus source {source}; {fix}")
 
 
 def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:

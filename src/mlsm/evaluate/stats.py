@@ -18,7 +18,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,28 +67,42 @@ def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
         os.close(fd)  # closing releases the lock
 
 
-def read_results(path: str | Path) -> list[dict[str, Any]]:
-    """All complete rows of a results file. A line torn by a killed writer (not JSON) is
-    skipped; a JSON line that is not a result row, or a file with no row at all among its lines,
-    is not a results file: one UserError naming the line (so `finetune --results` never appends
-    to someone else's file)."""
+def read_results(path: str | Path,
+                 warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """All complete rows of a results file.
+
+    A line torn by a killed writer (the start of a JSON object, broken off) is skipped and named
+    to `warn`: `append_results` closes it off with a newline and a resumed grid redoes its cell,
+    so such a line may sit anywhere in the file. Any other line that is not a result row is a
+    UserError naming FILE:LINE, and so is a file with no row at all among its lines (so
+    `finetune --results` never appends to someone else's file)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no results file; run `mlsm finetune ... --results {path}` first")
-    rows, torn = [], 0
+    rows, torn, bad = [], [], None
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         line = _decode_line(path, number, raw)
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            torn += 1
+        except json.JSONDecodeError as exc:
+            if line.lstrip().startswith("{") and exc.msg != "Extra data":
+                torn.append(number)
+            elif bad is None:
+                bad = (number, exc)
             continue
         rows.append(_result_row(path, number, row))
-    if torn and not rows:
+    if (torn or bad) and not rows:
         raise UserError(f"{path} is not a results file (no line is a JSON result row); pass the "
                         "results.jsonl written by `mlsm finetune`, or a new file")
+    if bad:
+        number, exc = bad
+        raise UserError(f"{path}:{number} is not JSON ({exc.msg}, column {exc.colno}); remove or "
+                        "fix that line (results files are JSON lines written by mlsm finetune)")
+    if torn and warn is not None:
+        warn(f"{path}: skipped line {', '.join(map(str, torn))}, torn by a killed writer (a "
+             "resumed fine-tuning grid redoes its cell)")
     return rows
 
 

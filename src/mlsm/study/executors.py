@@ -1,10 +1,13 @@
-"""Where a study's pre-training runs: in this process, in N local subprocesses, or on slurm.
+"""Where a study's stages run: in this process, in N local subprocesses, or on slurm.
 
-`local` with jobs = 1 pre-trains the arms one after the other in this process. With jobs > 1 each
-arm is a `python -m mlsm pretrain --resume auto` subprocess with `executor.threads` torch threads,
-`jobs` of them at once. `slurm` submits one job per arm through submitit (Rapin & Jun 2019's
-launcher), with partition / GPUs / time from `executor.slurm`; the driver waits for the jobs
-(the later stages depend on them) and records each arm's outcome. A job with more than one GPU
+`local` with jobs = 1 runs every stage of every arm in this process, one after the other. With
+jobs > 1 each arm's pre-training is a `python -m mlsm pretrain --resume auto` subprocess, and
+each arm's evaluation stage (probe, finetune, blimp) a `python -m mlsm study FILE --stages STAGE
+--arms ARM` subprocess, each with `executor.threads` torch threads, `jobs` of them at once.
+`slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
+GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
+them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued
+by submitit and resumes from its newest checkpoint (`PretrainJob`). A job with more than one GPU
 per node starts DDP through submitit's one task per GPU (torch.distributed reads submitit's
 environment), which is what `torchrun` would do by hand.
 """
@@ -23,7 +26,9 @@ from typing import Any
 
 from mlsm.config import config_from_dict, config_to_dict, save_config
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study, check_same_config, pretrain_arm, pretrain_done
+from mlsm.study.spec import StudySpec
 
 
 def run_pretraining(study: Study, arms: list[str]) -> set[str]:
@@ -91,6 +96,25 @@ def pretrain_job(config: dict[str, Any]) -> dict[str, Any]:
             "cpu_seconds": time.process_time() - cpu}
 
 
+class PretrainJob:
+    """`pretrain_job` as a checkpointable submitit job. Before the time limit submitit signals
+    the job (USR2, `signal_delay_s` ahead), calls its `checkpoint` and requeues the
+    DelayedSubmission that returns: the same call, which continues the run from its newest saved
+    checkpoint (resume="auto"; batches depend only on (data.seed, step)). So a job that runs out
+    of time loses at most the steps since the last save (`train.save_every`), not the run.
+
+    What `submitit.helpers.Checkpointable` does, written out: submitit calls any `checkpoint`
+    method, and subclassing would make importing mlsm import submitit, an optional extra."""
+
+    def __call__(self, config: dict[str, Any]) -> dict[str, Any]:
+        return pretrain_job(config)
+
+    def checkpoint(self, config: dict[str, Any]) -> Any:
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, config)  # the same call; it resumes from the last save
+
+
 def _job_cpus() -> int:
     """The cores Slurm gave this job's task (0 outside Slurm or when not stated)."""
     return int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
@@ -113,14 +137,36 @@ def _exports() -> list[str]:
     return [f"export {k}={shlex.quote(os.environ[k])}" for k in names]
 
 
-def make_executor(study: Study, cluster: str | None = None) -> Any:
-    """A submitit executor configured from `executor.slurm` (cluster: None = auto, 'debug'/'local'
-    for tests)."""
+def _submitit() -> Any:
     try:
         import submitit
     except ImportError:
         raise UserError("executor.kind: slurm needs submitit; install it with pip "
                         "install 'mlsm[slurm]'") from None
+    return submitit
+
+
+def check_slurm(spec: StudySpec) -> None:
+    """A slurm study needs submitit and, unless `executor.slurm.cluster` names submitit's local
+    or debug executor, a Slurm client here: submitit's AutoExecutor would otherwise run every job
+    on this machine without a word, for hours, where the study file asked for a cluster."""
+    submitit = _submitit()
+    cluster = spec.executor.slurm.get("cluster")
+    if cluster in ("local", "debug"):
+        return
+    if cluster not in (None, "slurm"):
+        raise UserError(f"executor.slurm.cluster is {cluster!r}; use slurm (the default), or "
+                        "local / debug for a trial on this machine")
+    if submitit.AutoExecutor.which() != "slurm":  # what submitit detects: `srun` on PATH
+        raise UserError("executor.kind is slurm but this machine has no Slurm (no srun on PATH); "
+                        "run the study on a Slurm login node (or install Slurm here), or set "
+                        "executor.slurm.cluster: local (or debug) to try it on this machine")
+
+
+def make_executor(study: Study, cluster: str | None = None) -> Any:
+    """A submitit executor configured from `executor.slurm` (cluster: None = Slurm, which
+    `check_slurm` made sure of; 'debug'/'local' for tests)."""
+    submitit = _submitit()
     params = dict(study.spec.executor.slurm)
     folder = Path(params.pop("folder", study.root / "slurm")).absolute()
     cluster = params.pop("cluster", cluster)
@@ -153,7 +199,7 @@ def _slurm(study: Study, arms: list[str]) -> set[str]:
     if not todo:
         return failed
     executor = make_executor(study)
-    jobs = {arm: executor.submit(pretrain_job, config_to_dict(study.arm_config(arm)))
+    jobs = {arm: executor.submit(PretrainJob(), config_to_dict(study.arm_config(arm)))
             for arm in todo}
     for arm, job in jobs.items():
         study.log(f"[study] pretrain:{arm}: submitted as job {job.job_id}, log {job.paths.stdout}")
@@ -219,26 +265,83 @@ def _queue_state(job_id: str) -> str | None:
 def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     """Run an evaluation stage (probe, finetune, blimp) for `arms`; returns the arms that failed.
 
-    Locally the stage runs here. On slurm each arm's stage is one job (`run_study` restricted to
-    that arm and stage, so skip-if-complete and failure records work inside the job as here),
-    submitted after pre-training finished and awaited before the next stage. An arm whose stage
-    has nothing to do (its files exist, or the stage does not apply to it) gets no job.
+    `local` with jobs = 1 (or one arm with work) runs the stage here, one model at a time. With
+    jobs > 1 each arm's stage is a `mlsm study FILE --stages STAGE --arms ARM` subprocess with
+    `executor.threads` threads, `jobs` at once. On slurm each arm's stage is one job, submitted
+    after pre-training finished and awaited before the next stage. Subprocesses and jobs run
+    `run_study` restricted to that arm and stage, so skip-if-complete and the failure records
+    work inside them as here; an arm whose stage has nothing to do (its files exist, or the stage
+    does not apply to it) gets none.
     """
     from mlsm.study import stages as st
 
-    if study.spec.executor.kind != "slurm" or study.in_job or not arms:
-        return getattr(st, f"run_{stage}")(study, arms)
-    arms = [a for a in arms if st.has_work(study, stage, a)]
-    if not arms:
+    run_here = getattr(st, f"run_{stage}")
+    if study.in_job or not arms:
+        return run_here(study, arms)
+    work = [a for a in arms if st.has_work(study, stage, a)]
+    if study.spec.executor.kind == "local":
+        if study.spec.executor.jobs <= 1 or len(work) <= 1:
+            return run_here(study, arms)
+        failed = run_here(study, [a for a in arms if a not in work])  # records their skips
+        return failed | _local_jobs(study, stage, work)
+    if not work:
         return set()
     executor = make_executor(study)
     spec = dataclasses.asdict(study.spec)
-    jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in arms}
+    jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in work}
     for arm, job in jobs.items():
         study.log(f"[study] {stage}:{arm}: submitted as job {job.job_id}, log {job.paths.stdout}")
     return {a for a, job in jobs.items()
             if not study.stage(f"{stage}-job", lambda j=job: await_job(j), a,
                                record={"slurm_job": str(job.job_id)})}
+
+
+def _local_jobs(study: Study, stage: str, arms: list[str]) -> set[str]:
+    """Each arm's `stage` as a subprocess, `executor.jobs` at once; returns the arms that failed.
+    The subprocesses read the study from OUT/configs/study.yaml with jobs = 1, so each runs its
+    arm here with `executor.threads` threads (not jobs x threads) and starts no subprocess."""
+    import yaml
+
+    spec = dataclasses.replace(study.spec, executor=dataclasses.replace(study.spec.executor,
+                                                                        jobs=1))
+    path = study.root / "configs" / "study.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+    with ThreadPoolExecutor(max_workers=study.spec.executor.jobs) as pool:
+        ok = list(pool.map(lambda a: study.stage(
+            f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
+    return {a for a, good in zip(arms, ok, strict=True) if not good}
+
+
+def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> str | None:
+    log = study.root / "logs" / f"{stage}-{arm}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    study.log(f"[study] {stage}:{arm}: running as a subprocess, log {log}")
+    env = dict(os.environ)
+    if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
+        env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
+    command = [sys.executable, "-m", "mlsm", "study", str(spec_file), "--out", str(study.root),
+               "--stages", stage, "--arms", arm]
+    with log.open("a") as fh:
+        code, cpu = _call_measured(command, fh, env)
+    study.add_child_cpu(cpu)
+    outcome = _outcome(study, stage, arm)  # raises with the records of a failed stage
+    if code != 0:  # it stopped before its stage could record anything
+        raise RuntimeError(f"mlsm study --stages {stage} --arms {arm} exited with {code}; "
+                           f"see {log}")
+    return outcome
+
+
+def _outcome(study: Study, stage: str, arm: str) -> str | None:
+    """What `stage` recorded for `arm` in status.json (keys STAGE:ARM and STAGE:ARM@READINESS):
+    raises with every failure; "skipped" if it found all its work done, else None."""
+    mine = {k: v for k, v in study.status().items()
+            if k == f"{stage}:{arm}" or k.startswith(f"{stage}:{arm}@")}
+    failed = [f"{k}: {v.get('error', '')}" for k, v in mine.items() if v.get("state") == "failed"]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    # a stage that ran records its seconds; one that found its output complete does not
+    return "skipped" if all("seconds" not in v for v in mine.values()) else None
 
 
 def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, float]:
@@ -254,12 +357,6 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     study = dataclasses.replace(study, executor=dataclasses.replace(study.executor,
                                                                     threads=threads))
     run_study(study, stages=[stage], arms=[arm], in_job=True)
-    mine = {k: v for k, v in Study(study, log=lambda s: None).status().items()
-            if k == f"{stage}:{arm}" or k.startswith(f"{stage}:{arm}@")}
-    failed = [f"{k}: {v.get('error', '')}" for k, v in mine.items() if v.get("state") == "failed"]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    # a stage that ran records its seconds; one that found its output complete does not
-    if all("seconds" not in v for v in mine.values()):
+    if _outcome(Study(study, log=lambda s: None), stage, arm) == "skipped":
         return "skipped"
     return {"seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu}

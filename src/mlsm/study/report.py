@@ -19,7 +19,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.config import git_revision
+from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.inputs import read_json
 from mlsm.study.runner import Study, pretrain_done
 from mlsm.study.spec import readiness_label
 
@@ -107,19 +109,38 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
 
 
 def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
-    path = study.root / "stages.jsonl"
     times: dict[tuple[str, str | None], float] = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        row = json.loads(line)
+    for row in _jsonl(study, study.root / "stages.jsonl"):
         key = (row["stage"], row["arm"])
         times[key] = times.get(key, 0.0) + float(row["seconds"])
     return times
 
 
+def _jsonl(study: Study, path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file the study appends to. A line torn by a killed writer (the
+    start of a JSON object, broken off) is skipped with a warning, as `read_results` skips one;
+    any other line that is not JSON is a one-line error naming the file and line."""
+    rows = []
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if not line.lstrip().startswith("{") or exc.msg == "Extra data":
+                raise UserError(f"{path}:{number} is not JSON ({exc.msg}, column {exc.colno}); "
+                                "remove or fix that line") from None
+            study.log(f"[study] warning: {path}: skipped line {number}, torn by a killed writer")
+    return rows
+
+
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
     folder = study.root / "blimp"
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    return [json.loads(p.read_text()) for p in files]
+    # the blimp stage skips a model whose file exists, so a torn one must be deleted to redo it
+    fix = "delete it and run the study with --stages blimp to score that model again"
+    return [read_json(p, "BLiMP result", fix) for p in files]
 
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
@@ -147,10 +168,11 @@ def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
 
 def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
     from mlsm.evaluate.report import plot_readiness, plot_wilcoxon
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.stats import compare_runs, read_results
 
     if not study.results.is_file() or not study.results.read_bytes().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
+    read_results(study.results, warn=lambda m: study.log(f"[study] warning: {m}"))  # names torn
     # one lr per task: no selection
     cmp = compare_runs(study.results, study.root / "comparison", bootstrap=2000)
     parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n",

@@ -277,60 +277,118 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     return None
 
 
+STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report")
+"""Every stage of a study, in the order they run."""
+
+
+OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp", "comparison",
+           "results.jsonl", "report.md", "summary.json", "status.json", "stages.jsonl",
+           "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
+           "blimp_flops.png", ".status.json.lock")
+"""What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
+
+
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
               arms: list[str] | None = None, in_job: bool = False) -> Path | None:
     """Run every stage of a study that is not complete; returns the report path (None if not
     reached).
 
-    arms: only these arms (what one slurm job of an evaluation stage runs); in_job: this is that
-    job, so the stages run in this process whatever the executor.
+    arms: only these arms (what one slurm job or local subprocess of an evaluation stage runs);
+    in_job: this is that job, so the stages run in this process whatever the executor.
     """
-    from mlsm.study.executors import run_evaluation
+    spec = _only_arms(spec, arms)
+    check_study_inputs(spec, in_job)  # before anything is written
+    study = Study(spec, log, in_job)
+    if not arms:  # a job restricted to some arms leaves the study's own record alone
+        record = {"spec": _plain(spec), "git_revision": git_revision()}
+        atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
+    wanted = stages or list(STAGES)
+    if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
+        raise UserError(f"the token store could not be built: {_error_of(study, 'store')}")
+    failed = _dictionaries(study) if "dictionary" in wanted else set()
+    if "pretrain" in wanted:
+        from mlsm.study.executors import run_pretraining
 
-    if arms:
-        unknown = [a for a in arms if a not in spec.arms]
-        if unknown:
-            raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
-        spec = dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
+        failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
+    _evaluations(study, wanted, [a for a in spec.arms
+                                 if a not in failed and pretrain_done(study, a)])
+    return _report(study) if "report" in wanted else None
 
+
+def _only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
+    """The study restricted to `arms` (all when None); an unknown arm is a one-line error."""
+    if not arms:
+        return spec
+    unknown = [a for a in arms if a not in spec.arms]
+    if unknown:
+        raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
+    return dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
+
+
+def check_study_inputs(spec: StudySpec, in_job: bool = False) -> None:
+    """What is refused before a study writes anything: an `out` that is, holds or lies inside a
+    corpus source; trackers that are not installed; a slurm executor without Slurm."""
+    from mlsm.data.corpus import check_apart_from_sources
+
+    # out itself may not be or lie inside a source; it may hold one (the demo keeps its
+    # generated corpus in OUT/corpus) but not where the study writes
+    fix = "set `out` in the study file (or --out) to a folder apart from the corpus"
+    check_apart_from_sources([spec.root], list(spec.corpus.sources), "the study's out", fix,
+                             contains=False, missing_ok=True)
+    check_apart_from_sources([spec.root / name for name in OUTPUTS], list(spec.corpus.sources),
+                             "the study's output", fix, missing_ok=True)
     train = spec.base.get("train") if isinstance(spec.base, dict) else None
     report_to = (train or {}).get("report_to") or []
-    tracking.require(list(report_to), "base.train.report_to of the study file")  # before any stage
-    study = Study(spec, log, in_job)
-    record = {"spec": _plain(spec), "git_revision": git_revision()}
-    atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
-    wanted = stages or ["store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report"]
-    if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
-        raise UserError(f"the token store could not be built: {study.status()['store']['error']}")
-    failed: set[str] = set()
-    if "dictionary" in wanted:
-        seen: dict[Path, bool] = {}
-        for arm in spec.arms:
-            path = study.dictionary_path(arm)
-            if path is not None and path not in seen:
-                seen[path] = study.stage("dictionary",
-                                         lambda a=arm: learn_dictionary_for(study, a), arm)
-            if path is not None and not seen[path]:
-                failed.add(arm)
-    from mlsm.study.executors import run_pretraining
+    tracking.require(list(report_to), "base.train.report_to of the study file")
+    if spec.executor.kind == "slurm" and not in_job:
+        from mlsm.study.executors import check_slurm
 
-    if "pretrain" in wanted:
-        failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
-    ok = [a for a in spec.arms if a not in failed and pretrain_done(study, a)]
+        check_slurm(spec)
+
+
+def _error_of(study: Study, key: str) -> str:
+    """The recorded error of a failed stage, without the exception's class for a UserError."""
+    return study.status()[key].get("error", "").removeprefix("UserError: ")
+
+
+def _dictionaries(study: Study) -> set[str]:
+    """Learn each dictionary once (arms sharing (teacher, layer, k, lam) share it); returns the
+    arms whose dictionary failed."""
+    failed: set[str] = set()
+    seen: dict[Path, bool] = {}
+    for arm in study.spec.arms:
+        path = study.dictionary_path(arm)
+        if path is not None and path not in seen:
+            seen[path] = study.stage("dictionary",
+                                     lambda a=arm: learn_dictionary_for(study, a), arm)
+        if path is not None and not seen[path]:
+            failed.add(arm)
+    return failed
+
+
+def _evaluations(study: Study, wanted: list[str], ok: list[str]) -> None:
+    """Probe, fine-tuning and BLiMP of the arms whose pre-training is complete."""
+    from mlsm.study.executors import run_evaluation
+
     no_probe = run_evaluation(study, "probe", ok) if "probe" in wanted else set()
     if "finetune" in wanted:
         run_evaluation(study, "finetune", ok)
     if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
         run_evaluation(study, "blimp", [a for a in ok if a not in no_probe])
-    if "report" in wanted:
-        from mlsm.study.report import write_report
 
-        report: list[Path] = []
-        study.stage("report", lambda: report.append(write_report(study)))
-        if report:
-            log(f"[study] report: {report[0]}")
-            return report[0]
-    return None
+
+def _report(study: Study) -> Path:
+    """Write the report; a failure is one line (with its cause) rather than a silent exit 0."""
+    from mlsm.study.report import write_report
+
+    report: list[Path] = []
+    if not study.stage("report", lambda: report.append(write_report(study))):
+        error = _error_of(study, "report")
+        where = "" if study.status()["report"].get("error", "").startswith("UserError") else \
+            f" (traceback in {study.root / 'errors.log'})"
+        raise UserError(f"the report could not be written: {error}{where}")
+    study.log(f"[study] report: {report[0]}")
+    return report[0]
 
 
 def _plain(spec: StudySpec) -> dict[str, Any]:

@@ -167,7 +167,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                                                        for k, v in result["phenomena"].items()}}
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
-           "sets": sets, "heldout": heldout,
+           "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
