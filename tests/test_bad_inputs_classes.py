@@ -332,6 +332,34 @@ def _paths_study_corrupt_status(tmp, fix):
     return ["study", str(study), "--stages", "store"], [status], "study status"
 
 
+def _content_study_report_results_line_not_json(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    results = _write(tmp / "study" / "results.jsonl", _rows("mine, not a row\n") + _rows())
+    return ["study", "report", str(study)], [results], "results.jsonl:7 is not JSON"
+
+
+def _content_study_report_torn_blimp_result(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    torn = _write(tmp / "study" / "blimp" / "a@100pct.json", '{"arm": "a", "readiness": 1.0, "ov')
+    return ["study", "report", str(study)], [torn], "a@100pct.json is torn or not JSON (line 1"
+
+
+def _study_in(tmp: Path, fix: dict, out: Path) -> Path:
+    corpus = _copy(fix["corpus_dir"], tmp / "corpus")
+    return _write(tmp / "s.yaml", f"corpus: {{sources: [{corpus}]}}\nout: {out}\n"
+                  "arms: {a: {objective: {name: mlm}}}\n")
+
+
+def _paths_study_out_is_the_corpus_folder(tmp, fix):
+    study = _study_in(tmp, fix, tmp / "corpus")
+    return ["study", str(study)], [tmp / "corpus"], "out " + str(tmp / "corpus") + " overlaps"
+
+
+def _paths_study_out_inside_the_corpus_folder(tmp, fix):
+    study = _study_in(tmp, fix, tmp / "corpus" / "study")
+    return ["study", str(study)], [tmp / "corpus"], "overlaps the corpus source"
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
 

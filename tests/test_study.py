@@ -296,3 +296,41 @@ def test_training_time_sums_every_resumed_window_once() -> None:
             {"step": 40, "tokens": 400, "tokens_per_s": 25.0}]   # 4 s
     assert training_seconds(rows) == pytest.approx(21.0)
     assert training_seconds([]) == 0.0
+
+
+def test_report_skips_a_torn_last_results_line_with_a_warning(tmp_path, capsys) -> None:
+    """A fine-tuning writer killed mid-line leaves a torn last line; the resumed grid skips it
+    (and redoes its cell), so the report skips it too, with a warning naming file and line."""
+    from mlsm.cli import main
+    from tests.test_bad_inputs_classes import _rows
+
+    out = tmp_path / "study"
+    study = _write(tmp_path, {"out": str(out), "arms": {"a": {"objective": {"name": "mlm"}}}})
+    out.mkdir()
+    (out / "results.jsonl").write_text(_rows('{"model": "a", "task": "rt'))
+    capsys.readouterr()
+    assert main(["study", "report", str(study)]) == 0
+    printed = capsys.readouterr().out
+    assert f"warning: {out / 'results.jsonl'}: skipped line 7, torn" in printed, printed
+    assert "Wilcoxon matrix" in (out / "report.md").read_text()  # the 12 whole rows compared
+
+
+def test_study_out_may_hold_the_corpus_only_where_the_study_writes_nothing(tmp_path) -> None:
+    """A corpus source at a path the study writes (OUT/results.jsonl, inside OUT/runs, ...) is
+    refused before anything is written; one in a folder of its own inside OUT is not (the demo
+    keeps its generated corpus in OUT/corpus)."""
+    from mlsm.study.runner import check_study_inputs
+
+    out = tmp_path / "study"
+    (out / "runs" / "text").mkdir(parents=True)
+    (out / "runs" / "text" / "a.txt").write_text("some text\n")
+    spec = study_from_dict({"out": str(out), "corpus": {"sources": [str(out / "runs" / "text")]},
+                            "arms": {"a": {"objective": {"name": "mlm"}}}})
+    with pytest.raises(UserError, match=r"the study's output .*runs overlaps the corpus source"):
+        run_study(spec, log=lambda s: None)
+    assert sorted(p.name for p in out.iterdir()) == ["runs"]  # nothing written
+    (out / "corpus").mkdir()
+    (out / "corpus" / "a.txt").write_text("some text\n")
+    check_study_inputs(study_from_dict({"out": str(out),
+                                        "corpus": {"sources": [str(out / "corpus")]},
+                                        "arms": {"a": {"objective": {"name": "mlm"}}}}))
