@@ -126,10 +126,12 @@ class ExecutorSpec:
     kind: str = "local"
     """`local` (in this process, or `jobs` subprocesses) or `slurm` (submitit)."""
     jobs: int = 1
-    """local: arms pre-trained at once (each a subprocess with `threads` threads)."""
+    """local: arms run at once, each stage of each arm a subprocess with `threads` threads; keep
+    jobs x threads at or below the cores."""
     threads: int = 0
     """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
-    base train.threads. Local evaluation stages (one model at a time) use jobs x threads."""
+    base train.threads. A local evaluation stage with work for one arm only runs in the driver
+    with jobs x threads."""
     slurm: dict[str, Any] = field(default_factory=dict)
     """slurm: submitit parameters, e.g. {partition: gpu, gpus_per_node: 1, timeout_min: 1440,
     cpus_per_task: 8, nodes: 1}; timeout_min is required; `setup` (shell lines before each

@@ -21,7 +21,8 @@ PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
 
 def eval_threads(study: Study) -> int | None:
     """torch threads of an evaluation stage run here: the study's whole budget (jobs x threads),
-    since local evaluation runs one model at a time; None = torch's default."""
+    since locally it runs here only when no other arm's stage runs at once (a subprocess of a
+    jobs > 1 study reads its study with jobs = 1); None = torch's default."""
     e = study.spec.executor
     return e.threads * max(1, e.jobs) if e.threads and e.kind == "local" else e.threads or None
 
