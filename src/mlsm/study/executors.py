@@ -170,7 +170,10 @@ def make_executor(study: Study, cluster: str | None = None) -> Any:
     params = dict(study.spec.executor.slurm)
     folder = Path(params.pop("folder", study.root / "slurm")).absolute()
     cluster = params.pop("cluster", cluster)
-    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    # how often a pre-training job may be requeued at its time limit (a constructor argument)
+    requeues = {"slurm_max_num_timeout": params.pop("max_num_timeout")} \
+        if "max_num_timeout" in params else {}
+    executor = submitit.AutoExecutor(folder=folder, cluster=cluster, **requeues)
     native = ("timeout_min", "nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb")
     mapped = {k if k in native or executor.cluster != "slurm" else f"slurm_{k}": v
               for k, v in params.items()}
