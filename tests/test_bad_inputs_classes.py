@@ -355,6 +355,13 @@ def _paths_study_out_is_the_corpus_folder(tmp, fix):
     return ["study", str(study)], [tmp / "corpus"], "out " + str(tmp / "corpus") + " overlaps"
 
 
+def _paths_study_out_is_a_corpus_file(tmp, fix):
+    text = _write(tmp / "corpus.txt", "some text\n")
+    study = _write(tmp / "s.yaml", f"corpus: {{sources: [{text}]}}\nout: {text}\n"
+                   "arms: {a: {objective: {name: mlm}}}\n")
+    return ["study", str(study)], [text], "out " + str(text) + " overlaps the corpus source"
+
+
 def _paths_study_out_inside_the_corpus_folder(tmp, fix):
     study = _study_in(tmp, fix, tmp / "corpus" / "study")
     return ["study", str(study)], [tmp / "corpus"], "overlaps the corpus source"
