@@ -308,10 +308,13 @@ def test_report_skips_a_torn_last_results_line_with_a_warning(tmp_path, capsys) 
     study = _write(tmp_path, {"out": str(out), "arms": {"a": {"objective": {"name": "mlm"}}}})
     out.mkdir()
     (out / "results.jsonl").write_text(_rows('{"model": "a", "task": "rt'))
+    row = {"stage": "store", "arm": None, "seconds": 3.0, "state": "done"}
+    (out / "stages.jsonl").write_text(json.dumps(row) + '\n{"stage": "pretr')  # the same
     capsys.readouterr()
     assert main(["study", "report", str(study)]) == 0
     printed = capsys.readouterr().out
     assert f"warning: {out / 'results.jsonl'}: skipped line 7, torn" in printed, printed
+    assert f"warning: {out / 'stages.jsonl'}: skipped line 2, torn" in printed, printed
     assert "Wilcoxon matrix" in (out / "report.md").read_text()  # the 12 whole rows compared
 
 
