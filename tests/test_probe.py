@@ -131,7 +131,7 @@ def test_every_latent_objective_is_probed_and_scored_on_blimp(
     """`mlsm probe RUN` then `mlsm blimp RUN` (through the probe) on a tiny run of each objective
     that predicts a latent distribution, the naive recipe's d -> |V| + k head included: the probe
     reads the head its objective declares (`latent_head`), and for the naive head exactly its last
-    k outputs, the latent logits it was trained on."""
+    k outputs, the latent logits it was trained on; `mlsm export` ships that probe."""
     from mlsm.cli import main
     from mlsm.models.heads import LatentHead
 
@@ -164,3 +164,8 @@ def test_every_latent_objective_is_probed_and_scored_on_blimp(
         want = (h @ heads["naive.weight"].T + heads["naive.bias"])[:, -64:]
     got = scorer.latent.double()(h)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # `mlsm export` finds the probe of either kind and ships it; the export scores the same way
+    assert main(["export", str(run), "--out", str(tmp_path / "e")]) == 0
+    assert {"latent", "probe"} <= json.loads((tmp_path / "e" / "heads.json").read_text()).keys()
+    exported, _ = load_scorer(tmp_path / "e")
+    torch.testing.assert_close(exported.latent.double()(h), want, rtol=0, atol=1e-12)
