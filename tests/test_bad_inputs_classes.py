@@ -281,6 +281,14 @@ def _consistency_probe_store_of_another_tokenizer(tmp, fix):
             f"--store {store} was prepared with another tokenizer")
 
 
+def _consistency_probe_heads_json_disagrees_with_weights(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    heads = json.loads((ckpt / "heads.json").read_text())
+    _write(ckpt / "heads.json", json.dumps({**heads, "latent": {**heads["latent"], "k": 65}}))
+    return (["probe", str(ckpt), "--max-steps", "1", "--out", str(tmp / "p")], [ckpt],
+            "does not match its heads.json entry")
+
+
 def _consistency_flops_layer_beyond_teacher(tmp, fix):
     return (["flops", "--teacher", str(fix["teacher_dir"]), "--layer", "9"], [],
             "teacher layer 9 does not exist")

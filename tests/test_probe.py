@@ -169,3 +169,4 @@ def test_every_latent_objective_is_probed_and_scored_on_blimp(
     assert {"latent", "probe"} <= json.loads((tmp_path / "e" / "heads.json").read_text()).keys()
     exported, _ = load_scorer(tmp_path / "e")
     torch.testing.assert_close(exported.latent.double()(h), want, rtol=0, atol=1e-12)
+    assert 'read_latent_head("LOCAL_FOLDER")' in (tmp_path / "e" / "README.md").read_text()

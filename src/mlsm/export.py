@@ -361,11 +361,18 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
     code += ["```", "", "Fine-tune and compare with mlsm: "
              "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     if (folder / "heads.json").is_file():
-        names = ", ".join(json.loads((folder / "heads.json").read_text()))
+        heads = json.loads((folder / "heads.json").read_text())
+        names = ", ".join(heads)
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
                  "they are not part of the",
-                 "transformers model. With mlsm installed:", "", "```python",
-                 "from mlsm.models.heads import LatentHead  # (N, d) -> (N, k) latent logits"]
+                 "transformers model. With mlsm installed:", "", "```python"]
+        if latent_head_name(folder) in heads:  # whatever its name and form (mlsm_naive's)
+            code += ["from mlsm.models.heads import read_latent_head",
+                     'latent, _ = read_latent_head("LOCAL_FOLDER")'
+                     "  # (N, d) -> (N, k) latent logits"]
+        else:
+            code += ["from safetensors.torch import load_file",
+                     'heads = load_file("LOCAL_FOLDER/heads.safetensors")  # see heads.json']
         if "probe" in names:
             code += ["from mlsm.evaluate.probe import ProbeScorer"
                      "  # probe(softmax(latent(h))) -> (N, |V|)",

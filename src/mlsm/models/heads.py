@@ -112,11 +112,12 @@ def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     folder = Path(folder)
     name = latent_head_name(folder)
     meta_path = folder / "heads.json"
-    latent = read_json(meta_path).get(name) if meta_path.is_file() else None
+    heads = read_json(meta_path) if meta_path.is_file() else None
+    latent = heads.get(name) if isinstance(heads, dict) else None
     if not isinstance(latent, dict):
         raise UserError(f"{folder} has no latent head (no {name!r} in heads.json); "
                         "pass a checkpoint of an objective that predicts latent properties "
-                        "(mlsm, mtl, mae_mlsm)")
+                        "(an mlsm run, for example)")
     kind = latent.get("class", "LatentHead")
     if kind == "SharedTransformLatent":
         raise UserError(f"{folder} holds an MTL latent head that shares the vocabulary head's "
@@ -128,10 +129,15 @@ def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
                         "cannot rebuild; pass a checkpoint written by this version of mlsm")
     weights = {k.removeprefix(f"{name}."): v for k, v in read_heads(folder).items()
                if k.startswith(f"{name}.")}
-    d, k = int(latent["d"]), int(latent["k"])
-    if kind == "Linear":
-        return _last_k(weights, d, k), {"class": "Linear", "d": d, "out": k, "k": k,
-                                         "latent": "last k"}
-    head = LatentHead(d, k)
-    head.load_state_dict(weights)
+    try:
+        d, k = int(latent["d"]), int(latent["k"])
+        if kind == "Linear":
+            return _last_k(weights, d, k), {"class": "Linear", "d": d, "out": k, "k": k,
+                                             "latent": "last k"}
+        head = LatentHead(d, k)
+        head.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise UserError(f"the latent head {name!r} of {folder} does not match its heads.json "
+                        f"entry ({first_line(exc)}); restore the checkpoint from a copy or use "
+                        "another one") from None
     return head, latent
