@@ -341,6 +341,30 @@ def _paths_probe_out_user_folder(tmp, fix):
             "not an mlsm probe run")
 
 
+def _paths_probe_out_inside_store(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--out", str(store / "p")],
+            [store], f"--out {store / 'p'} lies inside the input --store")
+
+
+def _paths_probe_plateau_out_inside_store(tmp, fix):
+    """The plateau probe (no --store: the pre-training store) wrote into the store."""
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    store = _copy(fix["store_dir"], tmp / "store")
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    info["config"]["data"]["store"] = str(store)
+    _write(ckpt / "checkpoint.json", json.dumps(info))
+    return (["probe", str(ckpt), "--max-steps", "1", "--out", str(store / "p")], [store, ckpt],
+            "lies inside the input --store")
+
+
+def _paths_probe_steps_out_inside_checkpoint(tmp, fix):
+    """The fixed-steps probe named train.out and model.init_from, keys `probe` has no flag for."""
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    return (["probe", str(ckpt), "--steps", "1", "--out", str(ckpt / "p")], [ckpt],
+            f"--out {ckpt / 'p'} lies inside the input CHECKPOINT")
+
+
 def _paths_probe_store_missing(tmp, fix):
     return (["probe", str(fix["mlsm_ckpt"]), "--store", str(tmp / "nostore")], [fix["mlsm_ckpt"]],
             "--store")

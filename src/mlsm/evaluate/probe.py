@@ -66,11 +66,12 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
     folder = resolve_checkpoint(checkpoint)
     cfg = probe_config(folder, **kw)  # one line for a folder that is not an MLSM checkpoint
     check_probe_store(folder, cfg.data.store, given=bool(kw.get("store")))
+    out = Path(cfg.train.out)  # --out, else <run>/probe-step-N
+    # named by the flags of `mlsm probe` (the probe run's own check names config keys)
+    check_apart(out, "--out", {"CHECKPOINT": folder, "--store": cfg.data.store})
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
         from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
-        out = Path(kw.get("out") or probe_run_of(folder))
-        check_apart(out, "--out", {"CHECKPOINT": folder})
         if (out.is_dir() and any(out.iterdir()) and not (out / "probe.json").is_file()
                 and not is_run_dir(out)):  # only an earlier probe is replaced
             raise UserError(f"--out {out} holds files that are not an mlsm probe run; choose "
