@@ -81,8 +81,8 @@ class _Resume:
     id: str | None = None
 
 
-FIX_STATE = ("delete it to start new tracker runs (the run's checkpoints are kept), or restore "
-             "it from a copy to continue the same ones")
+FIX_STATE = ("delete it to start new tracker runs (it holds nothing else: checkpoints and results "
+             "are kept), or restore it from a copy to continue the same ones")
 
 
 def read_state(folder: str | Path) -> dict[str, Any]:
