@@ -186,6 +186,12 @@ def _content_probe_checkpoint_config_not_a_mapping(tmp, fix):
     return ["probe", str(ckpt), "--max-steps", "1"], [ckpt], "checkpoint.json is damaged"
 
 
+def _content_finetune_tracking_state_torn(tmp, fix):
+    state = _write(tmp / "tracking" / "tracking.json", '{"cell": {"tensorboard": ')
+    return ([*_finetune(fix, tmp, _glue(tmp)), "--report-to", "tensorboard"], [state],
+            "tracking.json is torn or not JSON")
+
+
 def _values_pretrain_lr_inf(tmp, fix):
     return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{"optim.lr": ".inf"})], [],
             "optim.lr must be a finite number")
