@@ -160,6 +160,38 @@ def _content_pretrain_yaml_duplicate_key(tmp, fix):
             [recipe], "duplicate key 'steps'")
 
 
+def _tracked_run(tmp: Path, fix: dict, state: str) -> tuple[list[str], Path]:
+    """A finished 3-step run with a TensorBoard tracker whose RUN/tracking.json is then replaced
+    by `state`; (the argv that resumes it, the run)."""
+    args = _run_args(fix["store_dir"], tmp / "run", **{"train.report_to": "[tensorboard]"})
+    assert main(["pretrain", *args]) == 0
+    _write(tmp / "run" / "tracking.json", state)
+    return ["pretrain", "--resume", "auto", *args], tmp / "run"
+
+
+def _content_pretrain_tracking_state_torn(tmp, fix):
+    args, run = _tracked_run(tmp, fix, '{"run": {"tensorboard": ')
+    return args, [run], "tracking.json is torn or not JSON"
+
+
+def _content_pretrain_tracking_state_is_a_list(tmp, fix):
+    args, run = _tracked_run(tmp, fix, '["run", "tensorboard"]')
+    return args, [run], "tracking.json must hold a JSON object"
+
+
+def _content_probe_checkpoint_config_not_a_mapping(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    _write(ckpt / "checkpoint.json", json.dumps({**info, "config": {**info["config"], "model": 3}}))
+    return ["probe", str(ckpt), "--max-steps", "1"], [ckpt], "checkpoint.json is damaged"
+
+
+def _content_finetune_tracking_state_torn(tmp, fix):
+    state = _write(tmp / "tracking" / "tracking.json", '{"cell": {"tensorboard": ')
+    return ([*_finetune(fix, tmp, _glue(tmp)), "--report-to", "tensorboard"], [state],
+            "tracking.json is torn or not JSON")
+
+
 def _values_pretrain_lr_inf(tmp, fix):
     return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{"optim.lr": ".inf"})], [],
             "optim.lr must be a finite number")
@@ -215,6 +247,14 @@ def _values_compare_seed_is_a_list(tmp, fix):
     return ["compare", str(results)], [results], "seed must be a single value"
 
 
+def _values_probe_max_steps_zero(tmp, fix):
+    return ["probe", str(fix["mlsm_ckpt"]), "--max-steps", "0"], [fix["mlsm_ckpt"]], "--max-steps"
+
+
+def _values_demo_steps_zero(tmp, fix):
+    return ["demo", "--out", str(tmp / "demo"), "--steps", "0"], [tmp / "demo"], "--steps"
+
+
 def _values_train_tokenizer_vocab_huge(tmp, fix):
     return (["train-tokenizer", str(fix["corpus_dir"] / "a.txt"), "--out", str(tmp / "tok"),
              "--vocab-size", "99999999999999999999"], [], "--vocab-size")
@@ -233,6 +273,26 @@ def _consistency_pretrain_token_id_beyond_vocab(tmp, fix):
 def _consistency_dictionary_token_id_beyond_vocab(tmp, fix):
     store = _store_with_id(tmp, fix, 60000)
     return _dictionary(fix, tmp / "d", store), [store], "holds token id 60000"
+
+
+def _consistency_probe_store_of_another_tokenizer(tmp, fix):
+    """Its vocabulary size differs too: the error named model.init_from, no flag of `probe`."""
+    from mlsm.data.corpus import prepare_corpus
+    from mlsm.data.tokenizer import train_tokenizer
+
+    train_tokenizer(str(fix["corpus_dir"]), tmp / "tok", kind="wordpiece", vocab_size=120)
+    store = prepare_corpus(str(fix["corpus_dir"]), str(tmp / "tok"), tmp / "store").path
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--steps", "2", "--out",
+             str(tmp / "p")], [store, fix["mlsm_ckpt"], tmp / "p"],
+            f"--store {store} was prepared with another tokenizer")
+
+
+def _consistency_probe_heads_json_disagrees_with_weights(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    heads = json.loads((ckpt / "heads.json").read_text())
+    _write(ckpt / "heads.json", json.dumps({**heads, "latent": {**heads["latent"], "k": 65}}))
+    return (["probe", str(ckpt), "--max-steps", "1", "--out", str(tmp / "p")], [ckpt],
+            "does not match its heads.json entry")
 
 
 def _consistency_flops_layer_beyond_teacher(tmp, fix):
@@ -285,6 +345,45 @@ def _paths_probe_out_user_folder(tmp, fix):
     folder = _user_folder(tmp)
     return (["probe", str(fix["mlsm_ckpt"]), "--out", str(folder), "--max-steps", "1"], [folder],
             "not an mlsm probe run")
+
+
+def _paths_probe_out_inside_store(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--out", str(store / "p")],
+            [store], f"--out {store / 'p'} lies inside the input --store")
+
+
+def _paths_probe_plateau_out_inside_store(tmp, fix):
+    """The plateau probe (no --store: the pre-training store) wrote into the store."""
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    store = _copy(fix["store_dir"], tmp / "store")
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    info["config"]["data"]["store"] = str(store)
+    _write(ckpt / "checkpoint.json", json.dumps(info))
+    return (["probe", str(ckpt), "--max-steps", "1", "--out", str(store / "p")], [store, ckpt],
+            "lies inside the input --store")
+
+
+def _paths_probe_steps_out_inside_checkpoint(tmp, fix):
+    """The fixed-steps probe named train.out and model.init_from, keys `probe` has no flag for."""
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    return (["probe", str(ckpt), "--steps", "1", "--out", str(ckpt / "p")], [ckpt],
+            f"--out {ckpt / 'p'} lies inside the input CHECKPOINT")
+
+
+def _paths_probe_store_missing(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(tmp / "nostore")], [fix["mlsm_ckpt"]],
+            "--store")
+
+
+def _paths_demo_data_missing(tmp, fix):
+    return (["demo", "--out", str(tmp / "demo"), "--data", str(tmp / "nodata")], [tmp / "demo"],
+            "--data")
+
+
+def _paths_demo_corpus_missing(tmp, fix):
+    return (["demo", "--out", str(tmp / "demo"), "--corpus", str(tmp / "none.txt")],
+            [tmp / "demo"], "--corpus")
 
 
 def _paths_blimp_out_is_the_data(tmp, fix):

@@ -146,3 +146,53 @@ def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_
     assert h["n"] > 0
     assert h["loss"] == pytest.approx(h["unigram_loss"], rel=1e-5)
     assert h["top1"] == h["unigram_top1"] and h["p_vs_unigram"] == pytest.approx(1.0)
+
+
+def _demo_text_files(out: Path) -> None:
+    """Every file the demo writes before its study starts (each is skipped or rewritten when the
+    demo is run again)."""
+    from mlsm import demo
+    from mlsm.demo_report import write_pairs
+
+    _, held = demo._write_corpus(out)
+    write_pairs(held, out / "pairs")
+    demo._word_order_task(held, out, n=200)
+    demo._heldout_store(held, out)
+
+
+def _contents(out: Path) -> dict[Path, bytes]:
+    """Each file's bytes (a token store's meta.json, which records its path and time, left out)."""
+    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+            if p.is_file() and p.name != "meta.json"}
+
+
+def test_a_demo_killed_while_writing_leaves_no_torn_file(tmp_path: Path, monkeypatch) -> None:
+    """A demo re-run skips what exists, so a file torn by a kill would be trained or scored on:
+    killed in the middle of any of its writes, the demo leaves each file whole or absent, and the
+    re-run then writes exactly what an uninterrupted demo writes."""
+    from mlsm import demo
+
+    docs = [f"Document number {i} says that the {i % 7} cats sleep. " * 3 for i in range(360)]
+    monkeypatch.setattr(demo, "stdlib_prose", lambda: list(docs))
+    _demo_text_files(tmp_path / "whole")
+    reference = _contents(tmp_path / "whole")
+    real = Path.write_text
+    for kill_at in range(6):  # each of its six text writes, one per run
+        calls = []
+
+        def killed(self: Path, data: str, *args, _at=kill_at, _calls=calls, **kwargs) -> int:
+            _calls.append(self)
+            if len(_calls) - 1 == _at:  # the process dies halfway through this write
+                real(self, data[: len(data) // 2], *args, **kwargs)
+                raise KeyboardInterrupt
+            return real(self, data, *args, **kwargs)
+
+        out = tmp_path / f"killed-{kill_at}"
+        monkeypatch.setattr(Path, "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _demo_text_files(out)
+        monkeypatch.setattr(Path, "write_text", real)
+        for name, data in _contents(out).items():
+            assert data == reference[name], f"torn: {name}"
+        _demo_text_files(out)
+        assert _contents(out) == reference

@@ -1,6 +1,6 @@
 """What mlsm needs to know about an objective is declared on its class (`uses_teacher`,
-`predicts_latent`, `flops_row`), checked here against what each objective does when it is built
-on a tiny model, and no module keeps its own list of objective names."""
+`predicts_latent`, `latent_head`, `flops_row`), checked here against what each objective does
+when it is built on a tiny model, and no module keeps its own list of objective names."""
 
 from __future__ import annotations
 
@@ -105,6 +105,8 @@ def test_declarations_match_what_the_objective_does(
                if any(p.requires_grad for p in h.parameters())}
     latent = [n for n in trained if obj.head_meta().get(n, {}).get("k") == 64]
     assert cls.predicts_latent == bool(latent), (name, obj.head_meta())
+    # latent_head: the head the probe reads (by this name) is one that predicts them
+    assert not cls.predicts_latent or cls.latent_head in latent, (name, cls.latent_head, latent)
     # flops_row: a row of `mlsm flops`'s table for this run, or none
     from mlsm.evaluate.flops import flops_for_run
     from mlsm.throughput import flops_row_of

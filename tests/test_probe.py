@@ -20,7 +20,7 @@ from mlsm.objectives import Context, TrainModule
 from mlsm.objectives.probe import Probe, ProbeConfig
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .conftest import TINY_MODEL, tiny_overrides
 
 
 def _mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path, out: Path) -> Path:
@@ -122,3 +122,51 @@ def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir,
         assert "train its probe first" in str(err)
     else:
         raise AssertionError("an MLSM checkpoint without a probe must be refused")
+
+
+@pytest.mark.parametrize("objective", ["mlsm", "mlsm_naive"])
+def test_every_latent_objective_is_probed_and_scored_on_blimp(
+    objective: str, store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
+) -> None:
+    """`mlsm probe RUN` then `mlsm blimp RUN` (through the probe) on a tiny run of each objective
+    that predicts a latent distribution, the naive recipe's d -> |V| + k head included: the probe
+    reads the head its objective declares (`latent_head`), and for the naive head exactly its last
+    k outputs, the latent logits it was trained on; `mlsm export` ships that probe."""
+    from mlsm.cli import main
+    from mlsm.models.heads import LatentHead
+
+    run = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(store_dir, run, **{
+        "objective.name": objective, "objective.dictionary": str(dictionary_path),
+        "objective.teacher": str(teacher_dir), "train.steps": 3, "train.readiness": "[1.0]"}))
+    folder = pretrain(cfg) / "checkpoints" / "step-0000003"
+    assert main(["probe", str(run), "--max-steps", "6"]) == 0
+    data = tmp_path / "blimp"
+    data.mkdir()
+    rows = [{"sentence_good": g, "sentence_bad": b, "UID": "order", "pairID": str(i),
+             "field": "syntax", "linguistics_term": "order"}
+            for i, (g, b) in enumerate([("the cat sees a dog.", "cat the sees dog a."),
+                                        ("a big dog runs.", "dog big a runs.")])]
+    (data / "order.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["blimp", str(run), "--data", str(data), "--out", str(tmp_path / "b")]) == 0
+    result = json.loads(next((tmp_path / "b").glob("*.json")).read_text())
+    assert result["n_pairs"] == 2 and 0 <= result["overall"] <= 1
+    # what the scorer's latent head computes is the trained objective's latent logits
+    scorer, _ = load_scorer(run)
+    assert isinstance(scorer, ProbeScorer)
+    heads = {k: v.double() for k, v in load_file(folder / "heads.safetensors").items()}
+    h = torch.randn(5, TINY_MODEL["hidden_size"], dtype=torch.float64)
+    if objective == "mlsm":
+        ref = LatentHead(TINY_MODEL["hidden_size"], 64).double()
+        ref.load_state_dict({k.removeprefix("latent."): v for k, v in heads.items()})
+        want = ref(h)
+    else:  # the last k = 64 of the |V| + k outputs, as MLSMNaive.loss takes them
+        want = (h @ heads["naive.weight"].T + heads["naive.bias"])[:, -64:]
+    got = scorer.latent.double()(h)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # `mlsm export` finds the probe of either kind and ships it; the export scores the same way
+    assert main(["export", str(run), "--out", str(tmp_path / "e")]) == 0
+    assert {"latent", "probe"} <= json.loads((tmp_path / "e" / "heads.json").read_text()).keys()
+    exported, _ = load_scorer(tmp_path / "e")
+    torch.testing.assert_close(exported.latent.double()(h), want, rtol=0, atol=1e-12)
+    assert 'read_latent_head("LOCAL_FOLDER")' in (tmp_path / "e" / "README.md").read_text()

@@ -450,7 +450,8 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its "
                    "checkpoints/step-* folder")
     p.add_argument("--store", default="",
-                   help="token store (default: the one the model was pre-trained on)")
+                   help="token store prepared with the checkpoint's tokenizer (default: the one "
+                   "the model was pre-trained on)")
     p.add_argument("--steps", type=non_negative_int, default=0,
                    help="fixed probe steps through the training loop (default: train to a "
                    "held-out plateau)")

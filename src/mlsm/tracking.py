@@ -41,6 +41,7 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
+from mlsm.inputs import read_json
 
 BACKENDS = ("tensorboard", "wandb", "mlflow", "trackio")
 EXTRA = 'pip install -e ".[tracking]"'
@@ -80,18 +81,26 @@ class _Resume:
     id: str | None = None
 
 
-def _read_state(folder: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+FIX_STATE = ("delete it to start new tracker runs (it holds nothing else: checkpoints and results "
+             "are kept), or restore it from a copy to continue the same ones")
+
+
+def read_state(folder: str | Path) -> dict[str, Any]:
+    """FOLDER/STATE ({} when there is none). A torn or foreign file is one UserError naming it:
+    opening fresh tracker runs instead would split a resumed run in two without a word."""
+    path = Path(folder) / STATE
+    if not path.exists():
         return {}
-    return state if isinstance(state, dict) else {}
+    state = read_json(path, "tracker state", FIX_STATE)
+    bad = [k for k, v in state.items() if not isinstance(v, dict)]
+    if bad:
+        raise UserError(f"tracker state {path} maps run {bad[0]!r} to no tracker ids; {FIX_STATE}")
+    return state
 
 
-def _write_state(folder: Path, name: str, ids: dict[str, str]) -> None:
-    """Record the run ids of `name` (kept beside those of other runs in the folder)."""
-    state = _read_state(folder)
-    state[name] = ids
+def _write_state(folder: Path, state: dict[str, Any], name: str, ids: dict[str, str]) -> None:
+    """Record the run ids of `name` (kept beside those of other runs in `state`, the folder's)."""
+    state = {**state, name: ids}
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(folder / STATE, state)
 
@@ -331,10 +340,11 @@ def open_tracker(names: list[str], folder: str | Path, config: dict[str, Any], n
 
     revision = git_revision()
     folder = Path(folder)
-    stored = _read_state(folder).get(name, {}) if resume_step is not None else {}
+    state = read_state(folder)  # before any tracker starts
+    stored = state.get(name, {}) if resume_step is not None else {}
     started: dict[str, Any] = {}
     for backend in names:
-        known = stored.get(backend) if isinstance(stored, dict) else None
+        known = stored.get(backend)
         resume = _Resume(resume_step, str(known) if known else None)
         try:
             started[backend] = _CLASSES[backend](folder, name, config, revision, resume)
@@ -345,5 +355,5 @@ def open_tracker(names: list[str], folder: str | Path, config: dict[str, Any], n
                             f"fix its setup or drop it from {where}") from None
     ids = {k: b.id for k, b in started.items() if getattr(b, "id", None)}
     if ids:
-        _write_state(folder, name, ids)
+        _write_state(folder, state, name, ids)
     return Tracker(started)

@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -381,9 +381,17 @@ def _cell_tracker(report_to: Sequence[str], results: Path, ref: ModelRef, spec: 
     return tracking.open_tracker(list(report_to), folder, config, name, "--report-to")
 
 
-def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int,
+def _check_grid(models: Sequence[str | Path], tasks: Sequence[str], seeds: Sequence[int],
+                lrs: Sequence[float], epochs: int, batch_size: int, max_len: int,
                 max_train_examples: int | None) -> None:
-    """Refuse a grid that would train nothing and still write its (untrained) scores as results."""
+    """Refuse a grid that would train nothing and still write its (untrained) scores as results:
+    a string where a list belongs, an empty axis, sizes that are not positive, bad lrs."""
+    for name, value in (("models", models), ("tasks", tasks)):
+        if isinstance(value, str | Path):  # a string would be iterated letter by letter
+            raise UserError(f"finetune(): {name} must be a list, got the string {str(value)!r}; "
+                            f"write [{str(value)!r}]")
+    if not models or not tasks or not seeds or not lrs:
+        raise UserError("finetune needs at least one model, task, seed and learning rate")
     sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
     if max_train_examples is not None:
         sizes["--max-train-examples"] = max_train_examples
@@ -394,6 +402,20 @@ def _check_grid(lrs: Sequence[float], epochs: int, batch_size: int, max_len: int
     if not all(isinstance(lr, int | float) and math.isfinite(lr) and lr > 0 for lr in lrs):
         raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; "
                         "nothing was trained or written")
+
+
+def _grid(models: Sequence[str | Path], tasks: Sequence[str],
+          readiness: str) -> tuple[list[ModelRef], list[TaskSpec]]:
+    """The models (each readiness checkpoint of a run with readiness="all") and the tasks of a
+    grid; one line for two models of one name or a task given twice."""
+    refs = [resolve_model(m) for m in expand_models(models, readiness)]
+    if len({r.name for r in refs}) != len(refs):
+        raise UserError("two models share a name; pass them as name=path to tell them apart")
+    specs = [get_task(t) for t in tasks]
+    twice = sorted({s.name for s in specs if [x.name for x in specs].count(s.name) > 1})
+    if twice:
+        raise UserError(f"--tasks lists {twice[0]} twice; give each task once")
+    return refs, specs
 
 
 def finetune(
@@ -432,41 +454,39 @@ def finetune(
     if clip < 0:
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
     tracking.require(list(report_to), "--report-to")  # before any model is loaded
-    for name, value in (("models", models), ("tasks", tasks)):
-        if isinstance(value, str | Path):  # a string would be iterated letter by letter
-            raise UserError(f"finetune(): {name} must be a list, got the string {str(value)!r}; "
-                            f"write [{str(value)!r}]")
-    if not models or not tasks or not seeds or not lrs:
-        raise UserError("finetune needs at least one model, task, seed and learning rate")
-    _check_grid(lrs, epochs, batch_size, max_len, max_train_examples)
-    refs = [resolve_model(m) for m in expand_models(models, readiness)]
-    if len({r.name for r in refs}) != len(refs):
-        raise UserError("two models share a name; pass them as name=path to tell them apart")
-    specs = [get_task(t) for t in tasks]
-    twice = sorted({s.name for s in specs if [x.name for x in specs].count(s.name) > 1})
-    if twice:
-        raise UserError(f"--tasks lists {twice[0]} twice; give each task once")
+    _check_grid(models, tasks, seeds, lrs, epochs, batch_size, max_len, max_train_examples)
+    refs, specs = _grid(models, tasks, readiness)
     check_apart(results, "--results", {"--data-dir": data_dir,
                                        **{f"model {r.name}": r.path for r in refs}})
-    dev = pick_device(device)
+    settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,
+                "warmup_ratio": warmup_ratio, "weight_decay": weight_decay,
+                "fixed_order": fixed_order, "clip": clip}
     path = Path(results)
+    _run_grid(refs, specs, seeds, lrs, settings, path, pick_device(device), report_to,
+              lambda spec: _task_data(spec, data_dir, max_train_examples, eval_test))
+    return path
+
+
+def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], seeds: Sequence[int],
+              lrs: Sequence[float], settings: dict[str, Any], path: Path, dev: torch.device,
+              report_to: Sequence[str], task_data: Callable[[TaskSpec], Any]) -> None:
+    """Run every cell (task, model, lr, seed) not yet in the results file `path`, appending its
+    rows when it ends. settings: the cell config shared by all cells, besides lr; task_data:
+    spec -> (train examples, {split: eval examples}), read once per task."""
     done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
     bar = Progress(len(refs) * len(specs) * len(seeds) * len(lrs), "finetune", "cell")
     for spec in specs:
-        train, evals = _task_data(spec, data_dir, max_train_examples, eval_test)
+        train, evals = task_data(spec)
         for ref in refs:
             data = None  # tokenised on first use: a finished model costs nothing on resume
             for lr, seed in itertools.product(lrs, seeds):
-                cfg = {"lr": float(lr), "epochs": epochs, "batch_size": batch_size,
-                       "max_len": max_len, "warmup_ratio": warmup_ratio,
-                       "weight_decay": weight_decay, "fixed_order": fixed_order, "clip": clip}
-                if (ref.name, spec.name, seed, float(lr), epochs, batch_size, max_len,
-                        len(train)) not in done:
+                cfg = {"lr": float(lr), **settings}
+                if (ref.name, spec.name, seed, float(lr), settings["epochs"],
+                        settings["batch_size"], settings["max_len"], len(train)) not in done:
                     bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
-                    data = data or prepare(ref, spec, train, evals, max_len)
+                    data = data or prepare(ref, spec, train, evals, settings["max_len"])
                     with _cell_tracker(report_to, path, ref, spec, seed, cfg) as tracker:
                         rows = run_cell(ref, spec, data, seed, cfg, dev, tracker)
                     append_results(path, rows)
                 bar.update(1)
     bar.close()
-    return path

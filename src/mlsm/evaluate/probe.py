@@ -15,12 +15,13 @@ import torch
 from transformers import AutoModel
 
 from mlsm.config import config_from_dict, merge, parse_overrides
+from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet, read_json
 from mlsm.inputs import check_apart
 from mlsm.models.backbone import read_heads
-from mlsm.models.heads import read_latent_head
+from mlsm.models.heads import latent_head_name, read_latent_head
 from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
@@ -37,12 +38,15 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
                         "pass a checkpoints/step-* folder of an mlsm run")
     try:
         raw = dict(read_json(info_path)["config"])
+        if not all(isinstance(raw.get(group), dict) for group in ("model", "train", "data")):
+            raise TypeError("a config group is not a mapping")
+        default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{info_path} is damaged (no readable config); "
                         "pass another checkpoints/step-* folder") from None
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
-    raw["train"] = {**raw["train"], "steps": steps or max(1, round(0.1 * raw["train"]["steps"])),
+    raw["train"] = {**raw["train"], "steps": steps or default_steps,
                     "out": out or str(probe_run_of(folder)), "save_every": 0,
                     "readiness": [0.1, 0.25, 0.5, 1.0]}
     if store:
@@ -59,20 +63,36 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
     many steps through the pre-training loop, as Berend 2023 (10 % of the pre-training steps).
     """
     max_steps = kw.pop("max_steps", None) or 2000
+    folder = resolve_checkpoint(checkpoint)
+    cfg = probe_config(folder, **kw)  # one line for a folder that is not an MLSM checkpoint
+    check_probe_store(folder, cfg.data.store, given=bool(kw.get("store")))
+    out = Path(cfg.train.out)  # --out, else <run>/probe-step-N
+    # named by the flags of `mlsm probe` (the probe run's own check names config keys)
+    check_apart(out, "--out", {"CHECKPOINT": folder, "--store": cfg.data.store})
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
         from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
-        folder = resolve_checkpoint(checkpoint)
-        out = Path(kw.get("out") or probe_run_of(folder))
-        check_apart(out, "--out", {"CHECKPOINT": folder})
         if (out.is_dir() and any(out.iterdir()) and not (out / "probe.json").is_file()
                 and not is_run_dir(out)):  # only an earlier probe is replaced
             raise UserError(f"--out {out} holds files that are not an mlsm probe run; choose "
                             "another --out (mlsm never writes into a folder it did not create)")
-        probe_config(folder)  # the same one-line errors for a folder that is not an MLSM checkpoint
         train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out
-    return pretrain(probe_config(checkpoint, **kw), resume=resume)
+    return pretrain(cfg, resume=resume)
+
+
+def check_probe_store(folder: Path, store: str, given: bool) -> None:
+    """The probe's token store must exist and hold the tokens of the checkpoint's tokenizer (the
+    probe learns to predict them). The one-line errors name --store, the flag of `mlsm probe`."""
+    what = f"--store {store}" if given else f"the token store {store} that {folder} was trained on"
+    fix = ("pass --store with a token store prepared with the checkpoint's tokenizer "
+           f"(mlsm prepare SOURCES --tokenizer {folder} --out STORE)")
+    if not store:
+        raise UserError(f"{folder / 'checkpoint.json'} names no token store; {fix}")
+    if not Path(store).is_dir():
+        raise UserError(f"{what} is not a folder; {fix}")
+    if TokenStore.open(store).tokenizer_hash != tokenizer_hash(load_tokenizer(folder)):
+        raise UserError(f"{what} was prepared with another tokenizer than {folder}; {fix}")
 
 
 class ProbeScorer(torch.nn.Module):
@@ -129,7 +149,8 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     if heads.is_file() and "probe" in read_json(heads):
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), load_tokenizer(folder)
-    if heads.is_file() and "latent" in read_json(heads) and not _exports_vocab_head(folder):
+    if (heads.is_file() and latent_head_name(folder) in read_json(heads)
+            and not _exports_vocab_head(folder)):
         raise UserError(f"{folder} is an MLSM model without a vocabulary and "
                         f"{probe_run_of(folder)} has no probe; "
                         f"train its probe first: mlsm probe {path}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,14 +186,41 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
     cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
     probe = module.objective.heads["probe"]
     features, G = _Features(module), cfg.train.batch_size
-    held = [features(source.micro_batches(s, G, G, 0, 1)[0])
-            for s in heldout_steps(checkpoint, G, heldout_batches)]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:  # (z (N, k), labels (N,))
+        return features(source.micro_batches(step, G, G, 0, 1)[0])
+
+    held = [batch(s) for s in heldout_steps(checkpoint, G, heldout_batches)]
     unigram = unigram_log_probs(store, probe.out_features)
-    first = features(source.micro_batches(0, G, G, 0, 1)[0])  # the standardisation and step 1
+    first = batch(0)  # the standardisation and step 1
     cands = [_Candidate(kind, probe, unigram, lr, first[0]) for kind in inputs]
-    unigram_loss, unigram_top1 = cands[0].evaluate(held)  # W = 0: the unigram distribution itself
+    start = cands[0].evaluate(held)  # W = 0: the unigram distribution itself (loss, top-1)
     for c in cands:
-        c.start_from(unigram_loss, unigram_top1)
+        c.start_from(*start)
+    _train(cands, held, first, batch, max_steps=max_steps, select_steps=select_steps,
+           eval_every=eval_every, patience=patience, min_delta=min_delta)
+    best = min(cands, key=lambda c: c.best)
+    if not math.isfinite(best.best):
+        raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
+                        f"probe.lr (now {lr:g})")
+    saved = _save_probe(out, module, tokenizer, best)
+    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr,
+            "steps": best.steps, "batch_size": G, "heldout_loss": best.best,
+            "heldout_top1": best.best_top1, "unigram_loss": start[0], "unigram_top1": start[1],
+            "better_than_unigram": best.best < start[0] * (1 - min_delta),
+            "n_heldout_targets": sum(int(y.numel()) for _, y in held),
+            "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.best,
+                                    "curve": c.curve} for c in cands}}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _train(cands: list[_Candidate], held: list, first: tuple[torch.Tensor, torch.Tensor],
+           batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, max_steps: int,
+           select_steps: int, eval_every: int, patience: int, min_delta: float) -> None:
+    """Train every candidate on the same batches for `select_steps`, then the best one alone until
+    its plateau (or max_steps); every candidate ends at its best weights (`restore_best`)."""
     live = list(cands)
     bar = Progress(max_steps, "probe", "step")  # plateau stops may end it early
     for step in range(1, max_steps + 1):
@@ -202,7 +230,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
         if not live:
             break
         # the student is frozen: each batch's features are computed once, for every candidate
-        z, y = first if step == 1 else features(source.micro_batches(step - 1, G, G, 0, 1)[0])
+        z, y = first if step == 1 else batch(step - 1)
         for c in live:
             train_loss = c.step(z, y)
             if step % eval_every == 0 or step == max_steps:
@@ -211,25 +239,14 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
     bar.close()
     for c in cands:
         c.restore_best()
-    best = min(cands, key=lambda c: c.best)
-    held_loss, top1 = best.best, best.best_top1
-    if not math.isfinite(held_loss):
-        raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
-                        f"probe.lr (now {lr:g})")
-    probe.load_state_dict(best.exported())
+
+
+def _save_probe(out: Path, module: TrainModule, tokenizer: Any, best: _Candidate) -> Path:
+    """The probe checkpoint (OUT/checkpoints/step-N) of the best candidate, on raw inputs."""
+    module.objective.heads["probe"].load_state_dict(best.exported())
     module.objective.input = best.kind
-    saved = ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
-                                 {"step": best.steps},
-                                 {"step": best.steps, "readiness": 1.0, "objective": "probe",
-                                  "run": str(out),
-                                  "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
-    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr,
-            "steps": best.steps, "batch_size": G, "heldout_loss": held_loss, "heldout_top1": top1,
-            "unigram_loss": unigram_loss, "unigram_top1": unigram_top1,
-            "better_than_unigram": held_loss < unigram_loss * (1 - min_delta),
-            "n_heldout_targets": sum(int(y.numel()) for _, y in held),
-            "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.best,
-                                    "curve": c.curve} for c in cands}}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
-    return info
+    return ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
+                                {"step": best.steps},
+                                {"step": best.steps, "readiness": 1.0, "objective": "probe",
+                                 "run": str(out),
+                                 "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})

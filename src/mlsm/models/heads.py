@@ -71,24 +71,73 @@ def read_heads(folder: Path) -> dict[str, torch.Tensor]:
                         "copy or use another checkpoint of the run") from None
 
 
-def read_latent_head(folder: Path) -> tuple[LatentHead, dict[str, Any]]:
-    """The MLSM latent head saved in a checkpoint folder and its heads.json entry (the one loader:
-    the probe objective and `ProbeScorer` both use it).
+def latent_head_name(folder: Path) -> str:
+    """The heads.json name of the latent head in `folder`, as the objective that trained it
+    declares (`Objective.latent_head`). The objective is the one checkpoint.json names (a
+    checkpoint) or mlsm.json (an `mlsm export` folder; its heads are the probe's when it ships
+    one); a folder naming none has the default name."""
+    from mlsm.objectives import objective_class
+    from mlsm.objectives.base import Objective
 
-    heads.json says which class each head is and its sizes; the latent head is rebuilt from
-    that entry and its weights from heads.safetensors.
+    folder = Path(folder)
+    name = None
+    if (folder / "checkpoint.json").is_file():
+        info = read_json(folder / "checkpoint.json")
+        name = info.get("objective") if isinstance(info, dict) else None
+    elif (folder / "mlsm.json").is_file():
+        info = read_json(folder / "mlsm.json")
+        if isinstance(info, dict):
+            name = "probe" if info.get("probe") else info.get("objective")
+    cls = objective_class(name)
+    return (cls or Objective).latent_head
+
+
+def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:
+    """The latent block of a d -> (|V| + k) linear head: its last k outputs, as a d -> k map."""
+    head = nn.Linear(d, k)
+    head.load_state_dict({"weight": weights["weight"][-k:], "bias": weights["bias"][-k:]})
+    return head
+
+
+def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The latent head saved in a checkpoint folder, (N, d) -> (N, k) latent logits, and its
+    heads.json entry (the one loader: the probe objective and `ProbeScorer` both use it).
+
+    The head is the one the checkpoint's objective declares (`latent_head_name`); heads.json says
+    which class it is and its sizes, heads.safetensors holds its weights. MLSM's `LatentHead` is
+    rebuilt as it is; of the naive recipe's d -> (|V| + k) `Linear` (entry `"latent": "last k"`)
+    only the last k outputs are latent logits, so that block is returned as a d -> k `Linear`
+    whose entry still says "last k" (of k: all of it), as a probe checkpoint saves it.
     """
+    folder = Path(folder)
+    name = latent_head_name(folder)
     meta_path = folder / "heads.json"
-    latent = read_json(meta_path).get("latent") if meta_path.is_file() else None
+    heads = read_json(meta_path) if meta_path.is_file() else None
+    latent = heads.get(name) if isinstance(heads, dict) else None
     if not isinstance(latent, dict):
-        raise UserError(f"{folder} has no MLSM latent head (heads.json); "
-                        "pass a checkpoint of an mlsm/mtl run")
-    if latent.get("class", "LatentHead") != "LatentHead":
+        raise UserError(f"{folder} has no latent head (no {name!r} in heads.json); "
+                        "pass a checkpoint of an objective that predicts latent properties "
+                        "(an mlsm run, for example)")
+    kind = latent.get("class", "LatentHead")
+    if kind == "SharedTransformLatent":
         raise UserError(f"{folder} holds an MTL latent head that shares the vocabulary head's "
-                        f"transform ({latent['class']}); score it through its vocabulary head, "
+                        f"transform ({kind}); score it through its vocabulary head, "
                         "it needs no probe")
-    head = LatentHead(int(latent["d"]), int(latent["k"]))
-    state = read_heads(folder)
-    head.load_state_dict({k.removeprefix("latent."): v for k, v in state.items()
-                          if k.startswith("latent.")})
+    if kind not in ("LatentHead", "Linear") or (kind == "Linear"
+                                                 and latent.get("latent") != "last k"):
+        raise UserError(f"{meta_path} describes the latent head {name!r} as {kind}, which mlsm "
+                        "cannot rebuild; pass a checkpoint written by this version of mlsm")
+    weights = {k.removeprefix(f"{name}."): v for k, v in read_heads(folder).items()
+               if k.startswith(f"{name}.")}
+    try:
+        d, k = int(latent["d"]), int(latent["k"])
+        if kind == "Linear":
+            return _last_k(weights, d, k), {"class": "Linear", "d": d, "out": k, "k": k,
+                                             "latent": "last k"}
+        head = LatentHead(d, k)
+        head.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise UserError(f"the latent head {name!r} of {folder} does not match its heads.json "
+                        f"entry ({first_line(exc)}); restore the checkpoint from a copy or use "
+                        "another one") from None
     return head, latent

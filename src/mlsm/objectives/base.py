@@ -17,8 +17,8 @@ What a checkpoint holds is declared, not set by side effect: `exports_vocab_head
 does the HF folder keep the student's masked-LM head?) and `exported_heads()` (name -> module,
 saved in heads.safetensors, described by `head_meta()` in heads.json). What the rest of mlsm needs
 to know about an objective is declared on its class too (`uses_teacher`, `predicts_latent`,
-`flops_row`), so no other module keeps a list of objective names: adding an objective touches
-its module, the registry and its test.
+`latent_head`, `flops_row`), so no other module keeps a list of objective names: adding an
+objective touches its module, the registry and its test.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ class Objective(nn.Module):
     predicts_latent: ClassVar[bool] = False
     """It trains a head over the k latent properties of MLSM (Berend 2023): a study fits the
     k -> |V| probe on its checkpoints to score words and compares it as a latent arm."""
+    latent_head: ClassVar[str] = "latent"
+    """The exported head (its name in heads.json) whose output holds the k latent logits, where
+    `mlsm.models.heads.read_latent_head` finds it for the probe (when predicts_latent; a probe
+    keeps the head it reads under this default name)."""
     flops_row: ClassVar[str | None] = None
     """The row of `flops_table` (`mlsm flops`) whose step this objective runs; None = not
     modelled (no FLOP/s or MFU in its logs)."""

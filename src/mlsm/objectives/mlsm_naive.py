@@ -63,6 +63,7 @@ def load_full_teacher(path: str) -> tuple[nn.Module, object]:
 class MLSMNaive(Objective):
     Config = MLSMNaiveConfig
     uses_teacher = predicts_latent = True
+    latent_head = "naive"  # one d -> |V| + k map; its last k outputs are the latent logits
     flops_row = "MLSM (naive)"
 
     def __init__(self, cfg: MLSMNaiveConfig, ctx: Context):
@@ -103,7 +104,7 @@ class MLSMNaive(Objective):
 
     def attach(self, student: Student) -> None:
         d = student.hidden_size  # d → |V| + k, as the official code
-        self.add_head("naive", nn.Linear(d, self.vocab + self.k),
+        self.add_head(self.latent_head, nn.Linear(d, self.vocab + self.k),
                       {"class": "Linear", "d": d, "out": self.vocab + self.k, "k": self.k,
                        "latent": "last k"})
 
@@ -121,7 +122,7 @@ class MLSMNaive(Objective):
 
     def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
         codes = targets  # (N, k)
-        z_all = self.heads["naive"](hidden)  # (B, T, |V| + k): every position, as HF heads do
+        z_all = self.heads[self.latent_head](hidden)  # (B, T, |V| + k): every position, as HF
         z = z_all[batch.selected][:, -self.k :].float()  # (N, k): the latent part
         mass = codes.sum(1)  # (N,)
         keep = mass > 0  # all-zero codes carry no target

@@ -66,9 +66,10 @@ class Probe(Objective):
 
     def attach(self, student: Student) -> None:
         student.requires_grad_(False)  # everything frozen but the probe added below
-        self.add_head("latent", *read_latent_head(self.folder))
+        head, latent = read_latent_head(self.folder)  # MLSM's LatentHead, or the naive block
+        self.add_head("latent", head, latent)
         self.heads["latent"].requires_grad_(False)
-        k = self.heads["latent"].proj.out_features
+        k = int(latent["k"])
         meta = {"class": "Linear", "in": k, "out": self.vocab, "input": self.input}
         self.add_head("probe", nn.Linear(k, self.vocab), meta)
 

@@ -55,6 +55,8 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     # One process per run directory; under DDP rank 0 holds the lock for the whole group.
     with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
         _check_run_dir(run_dir, resume)  # before minutes of loading
+        if resume and cfg.train.report_to:  # every rank stops alike, as for _check_run_dir
+            tracking.read_state(run_dir)  # a torn tracking.json: one line, before any work
         return _pretrain(cfg, resume, dist_info, run_dir)
 
 
