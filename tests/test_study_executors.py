@@ -147,6 +147,25 @@ def _pairs(root: Path) -> Path:
     return root / "pairs"
 
 
+def test_eval_jobs_one_runs_evaluation_here_with_all_threads(two_jobs, tmp_path) -> None:
+    """jobs = 2, eval_jobs = 1 (the demo's setting): the arms' BLiMP stages run in the driver,
+    one after the other, with jobs x threads torch threads, and no subprocess is started."""
+    import shutil
+
+    raw, out = two_jobs
+    copy = tmp_path / "study"
+    shutil.copytree(out, copy)  # the shared study stays without blimp results for the next test
+    raw = {**raw, "out": str(copy), "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
+           "probe": {"heldout_batches": 1, "batch_size": 2},
+           "executor": {**raw["executor"], "eval_jobs": 1}}
+    run_study(study_from_dict(raw), stages=["blimp"], log=lambda s: None)
+    for arm in ("a", "b"):
+        assert json.loads((copy / "blimp" / f"{arm}@100pct.json").read_text())["threads"] == 2
+        assert not (copy / "logs" / f"blimp-{arm}.log").exists()
+    stages = [r["stage"] for r in map(json.loads, (copy / "stages.jsonl").read_text().splitlines())]
+    assert "blimp" in stages and "blimp-job" not in stages
+
+
 def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp_path) -> None:
     """jobs = 2: each arm's BLiMP stage is a `mlsm study --stages blimp --arms ARM` subprocess
     with executor.threads torch threads (the scorer records its threads; in the driver it would

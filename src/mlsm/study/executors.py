@@ -283,7 +283,7 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
         return run_here(study, arms)
     work = [a for a in arms if st.has_work(study, stage, a)]
     if study.spec.executor.kind == "local":
-        if study.spec.executor.jobs <= 1 or len(work) <= 1:
+        if eval_jobs(study) <= 1 or len(work) <= 1:
             return run_here(study, arms)
         failed = run_here(study, [a for a in arms if a not in work])  # records their skips
         return failed | _local_jobs(study, stage, work)
@@ -299,18 +299,23 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
                                record={"slurm_job": str(job.job_id)})}
 
 
+def eval_jobs(study: Study) -> int:
+    """How many arms' evaluation stages run at once locally (executor.eval_jobs, 0 = jobs)."""
+    return study.spec.executor.eval_jobs or study.spec.executor.jobs
+
+
 def _local_jobs(study: Study, stage: str, arms: list[str]) -> set[str]:
-    """Each arm's `stage` as a subprocess, `executor.jobs` at once; returns the arms that failed.
+    """Each arm's `stage` as a subprocess, `eval_jobs` at once; returns the arms that failed.
     The subprocesses read the study from OUT/configs/study.yaml with jobs = 1, so each runs its
     arm here with `executor.threads` threads (not jobs x threads) and starts no subprocess."""
     import yaml
 
     spec = dataclasses.replace(study.spec, executor=dataclasses.replace(study.spec.executor,
-                                                                        jobs=1))
+                                                                        jobs=1, eval_jobs=0))
     path = study.root / "configs" / "study.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
-    with ThreadPoolExecutor(max_workers=study.spec.executor.jobs) as pool:
+    with ThreadPoolExecutor(max_workers=eval_jobs(study)) as pool:
         ok = list(pool.map(lambda a: study.stage(
             f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
     return {a for a, good in zip(arms, ok, strict=True) if not good}

@@ -128,6 +128,10 @@ class ExecutorSpec:
     jobs: int = 1
     """local: arms run at once, each stage of each arm a subprocess with `threads` threads; keep
     jobs x threads at or below the cores."""
+    eval_jobs: int = 0
+    """local: arms whose evaluation stage (probe, finetune, blimp) runs at once, each a subprocess
+    with `threads` threads; 0 = jobs. 1 runs them in the driver one after the other with jobs x
+    threads threads, which is faster on a few cores (no subprocess start-up; the demo does it)."""
     threads: int = 0
     """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
     base train.threads. A local evaluation stage with work for one arm only runs in the driver
@@ -188,7 +192,7 @@ FIELD_CHECKS.update({
     "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
-    "executor.jobs": _POS, "executor.threads": _NONNEG,
+    "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
 })
 
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
