@@ -548,6 +548,7 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         sparse_encode,
     )
     from mlsm.evaluate.pll import load_masked_lm
+    from mlsm.evaluate.probe import load_scorer
 
     def pll(sentences: list) -> None:
         model, tok = load_masked_lm(str(fix["teacher_dir"]))
@@ -576,13 +577,17 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         "score_pll None sentence": (lambda: pll(["the cat .", None]), "sentence 1"),
         "compare_runs list line": (
             lambda: compare_runs(_write(tmp / "c.jsonl", _rows("[1]\n"))), "c.jsonl:7"),
+        "load_masked_lm mae_lm": (lambda: load_masked_lm(str(fix["mae_ckpts"]["mae_lm"])),
+                                  "mlsm finetune"),
+        "load_scorer mae_mlsm": (lambda: load_scorer(fix["mae_ckpts"]["mae_mlsm"]),
+                                 "mlsm finetune"),
     }
 
 
 API = ["prepare_corpus sources=None", "prepare_corpus num_proc=0", "learn_dictionary teacher=path",
        "sparse_encode numpy", "sparse_encode integer tensor", "pretrain dict",
        "finetune models=str", "finetune epochs=True", "score_pll None sentence",
-       "compare_runs list line"]
+       "compare_runs list line", "load_masked_lm mae_lm", "load_scorer mae_mlsm"]
 
 
 @pytest.mark.parametrize("case", API)
