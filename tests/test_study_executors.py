@@ -268,3 +268,25 @@ def test_mae_arm_is_skipped_by_blimp_with_its_reason_and_the_mlm_arm_is_scored(
     assert not (out / "blimp" / "e@100pct.json").exists()
     assert not any(v.get("state") == "failed" for v in status.values()), status
     assert "| e@100% | n/a (scored by fine-tuning only) |" in report.read_text()
+
+
+def test_mae_mlsm_arm_has_no_probe_or_blimp_work_and_its_probe_skip_is_recorded(tmp_path) -> None:
+    """A latent arm not scored by PLL (MAE-MLSM: its latent head reads decoder states) gets no
+    probe or BLiMP job (`has_work`, what the slurm and local-jobs drivers submit by), and the
+    probe stage records a skip with the reason at each readiness point instead of training a
+    probe; an MLM arm of the same study still has BLiMP work."""
+    from mlsm.study import stages
+
+    spec = study_from_dict({"name": "p", "out": str(tmp_path / "s"),
+                            "arms": {"x": {"objective": {"name": "mae_mlsm"}},
+                                     "m": {"objective": {"name": "mlm"}}},
+                            "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [0.5, 1.0]}})
+    study = Study(spec, log=lambda s: None)
+    assert study.is_latent("x")
+    assert not stages.has_work(study, "probe", "x") and not stages.has_work(study, "blimp", "x")
+    assert stages.has_work(study, "blimp", "m")
+    assert stages.run_probe(study, ["x", "m"]) == set()
+    status = study.status()
+    assert sorted(status) == ["probe:x@100%", "probe:x@50%"], status
+    assert all(v["state"] == "skipped" and "fine-tuning only" in v["reason"]
+               for v in status.values()), status
