@@ -97,6 +97,12 @@ def latent_head_name(folder: Path) -> str:
     return (objective_class(checkpoint_objective(folder)) or Objective).latent_head
 
 
+NOT_SCORED_BY_PLL = ("its heads read the MAE decoder, which the evaluated encoder drops (Meng et "
+                     "al. 2024), so PLL would score noise")
+"""Why a checkpoint of an objective with `scored_by_pll = False` gets no PLL score (one place for
+the CLI refusal and the study's skip record)."""
+
+
 def check_scored_by_pll(folder: Path) -> None:
     """Refuse, in one line, a checkpoint whose objective declares it cannot be scored word by
     word through its encoder (`Objective.scored_by_pll`: MAE-LM, MAE-MLSM). A folder whose
@@ -106,9 +112,8 @@ def check_scored_by_pll(folder: Path) -> None:
     name = checkpoint_objective(folder)
     cls = objective_class(name)
     if cls is not None and not cls.scored_by_pll:
-        raise UserError(f"{folder} is a {name} checkpoint: its heads read the MAE decoder, which "
-                        "the evaluated encoder drops (Meng et al. 2024), so PLL would score "
-                        f"noise; evaluate it by fine-tuning: mlsm finetune {folder} --tasks TASKS")
+        raise UserError(f"{folder} is a {name} checkpoint: {NOT_SCORED_BY_PLL}; evaluate it by "
+                        f"fine-tuning: mlsm finetune {folder} --tasks TASKS")
 
 
 def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:

@@ -89,14 +89,14 @@ class Study:
     def unscored_reason(self, arm: str) -> str | None:
         """Why the arm's checkpoints get no probe and no BLiMP score (its objective declares
         `scored_by_pll` False: MAE-LM, MAE-MLSM), or None when they are scored."""
+        from mlsm.models.heads import NOT_SCORED_BY_PLL
         from mlsm.objectives import objective_class
 
         name = self.spec.arms[arm].objective.get("name")
         cls = objective_class(name)
         if cls is None or cls.scored_by_pll:
             return None
-        return (f"{name} is scored by fine-tuning only: its heads read the MAE decoder, which the "
-                "evaluated encoder drops (Meng et al. 2024), so PLL would score noise")
+        return f"{name} is scored by fine-tuning only: {NOT_SCORED_BY_PLL}"
 
     # --- configs -------------------------------------------------------------------------
     def arm_config(self, arm: str) -> RunConfig:
