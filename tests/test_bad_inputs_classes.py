@@ -21,6 +21,7 @@ import torch
 
 from mlsm.cli import main
 from mlsm.errors import UserError
+from mlsm.train import checkpoint as ckpt
 
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     ENV,
@@ -305,6 +306,52 @@ def _consistency_export_probe_of_another_kind(tmp, fix):
              str(fix["teacher_dir"])], [], "has no heads.safetensors")
 
 
+@pytest.fixture(scope="module")
+def mae_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The last checkpoint of a 1-step MAE-LM and MAE-MLSM run, and the export of the MAE-LM one
+    (mlsm.json names its objective): their heads read the decoder, so PLL cannot score them."""
+    root = tmp_path_factory.mktemp("mae")
+    found = {}
+    for name, extra in [("mae_lm", {}), ("mae_mlsm", {"objective.dictionary": dictionary_path,
+                                                      "objective.teacher": teacher_dir})]:
+        extra = {"objective.name": name, "train.steps": 1, **extra}
+        assert main(["pretrain", *_run_args(store_dir, root / name, **extra)]) == 0
+        found[name] = ckpt.list_checkpoints(root / name)[-1][1]
+    assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
+    return {**found, "mae_lm export": root / "export"}
+
+
+def _by_finetuning(tmp: Path, fix: dict, verb: str, model: str) -> tuple:
+    folder = fix["mae_ckpts"][model]
+    if verb == "probe":
+        return ["probe", str(folder), "--out", str(tmp / "p")], [folder, tmp / "p"], \
+            "evaluate it by fine-tuning: mlsm finetune"
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(folder), "--data", str(data), "--out", str(tmp / "b")],
+            [folder, data, tmp / "b"], "evaluate it by fine-tuning: mlsm finetune")
+
+
+def _consistency_probe_mae_lm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "probe", "mae_lm")
+
+
+def _consistency_probe_mae_mlsm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "probe", "mae_mlsm")
+
+
+def _consistency_blimp_mae_lm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "blimp", "mae_lm")
+
+
+def _consistency_blimp_mae_lm_export(tmp, fix):
+    return _by_finetuning(tmp, fix, "blimp", "mae_lm export")
+
+
+def _consistency_blimp_mae_mlsm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "blimp", "mae_mlsm")
+
+
 def _paths_finetune_results_inside_model(tmp, fix):
     model = _copy(fix["teacher_dir"], tmp / "model")
     return (_finetune(fix, tmp, _glue(tmp), model=model, results=model / "config.json"), [model],
@@ -501,6 +548,7 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         sparse_encode,
     )
     from mlsm.evaluate.pll import load_masked_lm
+    from mlsm.evaluate.probe import load_scorer
 
     def pll(sentences: list) -> None:
         model, tok = load_masked_lm(str(fix["teacher_dir"]))
@@ -529,13 +577,17 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         "score_pll None sentence": (lambda: pll(["the cat .", None]), "sentence 1"),
         "compare_runs list line": (
             lambda: compare_runs(_write(tmp / "c.jsonl", _rows("[1]\n"))), "c.jsonl:7"),
+        "load_masked_lm mae_lm": (lambda: load_masked_lm(str(fix["mae_ckpts"]["mae_lm"])),
+                                  "mlsm finetune"),
+        "load_scorer mae_mlsm": (lambda: load_scorer(fix["mae_ckpts"]["mae_mlsm"]),
+                                 "mlsm finetune"),
     }
 
 
 API = ["prepare_corpus sources=None", "prepare_corpus num_proc=0", "learn_dictionary teacher=path",
        "sparse_encode numpy", "sparse_encode integer tensor", "pretrain dict",
        "finetune models=str", "finetune epochs=True", "score_pll None sentence",
-       "compare_runs list line"]
+       "compare_runs list line", "load_masked_lm mae_lm", "load_scorer mae_mlsm"]
 
 
 @pytest.mark.parametrize("case", API)

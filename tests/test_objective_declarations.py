@@ -1,6 +1,7 @@
 """What mlsm needs to know about an objective is declared on its class (`uses_teacher`,
-`predicts_latent`, `latent_head`, `flops_row`), checked here against what each objective does
-when it is built on a tiny model, and no module keeps its own list of objective names."""
+`predicts_latent`, `latent_head`, `scored_by_pll`, `flops_row`), checked here against what each
+objective does when it is built on a tiny model, and no module keeps its own list of objective
+names."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlsm.config import ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import LatentHead
 from mlsm.objectives import INTERNAL, OBJECTIVES, Context, Objective, build_objective
+from mlsm.objectives.base import forward_step
 
 from .conftest import TINY_MODEL, tiny_overrides
 
@@ -119,6 +123,47 @@ def test_declarations_match_what_the_objective_does(
     assert (row is None) == (cls.flops_row is None), name
     assert row is None or row.total > 0
 
+
+
+def _heads_fed_by_heads(name: str, spec: dict, store_dir: Path) -> list[str]:
+    """The exported heads that, in one training step, read an input computed by another trained
+    head of the objective (a decoder between the encoder and the head), found through autograd:
+    the input's gradient reaches that other head's parameters."""
+    ctx = _context(store_dir)
+    student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), ctx.tokenizer, 32, 0)
+    obj = build_objective(spec, ctx)
+    obj.attach(student)
+    heads = obj.exported_heads()
+    seen: list[tuple[str, torch.Tensor]] = []
+    for head, module in heads.items():
+        module.register_forward_pre_hook(
+            lambda m, args, kw, n=head: seen.extend(
+                (n, x) for x in [*args, *kw.values()]
+                if isinstance(x, torch.Tensor) and x.requires_grad), with_kwargs=True)
+    batch = BatchSource(TokenStore.open(store_dir), DataConfig(store=str(store_dir), max_len=32),
+                        ctx.tokenizer).batch(np.arange(4), 0)
+    forward_step(student, obj, batch)
+    fed = []
+    for head, x in seen:
+        others = [p for n, m in heads.items() if n != head for p in m.parameters()
+                  if p.requires_grad]
+        grads = torch.autograd.grad(x.float().sum(), others, retain_graph=True,
+                                    allow_unused=True) if others else []
+        if any(g is not None for g in grads):
+            fed.append(head)
+    return sorted(set(fed))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED))
+def test_scored_by_pll_unless_a_head_reads_a_decoder(
+    name: str, store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
+) -> None:
+    """scored_by_pll: PLL runs the encoder and the heads on its states; an objective whose
+    word/latent head reads another trained head's output (MAE's decoder, Meng et al. 2024) cannot
+    be scored that way, and must say so."""
+    spec = _spec(name, str(teacher_dir), dictionary_path, tmp_path / "mlsm-ckpt")
+    fed = _heads_fed_by_heads(name, spec, store_dir)
+    assert REGISTERED[name].scored_by_pll == (not fed), (name, fed)
 
 
 def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(

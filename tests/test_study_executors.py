@@ -243,3 +243,50 @@ def test_timed_out_pretrain_job_is_requeued_and_resumes_from_its_last_checkpoint
     assert (run / "checkpoints" / "step-0000004" / "model.safetensors").is_file()
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4], steps  # resumed after step 2, not started over
+
+
+def test_mae_arm_is_skipped_by_blimp_with_its_reason_and_the_mlm_arm_is_scored(
+        corpus_dir, tokenizer_dir, tmp_path) -> None:
+    """A MAE-LM arm's checkpoints cannot be scored by PLL (its vocabulary head reads the decoder,
+    Meng et al. 2024): the study records its blimp stage as skipped with the reason, writes no
+    score for it, scores the MLM arm as usual, and the report says n/a where its BLiMP would be."""
+    out = tmp_path / "study"
+    raw = {**_two_arm_spec(corpus_dir, tokenizer_dir, out),
+           "arms": {"m": {"objective": {"name": "mlm"}}, "e": {"objective": {"name": "mae_lm"}}},
+           "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
+           "probe": {"heldout_batches": 1, "batch_size": 2},
+           "executor": {"kind": "local", "jobs": 1, "threads": 1}}
+    raw["base"]["train"]["steps"] = 2
+    spec = study_from_dict(raw)
+    report = run_study(spec, stages=["store", "pretrain", "probe", "blimp", "report"],
+                       log=lambda s: None)
+    status = Study(spec).status()
+    assert status["blimp:m@100%"]["state"] == "done", status
+    assert json.loads((out / "blimp" / "m@100pct.json").read_text())["n_pairs"] == 4
+    skipped = status["blimp:e@100%"]
+    assert skipped["state"] == "skipped" and "fine-tuning only" in skipped["reason"], status
+    assert not (out / "blimp" / "e@100pct.json").exists()
+    assert not any(v.get("state") == "failed" for v in status.values()), status
+    assert "| e@100% | n/a (scored by fine-tuning only) |" in report.read_text()
+
+
+def test_mae_mlsm_arm_has_no_probe_or_blimp_work_and_its_probe_skip_is_recorded(tmp_path) -> None:
+    """A latent arm not scored by PLL (MAE-MLSM: its latent head reads decoder states) gets no
+    probe or BLiMP job (`has_work`, what the slurm and local-jobs drivers submit by), and the
+    probe stage records a skip with the reason at each readiness point instead of training a
+    probe; an MLM arm of the same study still has BLiMP work."""
+    from mlsm.study import stages
+
+    spec = study_from_dict({"name": "p", "out": str(tmp_path / "s"),
+                            "arms": {"x": {"objective": {"name": "mae_mlsm"}},
+                                     "m": {"objective": {"name": "mlm"}}},
+                            "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [0.5, 1.0]}})
+    study = Study(spec, log=lambda s: None)
+    assert study.is_latent("x")
+    assert not stages.has_work(study, "probe", "x") and not stages.has_work(study, "blimp", "x")
+    assert stages.has_work(study, "blimp", "m")
+    assert stages.run_probe(study, ["x", "m"]) == set()
+    status = study.status()
+    assert sorted(status) == ["probe:x@100%", "probe:x@50%"], status
+    assert all(v["state"] == "skipped" and "fine-tuning only" in v["reason"]
+               for v in status.values()), status

@@ -94,11 +94,16 @@ def as_scorer(model: Any) -> MaskedScorer:
 
 def load_masked_lm(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of an HF masked-LM folder, in eval mode on `device`; `mlsm.hf` loads it
-    (and words the UserError if it cannot)."""
+    (and words the UserError if it cannot). An mlsm checkpoint whose objective is not
+    `scored_by_pll` (MAE-LM: its vocabulary head would load untrained) is refused in one line."""
+    from pathlib import Path
+
     from transformers import AutoModelForMaskedLM
 
     from mlsm.hf import load_model, load_tokenizer
+    from mlsm.models.heads import check_scored_by_pll
 
+    check_scored_by_pll(Path(path))
     model, tokenizer = load_model(AutoModelForMaskedLM, path), load_tokenizer(path)
     return (model.to(device) if device is not None else model).eval(), tokenizer
 

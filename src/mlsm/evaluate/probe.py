@@ -21,7 +21,7 @@ from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet, read_json
 from mlsm.inputs import check_apart
 from mlsm.models.backbone import read_heads
-from mlsm.models.heads import latent_head_name, read_latent_head
+from mlsm.models.heads import check_scored_by_pll, latent_head_name, read_latent_head
 from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
@@ -36,6 +36,7 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     if not info_path.is_file():
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
                         "pass a checkpoints/step-* folder of an mlsm run")
+    check_scored_by_pll(folder)  # MAE: its latent head reads the decoder, not these states
     try:
         raw = dict(read_json(info_path)["config"])
         if not all(isinstance(raw.get(group), dict) for group in ("model", "train", "data")):
@@ -137,9 +138,11 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     An MTL checkpoint (latent head + a trained vocabulary head, Berend 2023 Fig. 6 "MLSM+MLM") is
     scored through its vocabulary head, like an MLM model; it needs no probe. ``path`` may name a
     run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the final checkpoint of
-    its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it).
+    its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A checkpoint whose
+    objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
     """
     folder = resolve_checkpoint(path)
+    check_scored_by_pll(folder)
     heads = folder / "heads.json"
     latent_only = (heads.is_file() and "probe" not in read_json(heads)
                    and not _exports_vocab_head(folder))

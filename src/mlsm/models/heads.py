@@ -71,14 +71,10 @@ def read_heads(folder: Path) -> dict[str, torch.Tensor]:
                         "copy or use another checkpoint of the run") from None
 
 
-def latent_head_name(folder: Path) -> str:
-    """The heads.json name of the latent head in `folder`, as the objective that trained it
-    declares (`Objective.latent_head`). The objective is the one checkpoint.json names (a
-    checkpoint) or mlsm.json (an `mlsm export` folder; its heads are the probe's when it ships
-    one); a folder naming none has the default name."""
-    from mlsm.objectives import objective_class
-    from mlsm.objectives.base import Objective
-
+def checkpoint_objective(folder: Path) -> str | None:
+    """The name of the objective that trained `folder`: the one checkpoint.json names (a
+    checkpoint) or mlsm.json (an `mlsm export` folder; "probe" when it ships the probe's heads);
+    None for a folder naming none (an HF folder that is not ours)."""
     folder = Path(folder)
     name = None
     if (folder / "checkpoint.json").is_file():
@@ -88,8 +84,36 @@ def latent_head_name(folder: Path) -> str:
         info = read_json(folder / "mlsm.json")
         if isinstance(info, dict):
             name = "probe" if info.get("probe") else info.get("objective")
+    return name if isinstance(name, str) else None
+
+
+def latent_head_name(folder: Path) -> str:
+    """The heads.json name of the latent head in `folder`, as the objective that trained it
+    (`checkpoint_objective`) declares (`Objective.latent_head`); a folder naming none has the
+    default name."""
+    from mlsm.objectives import objective_class
+    from mlsm.objectives.base import Objective
+
+    return (objective_class(checkpoint_objective(folder)) or Objective).latent_head
+
+
+NOT_SCORED_BY_PLL = ("its heads read the MAE decoder, which the evaluated encoder drops (Meng et "
+                     "al. 2024), so PLL would score noise")
+"""Why a checkpoint of an objective with `scored_by_pll = False` gets no PLL score (one place for
+the CLI refusal and the study's skip record)."""
+
+
+def check_scored_by_pll(folder: Path) -> None:
+    """Refuse, in one line, a checkpoint whose objective declares it cannot be scored word by
+    word through its encoder (`Objective.scored_by_pll`: MAE-LM, MAE-MLSM). A folder whose
+    objective is unknown (an HF folder that is not ours) passes."""
+    from mlsm.objectives import objective_class
+
+    name = checkpoint_objective(folder)
     cls = objective_class(name)
-    return (cls or Objective).latent_head
+    if cls is not None and not cls.scored_by_pll:
+        raise UserError(f"{folder} is a {name} checkpoint: {NOT_SCORED_BY_PLL}; evaluate it by "
+                        f"fine-tuning: mlsm finetune {folder} --tasks TASKS")
 
 
 def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:

@@ -17,8 +17,8 @@ What a checkpoint holds is declared, not set by side effect: `exports_vocab_head
 does the HF folder keep the student's masked-LM head?) and `exported_heads()` (name -> module,
 saved in heads.safetensors, described by `head_meta()` in heads.json). What the rest of mlsm needs
 to know about an objective is declared on its class too (`uses_teacher`, `predicts_latent`,
-`latent_head`, `flops_row`), so no other module keeps a list of objective names: adding an
-objective touches its module, the registry and its test.
+`latent_head`, `scored_by_pll`, `flops_row`), so no other module keeps a list of objective
+names: adding an objective touches its module, the registry and its test.
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ class Objective(nn.Module):
     """The exported head (its name in heads.json) whose output holds the k latent logits, where
     `mlsm.models.heads.read_latent_head` finds it for the probe (when predicts_latent; a probe
     keeps the head it reads under this default name)."""
+    scored_by_pll: ClassVar[bool] = True
+    """Whether a checkpoint can be scored word by word through its encoder (pseudo-log-likelihood:
+    `mlsm blimp`, `load_scorer`, the k -> |V| probe of `mlsm probe`, a study's probe and blimp
+    stages). False when the head that predicts words or latents reads a decoder that evaluation
+    does not run (MAE-LM, Meng et al. 2024, who drop the decoder and evaluate by fine-tuning):
+    that head on encoder states, or the untrained vocabulary head, would score noise, so those
+    refuse the checkpoint and a study skips those stages for its arm."""
     flops_row: ClassVar[str | None] = None
     """The row of `flops_table` (`mlsm flops`) whose step this objective runs; None = not
     modelled (no FLOP/s or MFU in its logs)."""

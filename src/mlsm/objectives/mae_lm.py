@@ -11,7 +11,9 @@ selected position is either removed or (δ) a [MASK].
 
 Export: only the encoder (AutoModel folder). The decoder and its head are in heads.safetensors for
 resume, and are dropped after pre-training as in the paper; the student's HF MLM head is never
-trained, so it is not exported (`exports_vocab_head = False`, declared by the class).
+trained, so it is not exported (`exports_vocab_head = False`, declared by the class). Nor can the
+checkpoint be scored by PLL (`scored_by_pll = False`): the paper evaluates it by fine-tuning, and
+`mlsm blimp` / `mlsm probe` refuse it.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class MAEDecoderPass(Objective):
 
 class MAELM(Objective):
     Config = MAELMConfig
+    scored_by_pll = False  # its vocabulary head reads the decoder; the student's is untrained
 
     def __init__(self, cfg: MAELMConfig, ctx: Context):
         super().__init__()

@@ -5,6 +5,9 @@ New in this toolkit (none of the anchors has it). The encoder never sees the sel
 the shallow decoder rebuilds the full length from the encoder outputs plus [MASK] embeddings, and
 MLSM's latent head on the *decoder* output predicts the sparse-code distribution of the frozen
 teacher's layer-l state at each selected position; loss = KL(p ‖ softmax(z)) (Berend 2023, Eq. 2).
+As for MAE-LM, the decoder is not part of the evaluated model, so the checkpoint is evaluated by
+fine-tuning only: a k -> |V| probe on encoder states would read them with a head trained on
+decoder states (`scored_by_pll = False`).
 
 A composition of two parts: the MAE split (`MAEDecoderPass`: which tokens the encoder keeps, the
 decoder) and an `MLSM` member, whose own `targets` (online teacher with early exit, or the target
@@ -48,6 +51,7 @@ def _part(cls: type, cfg: Any) -> Any:
 class MAEMLSM(Objective):
     Config = MAEMLSMConfig
     uses_teacher = predicts_latent = True  # its MLSM member's
+    scored_by_pll = False  # the latent head reads the decoder: a probe on the encoder is noise
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
         super().__init__()

@@ -282,21 +282,21 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     if study.in_job or not arms:
         return run_here(study, arms)
     work = [a for a in arms if st.has_work(study, stage, a)]
+    if study.spec.executor.kind == "local" and (eval_jobs(study) <= 1 or len(work) <= 1):
+        return run_here(study, arms)
+    failed = run_here(study, [a for a in arms if a not in work])  # records their skips
     if study.spec.executor.kind == "local":
-        if eval_jobs(study) <= 1 or len(work) <= 1:
-            return run_here(study, arms)
-        failed = run_here(study, [a for a in arms if a not in work])  # records their skips
         return failed | _local_jobs(study, stage, work)
     if not work:
-        return set()
+        return failed
     executor = make_executor(study)
     spec = dataclasses.asdict(study.spec)
     jobs = {arm: executor.submit(stage_job, spec, stage, arm) for arm in work}
     for arm, job in jobs.items():
         study.log(f"[study] {stage}:{arm}: submitted as job {job.job_id}, log {job.paths.stdout}")
-    return {a for a, job in jobs.items()
-            if not study.stage(f"{stage}-job", lambda j=job: await_job(j), a,
-                               record={"slurm_job": str(job.job_id)})}
+    return failed | {a for a, job in jobs.items()
+                     if not study.stage(f"{stage}-job", lambda j=job: await_job(j), a,
+                                        record={"slurm_job": str(job.job_id)})}
 
 
 def eval_jobs(study: Study) -> int:

@@ -239,6 +239,17 @@ def _set_cells(s: dict[str, Any] | None) -> str:
     return f"{_fmt(100 * s['overall'], 1, 1)} | {_p(s.get('p_vs_chance'))}"
 
 
+def _unscored_rows(study: Study) -> list[str]:
+    """BLiMP rows of the arms whose objective is not scored by PLL (MAE-LM, MAE-MLSM): their
+    stage was skipped, so the table says so where their score would be."""
+    if not study.spec.blimp.data:
+        return []
+    return [f"| {arm}@{readiness_label(frac)} | n/a (scored by fine-tuning only) |"
+            + " — |" * 11
+            for arm in study.spec.arms if study.unscored_reason(arm)
+            for frac in study.spec.blimp.readiness]
+
+
 def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict,
             study: Study) -> list[str]:
     lines = ["## Compute per arm\n",
@@ -285,6 +296,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
                      f"{_fmt(probe_top1, 1, 1)} | "
                      f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | "
                      f"{p.get('steps', '—') if p else '—'} |")
+    lines += _unscored_rows(study)
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]

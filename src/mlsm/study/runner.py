@@ -86,6 +86,18 @@ class Study:
         cls = objective_class(self.spec.arms[arm].objective.get("name"))
         return bool(cls and cls.predicts_latent)
 
+    def unscored_reason(self, arm: str) -> str | None:
+        """Why the arm's checkpoints get no probe and no BLiMP score (its objective declares
+        `scored_by_pll` False: MAE-LM, MAE-MLSM), or None when they are scored."""
+        from mlsm.models.heads import NOT_SCORED_BY_PLL
+        from mlsm.objectives import objective_class
+
+        name = self.spec.arms[arm].objective.get("name")
+        cls = objective_class(name)
+        if cls is None or cls.scored_by_pll:
+            return None
+        return f"{name} is scored by fine-tuning only: {NOT_SCORED_BY_PLL}"
+
     # --- configs -------------------------------------------------------------------------
     def arm_config(self, arm: str) -> RunConfig:
         """The resolved run config of an arm: base, then the arm's overrides and objective."""
@@ -164,6 +176,12 @@ class Study:
         self.log(f"[study] {key}: " + ("already complete" if skipped
                                        else f"done in {seconds:.0f} s{cpu_note}"))
         return True
+
+    def skip(self, name: str, arm: str, reason: str) -> None:
+        """Record that stage `name` does not apply to `arm` (model name), and why: neither run
+        nor failed."""
+        self.set_status(f"{name}:{arm}", {"state": "skipped", "reason": reason})
+        self.log(f"[study] {name}:{arm}: skipped ({reason})")
 
     def _cpu_since(self, start: tuple[float, float]) -> float:
         """CPU seconds since `start` (`_cpu_now`): this process's, plus the subprocesses the

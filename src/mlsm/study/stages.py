@@ -36,6 +36,8 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     Fine-tuning decides per cell inside the job (a cell's key needs the task data), so it always
     may."""
     b = study.spec.blimp
+    if stage in ("probe", "blimp") and study.unscored_reason(arm):
+        return False  # recorded as skipped by run_probe / run_blimp, without a job
     if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
             (study.probe_dir(arm, f) / "probe.json").is_file() for f in b.readiness)
@@ -45,11 +47,15 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
 
 
 def run_probe(study: Study, arms: list[str]) -> set[str]:
-    """Train the k -> |V| probe of every latent arm at each BLiMP readiness point."""
+    """Train the k -> |V| probe of every latent arm at each BLiMP readiness point (an arm not
+    scored by PLL is skipped with its reason)."""
     failed = set()
     for arm in [a for a in arms if study.is_latent(a)]:
         for frac in study.spec.blimp.readiness if study.spec.blimp.data else []:
-            if not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f),
+            reason = study.unscored_reason(arm)
+            if reason:
+                study.skip("probe", model_name(arm, frac), reason)
+            elif not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f),
                                model_name(arm, frac)):
                 failed.add(arm)
     return failed
@@ -115,13 +121,17 @@ def blimp_path(study: Study, arm: str, frac: float) -> Path:
 
 
 def run_blimp(study: Study, arms: list[str]) -> set[str]:
-    """Score BLiMP by PLL: MLM-type arms directly, latent arms through their probe."""
+    """Score BLiMP by PLL: MLM-type arms directly, latent arms through their probe; an arm not
+    scored by PLL (MAE-LM, MAE-MLSM) is skipped with its reason."""
     if not study.spec.blimp.data:
         return set()
     failed = set()
     for arm in arms:
         for frac in study.spec.blimp.readiness:
-            if not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f),
+            reason = study.unscored_reason(arm)
+            if reason:
+                study.skip("blimp", model_name(arm, frac), reason)
+            elif not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f),
                                model_name(arm, frac)):
                 failed.add(arm)
     return failed
