@@ -239,6 +239,23 @@ def _values_study_unknown_probe_input(tmp, fix):
     return ["study", str(study)], [study], "probe.inputs"
 
 
+def _values_study_unknown_arm_flag(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    return ["study", str(study), "--arms", "nosuch"], [study], "unknown arm 'nosuch'"
+
+
+def _values_study_negative_eval_jobs(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nexecutor: {eval_jobs: -1}\n")
+    return ["study", str(study)], [study], "executor.eval_jobs"
+
+
+def _values_study_unknown_slurm_cluster(tmp, fix):
+    pytest.importorskip("submitit")
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n"
+                            "executor: {kind: slurm, slurm: {timeout_min: 5, cluster: nosuch}}\n")
+    return ["study", str(study)], [study], "executor.slurm.cluster is 'nosuch'"
+
+
 def _values_finetune_duplicate_task(tmp, fix):
     return _finetune(fix, tmp, _glue(tmp), tasks="rte,RTE"), [], "rte twice"
 
