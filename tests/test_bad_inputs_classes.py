@@ -324,23 +324,30 @@ def _consistency_export_probe_of_another_kind(tmp, fix):
 
 
 @pytest.fixture(scope="module")
-def mae_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The last checkpoint of a 1-step MAE-LM and MAE-MLSM run, and the export of the MAE-LM one
-    (mlsm.json names its objective): their heads read the decoder, so PLL cannot score them."""
-    root = tmp_path_factory.mktemp("mae")
+def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Checkpoints PLL cannot score: the last of a 1-step MAE-LM, MAE-MLSM and CLM run, the
+    export of the MAE-LM one (mlsm.json names its objective), and a probe trained on the MAE-MLSM
+    checkpoint as one was before `mlsm probe` refused it (the check switched off for that)."""
+    root = tmp_path_factory.mktemp("unscored")
     found = {}
     for name, extra in [("mae_lm", {}), ("mae_mlsm", {"objective.dictionary": dictionary_path,
-                                                      "objective.teacher": teacher_dir})]:
+                                                      "objective.teacher": teacher_dir}),
+                        ("clm", {})]:
         extra = {"objective.name": name, "train.steps": 1, **extra}
         assert main(["pretrain", *_run_args(store_dir, root / name, **extra)]) == 0
         found[name] = ckpt.list_checkpoints(root / name)[-1][1]
     assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
-    return {**found, "mae_lm export": root / "export"}
+    with pytest.MonkeyPatch.context() as legacy:
+        legacy.setattr("mlsm.evaluate.probe.check_scored_by_pll", lambda folder: None)
+        assert main(["probe", str(found["mae_mlsm"]), "--max-steps", "1", "--out",
+                     str(root / "probe")]) == 0
+    probe = ckpt.list_checkpoints(root / "probe")[-1][1]
+    return {**found, "mae_lm export": root / "export", "probe of mae_mlsm": probe}
 
 
 def _by_finetuning(tmp: Path, fix: dict, verb: str, model: str) -> tuple:
-    folder = fix["mae_ckpts"][model]
+    folder = fix["unscored_ckpts"][model]
     if verb == "probe":
         return ["probe", str(folder), "--out", str(tmp / "p")], [folder, tmp / "p"], \
             "evaluate it by fine-tuning: mlsm finetune"
@@ -367,6 +374,14 @@ def _consistency_blimp_mae_lm_export(tmp, fix):
 
 def _consistency_blimp_mae_mlsm_checkpoint(tmp, fix):
     return _by_finetuning(tmp, fix, "blimp", "mae_mlsm")
+
+
+def _consistency_blimp_clm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "blimp", "clm")
+
+
+def _consistency_blimp_probe_of_a_mae_mlsm_checkpoint(tmp, fix):
+    return _by_finetuning(tmp, fix, "blimp", "probe of mae_mlsm")
 
 
 def _paths_finetune_results_inside_model(tmp, fix):
@@ -594,9 +609,9 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         "score_pll None sentence": (lambda: pll(["the cat .", None]), "sentence 1"),
         "compare_runs list line": (
             lambda: compare_runs(_write(tmp / "c.jsonl", _rows("[1]\n"))), "c.jsonl:7"),
-        "load_masked_lm mae_lm": (lambda: load_masked_lm(str(fix["mae_ckpts"]["mae_lm"])),
+        "load_masked_lm mae_lm": (lambda: load_masked_lm(str(fix["unscored_ckpts"]["mae_lm"])),
                                   "mlsm finetune"),
-        "load_scorer mae_mlsm": (lambda: load_scorer(fix["mae_ckpts"]["mae_mlsm"]),
+        "load_scorer mae_mlsm": (lambda: load_scorer(fix["unscored_ckpts"]["mae_mlsm"]),
                                  "mlsm finetune"),
     }
 

@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM
 
+from mlsm.cli import main
 from mlsm.config import DataConfig, ModelConfig, load_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student, build_student
+from mlsm.models.heads import check_scored_by_pll
 from mlsm.objectives import OBJECTIVES, Context, build_objective, forward_step
 from mlsm.objectives.clm import causal_encode, next_token_targets
 from mlsm.train.loop import pretrain
@@ -108,6 +110,18 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
     folder = full / "checkpoints" / "step-0000006"
     assert not AutoModel.from_pretrained(folder).config.is_decoder
     AutoModelForMaskedLM.from_pretrained(folder)
+    # PLL: a checkpoint that has trained no MLM step yet is CLM's and is refused in one line, as
+    # is its export; from the first MLM step on it is scored like MLM
+    ckpts = {int(f.name.split("-")[1]): f for f in (full / "checkpoints").glob("step-*")}
+    assert min(ckpts) <= 3 < max(ckpts), sorted(ckpts)
+    for step, folder in sorted(ckpts.items()):
+        assert main(["export", str(folder), "--out", str(tmp_path / f"export-{step}")]) == 0
+        for scored in (folder, tmp_path / f"export-{step}"):
+            if step <= 3:
+                with pytest.raises(UserError, match=r"CLM phase, the first 3 steps.*mlsm finetune"):
+                    check_scored_by_pll(scored)
+            else:
+                check_scored_by_pll(scored)
     # same data seed -> the same batches as an MLM run
     mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
     assert [r["batch_digest"] for r in m] == [r["batch_digest"] for r in _metrics(mlm)]

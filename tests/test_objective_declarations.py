@@ -1,7 +1,7 @@
 """What mlsm needs to know about an objective is declared on its class (`uses_teacher`,
-`predicts_latent`, `latent_head`, `scored_by_pll`, `flops_row`), checked here against what each
-objective does when it is built on a tiny model, and no module keeps its own list of objective
-names."""
+`predicts_latent`, `latent_head`, `scored_by_pll` / `pll_refusal_at`, `flops_row`), checked here
+against what each objective does when it is built on a tiny model, and no module keeps its own
+list of objective names."""
 
 from __future__ import annotations
 
@@ -154,16 +154,58 @@ def _heads_fed_by_heads(name: str, spec: dict, store_dir: Path) -> list[str]:
     return sorted(set(fed))
 
 
+def _encoder_sees_later_tokens(spec: dict, store_dir: Path, steps: list[int]) -> list[bool]:
+    """Per optimizer step (0-based): whether, in the objective's training forward at that step,
+    the encoder state at position 0 depends on the input at later positions (autograd through the
+    objective's own student inputs, e.g. CLM's causal mask). The student is made trainable for
+    the check, so frozen-student objectives (the probe) are measured too."""
+    ctx = _context(store_dir)
+    student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), ctx.tokenizer, 32, 0)
+    obj = build_objective(spec, ctx)
+    obj.attach(student)
+    student.requires_grad_(True)
+    source = BatchSource(TokenStore.open(store_dir), DataConfig(store=str(store_dir), max_len=32),
+                         ctx.tokenizer)
+    grabbed: list[torch.Tensor] = []
+    hook = student.backbone.get_input_embeddings().register_forward_hook(
+        lambda m, args, out: grabbed.append(out))
+    sees = []
+    for step in steps:
+        batch = source.batch(np.arange(4), step)
+        with torch.no_grad():
+            targets = obj.targets(batch)
+        hidden = student(**obj.student_inputs(student, batch, targets))  # (B, T', d)
+        # a random read-out: a plain sum of a LayerNorm-ed state is ~constant, its gradient ~0
+        readout = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(step))
+        (grad,) = torch.autograd.grad((hidden[:, 0] @ readout).sum(), grabbed[-1])  # (B, T, d)
+        sees.append(bool(grad[:, 1:].abs().amax() > 0))  # a causal mask gives exact zeros
+    hook.remove()
+    return sees
+
+
 @pytest.mark.parametrize("name", sorted(REGISTERED))
-def test_scored_by_pll_unless_a_head_reads_a_decoder(
+def test_pll_refusal_iff_a_head_reads_a_decoder_or_the_encoder_trains_causally(
     name: str, store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
 ) -> None:
-    """scored_by_pll: PLL runs the encoder and the heads on its states; an objective whose
-    word/latent head reads another trained head's output (MAE's decoder, Meng et al. 2024) cannot
-    be scored that way, and must say so."""
+    """scored_by_pll / pll_refusal_at: PLL masks token t and reads the encoder's state at t, with
+    the whole sentence visible, through the trained heads. A checkpoint cannot be scored that way
+    when a word/latent head reads another trained head's output (MAE's decoder, Meng et al.
+    2024), or when the steps that wrote it trained the encoder under a causal mask (CLM, and
+    CLM -> MLM before its switch): the declaration for the checkpoint written after each step
+    must say so, and the class-level flag is the answer for the final checkpoint."""
     spec = _spec(name, str(teacher_dir), dictionary_path, tmp_path / "mlsm-ckpt")
     fed = _heads_fed_by_heads(name, spec, store_dir)
-    assert REGISTERED[name].scored_by_pll == (not fed), (name, fed)
+    total = _context(store_dir).total_steps
+    steps = list(range(total))
+    sees = _encoder_sees_later_tokens(spec, store_dir, steps)
+    cls = REGISTERED[name]
+    for step, bidirectional in zip(steps, sees, strict=True):
+        # the checkpoint written by `step` is what its latest step trained (CLM -> MLM: scored
+        # from its first MLM step on)
+        refused = cls.pll_refusal_at(spec, step + 1, total)
+        assert bool(refused) == (bool(fed) or not bidirectional), (name, step, fed, sees)
+        assert not refused or len(refused) > 20, refused  # a reason, not a flag
+    assert cls.scored_by_pll == (cls.pll_refusal_at(spec, total, total) is None), name
 
 
 def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(

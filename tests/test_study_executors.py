@@ -270,6 +270,29 @@ def test_mae_arm_is_skipped_by_blimp_with_its_reason_and_the_mlm_arm_is_scored(
     assert "| e@100% | n/a (scored by fine-tuning only) |" in report.read_text()
 
 
+def test_clm_arms_are_scored_only_at_readiness_points_past_their_causal_phase(tmp_path) -> None:
+    """A CLM arm is never scored by PLL (it learnt under a causal mask); a CLM -> MLM arm is
+    skipped at the readiness points still in its CLM phase and scored after the switch: BLiMP
+    work exists for the latter only at those points, and the skips carry the reason."""
+    from mlsm.study import stages
+
+    spec = study_from_dict({"name": "c", "out": str(tmp_path / "s"),
+                            "base": {"train": {"steps": 100}},
+                            "arms": {"c": {"objective": {"name": "clm"}},
+                                     "cm": {"objective": {"name": "clm_then_mlm",
+                                                          "clm_fraction": 0.5}}},
+                            "blimp": {"data": [str(_pairs(tmp_path))],
+                                      "readiness": [0.25, 0.5, 1.0]}})
+    study = Study(spec, log=lambda s: None)
+    assert [bool(study.unscored_reason("c", f)) for f in (0.25, 0.5, 1.0)] == [True] * 3
+    assert [bool(study.unscored_reason("cm", f)) for f in (0.25, 0.5, 1.0)] == [True, True, False]
+    assert "causal mask" in study.unscored_reason("cm", 0.5)
+    assert not stages.has_work(study, "blimp", "c") and stages.has_work(study, "blimp", "cm")
+    stages.blimp_path(study, "cm", 1.0).parent.mkdir(parents=True)
+    stages.blimp_path(study, "cm", 1.0).write_text("{}")  # the one scored point is done
+    assert not stages.has_work(study, "blimp", "cm")
+
+
 def test_mae_mlsm_arm_has_no_probe_or_blimp_work_and_its_probe_skip_is_recorded(tmp_path) -> None:
     """A latent arm not scored by PLL (MAE-MLSM: its latent head reads decoder states) gets no
     probe or BLiMP job (`has_work`, what the slurm and local-jobs drivers submit by), and the

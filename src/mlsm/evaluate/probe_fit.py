@@ -249,4 +249,8 @@ def _save_probe(out: Path, module: TrainModule, tokenizer: Any, best: _Candidate
                                 {"step": best.steps},
                                 {"step": best.steps, "readiness": 1.0, "objective": "probe",
                                  "run": str(out),
-                                 "config": {"train": {"steps": best.steps, "readiness": [1.0]}}})
+                                 "config": {"train": {"steps": best.steps, "readiness": [1.0]},
+                                            # the probed checkpoint: what decides its scoring
+                                            "objective": {"name": "probe", "input": best.kind,
+                                                          "checkpoint": str(
+                                                              module.objective.folder)}}})

@@ -97,23 +97,39 @@ def latent_head_name(folder: Path) -> str:
     return (objective_class(checkpoint_objective(folder)) or Objective).latent_head
 
 
-NOT_SCORED_BY_PLL = ("its heads read the MAE decoder, which the evaluated encoder drops (Meng et "
-                     "al. 2024), so PLL would score noise")
-"""Why a checkpoint of an objective with `scored_by_pll = False` gets no PLL score (one place for
-the CLI refusal and the study's skip record)."""
+def pll_refusal(folder: Path) -> str | None:
+    """Why `folder` cannot be scored word by word through its encoder (the objective that wrote
+    it declares so for that step: `Objective.pll_refusal_at`), or None. A folder whose objective
+    is unknown (an HF folder that is not ours) can be."""
+    from mlsm.objectives import objective_class
+
+    folder = Path(folder)
+    if checkpoint_objective(folder) is None:
+        return None
+    if (folder / "checkpoint.json").is_file():  # checkpoint_objective read it: a dict
+        info = read_json(folder / "checkpoint.json")
+        cfg = info.get("config") if isinstance(info.get("config"), dict) else {}
+        objective, total = cfg.get("objective") or {}, (cfg.get("train") or {}).get("steps")
+    else:  # an export (its own objective, even when it ships a probe): mlsm.json keeps the step
+        info = read_json(folder / "mlsm.json")  # and its fraction of the run
+        objective, readiness = info.get("objective_config") or {}, info.get("readiness")
+        total = round(info.get("step", 0) / readiness) if readiness else None
+    cls = objective_class(info.get("objective"))
+    if cls is None:
+        return None
+    step = info.get("step")
+    if not isinstance(step, int) or not isinstance(total, int):
+        return None if cls.scored_by_pll else cls.pll_refusal  # the class decides alone
+    return cls.pll_refusal_at(objective if isinstance(objective, dict) else {}, step, total)
 
 
 def check_scored_by_pll(folder: Path) -> None:
-    """Refuse, in one line, a checkpoint whose objective declares it cannot be scored word by
-    word through its encoder (`Objective.scored_by_pll`: MAE-LM, MAE-MLSM). A folder whose
-    objective is unknown (an HF folder that is not ours) passes."""
-    from mlsm.objectives import objective_class
-
-    name = checkpoint_objective(folder)
-    cls = objective_class(name)
-    if cls is not None and not cls.scored_by_pll:
-        raise UserError(f"{folder} is a {name} checkpoint: {NOT_SCORED_BY_PLL}; evaluate it by "
-                        f"fine-tuning: mlsm finetune {folder} --tasks TASKS")
+    """Refuse, in one line, a checkpoint that cannot be scored word by word through its encoder
+    (`pll_refusal`: MAE-LM, MAE-MLSM, CLM, CLM -> MLM before its MLM phase, a probe of one)."""
+    reason = pll_refusal(folder)
+    if reason:
+        raise UserError(f"{folder} is a {checkpoint_objective(folder)} checkpoint: {reason}; "
+                        f"evaluate it by fine-tuning: mlsm finetune {folder} --tasks TASKS")
 
 
 def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:

@@ -88,11 +88,24 @@ class Objective(nn.Module):
     `mlsm blimp`, `load_scorer`, the k -> |V| probe of `mlsm probe`, a study's probe and blimp
     stages). False when the head that predicts words or latents reads a decoder that evaluation
     does not run (MAE-LM, Meng et al. 2024, who drop the decoder and evaluate by fine-tuning):
-    that head on encoder states, or the untrained vocabulary head, would score noise, so those
-    refuse the checkpoint and a study skips those stages for its arm."""
+    that head on encoder states, or the untrained vocabulary head, would score noise. Nor when
+    the encoder learnt under a causal mask (CLM): PLL asks position t for its own masked token
+    with the whole sentence visible. Those refuse the checkpoint and a study skips those stages
+    for its arm."""
+    pll_refusal: ClassVar[str] = ""
+    """Why not (when scored_by_pll is False): the clause the one-line refusal and a study's skip
+    record give."""
     flops_row: ClassVar[str | None] = None
     """The row of `flops_table` (`mlsm flops`) whose step this objective runs; None = not
     modelled (no FLOP/s or MFU in its logs)."""
+
+    @classmethod
+    def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:
+        """Why the checkpoint this objective (its saved config `objective`) wrote after `step` of
+        `total_steps` optimizer steps cannot be scored by PLL, or None if it can. The class-level
+        declaration unless an objective's answer depends on the step (CLM -> MLM) or on another
+        checkpoint (the probe)."""
+        return None if cls.scored_by_pll else cls.pll_refusal
 
     def __init__(self) -> None:
         super().__init__()

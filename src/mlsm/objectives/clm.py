@@ -114,6 +114,10 @@ class CLMConfig:
 class CLM(Objective):
     Config = CLMConfig
     exports_vocab_head = True  # the vocabulary head is trained (as a next-token head)
+    scored_by_pll = False  # Gisserot-Boukhlef et al. 2025 evaluate CLM encoders by fine-tuning
+    pll_refusal = ("it learnt under a causal mask to predict token t+1 at position t, and PLL "
+                   "asks position t for its own masked token with the whole sentence visible, so "
+                   "it would score noise")
 
     def __init__(self, cfg: CLMConfig, ctx: Context):
         super().__init__()

@@ -53,6 +53,16 @@ class CLMThenMLM(Objective):
         self.clm.attach(student)
         self.mlm.attach(student)
 
+    @classmethod
+    def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:
+        """A checkpoint still in the CLM phase (no MLM step yet) is CLM's; from the first MLM
+        step on it is scored like MLM."""
+        switch = round(float(objective.get("clm_fraction", CLMThenMLMConfig.clm_fraction))
+                       * total_steps)
+        if step > switch:
+            return None
+        return f"{CLM.pll_refusal} (step {step} is in its CLM phase, the first {switch} steps)"
+
     def phase(self, step: int) -> str:
         return "clm" if step < self.switch_step else "mlm"
 

@@ -114,6 +114,9 @@ class MAEDecoderPass(Objective):
 class MAELM(Objective):
     Config = MAELMConfig
     scored_by_pll = False  # its vocabulary head reads the decoder; the student's is untrained
+    pll_refusal = ("its vocabulary head reads the MAE decoder, which the evaluated encoder drops "
+                   "(Meng et al. 2024), and the encoder's own is untrained, so PLL would score "
+                   "noise")
 
     def __init__(self, cfg: MAELMConfig, ctx: Context):
         super().__init__()

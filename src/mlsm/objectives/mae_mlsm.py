@@ -52,6 +52,8 @@ class MAEMLSM(Objective):
     Config = MAEMLSMConfig
     uses_teacher = predicts_latent = True  # its MLSM member's
     scored_by_pll = False  # the latent head reads the decoder: a probe on the encoder is noise
+    pll_refusal = ("its latent head reads the MAE decoder, which the evaluated encoder drops "
+                   "(Meng et al. 2024), so a probe on encoder states would score noise")
 
     def __init__(self, cfg: MAEMLSMConfig, ctx: Context):
         super().__init__()

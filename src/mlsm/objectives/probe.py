@@ -19,7 +19,7 @@ from torch import nn
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
-from mlsm.models.heads import read_latent_head
+from mlsm.models.heads import pll_refusal, read_latent_head
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 
 PROBE_INPUTS = ("probs", "logprobs", "logits")
@@ -53,6 +53,13 @@ def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:
 class Probe(Objective):
     Config = ProbeConfig
     trains_student = False  # backbone and latent head frozen (eval, no grad); only the probe learns
+
+    @classmethod
+    def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:
+        """The probed checkpoint decides (a probe written before its objective was refused, e.g.
+        on a MAE-MLSM checkpoint, is refused now); a probed checkpoint that is gone passes."""
+        source = objective.get("checkpoint") or ""
+        return pll_refusal(Path(source)) if source and Path(source).is_dir() else None
 
     def __init__(self, cfg: ProbeConfig, ctx: Context):
         super().__init__()

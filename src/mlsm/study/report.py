@@ -240,14 +240,14 @@ def _set_cells(s: dict[str, Any] | None) -> str:
 
 
 def _unscored_rows(study: Study) -> list[str]:
-    """BLiMP rows of the arms whose objective is not scored by PLL (MAE-LM, MAE-MLSM): their
-    stage was skipped, so the table says so where their score would be."""
+    """BLiMP rows of the checkpoints not scored by PLL (MAE-LM, MAE-MLSM, CLM, CLM -> MLM in its
+    CLM phase): their stage was skipped, so the table says so where their score would be."""
     if not study.spec.blimp.data:
         return []
     return [f"| {arm}@{readiness_label(frac)} | n/a (scored by fine-tuning only) |"
             + " — |" * 11
-            for arm in study.spec.arms if study.unscored_reason(arm)
-            for frac in study.spec.blimp.readiness]
+            for arm in study.spec.arms for frac in study.spec.blimp.readiness
+            if study.unscored_reason(arm, frac)]
 
 
 def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: dict,

@@ -86,17 +86,17 @@ class Study:
         cls = objective_class(self.spec.arms[arm].objective.get("name"))
         return bool(cls and cls.predicts_latent)
 
-    def unscored_reason(self, arm: str) -> str | None:
-        """Why the arm's checkpoints get no probe and no BLiMP score (its objective declares
-        `scored_by_pll` False: MAE-LM, MAE-MLSM), or None when they are scored."""
-        from mlsm.models.heads import NOT_SCORED_BY_PLL
+    def unscored_reason(self, arm: str, frac: float) -> str | None:
+        """Why the arm's checkpoint at readiness `frac` gets no probe and no BLiMP score (its
+        objective declares it for that step: `Objective.pll_refusal_at`; MAE-LM, MAE-MLSM, CLM,
+        CLM -> MLM in its CLM phase), or None when it is scored."""
         from mlsm.objectives import objective_class
 
-        name = self.spec.arms[arm].objective.get("name")
-        cls = objective_class(name)
-        if cls is None or cls.scored_by_pll:
-            return None
-        return f"{name} is scored by fine-tuning only: {NOT_SCORED_BY_PLL}"
+        objective = self.spec.arms[arm].objective
+        cls = objective_class(objective.get("name"))
+        steps = self.steps(arm)
+        why = cls and cls.pll_refusal_at(objective, readiness_step(frac, steps), steps)
+        return f"{objective.get('name')} is scored by fine-tuning only: {why}" if why else None
 
     # --- configs -------------------------------------------------------------------------
     def arm_config(self, arm: str) -> RunConfig:

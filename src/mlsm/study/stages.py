@@ -36,13 +36,12 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     Fine-tuning decides per cell inside the job (a cell's key needs the task data), so it always
     may."""
     b = study.spec.blimp
-    if stage in ("probe", "blimp") and study.unscored_reason(arm):
-        return False  # recorded as skipped by run_probe / run_blimp, without a job
-    if stage == "probe":
+    scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]  # the rest: skipped
+    if stage == "probe":  # by run_probe / run_blimp, without a job
         return study.is_latent(arm) and bool(b.data) and not all(
-            (study.probe_dir(arm, f) / "probe.json").is_file() for f in b.readiness)
+            (study.probe_dir(arm, f) / "probe.json").is_file() for f in scored)
     if stage == "blimp":
-        return bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in b.readiness)
+        return bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in scored)
     return stage != "finetune" or bool(study.spec.finetune.tasks)
 
 
@@ -52,7 +51,7 @@ def run_probe(study: Study, arms: list[str]) -> set[str]:
     failed = set()
     for arm in [a for a in arms if study.is_latent(a)]:
         for frac in study.spec.blimp.readiness if study.spec.blimp.data else []:
-            reason = study.unscored_reason(arm)
+            reason = study.unscored_reason(arm, frac)
             if reason:
                 study.skip("probe", model_name(arm, frac), reason)
             elif not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f),
@@ -128,7 +127,7 @@ def run_blimp(study: Study, arms: list[str]) -> set[str]:
     failed = set()
     for arm in arms:
         for frac in study.spec.blimp.readiness:
-            reason = study.unscored_reason(arm)
+            reason = study.unscored_reason(arm, frac)
             if reason:
                 study.skip("blimp", model_name(arm, frac), reason)
             elif not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f),
