@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from mlsm.errors import UserError
-from mlsm.study.runner import Study, run_study
+from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study, study_from_dict
 from tests.conftest import TINY_MODEL
 
@@ -257,6 +257,8 @@ def test_whole_study_writes_a_report_with_every_section(
         blimp_row["probe"]["heldout_loss"] == probe["heldout_loss"]
     )  # the probe's quality travels with its score
     assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()
+    # what a study writes is all in the list that keeps a corpus source out of its outputs
+    assert {p.name for p in out.iterdir()} <= set(OUTPUTS), sorted(p.name for p in out.iterdir())
 
 
 def test_slurm_executor_through_submitit_local(

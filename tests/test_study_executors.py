@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.study.runner import Study, run_study
+from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import study_from_dict
 from tests.conftest import TINY_MODEL
 
@@ -52,6 +52,7 @@ def test_local_executor_with_two_jobs_runs_both_arms_with_their_thread_budget(tw
         assert (out / "runs" / arm / "checkpoints" / "step-0000004").is_dir()
         assert json.loads((out / "runs" / arm / "run.json").read_text())["threads"] == 1
         assert (out / "logs" / f"pretrain-{arm}.log").is_file()
+    assert {p.name for p in out.iterdir()} <= set(OUTPUTS), sorted(os.listdir(out))
     rows = [json.loads(x) for x in (out / "stages.jsonl").read_text().splitlines()]
     assert sorted(r["arm"] for r in rows if r["stage"] == "pretrain") == ["a", "b"]
     assert all(r["state"] == "done" for r in rows if r["stage"] in ("store", "pretrain"))

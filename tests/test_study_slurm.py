@@ -5,13 +5,14 @@ executor gives. Skipped, with one reason, where there is no Slurm."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from mlsm.study.runner import Study, run_study
+from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import study_from_dict
 from tests.test_study import _raw, _tiny_tasks
 
@@ -124,6 +125,8 @@ def test_study_on_real_slurm_matches_the_local_executor(
     times = {(r["stage"], r["arm"]): r["seconds"] for r in _rows(slurm_out / "stages.jsonl")}
     assert all(times[tuple(k.split(":"))] > 0 for k in jobs), times
     assert _scores(slurm_out) == _scores(local_out)
+    for out in (local_out, slurm_out):  # all in the list that keeps a corpus source out of them
+        assert {p.name for p in out.iterdir()} <= set(OUTPUTS), sorted(os.listdir(out))
     assert len(_scores(slurm_out)["finetune"]) == 2 and len(_scores(slurm_out)["blimp"]) == 2
 
     before = len(_rows(slurm_out / "stages.jsonl"))
