@@ -148,6 +148,20 @@ def _pairs(root: Path) -> Path:
     return root / "pairs"
 
 
+def test_the_one_arm_left_to_pre_train_runs_here_with_every_thread(corpus_dir, tokenizer_dir,
+                                                                   tmp_path) -> None:
+    """jobs = 2 x 1 thread, but one arm has pre-training left (the other is done, as in a
+    resumed study): it runs in the driver with jobs x threads = 2 threads (run.json records what
+    the run used), not as a 1-thread subprocess beside an idle core."""
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, tmp_path / "study")
+    raw["arms"] = {"a": raw["arms"]["a"]}
+    run_study(study_from_dict(raw), stages=["store", "pretrain"], log=lambda s: None)
+    out = tmp_path / "study"
+    assert json.loads((out / "runs" / "a" / "run.json").read_text())["threads"] == 2
+    assert not (out / "logs" / "pretrain-a.log").exists()  # no subprocess
+    assert Study(study_from_dict(raw)).status()["pretrain:a"]["state"] == "done"
+
+
 def test_eval_jobs_one_runs_evaluation_here_with_all_threads(two_jobs, tmp_path) -> None:
     """jobs = 2, eval_jobs = 1 (the demo's setting): the arms' BLiMP stages run in the driver,
     one after the other, with jobs x threads torch threads, and no subprocess is started."""

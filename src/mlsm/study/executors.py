@@ -33,12 +33,17 @@ from mlsm.study.spec import StudySpec
 
 def run_pretraining(study: Study, arms: list[str]) -> set[str]:
     """Pre-train `arms` with the study's executor; returns the arms that failed."""
+    from mlsm.study.stages import driver_threads
+
     kind, jobs = study.spec.executor.kind, study.spec.executor.jobs
     if kind == "slurm":
         return _slurm(study, arms)
-    if jobs <= 1:
+    if jobs <= 1 or sum(not pretrain_done(study, a) for a in arms) <= 1:
+        # one arm left to train (a resumed study, often): here, with all jobs x threads threads,
+        # not one subprocess holding `threads` while the other cores idle
+        threads = driver_threads(study)
         return {a for a in arms
-                if not study.stage("pretrain", lambda a=a: pretrain_arm(study, a), a)}
+                if not study.stage("pretrain", lambda a=a: pretrain_arm(study, a, threads), a)}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         ok = list(pool.map(
             lambda a: study.stage("pretrain", lambda: _subprocess_arm(study, a), a), arms))

@@ -247,11 +247,14 @@ def pretrain_done(study: Study, arm: str) -> bool:
     return study.steps(arm) in {s for s, _ in list_checkpoints(study.run_dir(arm))}
 
 
-def pretrain_arm(study: Study, arm: str) -> str | None:
-    """Pre-train one arm unless its final checkpoint exists; resume an interrupted run."""
+def pretrain_arm(study: Study, arm: str, threads: int | None = None) -> str | None:
+    """Pre-train one arm unless its final checkpoint exists; resume an interrupted run.
+    threads: torch threads for this process (default: the arm config's, executor.threads)."""
     from mlsm.train.loop import pretrain
 
     cfg = study.arm_config(arm)
+    if threads:  # train.threads is volatile: a resume with another count is the same run
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=threads))
     check_same_config(study, arm, cfg)
     if pretrain_done(study, arm):
         return "skipped"

@@ -19,10 +19,11 @@ PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
 """What a BLiMP row keeps of its probe's record: the score travels with the probe's quality."""
 
 
-def eval_threads(study: Study) -> int | None:
-    """torch threads of an evaluation stage run here: the study's whole budget (jobs x threads),
-    since locally it runs here only when no other arm's stage runs at once (a subprocess of a
-    jobs > 1 study reads its study with jobs = 1); None = torch's default."""
+def driver_threads(study: Study) -> int | None:
+    """torch threads of a stage run here in the driver: the study's whole budget (jobs x
+    threads), since locally a stage runs here only when no other arm's runs at once (one arm with
+    work, or jobs = 1; a subprocess of a jobs > 1 study reads its study with jobs = 1); None =
+    torch's default."""
     e = study.spec.executor
     return e.threads * max(1, e.jobs) if e.threads and e.kind == "local" else e.threads or None
 
@@ -71,7 +72,7 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
                            select_steps=p.select_steps, max_steps=p.max_steps,
                            eval_every=p.eval_every, patience=p.patience, min_delta=p.min_delta,
                            heldout_batches=p.heldout_batches, batch_size=p.batch_size or None,
-                           threads=eval_threads(study))
+                           threads=driver_threads(study))
     return None
 
 
@@ -93,8 +94,8 @@ def _finetune(study: Study, arm: str) -> str | None:
     from mlsm.evaluate.finetune import finetune
 
     ft = study.spec.finetune
-    if eval_threads(study):
-        torch.set_num_threads(eval_threads(study))
+    if driver_threads(study):
+        torch.set_num_threads(driver_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
     before = _rows_of(study, arm)
     finetune(models, ft.tasks, seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs,
@@ -155,8 +156,8 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                             f"{info['heldout_loss']:.3f}) is no better than the unigram "
                             f"distribution ({info['unigram_loss']:.3f}); its BLiMP would be noise")
         probe, folder = info, Path(info["checkpoint"])
-    if eval_threads(study):
-        torch.set_num_threads(eval_threads(study))
+    if driver_threads(study):
+        torch.set_num_threads(driver_threads(study))
     model, tokenizer = load_scorer(folder)
     p = study.spec.probe
     heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), p.heldout_batches,
