@@ -198,6 +198,7 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
        logs steps at+1..steps only (it started at the checkpoint's step) and ends elsewhere
        (it started from the checkpoint's weights).
     """
+    import json
     import shutil
 
     import torch
@@ -225,6 +226,11 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
         return [{k: v for k, v in r.items() if k not in timing} for r in rows]
     assert [m["step"] for m in read_metrics(part)] == list(range(1, steps + 1))
     assert drop(read_metrics(part)) == drop(read_metrics(full))
+    # run.json keeps where the run started and adds each resumed segment's provenance
+    marker = json.loads((part / "run.json").read_text())
+    assert "resumed" not in json.loads((full / "run.json").read_text())
+    assert [r["from_step"] for r in marker["resumed"]] == [at], marker
+    assert marker["resumed"][0]["git_revision"] == marker["git_revision"]  # same code here
     # 2. perturbed checkpoint, fresh run directory
     nudged = tmp / "nudged" / f"step-{at:07d}"
     shutil.copytree(full / "checkpoints" / f"step-{at:07d}", nudged)

@@ -4,6 +4,7 @@ heads and the probe, and carries a model card whose YAML header the Hub can pars
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,22 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(
     assert provenance["probe"] == str(probe_ckpt) and provenance["dictionary"]["k"] == 64
     with pytest.raises(UserError, match="not a probe of"):
         export_checkpoint(ckpt, tmp_path / "x", probe=ckpt)
+
+
+def test_card_names_the_revision_that_trained_up_to_the_checkpoint(store_dir, tmp_path) -> None:
+    """A run started by older code and resumed by this one: the step-2 checkpoint was trained by
+    the start's revision, the final one by the resumed segment's (run.json `resumed`)."""
+    from mlsm.config import git_revision
+
+    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "run",
+                                           **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"}))
+    run = pretrain(cfg)
+    shutil.rmtree(run / "checkpoints" / "step-0000004")
+    marker = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**marker, "git_revision": "started-elsewhere"}))
+    pretrain(cfg, resume=str(run / "checkpoints" / "step-0000002"))
+    for step, revision in ((2, "started-elsewhere"), (4, git_revision())):
+        out = tmp_path / f"export-{step}"
+        assert main(["export", str(run / "checkpoints" / f"step-{step:07d}"), "--out",
+                     str(out)]) == 0
+        assert json.loads((out / "mlsm.json").read_text())["git_revision"] == revision, step

@@ -185,14 +185,25 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         # a probe checkpoint is an MLSM model with its probe: the probed objective decides
         "predicts_latent": _declares(source, "predicts_latent"),
         "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
-        "git_revision": (json.loads(run_json.read_text()).get("git_revision")
-                         if run_json.is_file() else None),
+        "git_revision": _revision_at(run_json, info.get("step")),
         "teacher": _teacher(source), "dictionary": _dictionary(source.get("dictionary", "")),
         "data": _store(cfg.get("data", {}).get("store", "")),
         "targets": _targets(source.get("targets", "")),
         "probe": str(probe) if probe else None, "initialised_at_export": pooler,
         "pooler_seed": POOLER_SEED,
     }
+
+
+def _revision_at(run_json: Path, step: Any) -> str | None:
+    """The mlsm revision that trained up to `step`: the run's start, or the last segment resumed
+    before that step (run.json `resumed`); None without a run.json."""
+    if not run_json.is_file():
+        return None
+    marker = json.loads(run_json.read_text())
+    segments = [marker, *[r for r in marker.get("resumed") or []
+                          if isinstance(r, dict) and isinstance(step, int)
+                          and r.get("from_step", step) < step]]
+    return segments[-1].get("git_revision")
 
 
 def _declares(objective: dict[str, Any], attribute: str) -> bool:

@@ -377,11 +377,17 @@ def _resolved(old: dict[str, Any]) -> dict[str, Any]:
 def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        segment = {"git_revision": git_revision(),
+                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "world_size": info.world, "threads": torch.get_num_threads()}
         if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
-            marker = {"format": "mlsm-run", "git_revision": git_revision(),
-                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "world_size": info.world, "threads": torch.get_num_threads()}
-            atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker, indent=2))
+            marker = {"format": "mlsm-run", **segment}
+        else:  # a resume, maybe by other code or on another machine: its provenance too
+            marker = json.loads((run_dir / RUN_MARKER).read_text(encoding="utf-8"))
+            earlier = marker.get("resumed")
+            marker["resumed"] = [*(earlier if isinstance(earlier, list) else []),
+                                 {"from_step": step, **segment}]
+        atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker, indent=2))
         ckpt.remove_stale(run_dir)
         save_config(cfg, run_dir / "config.yaml")
         _truncate_metrics(run_dir / "metrics.jsonl", step)
