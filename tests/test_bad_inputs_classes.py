@@ -144,6 +144,16 @@ def _content_export_checkpoint_json_torn(tmp, fix):
     return ["export", str(ckpt), "--out", str(tmp / "e")], [ckpt], "checkpoint.json is torn"
 
 
+def _content_export_run_json_torn(tmp, fix):
+    """run.json (the git revision of each training segment) is read for the card."""
+    run = _copy(fix["mlsm_ckpt"].parent.parent, tmp / "run")
+    ckpt = run / "checkpoints" / fix["mlsm_ckpt"].name
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    _write(ckpt / "checkpoint.json", json.dumps({**info, "run": str(run)}))
+    _write(run / "run.json", '{"format": "mlsm-run", "git_rev')
+    return ["export", str(ckpt), "--out", str(tmp / "e")], [run], "run.json is torn"
+
+
 def _content_study_file_binary(tmp, fix):
     study = _write(tmp / "s.yaml", b"name: \xff\xfe\n")
     return ["study", str(study)], [study], "s.yaml is not UTF-8"
@@ -382,6 +392,31 @@ def _consistency_blimp_clm_checkpoint(tmp, fix):
 
 def _consistency_blimp_probe_of_a_mae_mlsm_checkpoint(tmp, fix):
     return _by_finetuning(tmp, fix, "blimp", "probe of mae_mlsm")
+
+
+def _consistency_blimp_mae_lm_export_with_a_hand_edited_step(tmp, fix):
+    """mlsm.json's step of the wrong type: the objective's class decides alone (MAE-LM: never)."""
+    export = _copy(fix["unscored_ckpts"]["mae_lm export"], tmp / "export")
+    card = json.loads((export / "mlsm.json").read_text())
+    _write(export / "mlsm.json", json.dumps({**card, "step": "last", "readiness": "all"}))
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(export), "--data", str(data), "--out", str(tmp / "b")],
+            [export, data], "evaluate it by fine-tuning: mlsm finetune")
+
+
+def test_a_probe_naming_itself_as_its_probed_checkpoint_does_not_recurse(
+        unscored_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """A hand-edited probe checkpoint.json whose objective.checkpoint is its own folder: the PLL
+    check answers (mlsm never probes a probe) instead of recursing until Python gives up; the
+    untouched probe of the MAE-MLSM checkpoint is still refused."""
+    from mlsm.models.heads import pll_refusal
+
+    probe = _copy(unscored_ckpts["probe of mae_mlsm"], tmp_path / "probe")
+    assert "MAE decoder" in pll_refusal(probe)
+    info = json.loads((probe / "checkpoint.json").read_text())
+    info["config"]["objective"]["checkpoint"] = str(probe)
+    _write(probe / "checkpoint.json", json.dumps(info))
+    assert pll_refusal(probe) is None
 
 
 def _paths_finetune_results_inside_model(tmp, fix):

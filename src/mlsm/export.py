@@ -199,7 +199,8 @@ def _revision_at(run_json: Path, step: Any) -> str | None:
     before that step (run.json `resumed`); None without a run.json."""
     if not run_json.is_file():
         return None
-    marker = json.loads(run_json.read_text())
+    marker = read_json(run_json, "run file", "restore it from a copy of the run (it records the "
+                       "git revision of each training segment)")
     segments = [marker, *[r for r in marker.get("resumed") or []
                           if isinstance(r, dict) and isinstance(step, int)
                           and r.get("from_step", step) < step]]

@@ -104,23 +104,27 @@ def pll_refusal(folder: Path) -> str | None:
     from mlsm.objectives import objective_class
 
     folder = Path(folder)
-    if checkpoint_objective(folder) is None:
+    if (folder / "checkpoint.json").is_file():
+        info = _mapping(read_json(folder / "checkpoint.json"))
+        cfg = _mapping(info.get("config"))
+        objective, total = cfg.get("objective"), _mapping(cfg.get("train")).get("steps")
+    elif (folder / "mlsm.json").is_file():  # an export: its own objective, even with a probe,
+        info = _mapping(read_json(folder / "mlsm.json"))  # and the step's fraction of the run
+        objective, readiness = info.get("objective_config"), info.get("readiness")
+        step = info.get("step")
+        fraction = isinstance(readiness, (int, float)) and 0 < readiness <= 1
+        total = round(step / readiness) if isinstance(step, int) and fraction else None
+    else:
         return None
-    if (folder / "checkpoint.json").is_file():  # checkpoint_objective read it: a dict
-        info = read_json(folder / "checkpoint.json")
-        cfg = info.get("config") if isinstance(info.get("config"), dict) else {}
-        objective, total = cfg.get("objective") or {}, (cfg.get("train") or {}).get("steps")
-    else:  # an export (its own objective, even when it ships a probe): mlsm.json keeps the step
-        info = read_json(folder / "mlsm.json")  # and its fraction of the run
-        objective, readiness = info.get("objective_config") or {}, info.get("readiness")
-        total = round(info.get("step", 0) / readiness) if readiness else None
-    cls = objective_class(info.get("objective"))
-    if cls is None:
-        return None
-    step = info.get("step")
-    if not isinstance(step, int) or not isinstance(total, int):
-        return None if cls.scored_by_pll else cls.pll_refusal  # the class decides alone
-    return cls.pll_refusal_at(objective if isinstance(objective, dict) else {}, step, total)
+    cls, step = objective_class(info.get("objective")), info.get("step")
+    if cls is None or not isinstance(step, int) or not isinstance(total, int):
+        return None if cls is None or cls.scored_by_pll else cls.pll_refusal  # the class alone
+    return cls.pll_refusal_at(_mapping(objective), step, total)
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else {} (a hand-edited field of the wrong type)."""
+    return value if isinstance(value, dict) else {}
 
 
 def check_scored_by_pll(folder: Path) -> None:

@@ -37,6 +37,12 @@ class CLMThenMLMConfig:
                             "e.g. 0.25")
 
 
+def switch_step(clm_fraction: float, total_steps: int) -> int:
+    """The first optimizer step (0-based) trained with MLM; a checkpoint at a step up to it has
+    seen CLM steps only."""
+    return round(float(clm_fraction) * total_steps)
+
+
 class CLMThenMLM(Objective):
     Config = CLMThenMLMConfig
     exports_vocab_head = True
@@ -44,7 +50,7 @@ class CLMThenMLM(Objective):
     def __init__(self, cfg: CLMThenMLMConfig, ctx: Context):
         super().__init__()
         cfg.check()
-        self.switch_step = round(cfg.clm_fraction * ctx.total_steps)
+        self.switch_step = switch_step(cfg.clm_fraction, ctx.total_steps)
         """First optimizer step (0-based) trained with MLM."""
         self.clm = CLM(CLMConfig(), ctx)
         self.mlm = MLM(MLMConfig(), ctx)
@@ -57,8 +63,8 @@ class CLMThenMLM(Objective):
     def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:
         """A checkpoint still in the CLM phase (no MLM step yet) is CLM's; from the first MLM
         step on it is scored like MLM."""
-        switch = round(float(objective.get("clm_fraction", CLMThenMLMConfig.clm_fraction))
-                       * total_steps)
+        switch = switch_step(objective.get("clm_fraction", CLMThenMLMConfig.clm_fraction),
+                             total_steps)
         if step > switch:
             return None
         return f"{CLM.pll_refusal} (step {step} is in its CLM phase, the first {switch} steps)"

@@ -19,7 +19,7 @@ from torch import nn
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
-from mlsm.models.heads import pll_refusal, read_latent_head
+from mlsm.models.heads import checkpoint_objective, pll_refusal, read_latent_head
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 
 PROBE_INPUTS = ("probs", "logprobs", "logits")
@@ -57,9 +57,13 @@ class Probe(Objective):
     @classmethod
     def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:
         """The probed checkpoint decides (a probe written before its objective was refused, e.g.
-        on a MAE-MLSM checkpoint, is refused now); a probed checkpoint that is gone passes."""
-        source = objective.get("checkpoint") or ""
-        return pll_refusal(Path(source)) if source and Path(source).is_dir() else None
+        on a MAE-MLSM checkpoint, is refused now); a probed checkpoint that is gone passes, and so
+        does one that is itself a probe (mlsm never probes a probe; a hand-edited config naming
+        the probe's own folder would otherwise recurse without end)."""
+        source = objective.get("checkpoint")
+        if not isinstance(source, str) or not source or not Path(source).is_dir():
+            return None
+        return None if checkpoint_objective(Path(source)) == "probe" else pll_refusal(Path(source))
 
     def __init__(self, cfg: ProbeConfig, ctx: Context):
         super().__init__()

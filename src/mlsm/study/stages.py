@@ -36,14 +36,16 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     """Whether `stage` may still have work for `arm` (else a slurm driver submits no job for it).
     Fine-tuning decides per cell inside the job (a cell's key needs the task data), so it always
     may."""
+    if stage == "finetune":
+        return bool(study.spec.finetune.tasks)
     b = study.spec.blimp
-    scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]  # the rest: skipped
-    if stage == "probe":  # by run_probe / run_blimp, without a job
+    # readiness points PLL cannot score are recorded as skipped by run_probe / run_blimp, no job
+    scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]
+    if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
             (study.probe_dir(arm, f) / "probe.json").is_file() for f in scored)
-    if stage == "blimp":
-        return bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in scored)
-    return stage != "finetune" or bool(study.spec.finetune.tasks)
+    return stage != "blimp" or (
+        bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in scored))
 
 
 def run_probe(study: Study, arms: list[str]) -> set[str]:
