@@ -277,3 +277,39 @@ def test_pairing_survives_shuffles_dropped_seeds_ties_and_zeros(tmp_path: Path) 
     # directional: (row, column) tests "row better than column" (one-sided, Berend 2023 Fig. 2b)
     assert cmp.pvalues[x, y] == pytest.approx(exact_wilcoxon_p_ties(d, "greater"), rel=1e-9)
     assert cmp.pvalues[y, x] == pytest.approx(exact_wilcoxon_p_ties(d, "less"), rel=1e-9)
+
+
+def test_per_run_pairs_one_score_per_run(results: Path, tmp_path: Path) -> None:
+    """`per_run`: MRPC's acc and F1 of one run become one pair (their mean), so the 9 (run, metric)
+    cells of the fixture are 6 runs, and p is the exact Wilcoxon p of the per-run differences."""
+    def per_run(d: np.ndarray) -> np.ndarray:  # sst2 seeds 0-2, then mrpc (acc + f1) / 2 per seed
+        return np.concatenate([d[:3], (d[3:6] + d[6:9]) / 2])
+
+    cmp = compare_runs(results, tmp_path / "out", per_run=True)
+    a, b, c = (cmp.models.index(m) for m in "ABC")
+    assert cmp.columns == [("sst2", "run_mean"), ("mrpc", "run_mean")]
+    assert cmp.n_pairs[a, b] == 6 and cmp.n_pairs[c, b] == 6
+    assert cmp.pvalues_two_sided[c, b] == pytest.approx(exact_wilcoxon_p(per_run(MIXED)))
+    assert cmp.pvalues[c, b] == pytest.approx(exact_greater_p(per_run(MIXED)))
+    assert cmp.wins[c, b] == int(np.sum(per_run(MIXED) > 0))
+    mrpc = cmp.columns.index(("mrpc", "run_mean"))
+    assert cmp.mean[b, mrpc] == pytest.approx(per_run(BASE)[3:].mean())
+    # a run's test metrics are averaged apart from its validation metrics, never with them
+    path = tmp_path / "test.jsonl"
+    append_results(path, [_row(m, ("mrpc", metric, s), v + (0.1 if m == "A" else 0) + s / 100)
+                          for m in "AB" for s in range(3)
+                          for metric, v in (("acc", 0.8), ("f1", 0.7), ("acc_test", 0.2))])
+    split = compare_runs(path, per_run=True)
+    assert split.columns == [("mrpc", "run_mean"), ("mrpc", "run_mean_test")]
+    col = split.columns.index(("mrpc", "run_mean_test"))
+    assert split.mean[split.models.index("B"), col] == pytest.approx(0.21)
+
+
+def test_compare_cli_per_run(results: Path, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    from mlsm.cli import main
+
+    main(["compare", str(results), "--per-run", "--out", str(tmp_path / "cmp")])
+    assert "run_mean" in capsys.readouterr().out
+    with open(tmp_path / "cmp" / "means.csv", encoding="utf-8") as f:
+        assert {r["metric"] for r in csv.DictReader(f)} == {"run_mean"}

@@ -248,9 +248,12 @@ def test_whole_study_writes_a_report_with_every_section(
     assert {r["seed"] for r in rows} == {0, 1}
     for section in (
         "Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
-        "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |",
+        "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |", "its metrics averaged",
     ):
         assert section in text
+    summary = json.loads((out / "summary.json").read_text())["finetune"]
+    # word_order reports accuracy only: one metric per run, so both pairings agree
+    assert summary["per_run"]["n_pairs"] == summary["n_pairs"]
     probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())
     blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())
     assert (

@@ -166,7 +166,7 @@ def _compare(a: argparse.Namespace) -> None:
     from mlsm.evaluate.stats import compare_runs
 
     print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
-                       bootstrap=a.bootstrap).to_markdown())
+                       bootstrap=a.bootstrap, per_run=a.per_run).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
@@ -427,6 +427,9 @@ def _add_compare(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
                    help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. "
                    "10000; 0 = none)")
+    p.add_argument("--per-run", action="store_true",
+                   help="pair one score per fine-tuning run, its metrics averaged (MRPC acc/F1, "
+                   "STS-B Pearson/Spearman), not one per metric: the conservative test")
     p.add_argument("--out", default=None, type=out_dir,
                    help="folder for comparison.md and CSVs (default: print only)")
     return _compare

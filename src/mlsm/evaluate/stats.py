@@ -337,6 +337,29 @@ def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
     return out
 
 
+RUN_MEAN = "run_mean"  # the metric of a cell that averages one run's metrics (`per_run`)
+
+
+def average_metrics(scores: dict[str, dict[tuple[Any, ...], float]]
+                    ) -> dict[str, dict[tuple[Any, ...], float]]:
+    """One cell per fine-tuning run: the mean of its validation metrics (metric RUN_MEAN; its
+    ``*_test`` metrics, if any, become one RUN_MEAN_test cell). MRPC's accuracy and F1, or STS-B's
+    Pearson and Spearman, move together; as two pairs they count one run twice and make a
+    Wilcoxon p too small. As one pair per run the test is the conservative one."""
+    at = CELL_FIELDS.index("metric")
+    out: dict[str, dict[tuple[Any, ...], float]] = {}
+    for model, cells in scores.items():
+        runs: dict[tuple[Any, ...], list[float]] = {}
+        for key, value in cells.items():
+            runs.setdefault((*key[:at], _run_metric(key[at]), *key[at + 1:]), []).append(value)
+        out[model] = {k: float(np.mean(v)) for k, v in runs.items()}
+    return out
+
+
+def _run_metric(metric: str) -> str:
+    return RUN_MEAN + ("_test" if str(metric).endswith("_test") else "")
+
+
 def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]],
                         n_resamples: int = 10000, level: float = 0.95, seed: int = 0) -> np.ndarray:
     """(m, m, 3): mean paired difference row − column over the common cells and its percentile
@@ -362,13 +385,15 @@ def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...
 
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                  select_lr: bool = False, bootstrap: int = 0,
-                 ci_level: float = 0.95) -> Comparison:
+                 ci_level: float = 0.95, per_run: bool = False) -> Comparison:
     """Paired one-sided (and two-sided) Wilcoxon p-values, win counts and per-task means of
     every model in a results file.
 
     select_lr: per model and task keep only its best learning rate on validation
     (``select_best_lr``).
     bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
+    per_run: pair one score per fine-tuning run, its metrics averaged (``average_metrics``), not
+    one per (run, metric): the conservative test when a task reports correlated metrics.
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
     if out_dir is not None:  # a user's own files there are never overwritten
@@ -383,8 +408,11 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
     scores, info = _scores(rows)
     if select_lr:
         scores = select_best_lr(scores, info)
+    if per_run:
+        scores = average_metrics(scores)
     models = list(scores)
-    columns = list(dict.fromkeys((r["task"], r["metric"]) for r in rows))
+    columns = list(dict.fromkeys((r["task"], _run_metric(r["metric"]) if per_run else r["metric"])
+                                 for r in rows))
     shape = (len(models), len(columns))
     mean, std, count = np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=int)
     for i, mod in enumerate(models):

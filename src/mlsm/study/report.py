@@ -180,11 +180,17 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
              "## Fine-tuning: Wilcoxon matrix and win counts (Fig. 2b/2c)\n",
              f"![wilcoxon]({plot_wilcoxon(cmp, study.root / 'wilcoxon.png').name})\n",
              cmp.to_markdown()]
-    parts += _headline(study, cmp)
+    # the conservative reading: one pair per fine-tuning run, its correlated metrics averaged
+    per_run = compare_runs(study.results, bootstrap=2000, per_run=True)
+    parts += _headline(study, cmp, "one pair per fine-tuning run and metric")
+    parts += _headline(study, per_run, "one pair per run, its metrics averaged (conservative)")
     summary = {"models": cmp.models, "columns": [list(c) for c in cmp.columns],
                "mean": cmp.mean.tolist(), "std": cmp.std.tolist(), "count": cmp.count.tolist(),
                "pvalues_row_better": cmp.pvalues.tolist(), "wins": cmp.wins.tolist(),
-               "n_pairs": cmp.n_pairs.tolist()}
+               "n_pairs": cmp.n_pairs.tolist(),
+               "per_run": {"pvalues_row_better": per_run.pvalues.tolist(),
+                           "pvalues_two_sided": per_run.pvalues_two_sided.tolist(),
+                           "wins": per_run.wins.tolist(), "n_pairs": per_run.n_pairs.tolist()}}
     return parts, summary
 
 
@@ -200,7 +206,7 @@ def headline_pairs(study: Study) -> list[tuple[str, str]]:
     return pairs
 
 
-def _headline(study: Study, cmp: Any) -> list[str]:
+def _headline(study: Study, cmp: Any, pairing: str) -> list[str]:
     rows = []
     for a, b in headline_pairs(study):
         if a in cmp.models and b in cmp.models:
@@ -215,7 +221,7 @@ def _headline(study: Study, cmp: Any) -> list[str]:
                         f"| {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
     if not rows:
         return []
-    return ["## Headline comparisons (paired fine-tuning runs, all tasks and metrics)\n",
+    return [f"## Headline comparisons, {pairing}\n",
             "Wilcoxon signed-rank over the paired runs: p(A>B) one-sided (A better than B), "
             "p(B>A) the reverse, and the two-sided p; mean difference A − B (×100) with "
             "its bootstrap CI.\n",
