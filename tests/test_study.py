@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import scipy.stats
 import yaml
 
 from mlsm.errors import UserError
@@ -254,6 +256,17 @@ def test_whole_study_writes_a_report_with_every_section(
     summary = json.loads((out / "summary.json").read_text())["finetune"]
     # word_order reports accuracy only: one metric per run, so both pairings agree
     assert summary["per_run"]["n_pairs"] == summary["n_pairs"]
+    # BLiMP pairs by phenomenon: SciPy's Wilcoxon on the two models' per-phenomenon accuracies
+    (pair,) = json.loads((out / "summary.json").read_text())["blimp_pairs"]
+    assert (pair["a"], pair["b"]) == ("mlsm@100%", "mlm@100%")
+    acc = {m: next(iter(json.loads((out / "blimp" / f"{m}@100pct.json").read_text())["sets"]
+                        .values()))["phenomena"] for m in ("mlsm", "mlm")}
+    x, y = (np.array([acc[m][k] for k in sorted(acc["mlm"])]) for m in ("mlsm", "mlm"))
+    assert pair["n_phenomena"] == len(x) and pair["wins_a"] == int(np.sum(x > y))
+    assert pair["mean_diff"] == pytest.approx(float(np.mean(x - y)))
+    expected = 1.0 if np.all(x == y) else scipy.stats.wilcoxon(x, y).pvalue
+    assert pair["p_two_sided"] == pytest.approx(expected)
+    assert "paired by phenomenon" in text
     probe = json.loads((out / "runs" / "mlsm" / "probe-100" / "probe.json").read_text())
     blimp_row = json.loads((out / "blimp" / "mlsm@100pct.json").read_text())
     assert (
@@ -342,3 +355,36 @@ def test_study_out_may_hold_the_corpus_only_where_the_study_writes_nothing(tmp_p
     check_study_inputs(study_from_dict({"out": str(out),
                                         "corpus": {"sources": [str(out / "corpus")]},
                                         "arms": {"a": {"objective": {"name": "mlm"}}}}))
+
+
+def test_blimp_pairs_by_phenomenon_match_scipy(tmp_path) -> None:
+    """BLiMP comparisons pair the two models' accuracies per phenomenon: SciPy's Wilcoxon on the
+    same vectors (one-sided both ways and two-sided), the win counts and the mean difference; a
+    phenomenon only one model scored is left out, and a model at a readiness not compared is
+    ignored."""
+    from mlsm.study.report import blimp_comparisons
+
+    raw = {"out": str(tmp_path / "s"), "arms": {
+        "mlm": {"objective": {"name": "mlm"}},
+        "mlsm": {"objective": {"name": "mlsm"}, "dictionary": {"layer": 5, "k": 64}}}}
+    study = Study(load_study(_write(tmp_path, raw)), log=lambda s: None)
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 0.9, 12)
+    diff = np.array([3, -1, 4, 1, -5, 9, 2, 6, -5, 3, 5, 8]) / 100  # no ties in |d|
+
+    def row(arm: str, frac: float, acc: np.ndarray, extra: dict | None = None) -> dict:
+        phenomena = {f"ph{i}": float(v) for i, v in enumerate(acc)} | (extra or {})
+        return {"arm": arm, "readiness": frac, "sets": {"blimp": {"phenomena": phenomena}}}
+
+    rows = [row("mlm", 1.0, base, {"only_mlm": 0.9}), row("mlsm", 1.0, base + diff),
+            row("mlsm", 0.25, base - diff)]
+    (pair,) = blimp_comparisons(study, rows)
+    x, y = base + diff, base
+    assert (pair["a"], pair["b"], pair["n_phenomena"]) == ("mlsm@100%", "mlm@100%", 12)
+    assert (pair["wins_a"], pair["wins_b"]) == (9, 3)
+    assert pair["mean_diff"] == pytest.approx(diff.mean())
+    assert pair["p_two_sided"] == pytest.approx(scipy.stats.wilcoxon(x, y).pvalue)
+    assert pair["p_a_better"] == pytest.approx(
+        scipy.stats.wilcoxon(x, y, alternative="greater").pvalue)
+    assert pair["p_b_better"] == pytest.approx(
+        scipy.stats.wilcoxon(y, x, alternative="greater").pvalue)

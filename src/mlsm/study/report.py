@@ -229,6 +229,43 @@ def _headline(study: Study, cmp: Any, pairing: str) -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|---|", *rows, ""]
 
 
+def blimp_comparisons(study: Study, blimp: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The headline pairs on BLiMP: both models scored the same pairs of each phenomenon of the
+    first pair set, so their per-phenomenon accuracies pair up (the unit BLiMP reports);
+    Wilcoxon signed-rank over the phenomena, win counts and the mean difference."""
+    import numpy as np
+
+    from mlsm.evaluate.stats import wilcoxon_p
+
+    by_model = {f"{r['arm']}@{readiness_label(r['readiness'])}": next(iter(r["sets"].values()))
+                for r in blimp if r.get("sets")}
+    out = []
+    for a, b in headline_pairs(study):
+        if a not in by_model or b not in by_model:
+            continue
+        pa, pb = by_model[a]["phenomena"], by_model[b]["phenomena"]
+        common = sorted(pa.keys() & pb.keys())
+        x, y = np.array([pa[k] for k in common]), np.array([pb[k] for k in common])
+        out.append({"a": a, "b": b, "n_phenomena": len(common), "wins_a": int(np.sum(x > y)),
+                    "wins_b": int(np.sum(y > x)), "mean_diff": float(np.mean(x - y)),
+                    "p_a_better": wilcoxon_p(x, y, "greater"),
+                    "p_b_better": wilcoxon_p(y, x, "greater"), "p_two_sided": wilcoxon_p(x, y)})
+    return out
+
+
+def _blimp_pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
+    if not pairs:
+        return []
+    return ["", "## BLiMP: headline comparisons, paired by phenomenon\n",
+            "Wilcoxon signed-rank over the phenomena both models scored (the same pairs); wins: "
+            "phenomena where one model's accuracy is higher; mean difference A − B in points.\n",
+            "| A | B | phenomena | A wins | B wins | mean A − B | p(A>B) | p(B>A) | p two-sided |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            *[f"| {c['a']} | {c['b']} | {c['n_phenomena']} | {c['wins_a']} | {c['wins_b']} | "
+              f"{100 * c['mean_diff']:+.2f} | {_p(c['p_a_better'])} | {_p(c['p_b_better'])} | "
+              f"{_p(c['p_two_sided'])} |" for c in pairs]]
+
+
 def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{x / scale:.{digits}f}"
 
@@ -251,7 +288,7 @@ def _unscored_rows(study: Study) -> list[str]:
     if not study.spec.blimp.data:
         return []
     return [f"| {arm}@{readiness_label(frac)} | n/a (scored by fine-tuning only) |"
-            + " — |" * 11
+            + " — |" * 12
             for arm in study.spec.arms for frac in study.spec.blimp.readiness
             if study.unscored_reason(arm, frac)]
 
@@ -285,15 +322,18 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
               "through their probe. Unigram: the training store's token frequencies on the same "
               "targets (the plateau of an MLM that does not use context); p: two-sided binomial "
               "test of the model's top-1 against the unigram's rate.\n",
-              "| model | BLiMP % | pairs | held-out masked top-1 % | unigram top-1 % | p "
-              "| held-out loss (nats) | unigram loss (nats) | probe input "
+              "p vs 50 %: two-sided exact binomial test of the pooled pairs.\n",
+              "| model | BLiMP % | pairs | p vs 50 % | held-out masked top-1 % | unigram top-1 % "
+              "| p | held-out loss (nats) | unigram loss (nats) | probe input "
               "| probe held-out loss (nats) | probe top-1 % | probe unigram loss | probe steps |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in blimp:
         p, h = r.get("probe") or {}, r.get("heldout") or {}
         probe_top1 = 100 * p["heldout_top1"] if p.get("heldout_top1") is not None else math.nan
+        chance = next(iter((r.get("sets") or {"": {}}).values())).get("p_vs_chance")
         lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | "
-                     f"{r['n_pairs']} | {_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
+                     f"{r['n_pairs']} | {_p(chance)} | "
+                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
                      f"{_fmt(100 * h.get('unigram_top1', math.nan), 1, 1)} | "
                      f"{_p(h.get('p_vs_unigram'))} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
                      f"{_fmt(h.get('unigram_loss', math.nan), 1, 3)} | "
@@ -303,6 +343,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
                      f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | "
                      f"{p.get('steps', '—') if p else '—'} |")
     lines += _unscored_rows(study)
+    lines += _blimp_pair_lines(blimp_comparisons(study, blimp))
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
@@ -334,6 +375,7 @@ def write_report(study: Study) -> Path:
         parts.append(f"## BLiMP vs FLOPs per batch (Fig. 6)\n\n![blimp vs flops]({png})\n")
     parts.append("\n".join(_tables(compute, blimp, times, study)) + "\n")
     summary = {"git_revision": git_revision(), "compute": compute, "blimp": blimp,
+               "blimp_pairs": blimp_comparisons(study, blimp),
                "finetune": ft_summary,
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
