@@ -557,6 +557,20 @@ def _content_study_report_torn_blimp_result(tmp, fix):
     return ["study", "report", str(study)], [torn], "a@100pct.json is torn or not JSON (line 1"
 
 
+def _content_study_report_blimp_result_missing_field(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    row = _write(tmp / "study" / "blimp" / "a@100pct.json", '{"arm": "a", "readiness": 1.0}')
+    return ["study", "report", str(study)], [row], "a@100pct.json is not one the study wrote"
+
+
+def _content_study_report_blimp_phenomena_a_list(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    row = _write(tmp / "study" / "blimp" / "a@100pct.json",
+                 '{"arm": "a", "readiness": 1.0, "overall": 0.5, "n_pairs": 2, '
+                 '"sets": {"blimp": {"phenomena": [0.5, 0.5]}}}')
+    return ["study", "report", str(study)], [row], "sets.blimp.phenomena must map"
+
+
 def _study_in(tmp: Path, fix: dict, out: Path) -> Path:
     corpus = _copy(fix["corpus_dir"], tmp / "corpus")
     return _write(tmp / "s.yaml", f"corpus: {{sources: [{corpus}]}}\nout: {out}\n"

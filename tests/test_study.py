@@ -388,3 +388,15 @@ def test_blimp_pairs_by_phenomenon_match_scipy(tmp_path) -> None:
         scipy.stats.wilcoxon(x, y, alternative="greater").pvalue)
     assert pair["p_b_better"] == pytest.approx(
         scipy.stats.wilcoxon(y, x, alternative="greater").pvalue)
+
+
+def test_blimp_table_row_shows_a_dash_for_optional_fields_of_the_wrong_type() -> None:
+    from mlsm.study.report import _blimp_line
+
+    row = {"arm": "a", "readiness": 1.0, "overall": 0.625, "n_pairs": 8,
+           "sets": {"blimp": {"phenomena": {"x": 0.625}, "p_vs_chance": "low"}},
+           "heldout": {"top1": "high", "loss": [1], "unigram_loss": 7.25},
+           "probe": {"heldout_top1": {"a": 1}, "input": "logprobs"}}
+    cells = [c.strip() for c in _blimp_line(row).strip("|").split("|")]
+    assert cells[:5] == ["a@100%", "62.5", "8", "—", "—"]
+    assert cells[7:10] == ["—", "7.250", "logprobs"] and cells[11] == "—"

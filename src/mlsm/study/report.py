@@ -140,7 +140,33 @@ def blimp_rows(study: Study) -> list[dict[str, Any]]:
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     # the blimp stage skips a model whose file exists, so a torn one must be deleted to redo it
     fix = "delete it and run the study with --stages blimp to score that model again"
-    return [read_json(p, "BLiMP result", fix) for p in files]
+    rows = [read_json(p, "BLiMP result", fix) for p in files]
+    for path, row in zip(files, rows, strict=True):
+        wrong = _blimp_row_problem(row)
+        if wrong:
+            raise UserError(f"BLiMP result {path} is not one the study wrote ({wrong}); {fix}")
+    return rows
+
+
+def _blimp_row_problem(row: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a BLiMP result file (hand-edited, or another tool's), or
+    None: the report reads these fields and must not die on a KeyError deep inside."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    for key, ok in (("arm", lambda v: isinstance(v, str)), ("readiness", number),
+                    ("overall", number), ("n_pairs", number),
+                    ("sets", lambda v: isinstance(v, dict) and bool(v))):
+        if not ok(row.get(key)):
+            return f"'{key}' is missing or of the wrong type"
+    for name, one in row["sets"].items():
+        phenomena = one.get("phenomena") if isinstance(one, dict) else None
+        if not isinstance(phenomena, dict) or not all(map(number, phenomena.values())):
+            return f"sets.{name}.phenomena must map each phenomenon to its accuracy"
+    for key in ("heldout", "probe"):
+        if row.get(key) is not None and not isinstance(row[key], dict):
+            return f"'{key}' must be an object"
+    return None
 
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
@@ -266,20 +292,40 @@ def _blimp_pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
               f"{_p(c['p_two_sided'])} |" for c in pairs]]
 
 
-def _fmt(x: float, scale: float = 1.0, digits: int = 2) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x / scale:.{digits}f}"
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _p(p: float | None) -> str:
+def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
+    """x / scale with `digits` decimals (scale 0.01: a rate as %); '—' when x is no number."""
+    return f"{x / scale:.{digits}f}" if _number(x) else "—"
+
+
+def _p(p: Any) -> str:
     """A p-value for a table: 3 significant digits, '—' when missing."""
-    return "—" if p is None or not math.isfinite(p) else f"{p:.3g}"
+    return f"{p:.3g}" if _number(p) else "—"
+
+
+def _blimp_line(r: dict[str, Any]) -> str:
+    """One row of the BLiMP table. The optional fields (held-out, probe) of a row written by an
+    older study, or edited by hand, show as '—', never as an error."""
+    p, h = r.get("probe") or {}, r.get("heldout") or {}
+    chance = next(iter(r["sets"].values())).get("p_vs_chance")
+    cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", _fmt(r["overall"], 0.01, 1),
+             str(r["n_pairs"]), _p(chance), _fmt(h.get("top1"), 0.01, 1),
+             _fmt(h.get("unigram_top1"), 0.01, 1), _p(h.get("p_vs_unigram")),
+             _fmt(h.get("loss"), 1, 3), _fmt(h.get("unigram_loss"), 1, 3),
+             str(p.get("input", "—")) if p else "— (MLM head)", _fmt(p.get("heldout_loss"), 1, 3),
+             _fmt(p.get("heldout_top1"), 0.01, 1), _fmt(p.get("unigram_loss"), 1, 3),
+             str(p.get("steps", "—")) if p else "—"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _set_cells(s: dict[str, Any] | None) -> str:
     """'accuracy % | p' of one pair set (p from the pooled pairs; '—' for rows written before)."""
     if not s:
         return "— | —"
-    return f"{_fmt(100 * s['overall'], 1, 1)} | {_p(s.get('p_vs_chance'))}"
+    return f"{_fmt(s.get('overall'), 0.01, 1)} | {_p(s.get('p_vs_chance'))}"
 
 
 def _unscored_rows(study: Study) -> list[str]:
@@ -327,21 +373,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]], times: d
               "| p | held-out loss (nats) | unigram loss (nats) | probe input "
               "| probe held-out loss (nats) | probe top-1 % | probe unigram loss | probe steps |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for r in blimp:
-        p, h = r.get("probe") or {}, r.get("heldout") or {}
-        probe_top1 = 100 * p["heldout_top1"] if p.get("heldout_top1") is not None else math.nan
-        chance = next(iter((r.get("sets") or {"": {}}).values())).get("p_vs_chance")
-        lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {100 * r['overall']:.1f} | "
-                     f"{r['n_pairs']} | {_p(chance)} | "
-                     f"{_fmt(100 * h['top1'] if h else math.nan, 1, 1)} | "
-                     f"{_fmt(100 * h.get('unigram_top1', math.nan), 1, 1)} | "
-                     f"{_p(h.get('p_vs_unigram'))} | {_fmt(h.get('loss', math.nan), 1, 3)} | "
-                     f"{_fmt(h.get('unigram_loss', math.nan), 1, 3)} | "
-                     f"{p.get('input', '—') if p else '— (MLM head)'} | "
-                     f"{_fmt(p.get('heldout_loss') or math.nan, 1, 3)} | "
-                     f"{_fmt(probe_top1, 1, 1)} | "
-                     f"{_fmt(p.get('unigram_loss') or math.nan, 1, 3)} | "
-                     f"{p.get('steps', '—') if p else '—'} |")
+    lines += [_blimp_line(r) for r in blimp]
     lines += _unscored_rows(study)
     lines += _blimp_pair_lines(blimp_comparisons(study, blimp))
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
