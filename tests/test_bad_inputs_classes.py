@@ -571,6 +571,26 @@ def _content_study_report_blimp_phenomena_a_list(tmp, fix):
     return ["study", "report", str(study)], [row], "sets.blimp.phenomena must map"
 
 
+def _content_study_report_stage_row_without_seconds(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    _write(tmp / "study" / "stages.jsonl", '{"stage": "store", "arm": null}\n')
+    # the failed report stage appends its own time row to stages.jsonl: protect the rest
+    return ["study", "report", str(study)], [study], "stages.jsonl:1 is not a row the study wrote"
+
+
+def _content_study_report_metrics_row_not_an_object(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    rows = _write(tmp / "study" / "runs" / "a" / "metrics.jsonl",
+                  '{"step": 1, "loss": 7.5}\n[1, 7.4]\n')
+    return ["study", "report", str(study)], [rows], "metrics.jsonl:2 is not a row the study wrote"
+
+
+def _content_study_status_entry_not_an_object(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    status = _write(tmp / "study" / "status.json", '{"store": "done"}')
+    return ["study", str(study), "--stages", "store"], [status], "entry 'store' must be an object"
+
+
 def _study_in(tmp: Path, fix: dict, out: Path) -> Path:
     corpus = _copy(fix["corpus_dir"], tmp / "corpus")
     return _write(tmp / "s.yaml", f"corpus: {{sources: [{corpus}]}}\nout: {out}\n"

@@ -32,15 +32,12 @@ def _save(fig: Figure, path: Path) -> str:
     return path.name
 
 
-def _metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a crash
-    return rows
+_METRICS_ROW = {"step": "number", "loss": "number", "tokens": "number?", "tokens_per_s": "number?"}
+_STAGES_ROW = {"stage": "text", "arm": "text?", "seconds": "number"}
+
+
+def _metrics(study: Study, arm: str) -> list[dict[str, Any]]:
+    return _jsonl(study, study.run_dir(arm) / "metrics.jsonl", _METRICS_ROW)
 
 
 def plot_pretraining(study: Study, path: Path) -> str | None:
@@ -49,7 +46,7 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
     ax = fig.add_subplot()
     drawn = False
     for k, arm in enumerate(study.spec.arms):
-        rows = _metrics(study.run_dir(arm))
+        rows = _metrics(study, arm)
         if rows:
             ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=arm, color=f"C{k}",
                     linewidth=1)
@@ -91,7 +88,7 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
     out = []
     for arm in study.spec.arms:
         cfg = study.arm_config(arm)
-        rows = _metrics(study.run_dir(arm))
+        rows = _metrics(study, arm)
         step = rows[-1]["step"] if rows else 0
         try:
             table = flops_for_run(cfg)
@@ -110,16 +107,17 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
 
 def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
     times: dict[tuple[str, str | None], float] = {}
-    for row in _jsonl(study, study.root / "stages.jsonl"):
+    for row in _jsonl(study, study.root / "stages.jsonl", _STAGES_ROW):
         key = (row["stage"], row["arm"])
         times[key] = times.get(key, 0.0) + float(row["seconds"])
     return times
 
 
-def _jsonl(study: Study, path: Path) -> list[dict[str, Any]]:
+def _jsonl(study: Study, path: Path, fields: dict[str, str]) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file the study appends to. A line torn by a killed writer (the
     start of a JSON object, broken off) is skipped with a warning, as `read_results` skips one;
-    any other line that is not JSON is a one-line error naming the file and line."""
+    any other line that is not JSON, or not an object with `fields` ({key: "number" | "text",
+    "?" = may be missing or null}), is a one-line error naming the file and line."""
     rows = []
     text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
     for number, line in enumerate(text.splitlines(), 1):
@@ -132,7 +130,26 @@ def _jsonl(study: Study, path: Path) -> list[dict[str, Any]]:
                 raise UserError(f"{path}:{number} is not JSON ({exc.msg}, column {exc.colno}); "
                                 "remove or fix that line") from None
             study.log(f"[study] warning: {path}: skipped line {number}, torn by a killed writer")
+            continue
+        wrong = _field_problem(rows[-1], fields)
+        if wrong:
+            raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); remove or "
+                            "fix that line")
     return rows
+
+
+def _field_problem(row: Any, fields: dict[str, str]) -> str | None:
+    """What is wrong with a row's shape ('a JSON object', or which field), or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key, kind in fields.items():
+        value, optional = row.get(key), kind.endswith("?")
+        if value is None and optional:
+            continue
+        ok = _numeric(value) if kind.rstrip("?") == "number" else isinstance(value, str)
+        if not ok:
+            return f"'{key}' is missing or not a {kind.rstrip('?')}"
+    return None
 
 
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
@@ -151,17 +168,15 @@ def blimp_rows(study: Study) -> list[dict[str, Any]]:
 def _blimp_row_problem(row: dict[str, Any]) -> str | None:
     """What is wrong with the shape of a BLiMP result file (hand-edited, or another tool's), or
     None: the report reads these fields and must not die on a KeyError deep inside."""
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    for key, ok in (("arm", lambda v: isinstance(v, str)), ("readiness", number),
-                    ("overall", number), ("n_pairs", number),
-                    ("sets", lambda v: isinstance(v, dict) and bool(v))):
-        if not ok(row.get(key)):
-            return f"'{key}' is missing or of the wrong type"
+    wrong = _field_problem(row, {"arm": "text", "readiness": "number", "overall": "number",
+                                 "n_pairs": "number"})
+    if wrong:
+        return wrong
+    if not isinstance(row.get("sets"), dict) or not row["sets"]:
+        return "'sets' must map each pair set to its scores"
     for name, one in row["sets"].items():
         phenomena = one.get("phenomena") if isinstance(one, dict) else None
-        if not isinstance(phenomena, dict) or not all(map(number, phenomena.values())):
+        if not isinstance(phenomena, dict) or not all(map(_numeric, phenomena.values())):
             return f"sets.{name}.phenomena must map each phenomenon to its accuracy"
     for key in ("heldout", "probe"):
         if row.get(key) is not None and not isinstance(row[key], dict):
@@ -292,8 +307,13 @@ def _blimp_pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
               f"{_p(c['p_two_sided'])} |" for c in pairs]]
 
 
+def _numeric(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A number a table can show (finite)."""
+    return _numeric(x) and math.isfinite(x)
 
 
 def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:

@@ -121,8 +121,13 @@ class Study:
         path = self.root / "status.json"
         if not path.exists():
             return {}
-        return read_json(path, "study status", "restore it, or delete it to let the study redo "
-                         "its bookkeeping")
+        fix = "restore it, or delete it to let the study redo its bookkeeping"
+        status = read_json(path, "study status", fix)
+        wrong = next((k for k, v in status.items() if not isinstance(v, dict)), None)
+        if wrong is not None:
+            raise UserError(f"study status {path}: entry {wrong!r} must be an object like "
+                            f'{{"state": "done"}}; {fix}')
+        return status
 
     def set_status(self, key: str, value: dict[str, Any]) -> None:
         """Record one stage's outcome. A locked read-modify-write: local jobs (threads) and slurm
