@@ -29,8 +29,10 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
     _run_args,
     _tree,
     _user_folder,
+    fresh_targets,
     fx,
     mlsm_ckpt,
+    targets_cmd,
 )
 
 ROW = {"task": "rte", "metric": "accuracy", "lr": 2e-5, "epochs": 3, "batch_size": 32,
@@ -589,6 +591,89 @@ def _content_study_status_entry_not_an_object(tmp, fix):
     study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
     status = _write(tmp / "study" / "status.json", '{"store": "done"}')
     return ["study", str(study), "--stages", "store"], [status], "entry 'store' must be an object"
+
+
+# valid JSON of the wrong shape in the files mlsm wrote itself and reads back: each reader checks
+# the fields it uses where it reads the file (`mlsm.inputs.read_json(fields=...)`)
+
+
+def _edit_json(path: Path, **fields: object) -> Path:
+    """Rewrite one of mlsm's JSON files with `fields` changed (None: removed), as a hand edit."""
+    data = json.loads(path.read_text())
+    data.update(fields)
+    return _write(path, json.dumps({k: v for k, v in data.items() if v is not None}))
+
+
+def _content_blimp_run_checkpoint_step_not_a_number(tmp, fix):
+    """A run given by its folder: every checkpoint.json of the run is read to find the final one."""
+    run = _copy(fix["teacher_dir"].parent.parent, tmp / "run")
+    _edit_json(run / "checkpoints" / fix["teacher_dir"].name / "checkpoint.json", step="last")
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
+            "'step' is missing or not an integer")
+
+
+def _content_finetune_checkpoint_readiness_not_a_number(tmp, fix):
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    _edit_json(model / "checkpoint.json", readiness="all")
+    return (_finetune(fix, tmp, _glue(tmp), model=model), [model],
+            "'readiness' is missing or not a number")
+
+
+def _content_export_checkpoint_objective_not_an_object(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    _edit_json(ckpt / "checkpoint.json", config={**info["config"], "objective": "mlsm"})
+    return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
+            "'config.objective' is missing or not an object")
+
+
+def _content_export_checkpoint_run_not_text(tmp, fix):
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    _edit_json(ckpt / "checkpoint.json", run=["runs", "a"])
+    return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
+            "'run' is missing or not text")
+
+
+def _content_blimp_heads_json_probe_sizes_not_numbers(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    _edit_json(ckpt / "heads.json", probe={"in": "k", "out": "vocab"})
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(ckpt), "--data", str(data), "--out", str(tmp / "b")], [ckpt, data],
+            "'probe.in' is missing or not an integer")
+
+
+def _content_probe_store_meta_without_tokenizer_hash(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    _edit_json(store / "meta.json", tokenizer_hash=None)
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--steps", "1", "--out",
+             str(tmp / "p")], [store, fix["mlsm_ckpt"]],
+            "'tokenizer_hash' is missing or not text")
+
+
+def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), lam="high")
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [meta],
+            "'lam' is missing or not a number")
+
+
+def _content_flops_dictionary_meta_layer_not_a_number(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), layer="last")
+    return (["flops", "--teacher", str(fix["teacher_dir"]), "objective.name=mlsm",
+             f"objective.dictionary={weights}"],
+            [meta], "'layer' is missing or not an integer")
+
+
+def _content_pretrain_target_store_meta_k_not_a_number(tmp, fix):
+    targets = _copy(fix["fresh_targets"], tmp / "t")
+    _edit_json(targets / "meta.json", k="many")
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
+        "objective.name": "mlsm", "objective.targets": str(targets)})], [targets],
+            "'k' is missing or not an integer")
 
 
 def _study_in(tmp: Path, fix: dict, out: Path) -> Path:
