@@ -668,6 +668,17 @@ def _content_flops_dictionary_meta_layer_not_a_number(tmp, fix):
             [meta], "'layer' is missing or not an integer")
 
 
+def _content_pretrain_resume_metrics_row_step_not_a_number(tmp, fix):
+    """A resume keeps the logged rows up to its step: it dropped a hand-edited row for good."""
+    args = _run_args(fix["store_dir"], tmp / "run")
+    assert main(["pretrain", *args]) == 0
+    rows = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
+    _write(tmp / "run" / "metrics.jsonl",
+           "\n".join([json.dumps({**json.loads(rows[0]), "step": "1"}), *rows[1:]]) + "\n")
+    return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
+            "metrics.jsonl:1 is not a row mlsm logged ('step' is missing or not an integer)")
+
+
 def _content_pretrain_target_store_meta_k_not_a_number(tmp, fix):
     targets = _copy(fix["fresh_targets"], tmp / "t")
     _edit_json(targets / "meta.json", k="many")
