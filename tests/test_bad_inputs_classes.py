@@ -710,6 +710,29 @@ def _paths_study_out_inside_the_corpus_folder(tmp, fix):
     return ["study", str(study)], [tmp / "corpus"], "overlaps the corpus source"
 
 
+@pytest.mark.parametrize(("record", "field"), [
+    ('{"checkpoint": "x", "heldout_loss": 1.0, "unigram_loss": 2.0}', "'better_than_unigram'"),
+    ('{"checkpoint": "x", "heldout_loss": "low", "unigram_loss": 2.0, '
+     '"better_than_unigram": false}', "'heldout_loss'")])
+def test_study_blimp_stage_names_a_probe_record_of_the_wrong_shape(
+        record: str, field: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """The blimp stage of a latent arm reads its probe's probe.json: a hand-edited one was a bare
+    KeyError / format error in status.json (the stage fails alone, so this is no CLI case)."""
+    from mlsm.study.runner import Study
+    from mlsm.study.spec import load_study
+    from mlsm.study.stages import _blimp
+
+    data = _blimp_dir(tmp_path, GOOD_PAIR)
+    spec = _study(tmp_path, {"corpus_dir": corpus_dir},
+                  f"arms: {{a: {{objective: {{name: mlsm}}}}}}\nblimp: {{data: [{data}]}}\n")
+    study = Study(load_study(spec), log=lambda s: None)
+    probe = _write(study.probe_dir("a", 1.0) / "probe.json", record)
+    with pytest.raises(UserError) as info:
+        _blimp(study, "a", 1.0)
+    assert f"{probe} is not one mlsm wrote ({field}" in str(info.value), str(info.value)
+    assert "--stages probe blimp" in str(info.value) and probe.read_text() == record
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
 
