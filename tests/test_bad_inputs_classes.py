@@ -733,6 +733,24 @@ def test_study_blimp_stage_names_a_probe_record_of_the_wrong_shape(
     assert "--stages probe blimp" in str(info.value) and probe.read_text() == record
 
 
+@pytest.mark.parametrize("saved", ["[1, 2]\n", "train: [steps]\n", "train: {steps: 1\n"])
+def test_study_pretrain_stage_leaves_a_run_config_yaml_of_the_wrong_shape_to_pretrain(
+        saved: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """A run's config.yaml the study compares with its arm's config: a list or a group that is no
+    mapping was an AttributeError failing the arm; now, as a torn one, it is left to `pretrain`,
+    which checks the checkpoint's config and rewrites config.yaml. A real difference still stops."""
+    from mlsm.study.runner import Study, check_same_config
+    from mlsm.study.spec import load_study
+
+    spec = _study(tmp_path, {"corpus_dir": corpus_dir}, "arms: {a: {objective: {name: mlm}}}\n")
+    study = Study(load_study(spec), log=lambda s: None)
+    _write(study.run_dir("a") / "config.yaml", saved)
+    check_same_config(study, "a", study.arm_config("a"))
+    _write(study.run_dir("a") / "config.yaml", "train: {steps: 7}\n")
+    with pytest.raises(UserError, match="train.steps is 1 in the study file but 7"):
+        check_same_config(study, "a", study.arm_config("a"))
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
 
