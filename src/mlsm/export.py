@@ -67,11 +67,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     _check_out(out)
     info = read_json(folder / "checkpoint.json", "checkpoint file", _FIX_CKPT, fields=_READS)
     probe_folder = _find_probe(folder, info, probe)
+    heads_from = probe_folder or folder
+    if (heads_from / "heads.json").is_file():  # the card lists its heads
+        read_json(heads_from / "heads.json", "heads file", _FIX_CKPT)
     with building_dir(out, "export") as tmp:
         for f in folder.iterdir():
             if f.is_file() and f.name not in _SKIP:
                 shutil.copy2(f, tmp / f.name)
-        heads_from = probe_folder or folder
         for name in ("heads.safetensors", "heads.json"):
             if (heads_from / name).is_file():
                 shutil.copy2(heads_from / name, tmp / name)
@@ -184,7 +186,9 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
                                    **{f"config.objective.{k}": "text?" for k in _OPTIONS},
                                    "config.objective.layer": "int?"})["config"]["objective"]
     run_json = Path(info.get("run", "")) / "run.json"
-    arch = json.loads((folder / "config.json").read_text()).get("architectures") or ["?"]
+    config = read_json(folder / "config.json", "model config", _FIX_CKPT,
+                       fields={"architectures": "list?"})
+    arch = [a for a in config.get("architectures") or [] if isinstance(a, str)] or ["?"]
     return {
         "format": EXPORT_FORMAT, "version": 1,
         "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"),
