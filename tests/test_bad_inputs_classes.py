@@ -29,8 +29,10 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
     _run_args,
     _tree,
     _user_folder,
+    fresh_targets,
     fx,
     mlsm_ckpt,
+    targets_cmd,
 )
 
 ROW = {"task": "rte", "metric": "accuracy", "lr": 2e-5, "epochs": 3, "batch_size": 32,
@@ -591,6 +593,100 @@ def _content_study_status_entry_not_an_object(tmp, fix):
     return ["study", str(study), "--stages", "store"], [status], "entry 'store' must be an object"
 
 
+# valid JSON of the wrong shape in the files mlsm wrote itself and reads back: each reader checks
+# the fields it uses where it reads the file (`mlsm.inputs.read_json(fields=...)`)
+
+
+def _edit_json(path: Path, **fields: object) -> Path:
+    """Rewrite one of mlsm's JSON files with `fields` changed (None: removed), as a hand edit."""
+    data = json.loads(path.read_text())
+    data.update(fields)
+    return _write(path, json.dumps({k: v for k, v in data.items() if v is not None}))
+
+
+def _content_blimp_run_checkpoint_step_not_a_number(tmp, fix):
+    """A run given by its folder: every checkpoint.json of the run is read to find the final one."""
+    run = _copy(fix["teacher_dir"].parent.parent, tmp / "run")
+    _edit_json(run / "checkpoints" / fix["teacher_dir"].name / "checkpoint.json", step="last")
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
+            "'step' is missing or not an integer")
+
+
+def _content_finetune_checkpoint_readiness_not_a_number(tmp, fix):
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    _edit_json(model / "checkpoint.json", readiness="all")
+    return (_finetune(fix, tmp, _glue(tmp), model=model), [model],
+            "'readiness' is missing or not a number")
+
+
+def _content_export_checkpoint_objective_not_an_object(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    _edit_json(ckpt / "checkpoint.json", config={**info["config"], "objective": "mlsm"})
+    return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
+            "'config.objective' is missing or not an object")
+
+
+def _content_export_checkpoint_run_not_text(tmp, fix):
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    _edit_json(ckpt / "checkpoint.json", run=["runs", "a"])
+    return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
+            "'run' is missing or not text")
+
+
+def _content_blimp_heads_json_probe_sizes_not_numbers(tmp, fix):
+    ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
+    _edit_json(ckpt / "heads.json", probe={"in": "k", "out": "vocab"})
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(ckpt), "--data", str(data), "--out", str(tmp / "b")], [ckpt, data],
+            "'probe.in' is missing or not an integer")
+
+
+def _content_probe_store_meta_without_tokenizer_hash(tmp, fix):
+    store = _copy(fix["store_dir"], tmp / "store")
+    _edit_json(store / "meta.json", tokenizer_hash=None)
+    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--steps", "1", "--out",
+             str(tmp / "p")], [store, fix["mlsm_ckpt"]],
+            "'tokenizer_hash' is missing or not text")
+
+
+def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), lam="high")
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [meta],
+            "'lam' is missing or not a number")
+
+
+def _content_flops_dictionary_meta_layer_not_a_number(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), layer="last")
+    return (["flops", "--teacher", str(fix["teacher_dir"]), "objective.name=mlsm",
+             f"objective.dictionary={weights}"],
+            [meta], "'layer' is missing or not an integer")
+
+
+def _content_pretrain_resume_metrics_row_step_not_a_number(tmp, fix):
+    """A resume keeps the logged rows up to its step: it dropped a hand-edited row for good."""
+    args = _run_args(fix["store_dir"], tmp / "run")
+    assert main(["pretrain", *args]) == 0
+    rows = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
+    _write(tmp / "run" / "metrics.jsonl",
+           "\n".join([json.dumps({**json.loads(rows[0]), "step": "1"}), *rows[1:]]) + "\n")
+    return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
+            "metrics.jsonl:1 is not a row mlsm logged ('step' is missing or not an integer)")
+
+
+def _content_pretrain_target_store_meta_k_not_a_number(tmp, fix):
+    targets = _copy(fix["fresh_targets"], tmp / "t")
+    _edit_json(targets / "meta.json", k="many")
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
+        "objective.name": "mlsm", "objective.targets": str(targets)})], [targets],
+            "'k' is missing or not an integer")
+
+
 def _study_in(tmp: Path, fix: dict, out: Path) -> Path:
     corpus = _copy(fix["corpus_dir"], tmp / "corpus")
     return _write(tmp / "s.yaml", f"corpus: {{sources: [{corpus}]}}\nout: {out}\n"
@@ -612,6 +708,47 @@ def _paths_study_out_is_a_corpus_file(tmp, fix):
 def _paths_study_out_inside_the_corpus_folder(tmp, fix):
     study = _study_in(tmp, fix, tmp / "corpus" / "study")
     return ["study", str(study)], [tmp / "corpus"], "overlaps the corpus source"
+
+
+@pytest.mark.parametrize(("record", "field"), [
+    ('{"checkpoint": "x", "heldout_loss": 1.0, "unigram_loss": 2.0}', "'better_than_unigram'"),
+    ('{"checkpoint": "x", "heldout_loss": "low", "unigram_loss": 2.0, '
+     '"better_than_unigram": false}', "'heldout_loss'")])
+def test_study_blimp_stage_names_a_probe_record_of_the_wrong_shape(
+        record: str, field: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """The blimp stage of a latent arm reads its probe's probe.json: a hand-edited one was a bare
+    KeyError / format error in status.json (the stage fails alone, so this is no CLI case)."""
+    from mlsm.study.runner import Study
+    from mlsm.study.spec import load_study
+    from mlsm.study.stages import _blimp
+
+    data = _blimp_dir(tmp_path, GOOD_PAIR)
+    spec = _study(tmp_path, {"corpus_dir": corpus_dir},
+                  f"arms: {{a: {{objective: {{name: mlsm}}}}}}\nblimp: {{data: [{data}]}}\n")
+    study = Study(load_study(spec), log=lambda s: None)
+    probe = _write(study.probe_dir("a", 1.0) / "probe.json", record)
+    with pytest.raises(UserError) as info:
+        _blimp(study, "a", 1.0)
+    assert f"{probe} is not one mlsm wrote ({field}" in str(info.value), str(info.value)
+    assert "--stages probe blimp" in str(info.value) and probe.read_text() == record
+
+
+@pytest.mark.parametrize("saved", ["[1, 2]\n", "train: [steps]\n", "train: {steps: 1\n"])
+def test_study_pretrain_stage_leaves_a_run_config_yaml_of_the_wrong_shape_to_pretrain(
+        saved: str, corpus_dir: Path, tmp_path: Path) -> None:
+    """A run's config.yaml the study compares with its arm's config: a list or a group that is no
+    mapping was an AttributeError failing the arm; now, as a torn one, it is left to `pretrain`,
+    which checks the checkpoint's config and rewrites config.yaml. A real difference still stops."""
+    from mlsm.study.runner import Study, check_same_config
+    from mlsm.study.spec import load_study
+
+    spec = _study(tmp_path, {"corpus_dir": corpus_dir}, "arms: {a: {objective: {name: mlm}}}\n")
+    study = Study(load_study(spec), log=lambda s: None)
+    _write(study.run_dir("a") / "config.yaml", saved)
+    check_same_config(study, "a", study.arm_config("a"))
+    _write(study.run_dir("a") / "config.yaml", "train: {steps: 7}\n")
+    with pytest.raises(UserError, match="train.steps is 1 in the study file but 7"):
+        check_same_config(study, "a", study.arm_config("a"))
 
 
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())

@@ -33,7 +33,14 @@ EXPORT_FORMAT = "mlsm-export"
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
 _SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
-_FIX_CKPT = "pass an intact <run>/checkpoints/step-* folder"
+_FIX_CKPT = ("restore it from a copy of the checkpoint, or pass another intact "
+             "<run>/checkpoints/step-* folder")
+# what the export reads of checkpoint.json (the card formats step, readiness and tokens)
+_OPTIONS = ("checkpoint", "dictionary", "targets", "teacher")
+_READS = {"step": "int", "readiness": "number", "tokens": "int", "objective": "text?",
+          "run": "text?", "config": "object", "config.objective": "object?",
+          "config.data": "object?", "config.data.store": "text?", "config.objective.layer": "int?",
+          **{f"config.objective.{k}": "text?" for k in _OPTIONS}}
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
@@ -58,15 +65,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     check_apart(out, "--out", {"checkpoint": folder, "--probe": probe, "--results": results},
                 contains=True)
     _check_out(out)
-    info = read_json(folder / "checkpoint.json", "checkpoint file", _FIX_CKPT)
-    if not isinstance(info.get("config"), dict):
-        raise UserError(f"{folder / 'checkpoint.json'} has no run config; {_FIX_CKPT}")
+    info = read_json(folder / "checkpoint.json", "checkpoint file", _FIX_CKPT, fields=_READS)
     probe_folder = _find_probe(folder, info, probe)
+    heads_from = probe_folder or folder
+    if (heads_from / "heads.json").is_file():  # the card lists its heads
+        read_json(heads_from / "heads.json", "heads file", _FIX_CKPT)
     with building_dir(out, "export") as tmp:
         for f in folder.iterdir():
             if f.is_file() and f.name not in _SKIP:
                 shutil.copy2(f, tmp / f.name)
-        heads_from = probe_folder or folder
         for name in ("heads.safetensors", "heads.json"):
             if (heads_from / name).is_file():
                 shutil.copy2(heads_from / name, tmp / name)
@@ -173,10 +180,15 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
     source = objective
     if (objective.get("name") == "probe"
             and (Path(objective.get("checkpoint", "")) / "checkpoint.json").is_file()):
-        source = json.loads(
-            (Path(objective["checkpoint"]) / "checkpoint.json").read_text())["config"]["objective"]
+        source = read_json(Path(objective["checkpoint"]) / "checkpoint.json",
+                           "checkpoint file of the probed model", _FIX_CKPT,
+                           fields={"config.objective": "object",
+                                   **{f"config.objective.{k}": "text?" for k in _OPTIONS},
+                                   "config.objective.layer": "int?"})["config"]["objective"]
     run_json = Path(info.get("run", "")) / "run.json"
-    arch = json.loads((folder / "config.json").read_text()).get("architectures") or ["?"]
+    config = read_json(folder / "config.json", "model config", _FIX_CKPT,
+                       fields={"architectures": "list?"})
+    arch = [a for a in config.get("architectures") or [] if isinstance(a, str)] or ["?"]
     return {
         "format": EXPORT_FORMAT, "version": 1,
         "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"),
@@ -200,10 +212,12 @@ def _revision_at(run_json: Path, step: Any) -> str | None:
     if not run_json.is_file():
         return None
     marker = read_json(run_json, "run file", "restore it from a copy of the run (it records the "
-                       "git revision of each training segment)")
+                       "git revision of each training segment)",
+                       fields={"git_revision": "text?", "resumed": "list?"})
+    # a segment of the wrong shape is skipped: the revision is a figure of the card, not its basis
     segments = [marker, *[r for r in marker.get("resumed") or []
                           if isinstance(r, dict) and isinstance(step, int)
-                          and r.get("from_step", step) < step]]
+                          and isinstance(r.get("from_step"), int) and r["from_step"] < step]]
     return segments[-1].get("git_revision")
 
 
@@ -244,7 +258,9 @@ def _store(path: str) -> dict[str, Any] | None:
         return None
     if not meta_path.is_file():
         return {"path": path, "fingerprint": None, "note": "token store not found at export time"}
-    meta = json.loads(meta_path.read_text())
+    meta = _card_meta(meta_path)
+    if meta is None:
+        return {"path": path, "fingerprint": None, "note": "token store unreadable at export time"}
     return {k: meta.get(k)
             for k in ("fingerprint", "n_tokens", "n_docs", "tokenizer_hash", "sources")}
 
@@ -253,9 +269,20 @@ def _targets(path: str) -> dict[str, Any] | None:
     meta_path = Path(path) / "meta.json" if path else None
     if meta_path is None or not meta_path.is_file():
         return None if not path else {"path": path, "note": "target store not found at export time"}
-    meta = json.loads(meta_path.read_text())
+    meta = _card_meta(meta_path)
+    if meta is None:
+        return {"path": path, "note": "target store unreadable at export time"}
     return {k: meta.get(k)
             for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
+
+
+def _card_meta(path: Path) -> dict[str, Any] | None:
+    """A store's meta.json for the card, or None when torn or of the wrong shape: the card only
+    shows its figures (and notes that it could not), so the export goes on without them."""
+    try:
+        return read_json(path, "store meta", "", fields={"n_tokens": "int?", "sources": "list?"})
+    except UserError:
+        return None
 
 
 def hub_datasets(data: dict[str, Any] | None) -> list[str]:

@@ -42,8 +42,10 @@ def read_text(path: str | os.PathLike, what: str, fix: str) -> str:
         raise UserError(f"{what} {p} is not UTF-8 text (byte {exc.start}); {fix}") from None
 
 
-def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict) -> Any:
-    """A JSON file whose top level is a `kind` (a mapping by default); else one UserError."""
+def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict,
+              fields: Mapping[str, str] | None = None) -> Any:
+    """A JSON file whose top level is a `kind` (a mapping by default) and whose `fields` have the
+    shape the reader uses (`field_problem`); else one UserError naming the file and the fix."""
     p = Path(path)
     text = read_text(p, what, fix)
     try:
@@ -54,10 +56,57 @@ def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict) -
     if not isinstance(data, kind):
         raise UserError(f"{what} {p} must hold a JSON {_KINDS.get(kind, kind.__name__)}, "
                         f"got {type(data).__name__}; {fix}")
+    wrong = field_problem(data, fields or {})
+    if wrong:
+        raise UserError(f"{what} {p} is not one mlsm wrote ({wrong}); {fix}")
     return data
 
 
 _KINDS = {dict: "object", list: "list"}
+
+
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool (JSON true is not a count)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_FIELD_KINDS: dict[str, Callable[[Any], bool]] = {
+    "number": is_number,
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "text": lambda v: isinstance(v, str),
+    "object": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
+    "numbers": lambda v: isinstance(v, list) and all(map(is_number, v)),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
+def field_problem(data: Any, fields: Mapping[str, str]) -> str | None:
+    """What is wrong with the shape of a parsed JSON object, or None: `fields` maps each key the
+    reader uses (dotted for nested objects: "config.train.steps") to its kind, one of number, int,
+    text, object, list, numbers (a list of numbers), bool; a trailing "?" lets it be missing or
+    null. The message names the key: "'config.train' must be an object", "'step' is missing or
+    not an integer"."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    for key, kind in fields.items():
+        value: Any = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if not isinstance(value, dict):
+                return f"'{'.'.join(parts[:depth])}' must be an object"
+            value = value.get(part)
+            if value is None:
+                break
+        if value is None and kind.endswith("?"):
+            continue
+        if not _FIELD_KINDS[kind.rstrip("?")](value):
+            return f"'{key}' is missing or not {_ARTICLE[kind.rstrip('?')]}"
+    return None
+
+
+_ARTICLE = {"number": "a number", "int": "an integer", "text": "text", "object": "an object",
+            "list": "a list", "numbers": "a list of numbers", "bool": "true or false"}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -17,12 +17,12 @@ A spec that does not resolve stops with one line listing the checkpoints the run
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlsm.errors import UserError
+from mlsm.inputs import read_json
 
 _SUFFIX = re.compile(r"(?:(?P<pct>\d+(?:\.\d+)?)%|step-(?P<step>\d+))")
 SYNTAX = "RUN, RUN@<percent>% (e.g. @50%) or RUN@step-<N> (e.g. @step-100)"
@@ -78,6 +78,12 @@ def is_run_dir(path: str | Path) -> bool:
     return (Path(path) / "checkpoints").is_dir()
 
 
+# what open_run reads of each checkpoint.json (a hand-edited one is named, not a traceback)
+_MARKER_FIELDS = {"step": "int", "readiness": "number?", "config.train.steps": "int?",
+                  "config.train.readiness": "numbers?"}
+_FIX_MARKER = "restore it from a copy, or delete that checkpoint folder to use the others"
+
+
 def open_run(path: str | Path) -> Run:
     """Read a run directory's complete checkpoints; UserError when it has none."""
     root = Path(path)
@@ -86,15 +92,14 @@ def open_run(path: str | Path) -> Run:
         marker = folder / "checkpoint.json"
         if not marker.is_file():
             continue  # being written, or killed while writing: not a checkpoint
-        try:
-            info = json.loads(marker.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{marker} is not valid JSON ({exc.msg}); "
-                            "fix or remove that checkpoint") from exc
-        found.append(RunCheckpoint(int(info["step"]), folder))
-        train = info.get("config", {}).get("train", {})
+        info = read_json(marker, "checkpoint file", _FIX_MARKER, fields=_MARKER_FIELDS)
+        found.append(RunCheckpoint(info["step"], folder))
+        train = (info.get("config") or {}).get("train") or {}
+        if not train.get("steps") and not info.get("readiness"):
+            raise UserError(f"checkpoint file {marker} names neither config.train.steps nor "
+                            f"readiness, so the run's length is unknown; {_FIX_MARKER}")
         total = int(train.get("steps") or round(info["step"] / info["readiness"]))
-        readiness = tuple(float(r) for r in train.get("readiness", readiness))
+        readiness = tuple(float(r) for r in train.get("readiness") or readiness)
     if not found:
         raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
                         "yet; train it (mlsm pretrain) or pass a checkpoint folder")

@@ -41,6 +41,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
+from mlsm.inputs import field_problem
 from mlsm.progress import Progress
 
 STORE_FORMAT = "mlsm-token-store"
@@ -186,9 +187,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
 
 def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
     """(n_tokens, n_docs) after checking meta's fields and the sizes of tokens.bin/offsets.bin."""
-    n_tokens, n_docs, dtype = meta.get("n_tokens"), meta.get("n_docs"), meta.get("dtype")
-    if dtype not in ("uint16", "uint32") or not all(
-            isinstance(n, int) and n > 0 for n in (n_tokens, n_docs)):
+    wrong = field_problem(meta, {"n_tokens": "int", "n_docs": "int", "tokenizer_hash": "text"})
+    if wrong:
+        raise _damaged(path, f"meta.json: {wrong}")
+    n_tokens, n_docs, dtype = meta["n_tokens"], meta["n_docs"], meta.get("dtype")
+    if dtype not in ("uint16", "uint32") or n_tokens <= 0 or n_docs <= 0:
         raise _damaged(path, "meta.json lacks a valid dtype, n_tokens or n_docs")
     for name, expected in (("tokens.bin", n_tokens * np.dtype(dtype).itemsize),
                            ("offsets.bin", (n_docs + 1) * 8)):

@@ -62,7 +62,10 @@ def resolve_model(spec: str | Path) -> ModelRef:
                         "pass a save_pretrained folder")
     meta: dict[str, Any] = {}
     if (folder / "checkpoint.json").exists():
-        meta = read_json(folder / "checkpoint.json", "checkpoint file", "fix or remove it")
+        meta = read_json(folder / "checkpoint.json", "checkpoint file",
+                         "restore it from a copy of the checkpoint",
+                         fields={"step": "int?", "readiness": "number?", "run": "text?",
+                                 "objective": "text?"})
     step = meta.get("step")
     run = meta.get("run")
     # our runs store the run directory as "run": name checkpoints <run dir name>@<step>

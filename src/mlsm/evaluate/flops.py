@@ -278,6 +278,7 @@ def _dictionary_meta(path: str) -> dict[str, Any]:
     meta = (Path(path).with_suffix(".json") if path.endswith(".safetensors")
             else Path(path + ".json"))
     from mlsm.inputs import read_json
+    from mlsm.teacher.dictionary import META_FIELDS
 
     fix = "restore it or drop objective.dictionary"
-    return read_json(meta, "dictionary meta", fix) if meta.exists() else {}
+    return read_json(meta, "dictionary meta", fix, fields=META_FIELDS) if meta.exists() else {}

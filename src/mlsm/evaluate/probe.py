@@ -18,8 +18,9 @@ from mlsm.config import config_from_dict, merge, parse_overrides
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
-from mlsm.hf import load_model, load_tokenizer, quiet, read_json
-from mlsm.inputs import check_apart
+from mlsm.hf import load_model, load_tokenizer, quiet
+from mlsm.hf import read_json as read_hf_json
+from mlsm.inputs import check_apart, read_json
 from mlsm.models.backbone import read_heads
 from mlsm.models.heads import check_scored_by_pll, latent_head_name, read_latent_head
 from mlsm.objectives.probe import probe_input
@@ -38,7 +39,7 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
                         "pass a checkpoints/step-* folder of an mlsm run")
     check_scored_by_pll(folder)  # MAE: its latent head reads the decoder, not these states
     try:
-        raw = dict(read_json(info_path)["config"])
+        raw = dict(read_hf_json(info_path)["config"])
         if not all(isinstance(raw.get(group), dict) for group in ("model", "train", "data")):
             raise TypeError("a config group is not a mapping")
         default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
@@ -103,7 +104,8 @@ class ProbeScorer(torch.nn.Module):
     def __init__(self, folder: str | Path):
         super().__init__()
         folder = Path(folder)
-        meta = read_json(folder / "heads.json")
+        meta = read_json(folder / "heads.json", "heads file", _FIX_HEADS, fields={
+            "probe": "object", "probe.in": "int", "probe.out": "int", "probe.input": "text?"})
         state = read_heads(folder)
         with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, folder)
@@ -128,8 +130,17 @@ def _exports_vocab_head(folder: Path) -> bool:
     config = folder / "config.json"
     if not config.is_file():
         return False
-    archs = read_json(config).get("architectures") or []
+    archs = read_hf_json(config).get("architectures") or []
     return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
+
+
+_FIX_HEADS = "restore it from a copy of the checkpoint, or use another checkpoint"
+
+
+def _heads_names(folder: Path) -> dict[str, Any] | None:
+    """The heads.json of a checkpoint folder (None without one); not an object is one line."""
+    path = folder / "heads.json"
+    return read_json(path, "heads file", _FIX_HEADS) if path.is_file() else None
 
 
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
@@ -143,16 +154,15 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     """
     folder = resolve_checkpoint(path)
     check_scored_by_pll(folder)
-    heads = folder / "heads.json"
-    latent_only = (heads.is_file() and "probe" not in read_json(heads)
-                   and not _exports_vocab_head(folder))
+    heads = _heads_names(folder)
+    latent_only = heads is not None and "probe" not in heads and not _exports_vocab_head(folder)
     if latent_only and is_run_dir(probe_run_of(folder)):
         folder = resolve_checkpoint(probe_run_of(folder))
-        heads = folder / "heads.json"
-    if heads.is_file() and "probe" in read_json(heads):
+        heads = _heads_names(folder)
+    if heads is not None and "probe" in heads:
         scorer = ProbeScorer(folder)
         return (scorer.to(device) if device else scorer), load_tokenizer(folder)
-    if (heads.is_file() and latent_head_name(folder) in read_json(heads)
+    if (heads is not None and latent_head_name(folder) in heads
             and not _exports_vocab_head(folder)):
         raise UserError(f"{folder} is an MLSM model without a vocabulary and "
                         f"{probe_run_of(folder)} has no probe; "

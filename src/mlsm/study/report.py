@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from mlsm.config import git_revision
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
-from mlsm.inputs import read_json
+from mlsm.inputs import field_problem, is_number, read_json
 from mlsm.study.runner import Study, pretrain_done
 from mlsm.study.spec import readiness_label
 
@@ -131,25 +131,11 @@ def _jsonl(study: Study, path: Path, fields: dict[str, str]) -> list[dict[str, A
                                 "remove or fix that line") from None
             study.log(f"[study] warning: {path}: skipped line {number}, torn by a killed writer")
             continue
-        wrong = _field_problem(rows[-1], fields)
+        wrong = field_problem(rows[-1], fields)
         if wrong:
             raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); remove or "
                             "fix that line")
     return rows
-
-
-def _field_problem(row: Any, fields: dict[str, str]) -> str | None:
-    """What is wrong with a row's shape ('a JSON object', or which field), or None."""
-    if not isinstance(row, dict):
-        return "not a JSON object"
-    for key, kind in fields.items():
-        value, optional = row.get(key), kind.endswith("?")
-        if value is None and optional:
-            continue
-        ok = _numeric(value) if kind.rstrip("?") == "number" else isinstance(value, str)
-        if not ok:
-            return f"'{key}' is missing or not a {kind.rstrip('?')}"
-    return None
 
 
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
@@ -168,7 +154,7 @@ def blimp_rows(study: Study) -> list[dict[str, Any]]:
 def _blimp_row_problem(row: dict[str, Any]) -> str | None:
     """What is wrong with the shape of a BLiMP result file (hand-edited, or another tool's), or
     None: the report reads these fields and must not die on a KeyError deep inside."""
-    wrong = _field_problem(row, {"arm": "text", "readiness": "number", "overall": "number",
+    wrong = field_problem(row, {"arm": "text", "readiness": "number", "overall": "number",
                                  "n_pairs": "number"})
     if wrong:
         return wrong
@@ -176,7 +162,7 @@ def _blimp_row_problem(row: dict[str, Any]) -> str | None:
         return "'sets' must map each pair set to its scores"
     for name, one in row["sets"].items():
         phenomena = one.get("phenomena") if isinstance(one, dict) else None
-        if not isinstance(phenomena, dict) or not all(map(_numeric, phenomena.values())):
+        if not isinstance(phenomena, dict) or not all(map(is_number, phenomena.values())):
             return f"sets.{name}.phenomena must map each phenomenon to its accuracy"
     for key in ("heldout", "probe"):
         if row.get(key) is not None and not isinstance(row[key], dict):
@@ -307,13 +293,9 @@ def _blimp_pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
               f"{_p(c['p_two_sided'])} |" for c in pairs]]
 
 
-def _numeric(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _number(x: Any) -> bool:
     """A number a table can show (finite)."""
-    return _numeric(x) and math.isfinite(x)
+    return is_number(x) and math.isfinite(x)
 
 
 def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:

@@ -27,7 +27,7 @@ from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revisio
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import read_json
+from mlsm.inputs import read_json, read_yaml
 from mlsm.runs import readiness_step
 from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
 
@@ -217,16 +217,23 @@ def _cpu_now() -> tuple[float, float]:
 
 
 def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
-    """A run folder written with a different resolved config is an error naming the arm and key."""
-    import yaml
-
+    """A run folder written with a different resolved config is an error naming the arm and key.
+    A config.yaml that is torn or of the wrong shape (hand-edited) is not compared: `pretrain`
+    rewrites it on resume and checks the config of the checkpoint it resumes from instead."""
     saved_path = study.run_dir(arm) / "config.yaml"
     if not saved_path.is_file():
         return
-    saved, now = yaml.safe_load(saved_path.read_text()), config_to_dict(cfg)
+    try:
+        saved = read_yaml(saved_path, "run config", "")
+    except UserError:
+        return
+    if not isinstance(saved, dict):
+        return
+    saved = {group: keys for group, keys in saved.items() if isinstance(keys, dict)}
+    now = config_to_dict(cfg)
     for group, key in _VOLATILE:
-        saved.get(group, {}).pop(key, None)
-        now.get(group, {}).pop(key, None)
+        for config in (saved, now):
+            config.get(group, {}).pop(key, None)
     diff = _first_difference(saved, now)
     if diff:
         key, old, new = diff

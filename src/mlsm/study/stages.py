@@ -12,9 +12,13 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.inputs import read_json
 from mlsm.study.runner import Study
 from mlsm.study.spec import readiness_label
 
+_PROBE_FIELDS = {"better_than_unigram": "bool", "checkpoint": "text", "heldout_loss": "number",
+                 "unigram_loss": "number", "input": "text?", "heldout_top1": "number?",
+                 "steps": "int?"}
 PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
 """What a BLiMP row keeps of its probe's record: the score travels with the probe's quality."""
 
@@ -152,7 +156,10 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     probe: dict[str, Any] = {}
     folder = study.checkpoint(arm, frac)
     if study.is_latent(arm):
-        info = json.loads((study.probe_dir(arm, frac) / "probe.json").read_text())
+        # the probe stage skips a checkpoint whose probe.json exists: delete it to train again
+        info = read_json(study.probe_dir(arm, frac) / "probe.json", "probe record",
+                         "delete it and run the study with --stages probe blimp to train that "
+                         "probe again", fields=_PROBE_FIELDS)
         if not info["better_than_unigram"]:
             raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss "
                             f"{info['heldout_loss']:.3f}) is no better than the unigram "
@@ -217,7 +224,9 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
     from mlsm.evaluate.probe_fit import heldout_steps, unigram_log_probs
 
     scorer = as_scorer(scorer)
-    cfg = config_from_dict(json.loads((checkpoint / "checkpoint.json").read_text())["config"])
+    info = read_json(checkpoint / "checkpoint.json", "checkpoint file",
+                     "restore it from a copy of the checkpoint", fields={"config": "object"})
+    cfg = config_from_dict(info["config"])
     train = TokenStore.open(cfg.data.store)
     source_store = TokenStore.open(store) if store else train
     source = BatchSource(source_store, cfg.data, source_store.load_tokenizer())

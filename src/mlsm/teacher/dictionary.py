@@ -500,5 +500,11 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     if atoms is None or atoms.dim() != 2 or not atoms.is_floating_point():
         raise UserError(f"{weights} is not an mlsm dictionary (no 2-D float tensor `atoms`; it "
                         f"holds {', '.join(sorted(tensors)) or 'nothing'}); {fix}")
-    meta = read_json(meta_path, "dictionary meta", fix) if meta_path.exists() else {}
+    meta = (read_json(meta_path, "dictionary meta", fix, fields=META_FIELDS)
+            if meta_path.exists() else {})
     return Dictionary(atoms, meta)
+
+
+# what readers use of a dictionary's meta (Dictionary.lam / .layer, the export card, `mlsm flops`)
+META_FIELDS = {"lam": "number?", "layer": "int?", "k": "int?", "objective": "number?",
+               "teacher": "text?"}

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from mlsm import locking
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
+from mlsm.inputs import field_problem
 from mlsm.progress import Progress
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
@@ -83,6 +84,10 @@ class TargetStore:
             raise UserError(f"{path} was built by another version of mlsm (format "
                             f"{meta.get('version')}, need {TARGETS_VERSION}); rebuild it with "
                             "`mlsm targets` into a new --out")
+        wrong = field_problem(meta, _META_FIELDS)
+        if wrong:
+            raise UserError(f"target store {path} is damaged (meta.json: {wrong}); rebuild it "
+                            "with `mlsm targets` into a new --out")
         arrays = _arrays(path, meta, mode="r")
         if arrays is None or int(arrays[1][-1]) != int(meta["n_entries"]):
             raise UserError(f"target store {path} is damaged (a data file is missing or has the "
@@ -109,6 +114,14 @@ class TargetStore:
         dense = torch.zeros(len(chunks), self.k)
         dense[torch.from_numpy(np.repeat(rows, n)), idx] = val  # atom ids are unique within a code
         return dense
+
+
+# what opening and checking a finished store reads of its meta.json (`_spec`, then the counts)
+_META_FIELDS = {"store": "text", "store_fingerprint": "text?", "store_n_tokens": "int",
+                "tokenizer_hash": "text", "dictionary_hash": "text", "layer": "int",
+                "lam": "number", "k": "int", "max_len": "int", "nnz": "int?", "n_chunks": "int",
+                "index_dtype": "text", "n_entries": "int", "n_positions": "int",
+                "mean_support": "number", "truncated": "int"}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
-from mlsm.inputs import check_apart
+from mlsm.inputs import check_apart, field_problem
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
@@ -263,6 +263,8 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
     _check_run_dir(run_dir, resume)
     picked = _pick_checkpoint(run_dir, resume, info) if resume else None
     _check_same_run(run_dir, cfg, picked)
+    if resume:
+        _check_metrics(run_dir / "metrics.jsonl")
     step = 0
     if picked is not None:
         folder, _, state = picked
@@ -406,6 +408,22 @@ def _truncate_metrics(path: Path, step: int) -> None:
             if s <= step:
                 kept[s] = ln
         atomic_write_text(path, "".join(kept[s] + "\n" for s in sorted(kept)))
+
+
+def _check_metrics(path: Path) -> None:
+    """Refuse, before anything is written, a metrics.jsonl line a resume would silently drop
+    that is not a line torn by a crash (the start of a JSON object, broken off): a row without an
+    integer step, or other text. The resume rewrites the file with the rows up to its step."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            wrong = field_problem(json.loads(line), {"step": "int"})
+        except json.JSONDecodeError as exc:
+            torn = line.lstrip().startswith("{") and exc.msg != "Extra data"
+            wrong = None if torn or not line.strip() else f"not JSON: {exc.msg}"
+        if wrong:
+            raise UserError(f"{path}:{number} is not a row mlsm logged ({wrong}); fix or remove "
+                            "that line, then resume (the resume would drop it)")
 
 
 def _logged_step(line: str) -> float:
