@@ -659,6 +659,14 @@ def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
             "'lam' is missing or not a number")
 
 
+def _content_targets_dictionary_meta_without_lam(tmp, fix):
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), lam=None)
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [meta],
+            'does not say the lambda it was learned with; add "lam": VALUE to its .json meta')
+
+
 def _content_flops_dictionary_meta_layer_not_a_number(tmp, fix):
     weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
     meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),

@@ -64,6 +64,11 @@ class Dictionary:
 
     @property
     def lam(self) -> float:
+        """The sparsity penalty the atoms were learned with, which the codes must use too."""
+        if self.meta.get("lam") is None:  # a dictionary from elsewhere, or meta edited by hand
+            raise UserError("the dictionary's meta does not say the lambda it was learned with; "
+                            'add "lam": VALUE to its .json meta, or set objective.lam in the run '
+                            f"config (mlsm learns with {LAM} by default)")
         return float(self.meta["lam"])
 
     @property
