@@ -30,7 +30,6 @@ import gzip
 import importlib.util
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -173,11 +172,12 @@ def launch(python: str, side: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def report(ours: dict, anchor: dict, n: int, args: argparse.Namespace) -> str:
+    from mlsm.config import machine_description
+
     delta = max(abs(a - b) for a, b in zip(ours["scores"], anchor["scores"], strict=True))
     rate_ours, rate_anchor = n / ours["seconds"], n / anchor["seconds"]
     lines = [
-        f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}; "
+        f"machine: {machine_description()}; "
         f"threads={args.threads}; variant={args.variant}; {n} BLiMP sentences "
         f"({args.per_phenomenon} pairs x 67 paradigms)",
         "",

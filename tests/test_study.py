@@ -4,11 +4,13 @@ failures."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
+import torch
 import yaml
 
 from mlsm.errors import UserError
@@ -253,6 +255,15 @@ def test_whole_study_writes_a_report_with_every_section(
         "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |", "its metrics averaged",
     ):
         assert section in text
+    # the report names the machine: the CPU model (/proc/cpuinfo on Linux), cores and torch
+    machine = json.loads((out / "summary.json").read_text())["machine"]
+    assert f"machine: {machine}." in text
+    assert f"{os.cpu_count()} CPUs" in machine and f"torch {torch.__version__}" in machine
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [x.split(":", 1)[1].strip() for x in
+             (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if x.startswith("model name")]
+    assert not names or names[0] in machine
     summary = json.loads((out / "summary.json").read_text())["finetune"]
     # word_order reports accuracy only: one metric per run, so both pairings agree
     assert summary["per_run"]["n_pairs"] == summary["n_pairs"]

@@ -384,6 +384,30 @@ def git_revision() -> str:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def machine_description() -> str:
+    """One line naming the machine results came from: CPU model, cores, RAM, torch, GPU."""
+    import contextlib
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:  # platform.processor() is empty on most Linux systems; /proc/cpuinfo names the model
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    parts = [f"{platform.machine()} {cpu}", f"{os.cpu_count()} CPUs"]
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # sysconf is POSIX-only
+        parts.append(f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    parts += [gpu, f"torch {torch.__version__}", f"Python {platform.python_version()}"]
+    return ", ".join(parts)
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of a dataclass (read from its source)."""
     import ast
