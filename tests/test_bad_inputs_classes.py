@@ -196,7 +196,8 @@ def _content_probe_checkpoint_config_not_a_mapping(tmp, fix):
     ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
     info = json.loads((ckpt / "checkpoint.json").read_text())
     _write(ckpt / "checkpoint.json", json.dumps({**info, "config": {**info["config"], "model": 3}}))
-    return ["probe", str(ckpt), "--max-steps", "1"], [ckpt], "checkpoint.json is damaged"
+    return (["probe", str(ckpt), "--max-steps", "1"], [ckpt],
+            "'config.model' must be an object, not an integer (3)")
 
 
 def _content_finetune_tracking_state_torn(tmp, fix):
@@ -610,14 +611,14 @@ def _content_blimp_run_checkpoint_step_not_a_number(tmp, fix):
     _edit_json(run / "checkpoints" / fix["teacher_dir"].name / "checkpoint.json", step="last")
     data = _blimp_dir(tmp, GOOD_PAIR)
     return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
-            "'step' is missing or not an integer")
+            "'step' must be an integer, not text (\"last\")")
 
 
 def _content_finetune_checkpoint_readiness_not_a_number(tmp, fix):
     model = _copy(fix["teacher_dir"], tmp / "model")
     _edit_json(model / "checkpoint.json", readiness="all")
     return (_finetune(fix, tmp, _glue(tmp), model=model), [model],
-            "'readiness' is missing or not a number")
+            "'readiness' must be a number, not text")
 
 
 def _content_export_checkpoint_objective_not_an_object(tmp, fix):
@@ -625,14 +626,14 @@ def _content_export_checkpoint_objective_not_an_object(tmp, fix):
     info = json.loads((ckpt / "checkpoint.json").read_text())
     _edit_json(ckpt / "checkpoint.json", config={**info["config"], "objective": "mlsm"})
     return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
-            "'config.objective' is missing or not an object")
+            "'config.objective' must be an object, not text")
 
 
 def _content_export_checkpoint_run_not_text(tmp, fix):
     ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
     _edit_json(ckpt / "checkpoint.json", run=["runs", "a"])
     return (["export", str(ckpt), "--out", str(tmp / "e")], [ckpt],
-            "'run' is missing or not text")
+            "'run' must be text, not a list")
 
 
 def _content_blimp_heads_json_probe_sizes_not_numbers(tmp, fix):
@@ -640,7 +641,7 @@ def _content_blimp_heads_json_probe_sizes_not_numbers(tmp, fix):
     _edit_json(ckpt / "heads.json", probe={"in": "k", "out": "vocab"})
     data = _blimp_dir(tmp, GOOD_PAIR)
     return (["blimp", str(ckpt), "--data", str(data), "--out", str(tmp / "b")], [ckpt, data],
-            "'probe.in' is missing or not an integer")
+            "'probe.in' must be an integer, not text")
 
 
 def _content_probe_store_meta_without_tokenizer_hash(tmp, fix):
@@ -648,7 +649,7 @@ def _content_probe_store_meta_without_tokenizer_hash(tmp, fix):
     _edit_json(store / "meta.json", tokenizer_hash=None)
     return (["probe", str(fix["mlsm_ckpt"]), "--store", str(store), "--steps", "1", "--out",
              str(tmp / "p")], [store, fix["mlsm_ckpt"]],
-            "'tokenizer_hash' is missing or not text")
+            "'tokenizer_hash' is missing; it must be text")
 
 
 def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
@@ -656,7 +657,7 @@ def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
     meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
                                        tmp / "d.json")), lam="high")
     return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [meta],
-            "'lam' is missing or not a number")
+            "'lam' must be a number, not text")
 
 
 def _content_targets_dictionary_meta_without_lam(tmp, fix):
@@ -673,7 +674,7 @@ def _content_flops_dictionary_meta_layer_not_a_number(tmp, fix):
                                        tmp / "d.json")), layer="last")
     return (["flops", "--teacher", str(fix["teacher_dir"]), "objective.name=mlsm",
              f"objective.dictionary={weights}"],
-            [meta], "'layer' is missing or not an integer")
+            [meta], "'layer' must be an integer, not text")
 
 
 def _content_pretrain_resume_metrics_row_step_not_a_number(tmp, fix):
@@ -684,7 +685,7 @@ def _content_pretrain_resume_metrics_row_step_not_a_number(tmp, fix):
     _write(tmp / "run" / "metrics.jsonl",
            "\n".join([json.dumps({**json.loads(rows[0]), "step": "1"}), *rows[1:]]) + "\n")
     return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
-            "metrics.jsonl:1 is not a row mlsm logged ('step' is missing or not an integer)")
+            "metrics.jsonl:1 is not a row mlsm logged ('step' must be an integer, not text")
 
 
 def _content_pretrain_target_store_meta_k_not_a_number(tmp, fix):
@@ -692,7 +693,7 @@ def _content_pretrain_target_store_meta_k_not_a_number(tmp, fix):
     _edit_json(targets / "meta.json", k="many")
     return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
         "objective.name": "mlsm", "objective.targets": str(targets)})], [targets],
-            "'k' is missing or not an integer")
+            "'k' must be an integer, not text")
 
 
 def _study_in(tmp: Path, fix: dict, out: Path) -> Path:

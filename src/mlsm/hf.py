@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mlsm import inputs
 from mlsm.errors import UserError
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -39,15 +40,10 @@ def first_line(exc: BaseException) -> str:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file of a model folder or checkpoint; torn or binary content is one UserError."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text ({first_line(exc)}); "
-                        "is this a model folder?") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is torn or not JSON (line {exc.lineno}, column {exc.colno}: "
-                        f"{exc.msg}); restore the file or re-export the model folder") from None
+    """A JSON file of a model folder or checkpoint, any top level (mlsm.inputs.read_json, whose
+    shape checks its callers add); torn or binary content is one UserError."""
+    return inputs.read_json(path, "model file", "restore the file or re-export the model folder",
+                            kind=object)
 
 
 def _check_json(path: Path) -> None:

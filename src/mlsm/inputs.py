@@ -85,8 +85,8 @@ def field_problem(data: Any, fields: Mapping[str, str]) -> str | None:
     """What is wrong with the shape of a parsed JSON object, or None: `fields` maps each key the
     reader uses (dotted for nested objects: "config.train.steps") to its kind, one of number, int,
     text, object, list, numbers (a list of numbers), bool; a trailing "?" lets it be missing or
-    null. The message names the key: "'config.train' must be an object", "'step' is missing or
-    not an integer"."""
+    null. The message names the key and what it holds: "'config.train' must be an object",
+    "'step' must be an integer, not text (\"last\")", "'lam' is missing; it must be a number"."""
     if not isinstance(data, dict):
         return "not a JSON object"
     for key, kind in fields.items():
@@ -100,9 +100,25 @@ def field_problem(data: Any, fields: Mapping[str, str]) -> str | None:
                 break
         if value is None and kind.endswith("?"):
             continue
+        want = _ARTICLE[kind.rstrip("?")]
+        if value is None:
+            return f"'{key}' is missing; it must be {want}"
         if not _FIELD_KINDS[kind.rstrip("?")](value):
-            return f"'{key}' is missing or not {_ARTICLE[kind.rstrip('?')]}"
+            return f"'{key}' must be {want}, not {_json_kind(value)} ({_preview(value)})"
     return None
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a parsed value, in the words of the messages above."""
+    if isinstance(value, bool):
+        return "true or false"
+    kinds = {int: "an integer", float: "a number", str: "text", list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _preview(value: Any, limit: int = 30) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _ARTICLE = {"number": "a number", "int": "an integer", "text": "text", "object": "an object",

@@ -19,7 +19,6 @@ from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet
-from mlsm.hf import read_json as read_hf_json
 from mlsm.inputs import check_apart, read_json
 from mlsm.models.backbone import read_heads
 from mlsm.models.heads import check_scored_by_pll, latent_head_name, read_latent_head
@@ -38,14 +37,10 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
                         "pass a checkpoints/step-* folder of an mlsm run")
     check_scored_by_pll(folder)  # MAE: its latent head reads the decoder, not these states
-    try:
-        raw = dict(read_hf_json(info_path)["config"])
-        if not all(isinstance(raw.get(group), dict) for group in ("model", "train", "data")):
-            raise TypeError("a config group is not a mapping")
-        default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{info_path} is damaged (no readable config); "
-                        "pass another checkpoints/step-* folder") from None
+    raw = dict(read_json(info_path, "checkpoint file", "pass another checkpoints/step-* folder",
+                         fields={"config.model": "object", "config.data": "object",
+                                 "config.train.steps": "number"})["config"])
+    default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
     raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
     raw["model"] = {**raw["model"], "init_from": str(folder)}
     raw["train"] = {**raw["train"], "steps": steps or default_steps,
@@ -130,7 +125,8 @@ def _exports_vocab_head(folder: Path) -> bool:
     config = folder / "config.json"
     if not config.is_file():
         return False
-    archs = read_hf_json(config).get("architectures") or []
+    archs = read_json(config, "model config", "restore the model folder's config.json",
+                      fields={"architectures": "list?"}).get("architectures") or []
     return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
 
 

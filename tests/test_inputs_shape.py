@@ -1,0 +1,31 @@
+"""field_problem: the shape check behind every JSON file mlsm reads back. Each message must name
+the key, what it must hold and what it holds, so a hand edit is found without a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlsm.inputs import field_problem
+
+CASES = [  # (data, fields, message or None)
+    ({"step": 3, "lam": 0.5, "name": "a"}, {"step": "int", "lam": "number", "name": "text"}, None),
+    ({"step": "last"}, {"step": "int"}, "'step' must be an integer, not text (\"last\")"),
+    ({"step": 1.5}, {"step": "int"}, "'step' must be an integer, not a number (1.5)"),
+    ({"step": True}, {"step": "int"}, "'step' must be an integer, not true or false (true)"),
+    ({}, {"lam": "number"}, "'lam' is missing; it must be a number"),
+    ({"lam": None}, {"lam": "number"}, "'lam' is missing; it must be a number"),
+    ({}, {"lam": "number?"}, None),
+    ({"lam": "x"}, {"lam": "number?"}, "'lam' must be a number, not text (\"x\")"),
+    ({"v": [1, "b"]}, {"v": "numbers"}, "'v' must be a list of numbers, not a list ([1, \"b\"])"),
+    ({"c": {"train": 3}}, {"c.train.steps": "int"}, "'c.train' must be an object"),
+    ({"c": {"train": {}}}, {"c.train.steps": "int"}, "'c.train.steps' is missing; it must be an "
+                                                     "integer"),
+    ({"run": ["a"]}, {"run": "text"}, "'run' must be text, not a list ([\"a\"])"),
+    ({"x": "y" * 100}, {"x": "object"}, "'x' must be an object, not text (\"" + "y" * 26 + "...)"),
+    ([1, 2], {"x": "int"}, "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("data", "fields", "message"), CASES)
+def test_field_problem_names_key_expected_and_found(data, fields, message) -> None:
+    assert field_problem(data, fields) == message
