@@ -181,6 +181,25 @@ def test_report_writes_valid_pngs(results: Path, tmp_path: Path) -> None:
     assert not list(out.glob("*.tmp*"))
 
 
+def test_report_per_run_pairs_runs_not_metrics(results: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`mlsm report --per-run`: the report's tables are compare_runs(per_run=True)'s (MRPC's acc
+    and F1 one pair per run: 6 pairs of the fixture's 9 cells), and it says which pairing it is."""
+    from mlsm.cli import main
+
+    main(["report", str(results), "--per-run", "--out", str(tmp_path / "r")])
+    assert "report.md" in capsys.readouterr().out
+    text = (tmp_path / "r" / "report.md").read_text(encoding="utf-8")
+    assert "one pair per fine-tuning run, its metrics averaged" in text
+    expected = compare_runs(results, per_run=True)
+    c, b = expected.models.index("C"), expected.models.index("B")
+    assert expected.n_pairs[c, b] == 6 and f"{int(expected.wins[c, b])}/6" in text
+    with open(tmp_path / "r" / "means.csv", encoding="utf-8") as f:
+        assert {r["metric"] for r in csv.DictReader(f)} == {"run_mean"}
+    assert "one pair per fine-tuning run and metric" in make_report(
+        results, tmp_path / "m").read_text(encoding="utf-8")
+
+
 def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
     """Per model and task the lr with the best mean *validation* score is kept (a test metric that
     favours another lr never chooses), and models tuned to different lrs still pair by seed."""

@@ -172,7 +172,7 @@ def _compare(a: argparse.Namespace) -> None:
 def _report(a: argparse.Namespace) -> None:
     from mlsm.evaluate.report import make_report
 
-    print(f"report: {make_report(a.results, a.out, baseline=a.baseline)}")
+    print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
 
 
 def _probe(a: argparse.Namespace) -> None:
@@ -441,6 +441,9 @@ def _add_report(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--out", required=True, type=out_dir,
                    help="folder for the PNGs, tables and report.md")
     p.add_argument("--baseline", default=None, help="model on the x axis of the paired scatters")
+    p.add_argument("--per-run", action="store_true",
+                   help="pair one score per fine-tuning run, its metrics averaged, as `mlsm "
+                   "compare --per-run` (the conservative test)")
     return _report
 
 

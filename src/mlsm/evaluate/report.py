@@ -18,6 +18,7 @@ from mlsm.errors import UserError
 from mlsm.evaluate.stats import (
     COMPARISON_FILES,
     COMPARISON_HEADINGS,
+    RUN_MEAN,
     SIGNIFICANCE,
     Comparison,
     compare_runs,
@@ -116,7 +117,9 @@ def plot_paired(cmp: Comparison, task: str, path: Path, baseline: str | None = N
     ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1, linestyle=":")
     ax.set_xlabel(f"{base} (×100)")
     ax.set_ylabel("other model (×100)")
-    ax.set_title(f"{task}: paired runs (same seed, all metrics)")
+    averaged = all(str(k[1]).startswith(RUN_MEAN) for k in ref)  # compare_runs(per_run=True)
+    ax.set_title(f"{task}: paired runs (same seed, "
+                 f"{'metrics averaged per run' if averaged else 'all metrics'})")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -140,15 +143,17 @@ def _writes(name: str) -> bool:
             or (name.startswith("paired_") and name.endswith(".png")))
 
 
-def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None) -> Path:
+def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None,
+                per_run: bool = False) -> Path:
     """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
 
     ``baseline``: the model on the x axis of the paired scatters (default: the first model).
-    Returns the path of ``report.md``.
+    ``per_run``: pair one score per fine-tuning run, its metrics averaged (`compare_runs`), in
+    the tables, the Wilcoxon figure and the scatters. Returns the path of ``report.md``.
     """
     check_output_folder(out_dir, "--out", _writes, {**COMPARISON_HEADINGS, "report.md": HEADING},
                         keep=[results_path])  # a user's own files there are never overwritten
-    cmp = compare_runs(results_path)
+    cmp = compare_runs(results_path, per_run=per_run)
     check_baseline(cmp, baseline, results_path)
     out = Path(out_dir)
     cmp.write(out)
@@ -160,8 +165,10 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
         png = plot_paired(cmp, task, out / f"paired_{task}.png", baseline)
         if png is not None:
             figures.append((f"{task}: paired runs (Fig. 7)", png))
+    pairing = ("one pair per fine-tuning run, its metrics averaged" if per_run
+               else "one pair per fine-tuning run and metric")
     parts = [f"{HEADING}\n\nResults: `{results_path}`; "
-             f"models: {', '.join(cmp.models)}.\n"]
+             f"models: {', '.join(cmp.models)}; pairs: {pairing}.\n"]
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())
     path = out / "report.md"
