@@ -452,6 +452,56 @@ def _paths_pretrain_out_inside_store(tmp, fix):
             "train.out")
 
 
+def _loop(tmp: Path) -> Path:
+    """A symbolic link that points at itself: resolving it was Python 3.11's RuntimeError."""
+    link = tmp / "loop"
+    link.symlink_to("loop")
+    return link
+
+
+def _paths_prepare_out_symlink_loop(tmp, fix):
+    return (["prepare", str(fix["corpus_dir"] / "a.txt"), "--tokenizer", str(fix["tokenizer_dir"]),
+             "--out", str(_loop(tmp))], [fix["corpus_dir"]], "remove the symbolic-link loop")
+
+
+def _paths_prepare_source_symlink_loop(tmp, fix):
+    return (["prepare", str(_loop(tmp)), "--tokenizer", str(fix["tokenizer_dir"]), "--out",
+             str(tmp / "store")], [fix["tokenizer_dir"]], "remove the symbolic-link loop")
+
+
+def _paths_pretrain_out_symlink_loop(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], _loop(tmp))], [fix["store_dir"]],
+            "Too many levels of symbolic links")
+
+
+def _paths_targets_out_symlink_loop(tmp, fix):
+    return _targets(fix, _loop(tmp)), [fix["store_dir"]], "remove the symbolic-link loop"
+
+
+def _paths_finetune_results_symlink_loop(tmp, fix):
+    glue = _glue(tmp)
+    return (_finetune(fix, tmp, glue, results=_loop(tmp)), [glue], "remove the symbolic-link loop")
+
+
+_LONG = "n" * 300  # one path component over the 255 bytes Linux allows
+
+
+def _paths_prepare_out_name_too_long(tmp, fix):
+    return (["prepare", str(fix["corpus_dir"] / "a.txt"), "--tokenizer", str(fix["tokenizer_dir"]),
+             "--out", str(tmp / _LONG)], [fix["corpus_dir"]], "argument --out: File name too long")
+
+
+def _paths_compare_out_name_too_long(tmp, fix):
+    return (["compare", str(tmp / "r.jsonl"), "--out", str(tmp / _LONG)], [],
+            "shorten the path (each name at most 255 bytes)")
+
+
+def _paths_finetune_results_name_too_long(tmp, fix):
+    glue = _glue(tmp)
+    return (_finetune(fix, tmp, glue, results=tmp / _LONG / "r.jsonl"), [glue],
+            "argument --results: File name too long")
+
+
 def _paths_probe_out_is_the_checkpoint(tmp, fix):
     ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
     return (["probe", str(ckpt), "--out", str(ckpt), "--max-steps", "1"], [ckpt],
@@ -596,6 +646,51 @@ def _content_study_status_entry_not_an_object(tmp, fix):
 
 # valid JSON of the wrong shape in the files mlsm wrote itself and reads back: each reader checks
 # the fields it uses where it reads the file (`mlsm.inputs.read_json(fields=...)`)
+
+
+def _model_with(tmp: Path, fix: dict, weights=None, **config: object) -> Path:
+    """A copy of the tiny teacher folder whose weights are `weights(tensors)` and whose config.json
+    has `config` changed: an HF folder whose files do not belong together."""
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    if weights is not None:
+        tensors = load_file(model / "model.safetensors")
+        save_file(weights(tensors), model / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        _edit_json(model / "config.json", **config)
+    return model
+
+
+def _content_blimp_model_weights_file_empty(tmp, fix):
+    """An empty weights file loaded as a randomly initialised model, and BLiMP scored it."""
+    model = _model_with(tmp, fix, weights=lambda t: {})
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            "its weights lack 37 of the 37 encoder tensors")
+
+
+def _content_finetune_model_config_more_layers_than_weights(tmp, fix):
+    """Layers the weights do not hold were initialised at random, and a row was appended."""
+    model = _model_with(tmp, fix, num_hidden_layers=5)
+    return (_finetune(fix, tmp, _glue(tmp), model=model), [model],
+            "which would be random; restore the weights file or the config.json")
+
+
+def _content_rank_model_weights_nan(tmp, fix):
+    """NaN weights: linalg.eigh's internal error in rank (BLiMP scored 0.0 without a word)."""
+    model = _model_with(tmp, fix, weights=lambda t: {k: v * float("nan") for k, v in t.items()})
+    text = _write(tmp / "x.txt", "the cat sees a dog .\n")
+    return (["rank", str(model), "--text", str(text), "--out", str(tmp / "r")], [model],
+            "its weights hold NaN or inf")
+
+
+def _content_blimp_model_config_vocab_differs_from_weights(tmp, fix):
+    """transformers' size-mismatch table (many lines) and a message pointing at it."""
+    model = _model_with(tmp, fix, vocab_size=50)
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            "a tensor of its weights has another size than its config.json says")
 
 
 def _edit_json(path: Path, **fields: object) -> Path:
@@ -758,6 +853,19 @@ def test_study_pretrain_stage_leaves_a_run_config_yaml_of_the_wrong_shape_to_pre
     _write(study.run_dir("a") / "config.yaml", "train: {steps: 7}\n")
     with pytest.raises(UserError, match="train.steps is 1 in the study file but 7"):
         check_same_config(study, "a", study.arm_config("a"))
+
+
+def test_rank_looks_for_its_text_before_loading_the_model(teacher_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """In a real process (transformers' load report goes to the real stderr, which capsys does
+    not see): the model was loaded, and its 14-line weight report printed, before `rank` found
+    that --text does not exist."""
+    from tests.test_bad_inputs import assert_one_line, run_cli
+
+    done = run_cli(["rank", str(teacher_dir), "--text", str(tmp_path / "none.txt"), "--out",
+                    str(tmp_path / "r")], cwd=tmp_path)
+    assert_one_line(done.returncode, done.stderr, "text file", "none.txt")
+    assert not (tmp_path / "r").exists()
 
 
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())

@@ -9,12 +9,14 @@ exception prints its traceback plus one line asking to report it (exit 1). docs/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import math
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -90,17 +92,51 @@ def float_list(text: str) -> list[float]:
 
 def out_dir(text: str) -> str:
     """An output folder: it may exist (as a folder) but must not be an existing file."""
-    if text and Path(text).exists() and not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
-                                         "(nothing was written)")
+    with _path_errors(text):
+        if text and Path(text).exists() and not Path(text).is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
+                                             "(nothing was written)")
     return text
 
 
 def out_file(text: str) -> str:
     """An output file: it may exist (as a file) but must not be a folder."""
-    if Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file path")
+    with _path_errors(text):
+        if Path(text).is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file path")
     return text
+
+
+@contextlib.contextmanager
+def _path_errors(text: str) -> Iterator[None]:
+    """An OSError while a flag's path is checked (a name over 255 bytes) is a usage error: argparse
+    turns only ArgumentTypeError/TypeError/ValueError into one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.strerror or exc}: {text}; "
+                                         f"{path_fix(exc)}") from None
+
+
+_PATH_FIXES = {
+    errno.ENOSPC: "free disk space and re-run", errno.EDQUOT: "free disk space and re-run",
+    errno.EFBIG: "free disk space or raise the file size limit",
+    errno.EACCES: "check its permissions or write elsewhere",
+    errno.EPERM: "check its permissions or write elsewhere",
+    errno.EROFS: "write to a writable file system",
+    errno.ELOOP: "remove the symbolic-link loop or pass another path",
+    errno.ENAMETOOLONG: "shorten the path (each name at most 255 bytes)",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EEXIST: "a file or a broken symbolic link is in the way; remove it or pass another "
+                  "path",
+}
+
+
+def path_fix(exc: OSError) -> str:
+    """What to do about an OSError on a path the user gave, by its errno."""
+    default = "check the path, its permissions and the free disk space"
+    return _PATH_FIXES.get(exc.errno or 0, default)
 
 
 def device(text: str) -> str:
@@ -222,8 +258,8 @@ def _rank(a: argparse.Namespace) -> None:
     )
 
     check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})
+    sentences = read_sentences(a.text, limit=a.max_sentences)  # bad text stops before the load
     model, tokenizer = load_encoder(a.model, device=a.device)
-    sentences = read_sentences(a.text, limit=a.max_sentences)
     table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,
                                      seed=a.seed, tau=a.tau, center=a.center,
                                      max_length=a.max_length)
@@ -672,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report_bug(prog, exc)
         # the user's environment (missing file, permissions, disk full): say so in one line
         where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {where}; check the path, "
-              "its permissions and the free disk space", file=sys.stderr)
+        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {where}; {path_fix(exc)}",
+              file=sys.stderr)
         return 2
     except Exception as exc:
         return _report_bug(prog, exc)

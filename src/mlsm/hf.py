@@ -19,6 +19,8 @@ import contextlib
 import json
 import os
 import pickle
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,9 @@ def _refusal(what: str, path: Any, exc: BaseException) -> UserError:
         return UserError(f"{path}: the weights are not a safe checkpoint (a pickle that needs more "
                          "than tensors to load); mlsm loads only safetensors or plain tensor "
                          "files: re-export the model with save_pretrained(safe_serialization=True)")
+    if "ignore_mismatched_sizes" in text:  # transformers points at a report mlsm silenced
+        return UserError(f"{path}: a tensor of its weights has another size than its config.json "
+                         "says; restore the config.json the weights were saved with")
     if "custom code" in text or "trust_remote_code" in text:
         return UserError(f"{path} needs custom Python code to load; mlsm never runs a folder's "
                          "code: use a model of a built-in transformers architecture")
@@ -171,14 +176,59 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
 
 
 def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
-    """`cls.from_pretrained` (an Auto* or model class) without remote code or pickled code."""
+    """`cls.from_pretrained` (an Auto* or model class) without remote code or pickled code.
+
+    Refused in one line, before any work: weights that lack encoder tensors the config asks for
+    (they would be random: an empty weights file, a config with more layers or another shape),
+    tensors whose size differs from the config's, NaN or inf weights. A head the folder does not
+    hold (or holds unused) is one note on stderr, unless the caller silenced the report
+    (`quiet`, `quiet_head_mismatch`: where that is expected) or asked for `output_loading_info`."""
+    from transformers.utils import logging as hf_logging
+
     check_folder(path)
     p = Path(path)
     if p.is_dir() and not any((p / name).is_file() for name in _WEIGHT_FILES):
         raise UserError(f"{p} has no weights (model.safetensors); pass a model folder written by "
                         "save_pretrained or an mlsm checkpoint")
+    with_info = kwargs.pop("output_loading_info", False)
+    # a caller that asks for the loading info, or silenced the report, handles what is missing
+    report = not with_info and hf_logging.get_verbosity() <= hf_logging.WARNING
     try:
-        with quiet(report=True):
-            return cls.from_pretrained(str(path), trust_remote_code=False, **kwargs)
+        with quiet():
+            model, info = cls.from_pretrained(str(path), trust_remote_code=False,
+                                              output_loading_info=True, **kwargs)
     except _LOAD_ERRORS as exc:
         raise _refusal(f"a model ({getattr(cls, '__name__', cls)})", path, exc) from None
+    _check_loaded(model, info, path)
+    if report and (info["missing_keys"] or info["unexpected_keys"]):
+        print(f"mlsm: note: {path} loaded as {type(model).__name__}: "
+              f"{_keys(info['unexpected_keys'])} of its weights unused, "
+              f"{_keys(info['missing_keys'])} newly initialised", file=sys.stderr)
+    return (model, info) if with_info else model
+
+
+# encoder tensors (not a head's, not the pooler's) in the names of BERT-, RoBERTa-, DeBERTa-,
+# ELECTRA- and ModernBERT-style models: "bert.encoder.layer.0.*", "model.layers.3.*", "embeddings.*"
+_ENCODER_KEY = re.compile(r"(^|\.)(embeddings|encoder|layers?)\.")
+
+
+def _check_loaded(model: Any, info: dict[str, Any], path: str | os.PathLike) -> None:
+    import torch
+
+    lacking = sorted(k for k in info["missing_keys"] if _ENCODER_KEY.search(k))
+    if lacking:
+        total = sum(1 for k in model.state_dict() if _ENCODER_KEY.search(k))
+        raise UserError(f"{path}: its weights lack {len(lacking)} of the {total} encoder tensors "
+                        f"its config.json asks for ({lacking[0]}, ...), which would be random; "
+                        "restore the weights file or the config.json they were saved with")
+    with torch.no_grad():
+        bad = next((n for n, w in model.named_parameters() if not torch.isfinite(w).all()), None)
+    if bad is not None:
+        raise UserError(f"{path}: its weights hold NaN or inf ({bad}); the checkpoint is "
+                        "damaged: use an earlier one")
+
+
+def _keys(names: Any) -> str:
+    names = sorted(names)
+    return str(len(names)) + (f" ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+                              if names else "")

@@ -10,6 +10,7 @@ docs/reliability.md lists the classes of input and the tests that try each again
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -172,6 +173,16 @@ def read_yaml(path: str | os.PathLike, what: str, fix: str) -> Any:
         raise UserError(f"{what} {p} is not valid YAML ({yaml_problem(exc)}); {fix}") from None
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """`Path.resolve()` of `path` (~ expanded); a symbolic-link loop is the OSError (ELOOP) naming
+    the path that Python >= 3.13 raises, not Python 3.11's RuntimeError, so it reads as the
+    user's environment (one line), not as a bug."""
+    try:
+        return Path(path).expanduser().resolve()
+    except RuntimeError:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
+
+
 def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
@@ -182,14 +193,14 @@ def check_apart(out: str | os.PathLike, flag: str, inputs: Mapping[str, Any],
     the output folder is replaced as a whole, `contains`: one that holds an input), before
     anything is written. `inputs` maps how each input was named (a flag or key) to its path;
     empty or missing ones are skipped."""
-    target = Path(out).expanduser().resolve()
+    target = real_path(out)
     for name, value in inputs.items():
         if not value:
             continue
         source = Path(value).expanduser()
         if not source.exists():
             continue
-        source = source.resolve()
+        source = real_path(source)
         clash = _within(target, source) or (contains and _within(source, target))
         if clash:
             how = ("is" if target == source else "lies inside" if _within(target, source)
@@ -208,9 +219,9 @@ def check_output_folder(out: str | os.PathLike, flag: str, writes: Callable[[str
     folder = Path(out)
     if not folder.is_dir():
         return
-    kept = {Path(k).resolve() for k in keep if k}
+    kept = {real_path(k) for k in keep if k}
     for path in sorted(folder.iterdir()):
-        if path.name.startswith(".") or path.resolve() in kept:
+        if path.name.startswith(".") or real_path(path) in kept:
             continue
         if not writes(path.name) or path.is_dir():
             raise UserError(f"{flag} {folder} holds {path.name}, which this command does not "

@@ -41,7 +41,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
-from mlsm.inputs import field_problem
+from mlsm.inputs import field_problem, real_path
 from mlsm.progress import Progress
 
 STORE_FORMAT = "mlsm-token-store"
@@ -328,15 +328,15 @@ def check_apart_from_sources(outs: list[Path], sources: list[str], name: str, fi
     for source in sources:
         if source.startswith("hf:"):
             continue
-        root = Path(source).resolve()
+        root = real_path(source)
         try:
-            files = [f.resolve() for f in resolve_paths(source)]
+            files = [real_path(f) for f in resolve_paths(source)]
         except UserError:
             if not missing_ok:
                 raise
             files = []
         for out in outs:
-            target = out.resolve()
+            target = real_path(out)
             related = Path(source).is_dir() and (root == target or root in target.parents)
             if related or any(f == target or (contains and target in f.parents) for f in files):
                 raise UserError(f"{name} {out} overlaps the corpus source {source}; {fix}")

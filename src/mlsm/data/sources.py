@@ -21,6 +21,7 @@ from typing import Any
 
 from mlsm.data.shards import Unit, unit_documents
 from mlsm.errors import UserError
+from mlsm.inputs import real_path
 
 STORE_VERSION = 1
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
@@ -208,7 +209,7 @@ def fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
 def legacy_fingerprint(sources: list[str], tok_hash: str, text_field: str) -> str:
     """The fingerprint stores written before the content scheme carry: (absolute path, size,
     mtime) per file. Kept only to recognise those stores, never to write new ones."""
-    items = _per_file(sources, lambda path: [str(path.resolve()), path.stat().st_size,
+    items = _per_file(sources, lambda path: [str(real_path(path)), path.stat().st_size,
                                              path.stat().st_mtime_ns])
     payload = {"sources": items, "tokenizer": tok_hash, "text_field": text_field,
                "v": STORE_VERSION}

@@ -30,7 +30,7 @@ from mlsm import tracking
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
-from mlsm.inputs import check_apart, read_json
+from mlsm.inputs import check_apart, read_json, real_path
 from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
 
@@ -71,7 +71,7 @@ def resolve_model(spec: str | Path) -> ModelRef:
     # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
     if not name:
         name = (f"{Path(str(run)).name}@{step}" if run is not None and step is not None
-                else folder.resolve().name)
+                else real_path(folder).name)
     readiness = meta.get("readiness")
     return ModelRef(name, str(folder), None if step is None else int(step),
                     None if readiness is None else float(readiness), meta.get("objective"), run)

@@ -239,10 +239,11 @@ def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[A
     ``path`` may also be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
     from transformers import AutoModel
 
-    from mlsm.hf import load_model, load_tokenizer
+    from mlsm.hf import load_model, load_tokenizer, quiet_head_mismatch
 
     path = str(resolve_checkpoint(path))
-    model, tokenizer = load_model(AutoModel, path), load_tokenizer(path)
+    with quiet_head_mismatch(path, with_head=False):  # a masked-LM folder's head is not used here
+        model, tokenizer = load_model(AutoModel, path), load_tokenizer(path)
     return (model.to(device) if device is not None else model).eval(), tokenizer
 
 

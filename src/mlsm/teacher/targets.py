@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from mlsm import locking
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
-from mlsm.inputs import field_problem
+from mlsm.inputs import field_problem, real_path
 from mlsm.progress import Progress
 from mlsm.teacher.dictionary import Dictionary, load_dictionary
 from mlsm.teacher.sparse_coding import sparse_encode, top_nnz
@@ -165,7 +165,7 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
 
     return {
         "format": TARGETS_FORMAT, "version": TARGETS_VERSION,
-        "store": str(Path(store.path).resolve()),
+        "store": str(real_path(store.path)),
         "store_fingerprint": store.meta.get("fingerprint"), "store_n_tokens": store.n_tokens,
         "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
