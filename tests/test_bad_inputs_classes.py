@@ -226,6 +226,53 @@ def _values_pretrain_unknown_key_suggests(tmp, fix):
             "train.step (did you mean steps?)")
 
 
+_HUGE = "99999999999999999999"  # past C's long long: an OverflowError deep inside torch/numpy
+
+
+def _values_pretrain_seed_negative(tmp, fix):
+    """torch.Generator.manual_seed raised "expected non-negative integer" at the first step."""
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{"train.seed": -1})], [],
+            "train.seed must be 0 or more, got -1")
+
+
+def _values_pretrain_batch_size_huge(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run",
+                                    **{"train.batch_size": _HUGE})], [],
+            f"train.batch_size must be at most 2147483647 in size, got {_HUGE}")
+
+
+def _values_pretrain_threads_huge(tmp, fix):
+    """torch.set_num_threads(100000) was a MemoryError."""
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run",
+                                    **{"train.threads": 100000})], [],
+            "train.threads must be 0 (all cores) to 1024")
+
+
+def _values_rank_seed_huge(tmp, fix):
+    text = _write(tmp / "x.txt", "the cat sees a dog .\n")
+    return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(tmp / "r"),
+             "--seed", _HUGE], [text], "argument --seed: 99999999999999999999 is out of range")
+
+
+def _values_dictionary_max_len_huge(tmp, fix):
+    args = _dictionary(fix, tmp / "d.safetensors")
+    args[args.index("--max-len") + 1] = _HUGE
+    return args, [fix["store_dir"]], "argument --max-len: 99999999999999999999 is out of range"
+
+
+def _values_dictionary_lam_one_or_more(tmp, fix):
+    """--lam 1e308 wrote a dictionary of NaN objective whose every code is zero (exit 0), and
+    `targets` then built a "complete" store of empty codes."""
+    return ([*_dictionary(fix, tmp / "d.safetensors"), "--lam", "1e308"], [fix["store_dir"]],
+            "makes every sparse code zero")
+
+
+def _values_pretrain_objective_lam_one_or_more(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
+        "objective.name": "mlsm", "objective.dictionary": str(fix["dictionary_path"]),
+        "objective.lam": 1.5})], [fix["dictionary_path"]], "objective.lam must be in [0, 1)")
+
+
 def _values_study_duplicate_arm(tmp, fix):
     study = _study(tmp, fix, "arms:\n  a: {objective: {name: mlm}}\n  a: {objective: {name: kd}}\n")
     return ["study", str(study)], [study], "duplicate key 'a'"

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from mlsm.config import INT_LIMIT
 from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.inputs import check_apart
@@ -35,6 +36,8 @@ def _number(text: str, kind: type) -> float:
                                          f"{'an integer' if kind is int else 'a number'}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if kind is int and not -INT_LIMIT <= value < INT_LIMIT:  # C integers overflow deep inside
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most {INT_LIMIT - 1})")
     return value
 
 
@@ -537,7 +540,7 @@ def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--mask-rate", type=fraction, default=0.15, help="fraction of tokens -> [MASK]")
     p.add_argument("--tau", type=unit_interval, default=0.9,
                    help="energy fraction (Meng et al. Def. 2.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--max-sentences", type=positive_int, default=None, help="use the first N lines")
     p.add_argument("--max-length", type=positive_int, default=128, help="truncate longer sentences")
     p.add_argument("--center", action="store_true", help="subtract the mean representation")
@@ -565,7 +568,7 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--batch-size", type=positive_int, default=512)
     p.add_argument("--n-iter", type=positive_int, default=None,
                    help="mini-batches (default: one pass)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--device", default="cpu", type=device)
     p.add_argument("--out", required=True, type=out_file,
                    help="PATH.safetensors (meta goes to PATH.json)")

@@ -176,6 +176,7 @@ _POSITIVE = (lambda v: v > 0, "positive")
 _NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
 _UNIT = (lambda v: 0 <= v <= 1, "between 0 and 1")
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACKENDS (test_tracking)
+INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
 FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "data.max_len": (lambda v: v >= 4, "at least 4 (special tokens included)"),
     "data.mask_rate": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"),
@@ -196,11 +197,13 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
                   "a folder (not empty, not an existing file)"),
     "train.readiness": (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"),
     "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE,
-    "train.log_every": _POSITIVE, "train.threads": _NON_NEGATIVE, "train.peak_flops": _NON_NEGATIVE,
+    "train.log_every": _POSITIVE, "train.peak_flops": _NON_NEGATIVE,
+    "train.threads": (lambda v: 0 <= v <= 1024, "0 (all cores) to 1024"),
     "train.report_to": (lambda v: set(v) <= set(TRACKERS) and len(set(v)) == len(v),
                         f"a list of distinct trackers among {', '.join(TRACKERS)}"),
     # objective options (validated against the objective's own Config at config load)
-    "objective.temperature": _POSITIVE, "objective.lam": _NON_NEGATIVE,
+    "objective.temperature": _POSITIVE,
+    "objective.lam": (lambda v: 0 <= v < 1, "in [0, 1) (1 or more makes every sparse code zero)"),
     "objective.fista_iters": _POSITIVE, "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
     "objective.decoder_layers": _NON_NEGATIVE,
     "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
@@ -244,6 +247,15 @@ def _as_float(where: str, value: Any) -> float:
     return number
 
 
+def _check_int_range(where: str, value: int) -> None:
+    """Sizes, counts and seeds past C's int overflow deep inside torch or numpy; a negative seed
+    is refused there too."""
+    if value >= INT_LIMIT or value < -INT_LIMIT:
+        raise UserError(f"{where} must be at most {INT_LIMIT - 1} in size, got {value}")
+    if where.endswith("seed") and value < 0:
+        raise UserError(f"{where} must be 0 or more, got {value}")
+
+
 def _check_type(where: str, value: Any, hint: Any) -> Any:
     """Coerce a YAML value to a field's annotated type, or fail with a one-line message."""
     origin = typing.get_origin(hint) or hint
@@ -263,6 +275,8 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     if origin is Any or isinstance(value, origin):
         if origin is int and isinstance(value, bool):
             raise UserError(f"{where} must be an integer, got {value!r}")
+        if origin is int:
+            _check_int_range(where, value)
         return value
     raise UserError(f"{where} must be of type {getattr(origin, '__name__', origin)}, got {value!r}")
 

@@ -95,6 +95,9 @@ def _check_options(k: int, lam: float) -> None:
                         "(4 × hidden size)")
     if not lam > 0:
         raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
+    if lam >= 1:  # |<d, x>| <= 1 for unit atoms and l2-normalised states: every code would be 0
+        raise UserError(f"lambda {lam} is 1 or more, which makes every sparse code zero (states "
+                        f"and atoms have unit norm); use a value below 1, e.g. --lam {LAM}")
 
 
 def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:
