@@ -549,6 +549,31 @@ def _paths_finetune_results_name_too_long(tmp, fix):
             "argument --results: File name too long")
 
 
+def _paths_blimp_out_holds_user_blimp_md(tmp, fix):
+    """The user's own blimp.md in --out was replaced without a word."""
+    notes = _write(tmp / "out" / "blimp.md", "my notes\n")
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(notes.parent)],
+            [notes.parent, data], "holds a blimp.md that mlsm did not write")
+
+
+def _paths_rank_out_holds_user_rank_csv(tmp, fix):
+    mine = _write(tmp / "out" / "rank.csv", "mine\n")
+    text = _write(tmp / "x.txt", "the cat sees a dog .\n")
+    return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(mine.parent)],
+            [mine.parent], "holds rank.csv but no rank.md that mlsm wrote beside it")
+
+
+def _paths_compare_out_holds_user_means_csv(tmp, fix):
+    """Only comparison.md's provenance was checked: a user's means.csv was overwritten."""
+    rows = "".join(json.dumps({"model": m, "task": "rte", "metric": "acc", "seed": s, "lr": 1e-4,
+                               "value": 0.5 + s / 10}) + "\n" for m in "ab" for s in range(3))
+    results = _write(tmp / "r.jsonl", rows)
+    mine = _write(tmp / "out" / "means.csv", "mine\n")
+    return (["compare", str(results), "--out", str(mine.parent)], [mine.parent, results],
+            "holds means.csv but no comparison.md that mlsm wrote beside it")
+
+
 def _paths_probe_out_is_the_checkpoint(tmp, fix):
     ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
     return (["probe", str(ckpt), "--out", str(ckpt), "--max-steps", "1"], [ckpt],

@@ -649,6 +649,15 @@ def test_atomic_write_respects_the_umask(tmp_path: Path, mask: int) -> None:
     assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
 
 
+def test_checkpoint_files_get_the_umask_permissions(base_run: Path) -> None:
+    """transformers' save_pretrained wrote model.safetensors 0600 inside the build folder, so a
+    run's (or an export's) weights were private while every other file was shared."""
+    files = [p for p in (base_run / "checkpoints").rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in files}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {
+        p.name: oct(0o666 & ~fileio.umask()) for p in files}
+
+
 def test_atomic_write_fsyncs_the_file_and_its_directory(tmp_path: Path, monkeypatch) -> None:
     synced, real = [], os.fsync
 

@@ -23,7 +23,7 @@ from typing import NoReturn
 from mlsm.config import INT_LIMIT
 from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
 from mlsm.errors import UserError
-from mlsm.inputs import check_apart
+from mlsm.inputs import check_apart, check_output_folder
 
 # --------------------------------------------------------------------------- argument types
 
@@ -239,10 +239,12 @@ def _demo(a: argparse.Namespace) -> None:
 
 
 def _blimp(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
+    from mlsm.evaluate.blimp import BLIMP_HEADING, evaluate_blimp, write_blimp_report
     from mlsm.evaluate.probe import load_scorer
 
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
+    check_output_folder(a.out, "--out", {"blimp.md", "blimp.json"}.__contains__,
+                        {"blimp.md": BLIMP_HEADING})
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
                             limit_per_phenomenon=a.limit, variant=a.variant,
@@ -254,6 +256,7 @@ def _blimp(a: argparse.Namespace) -> None:
 
 def _rank(a: argparse.Namespace) -> None:
     from mlsm.evaluate.rank import (
+        RANK_HEADING,
         layerwise_effective_rank,
         load_encoder,
         read_sentences,
@@ -261,6 +264,8 @@ def _rank(a: argparse.Namespace) -> None:
     )
 
     check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})
+    check_output_folder(a.out, "--out", {"rank.md", "rank.csv", "rank.json", "rank.png"}
+                        .__contains__, {"rank.md": RANK_HEADING})
     sentences = read_sentences(a.text, limit=a.max_sentences)  # bad text stops before the load
     model, tokenizer = load_encoder(a.model, device=a.device)
     table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,

@@ -230,10 +230,13 @@ def evaluate_blimp(
     return result
 
 
+BLIMP_HEADING = "# BLiMP (PLL)"  # blimp.md's first line: how `mlsm blimp` knows a folder is its
+
+
 def blimp_markdown(result: dict[str, Any]) -> str:
     """A human-readable report: overall, per field, per phenomenon (accuracies in %)."""
     lines = [
-        "# BLiMP (PLL)",
+        BLIMP_HEADING,
         "",
         f"variant: `{result.get('variant', '?')}` · data: `{result.get('data', '?')}` · "
         f"{result['n_pairs']} pairs in {result['n_phenomena']} phenomena",
@@ -263,6 +266,6 @@ def write_blimp_report(result: dict[str, Any], out_dir: str | os.PathLike) -> di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "blimp.json", "markdown": out / "blimp.md"}
+    atomic_write_text(paths["markdown"], blimp_markdown(result))  # first: it marks the folder
     atomic_write_text(paths["json"], json.dumps(result, indent=2) + "\n")
-    atomic_write_text(paths["markdown"], blimp_markdown(result))
     return paths

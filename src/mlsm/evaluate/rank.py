@@ -73,6 +73,9 @@ def effective_rank_from_gram(gram: torch.Tensor, tau: float = 0.9) -> int:
     return _rank_from_energy(torch.linalg.eigvalsh(gram.double()), tau)
 
 
+RANK_HEADING = "# tau-effective rank per layer"  # rank.md's first line starts with it
+
+
 @dataclass
 class RankTable:
     """Effective rank per layer (0 = embeddings) and condition; n rows behind each column."""
@@ -100,7 +103,7 @@ class RankTable:
     def to_markdown(self) -> str:
         cols = list(self.ranks)
         head = [
-            f"# tau-effective rank per layer (tau = {self.tau}, d = {self.hidden_size})",
+            f"{RANK_HEADING} (tau = {self.tau}, d = {self.hidden_size})",
             "",
             f"mask rate {self.mask_rate:.0%}; token vectors per column: "
             + ", ".join(f"{c} {self.counts[c]}" for c in cols)
@@ -293,8 +296,8 @@ def write_rank_report(table: RankTable, out_dir: str | os.PathLike) -> dict[str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "rank.csv", "markdown": out / "rank.md", "json": out / "rank.json"}
+    atomic_write_text(paths["markdown"], table.to_markdown())  # first: it marks the folder
     atomic_write_text(paths["csv"], table.to_csv())
-    atomic_write_text(paths["markdown"], table.to_markdown())
     atomic_write_text(paths["json"], json.dumps(asdict(table), indent=2) + "\n")
     paths["png"] = plot_rank(table, out / "rank.png")
     return paths

@@ -235,6 +235,9 @@ class Comparison:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "pvalues_two_sided", "wins")}
+        paths["markdown"] = out / "comparison.md"  # first: it marks the folder as mlsm's
+        atomic_write_text(paths["markdown"],
+                          COMPARISON_HEADINGS["comparison.md"] + "\n\n" + self.to_markdown())
         means = [[t, met, mod, self.mean[i, c], self.std[i, c], int(self.count[i, c])]
                  for c, (t, met) in enumerate(self.columns) for i, mod in enumerate(self.models)
                  if self.count[i, c]]
@@ -253,9 +256,6 @@ class Comparison:
                  ["model", "other", "n", "mean_diff", "ci_low", "ci_high", "level"],
                  [[a, b, int(self.n_pairs[i, j]), *self.ci[i, j].tolist(), self.ci_level]
                   for i, a in enumerate(self.models) for j, b in enumerate(self.models) if i != j])
-        paths["markdown"] = out / "comparison.md"
-        atomic_write_text(paths["markdown"],
-                          COMPARISON_HEADINGS["comparison.md"] + "\n\n" + self.to_markdown())
         return paths
 
 
