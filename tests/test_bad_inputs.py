@@ -481,13 +481,14 @@ def test_compare_skips_non_numeric_values_and_warns_once(capsys, tmp_path):
     import math
 
     values = {("a", 0): 0.7, ("a", 1): 0.8, ("b", 0): 0.6, ("b", 1): 0.65, ("a", 2): float("nan"),
-              ("b", 2): None, ("a", 3): "0.9x", ("b", 3): True}
+              ("b", 2): None, ("a", 3): "0.9x", ("b", 3): True,
+              ("a", 4): 1e308, ("b", 4): -1e300}  # finite, but a mean overflows to inf
     results = tmp_path / "r.jsonl"
     results.write_text(_rows(values).replace("NaN", "NaN"))
     code, err = main_err(capsys, ["compare", str(results), "--out", str(tmp_path / "cmp")])
     assert code == 0, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "skipped 4 of 8" in lines[0], err
+    assert len(lines) == 1 and "skipped 6 of 10" in lines[0], err
     from mlsm.evaluate.stats import compare_runs
 
     cmp = compare_runs(results)

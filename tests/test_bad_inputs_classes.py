@@ -574,6 +574,84 @@ def _paths_compare_out_holds_user_means_csv(tmp, fix):
             "holds means.csv but no comparison.md that mlsm wrote beside it")
 
 
+def _results(tmp: Path, **row: object) -> Path:
+    """A results file of two models x 3 seeds whose rows all carry `row`'s fields."""
+    base = {"task": "rte", "metric": "acc", "lr": 1e-4, "epochs": 3, "batch_size": 32,
+            "max_len": 128, "n_train": 100}
+    return _write(tmp / "r.jsonl", "".join(
+        json.dumps({**base, "model": m, "seed": s, "value": 0.5 + s / 10, **row}) + "\n"
+        for m in "ab" for s in range(3)))
+
+
+def _content_compare_results_lr_not_a_number(tmp, fix):
+    """float('fast') was a ValueError: an internal error."""
+    results = _results(tmp, lr="fast")
+    return ["compare", str(results)], [results], f"{results}:1: lr must be a number, got 'fast'"
+
+
+def _content_report_results_model_with_line_break(tmp, fix):
+    """A model name holding a line break split every Markdown table mid-row (exit 0)."""
+    results = _results(tmp, model="a\nb")
+    return (["report", str(results), "--out", str(tmp / "rep")], [results],
+            "holds a line break, a control character or '|'")
+
+
+def _content_compare_results_no_value_is_a_score(tmp, fix):
+    """Two lines: the "skipped 6 of 6" warning, then the error."""
+    results = _results(tmp, value=float("inf"))
+    return (["compare", str(results)], [results],
+            "the value of every result row is not a score")
+
+
+def _content_finetune_stsb_score_nan(tmp, fix):
+    """float('nan') is a float: it trained on a NaN loss and appended NaN rows (exit 0)."""
+    head = "index\tsentence1\tsentence2\tscore\n"
+    _write(tmp / "glue" / "STS-B" / "train.tsv", head + "0\tthe cat .\ta cat .\tnan\n")
+    _write(tmp / "glue" / "STS-B" / "dev.tsv", head + "0\tthe cat .\ta cat .\t3.0\n")
+    return (_finetune(fix, tmp, tmp / "glue", tasks="stsb"), [tmp / "glue"],
+            "score 'nan' is not a number from 0 to 5")
+
+
+def _content_prepare_tokenizer_cannot_encode(tmp, fix):
+    """A WordPiece vocabulary without [UNK] loads, then fails on the first line (an internal
+    error in a tokenising worker)."""
+    tok = _copy(fix["tokenizer_dir"], tmp / "tok")
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    spec["model"]["vocab"] = {}
+    _write(tok / "tokenizer.json", json.dumps(spec))
+    return (["prepare", str(fix["corpus_dir"] / "a.txt"), "--tokenizer", str(tok), "--out",
+             str(tmp / "store")], [tok], "cannot encode text (WordPiece error")
+
+
+def _content_pretrain_target_store_values_nan(tmp, fix):
+    """Sizes intact, codes NaN: every code was dropped as "no target", loss 0.0, exit 0."""
+    import numpy as np
+
+    targets = _copy(fix["fresh_targets"], tmp / "t")
+    values = np.memmap(targets / "values.bin", dtype=np.float16, mode="r+")
+    values[:] = np.nan
+    values.flush()
+    del values
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
+        "objective.name": "mlsm", "objective.targets": str(targets)})], [targets],
+            "values.bin holds NaN, inf or negative code values")
+
+
+def _paths_dictionary_out_is_a_device(tmp, fix):
+    """--out /dev/null wrote /dev/null.safetensors and /dev/null.json (exit 0)."""
+    return _dictionary(fix, Path("/dev/null")), [fix["store_dir"]], "is a device or special file"
+
+
+def _paths_study_out_is_a_user_folder(tmp, fix):
+    """`study report` replaced the user's report.md and summary.json in a folder that is no
+    study's."""
+    mine = _write(tmp / "study" / "report.md", "my report\n")
+    _write(tmp / "study" / "summary.json", "{}\n")
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    return (["study", "report", str(study)], [mine.parent, study],
+            "is not a study folder (no study.json) and holds report.md, summary.json")
+
+
 def _paths_probe_out_is_the_checkpoint(tmp, fix):
     ckpt = _copy(fix["mlsm_ckpt"], tmp / "ckpt")
     return (["probe", str(ckpt), "--out", str(ckpt), "--max-steps", "1"], [ckpt],

@@ -167,12 +167,18 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
     check_folder(path)
     try:
         with quiet():
-            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **kwargs)
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **kwargs)
     except UserError:
         raise
     # the Rust tokenizers library raises a bare Exception for a torn tokenizer.json
     except Exception as exc:
         raise _refusal("a tokenizer", path, exc) from None
+    try:  # a tokenizer that loads may still fail on its first text (a WordPiece without [UNK])
+        tok("Tokenisers meet odd words: naïve 42 x-ray.")
+    except Exception as exc:
+        raise UserError(f"tokenizer {path} cannot encode text ({first_line(exc)}); repair it or "
+                        "train one with `mlsm train-tokenizer`") from None
+    return tok
 
 
 def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:

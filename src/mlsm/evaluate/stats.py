@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from scipy import stats as sps
 
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text, name_the_file
-from mlsm.inputs import check_output_folder
+from mlsm.inputs import check_output_folder, is_number
 
 try:  # POSIX advisory lock: several finetune processes may append to one results file
     import fcntl
@@ -118,11 +119,22 @@ def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
     for key in ("model", "task", "metric"):
         if not isinstance(row[key], str):
             raise UserError(f"{path}:{number}: {key} must be text, got {row[key]!r}; {fix}")
+        if _TABLE_BREAKERS.search(row[key]):  # a line break or "|" splits the Markdown tables
+            raise UserError(f"{path}:{number}: {key} {row[key]!r} holds a line break, a control "
+                            f"character or '|'; rename it ({fix})")
     for key in CELL_FIELDS:
         if isinstance(row[key], dict | list):
             raise UserError(f"{path}:{number}: {key} must be a single value, got {row[key]!r}; "
                             f"{fix}")
+    for key in _NUMERIC_FIELDS:  # grouped on, and read as numbers (lr as a float)
+        if row[key] is not None and not is_number(row[key]):
+            raise UserError(f"{path}:{number}: {key} must be a number, got {row[key]!r}; {fix}")
     return row
+
+
+_TABLE_BREAKERS = re.compile(r"[\x00-\x1f\x7f|]")
+_NUMERIC_FIELDS = ("seed", "lr", "epochs", "batch_size", "max_len", "n_train")
+SCORE_LIMIT = 1e6  # |value| of a score (fractions, or percentages): beyond it, not a score
 
 
 def _decode_line(path: Path, number: int, raw: bytes) -> str:
@@ -138,11 +150,14 @@ def read_scores(path: str | Path) -> list[dict[str, Any]]:
     """The rows of `read_results` whose value is a finite number; the others (NaN, null, text)
     are skipped and counted in one warning on stderr, so a mean is never silently NaN."""
     rows = read_results(path)
-    good = [r for r in rows if isinstance(r["value"], int | float)
-            and not isinstance(r["value"], bool) and math.isfinite(r["value"])]
+    good = [r for r in rows if is_number(r["value"]) and abs(r["value"]) <= SCORE_LIMIT]
+    not_a_score = f"not a score (NaN, null, text or beyond ±{SCORE_LIMIT:g})"
+    if rows and not good:
+        raise UserError(f"{path}: the value of every result row is {not_a_score}; pass the "
+                        "results.jsonl written by `mlsm finetune`")
     if len(good) < len(rows):
         print(f"mlsm: warning: {path}: skipped {len(rows) - len(good)} of {len(rows)} result rows "
-              "whose value is not a finite number (NaN, null or text)", file=sys.stderr)
+              f"whose value is {not_a_score}", file=sys.stderr)
     return good
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,11 +114,16 @@ def _label_id(value: str, labels: tuple[str, ...], path: Path) -> int:
 
 
 def _score(value: str, path: Path) -> float:
+    """An STS-B similarity score, 0 to 5 (float() also takes "nan", "inf" and 1e300, which
+    trained on a NaN loss and appended NaN results without a word)."""
     try:
-        return float(value)
+        score = float(value)
     except ValueError:
-        raise UserError(f"{path}: score {value!r} is not a number; "
-                        "expected the STS-B score column (0-5)") from None
+        score = math.nan
+    if not 0 <= score <= 5:
+        raise UserError(f"{path}: score {value!r} is not a number from 0 to 5; "
+                        "expected the STS-B score column (0-5)")
+    return score
 
 
 def _glue_reader(

@@ -319,6 +319,8 @@ OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp",
            "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
            "blimp_flops.png", ".status.json.lock")
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
+_REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
+                   "wilcoxon.png", "blimp_flops.png", "comparison")
 
 
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
@@ -360,7 +362,8 @@ def _only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
 
 def check_study_inputs(spec: StudySpec, in_job: bool = False) -> None:
     """What is refused before a study writes anything: an `out` that is, holds or lies inside a
-    corpus source; trackers that are not installed; a slurm executor without Slurm."""
+    corpus source, or that is no study's folder but holds files of a study's names; trackers
+    that are not installed; a slurm executor without Slurm."""
     from mlsm.data.corpus import check_apart_from_sources
 
     # out itself may not be or lie inside a source; it may hold one (the demo keeps its
@@ -370,6 +373,13 @@ def check_study_inputs(spec: StudySpec, in_job: bool = False) -> None:
                              contains=False, missing_ok=True)
     check_apart_from_sources([spec.root / name for name in OUTPUTS], list(spec.corpus.sources),
                              "the study's output", fix, missing_ok=True)
+    # a folder that is no study's (no study.json) keeps what it holds: the report's files are
+    # rewritten whole, so refuse them (the study's other files are read, and refused, by shape)
+    clash = [n for n in _REPORT_OUTPUTS if (spec.root / n).exists()]
+    if clash and not (spec.root / "study.json").is_file():
+        raise UserError(f"out {spec.root} is not a study folder (no study.json) and holds "
+                        f"{', '.join(clash)}, which the study would overwrite; choose an empty "
+                        "or new folder (nothing was written)")
     train = spec.base.get("train") if isinstance(spec.base, dict) else None
     report_to = (train or {}).get("report_to") or []
     tracking.require(list(report_to), "base.train.report_to of the study file")

@@ -450,6 +450,11 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
 def check_dictionary_out(path: str | Path) -> None:
     """Refuse an --out whose PATH.safetensors / PATH.json exist but are not an mlsm dictionary
     (checked before minutes of learning; a dictionary of ours may be replaced)."""
+    given = Path(path)
+    if given.exists() and not given.is_file() and not given.is_dir():
+        # /dev/null, a FIFO: the .safetensors/.json suffixes would add two files beside it
+        raise UserError(f"--out {path} is a device or special file, not a file path; pass a path "
+                        "such as dict.safetensors")
     weights, meta_path = _paths(path)
     for file in (weights, meta_path):
         if file.is_dir():

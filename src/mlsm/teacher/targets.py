@@ -92,6 +92,11 @@ class TargetStore:
         if arrays is None or int(arrays[1][-1]) != int(meta["n_entries"]):
             raise UserError(f"target store {path} is damaged (a data file is missing or has the "
                             "wrong size); rebuild it with `mlsm targets` into a new --out")
+        n = int(meta["n_entries"])
+        bad = _bad_entries(arrays[2][:n], arrays[3][:n], int(meta["k"]))
+        if bad:
+            raise UserError(f"target store {path} is damaged ({bad}); rebuild it with "
+                            "`mlsm targets` into a new --out")
         return cls(path, meta, *arrays)
 
     @property
@@ -176,6 +181,23 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
 
 
 _Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _bad_entries(indices: np.ndarray, values: np.ndarray, k: int, sample: int = 1 << 20) -> str:
+    """What is wrong with a sample of a store's code entries (evenly spaced, ~`sample` of them):
+    values that are NaN, inf or negative, or all zero (the codes were dropped as "no target" and
+    the run learnt nothing), atom ids outside 0..k-1; "" when the sample is sound. Sizes alone
+    do not show a file overwritten in place."""
+    step = max(1, len(values) // sample)
+    vals = values[::step].astype(np.float32)
+    if not np.all(np.isfinite(vals) & (vals >= 0)):  # a tiny code may round to 0 in float16
+        return "values.bin holds NaN, inf or negative code values"
+    if vals.size and not vals.any():
+        return "values.bin holds no positive code value"
+    ids = indices[::step]
+    if ids.size and int(ids.max()) >= k:
+        return f"indices.bin holds atom ids beyond the dictionary's {k} atoms"
+    return ""
 
 
 def _arrays(out: Path, spec: dict[str, Any], mode: str) -> _Arrays | None:
