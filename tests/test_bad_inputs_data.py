@@ -719,3 +719,36 @@ def test_targets_disk_full_is_one_line_and_the_rerun_completes(fresh_targets: Pa
     assert main(targets_cmd(out)) == 0
     ref, got = TargetStore.open(fresh_targets), TargetStore.open(out)
     assert np.array_equal(got.indices, ref.indices) and np.array_equal(got.values, ref.values)
+
+
+def test_sigterm_during_prepare_is_one_line_and_leaves_no_partial_build(
+        tokenizer_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM (timeout, Slurm, kill) ended `prepare` silently with status 143 and left its
+    hidden `.OUT.partial-*` build behind, which no later run removed. Now it unwinds like Ctrl-C:
+    one line, nothing left; and a build folder a SIGKILL left is removed by the next prepare,
+    which holds the store's lock."""
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n\n".join(make_text(12000, seed=3)) + "\n")
+    out = tmp_path / "st"
+    proc = subprocess.Popen([sys.executable, "-m", "mlsm", "prepare", str(corpus), "--tokenizer",
+                             str(tokenizer_dir), "--out", str(out), "--num-proc", "1"],
+                            env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".st.partial-*")) and proc.poll() is None:
+        assert time.time() < deadline, "prepare never started its build"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    if proc.returncode == 0:
+        pytest.skip("prepare finished before the signal arrived")
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines() == [
+        "mlsm prepare: stopped by SIGTERM; a folder being built was removed, the output is as "
+        "before"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+    stale = tmp_path / ".st.partial-killed"
+    stale.mkdir()
+    (stale / "tokens.bin").write_bytes(b"\0" * 64)
+    assert main(["prepare", str(corpus), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                 "--num-proc", "1"]) == 0
+    assert not stale.exists() and (out / "meta.json").is_file()

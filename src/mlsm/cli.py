@@ -14,7 +14,9 @@ import errno
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -685,6 +687,30 @@ def _split_overrides(parser: argparse.ArgumentParser,
     return rest, overrides
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, Slurm, systemd, kill) raised in the main thread: it unwinds like Ctrl-C,
+    so a folder being built is removed and a lock released, instead of a silent exit 143 that
+    left a hidden partial build behind."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises Terminated while a verb runs (pretrain's loop installs its own handler:
+    stop after the step with a checkpoint); the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -704,10 +730,15 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *overrides]
     prog = f"mlsm {args.verb}"
     try:
-        handlers[args.verb](args)
+        with _sigterm_interrupts():
+            handlers[args.verb](args)
     except UserError as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{prog}: stopped by SIGTERM; a folder being built was removed, the output is "
+              "as before", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

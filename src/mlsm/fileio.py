@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import glob
 import json
 import os
 import shutil
@@ -92,6 +93,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, payload: Any) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def remove_stale_builds(target: Path, tag: str) -> list[Path]:
+    """Delete the hidden build folders of `target` (`.NAME.TAG-*`) that a killed run (SIGKILL, a
+    power cut) left behind; returns them. Only for a caller that holds `target`'s lock, so no
+    other process is building there."""
+    stale = [p for p in target.parent.glob(f".{glob.escape(target.name)}.{tag}-*") if p.is_dir()]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def make_temp_dir(target: Path, tag: str) -> Path:

@@ -38,7 +38,7 @@ from mlsm.data.sources import (
     resolve_paths,
 )
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text, building_dir
+from mlsm.fileio import atomic_write_text, building_dir, remove_stale_builds
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
 from mlsm.inputs import field_problem, real_path
@@ -366,7 +366,9 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
                  text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
-    """Write the store into a hidden sibling and swap it into place when complete."""
+    """Write the store into a hidden sibling and swap it into place when complete (the caller
+    holds the store's lock, so a build folder left by a killed run is removed first)."""
+    remove_stale_builds(out, "partial")
     try:
         with building_dir(out, "partial") as tmp:
             _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
