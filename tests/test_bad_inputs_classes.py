@@ -897,6 +897,28 @@ def _content_probe_store_meta_without_tokenizer_hash(tmp, fix):
             "'tokenizer_hash' is missing; it must be text")
 
 
+def _content_targets_dictionary_meta_k_differs_from_atoms(tmp, fix):
+    """A meta of another dictionary beside the weights was accepted (its lambda then used)."""
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),
+                                       tmp / "d.json")), k=999)
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [meta, weights],
+            "atoms but its meta d.json says k = 999")
+
+
+def _content_pretrain_dictionary_atoms_all_zero(tmp, fix):
+    """Zero atoms: every code zero, every position "no target", a run that learns nothing."""
+    from safetensors.torch import load_file, save_file
+
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    shutil.copy(fix["dictionary_path"].with_suffix(".json"), tmp / "d.json")
+    tensors = load_file(weights)
+    save_file({"atoms": tensors["atoms"] * 0}, weights, metadata={"meta": "{}"})
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **{
+        "objective.name": "mlsm", "objective.dictionary": str(weights),
+        "objective.teacher": str(fix["teacher_dir"])})], [weights], "has only zero atoms")
+
+
 def _content_targets_dictionary_meta_lam_not_a_number(tmp, fix):
     weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
     meta = _edit_json(Path(shutil.copy(fix["dictionary_path"].with_suffix(".json"),

@@ -29,3 +29,18 @@ CASES = [  # (data, fields, message or None)
 @pytest.mark.parametrize(("data", "fields", "message"), CASES)
 def test_field_problem_names_key_expected_and_found(data, fields, message) -> None:
     assert field_problem(data, fields) == message
+
+
+def test_yaml_merge_keys_work_and_a_repeated_key_is_still_refused() -> None:
+    """Recipes may share settings with YAML merge keys (`<<: *base`); the duplicate-key check
+    refused them with PyYAML's "could not determine a constructor for the tag ...merge". A key
+    the merged mapping also holds is an override, not a duplicate; a key written twice is."""
+    import yaml
+
+    from mlsm.inputs import parse_yaml
+
+    text = "base: &b {lr: 1.0e-3, steps: 10}\narm:\n  <<: *b\n  steps: 20\n"
+    assert parse_yaml(text) == yaml.safe_load(text)
+    assert parse_yaml(text)["arm"] == {"lr": 1e-3, "steps": 20}
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'steps'"):
+        parse_yaml("arm:\n  <<: {lr: 1}\n  steps: 1\n  steps: 2\n")

@@ -134,6 +134,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: merged keys may be overridden
+            continue
         key = loader.construct_object(key_node, deep=True)
         if isinstance(key, Mapping | list):
             continue  # unhashable: let the constructor report it

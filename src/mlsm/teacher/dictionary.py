@@ -515,6 +515,12 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
                         f"holds {', '.join(sorted(tensors)) or 'nothing'}); {fix}")
     meta = (read_json(meta_path, "dictionary meta", fix, fields=META_FIELDS)
             if meta_path.exists() else {})
+    if meta.get("k") is not None and meta["k"] != atoms.shape[1]:
+        raise UserError(f"dictionary {weights} holds {atoms.shape[1]} atoms but its meta "
+                        f"{meta_path.name} says k = {meta['k']}: the two files are of different "
+                        f"dictionaries; {fix}")
+    if not bool(atoms.any()):  # every sparse code against it would be zero
+        raise UserError(f"dictionary {weights} has only zero atoms; {fix}")
     return Dictionary(atoms, meta)
 
 
