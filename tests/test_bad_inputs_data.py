@@ -649,13 +649,20 @@ def test_atomic_write_respects_the_umask(tmp_path: Path, mask: int) -> None:
     assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
 
 
-def test_checkpoint_files_get_the_umask_permissions(base_run: Path) -> None:
+def test_checkpoint_files_get_the_umask_permissions(store_dir: Path, tmp_path: Path) -> None:
     """transformers' save_pretrained wrote model.safetensors 0600 inside the build folder, so a
-    run's (or an export's) weights were private while every other file was shared."""
-    files = [p for p in (base_run / "checkpoints").rglob("*") if p.is_file()]
+    run's (or an export's) weights were private while every other file was shared (umask 022
+    here, so 0600 cannot pass for it whatever the umask of the test process)."""
+    old = os.umask(0o022)
+    try:
+        assert main(["pretrain", *_run_args(store_dir, tmp_path / "run",
+                                            **{"train.steps": 1})]) == 0
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "run" / "checkpoints").rglob("*") if p.is_file()]
     assert "model.safetensors" in {p.name for p in files}
-    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {
-        p.name: oct(0o666 & ~fileio.umask()) for p in files}
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == dict.fromkeys(modes, "0o644")
 
 
 def test_atomic_write_fsyncs_the_file_and_its_directory(tmp_path: Path, monkeypatch) -> None:
@@ -743,8 +750,8 @@ def test_sigterm_during_prepare_is_one_line_and_leaves_no_partial_build(
         pytest.skip("prepare finished before the signal arrived")
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip().splitlines() == [
-        "mlsm prepare: stopped by SIGTERM; a folder being built was removed, the output is as "
-        "before"], err
+        "mlsm prepare: stopped by SIGTERM; nothing was left half-written (a folder being built "
+        "was removed): re-run the same command"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
     stale = tmp_path / ".st.partial-killed"
     stale.mkdir()

@@ -187,7 +187,7 @@ def test_report_per_run_pairs_runs_not_metrics(results: Path, tmp_path: Path,
     and F1 one pair per run: 6 pairs of the fixture's 9 cells), and it says which pairing it is."""
     from mlsm.cli import main
 
-    main(["report", str(results), "--per-run", "--out", str(tmp_path / "r")])
+    assert main(["report", str(results), "--per-run", "--out", str(tmp_path / "r")]) == 0
     assert "report.md" in capsys.readouterr().out
     text = (tmp_path / "r" / "report.md").read_text(encoding="utf-8")
     assert "one pair per fine-tuning run, its metrics averaged" in text

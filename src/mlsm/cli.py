@@ -736,8 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except Terminated:
-        print(f"{prog}: stopped by SIGTERM; a folder being built was removed, the output is "
-              "as before", file=sys.stderr)
+        print(f"{prog}: stopped by SIGTERM; nothing was left half-written (a folder being "
+              "built was removed): re-run the same command", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

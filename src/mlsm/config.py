@@ -406,7 +406,7 @@ def machine_description() -> str:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.processor()
     try:  # platform.processor() is empty on most Linux systems; /proc/cpuinfo names the model
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -414,7 +414,7 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
-    parts = [f"{platform.machine()} {cpu}", f"{os.cpu_count()} CPUs"]
+    parts = [f"{platform.machine()} {cpu}".strip(), f"{os.cpu_count()} CPUs"]
     with contextlib.suppress(ValueError, OSError, AttributeError):  # sysconf is POSIX-only
         parts.append(f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

@@ -36,19 +36,14 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _umask_permissions(folder: Path) -> None:
+def settle_tree(folder: Path) -> None:
     """Give every file and folder below `folder` the permissions open()/mkdir() would (0666 /
-    0777 minus the umask): libraries that write into it (transformers' save_pretrained writes
-    model.safetensors 0600) must not make a shared checkpoint private."""
+    0777 minus the umask: transformers' save_pretrained writes model.safetensors 0600, and a
+    shared checkpoint must not turn private), and fsync each of them and `folder` itself."""
     mask = umask()
     for path in Path(folder).rglob("*"):
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file and directory below `folder`, and `folder` itself."""
-    for path in Path(folder).rglob("*"):
         fsync_path(path)
     fsync_path(folder)
 
@@ -154,8 +149,7 @@ def building_dir(target: Path, tag: str) -> Iterator[Path]:
     tmp = make_temp_dir(target, tag)
     try:
         yield tmp
-        _umask_permissions(tmp)
-        fsync_tree(tmp)
+        settle_tree(tmp)
         replace_dir(tmp, target)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -133,7 +133,7 @@ def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
 
 
 _TABLE_BREAKERS = re.compile(r"[\x00-\x1f\x7f|]")
-_NUMERIC_FIELDS = ("seed", "lr", "epochs", "batch_size", "max_len", "n_train")
+_NUMERIC_FIELDS = tuple(k for k in CELL_FIELDS if k not in ("task", "metric"))
 SCORE_LIMIT = 1e6  # |value| of a score (fractions, or percentages): beyond it, not a score
 
 
@@ -147,8 +147,9 @@ def _decode_line(path: Path, number: int, raw: bytes) -> str:
 
 
 def read_scores(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of `read_results` whose value is a finite number; the others (NaN, null, text)
-    are skipped and counted in one warning on stderr, so a mean is never silently NaN."""
+    """The rows of `read_results` whose value is a score (a number within ±SCORE_LIMIT); the
+    others (NaN, null, text, 1e308) are skipped and counted in one warning on stderr, so a mean
+    is never silently NaN or inf; a file with no score at all is a UserError."""
     rows = read_results(path)
     good = [r for r in rows if is_number(r["value"]) and abs(r["value"]) <= SCORE_LIMIT]
     not_a_score = f"not a score (NaN, null, text or beyond ±{SCORE_LIMIT:g})"

@@ -183,18 +183,20 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
 _Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _bad_entries(indices: np.ndarray, values: np.ndarray, k: int, sample: int = 1 << 20) -> str:
-    """What is wrong with a sample of a store's code entries (evenly spaced, ~`sample` of them):
+def _bad_entries(indices: np.ndarray, values: np.ndarray, k: int, blocks: int = 64,
+                 block: int = 1 << 14) -> str:
+    """What is wrong with a sample of a store's code entries (`blocks` evenly spaced runs of
+    `block` entries: a few MB read, where an even stride would touch every page of a GB file):
     values that are NaN, inf or negative, or all zero (the codes were dropped as "no target" and
     the run learnt nothing), atom ids outside 0..k-1; "" when the sample is sound. Sizes alone
     do not show a file overwritten in place."""
-    step = max(1, len(values) // sample)
-    vals = values[::step].astype(np.float32)
+    starts = np.unique(np.linspace(0, max(0, len(values) - block), blocks).astype(np.int64))
+    vals = np.concatenate([values[s : s + block] for s in starts]).astype(np.float32)
     if not np.all(np.isfinite(vals) & (vals >= 0)):  # a tiny code may round to 0 in float16
         return "values.bin holds NaN, inf or negative code values"
     if vals.size and not vals.any():
         return "values.bin holds no positive code value"
-    ids = indices[::step]
+    ids = np.concatenate([indices[s : s + block] for s in starts])
     if ids.size and int(ids.max()) >= k:
         return f"indices.bin holds atom ids beyond the dictionary's {k} atoms"
     return ""
