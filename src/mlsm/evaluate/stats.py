@@ -47,11 +47,13 @@ CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len"
 def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
     """Append rows as JSON lines in one locked ``write`` + fsync, so a crash or a concurrent
     writer never interleaves or half-writes a cell's lines (a torn tail line from a killed
-    process is closed off with a newline first; ``read_results`` skips it)."""
-    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    process is closed off with a newline first; ``read_results`` skips it). A row's checkpoint
+    `path` and `run` inside the results file's folder are written relative to that folder, so a
+    study folder (or a published copy of its results) names no machine's absolute paths."""
+    path = Path(path)
+    text = "".join(json.dumps(portable_row(r, path.parent), sort_keys=True) + "\n" for r in rows)
     if not text:
         return
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -66,6 +68,19 @@ def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
         raise name_the_file(exc, path) from exc
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def portable_row(row: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """`row` with its `path` and `run` relative to `folder` where they lie inside it."""
+    out = dict(row)
+    base = Path(os.path.abspath(folder))
+    for key in ("path", "run"):
+        value = out.get(key)
+        if isinstance(value, str) and Path(value).is_absolute():
+            inside = Path(os.path.abspath(value))
+            if inside == base or base in inside.parents:
+                out[key] = inside.relative_to(base).as_posix() or "."
+    return out
 
 
 def read_results(path: str | Path,

@@ -147,8 +147,9 @@ class StudySpec:
     name: str = "study"
     """Study name (report title)."""
     out: str = ""
-    """Study folder: store, dictionaries, runs, results.jsonl, report. Empty = studies/NAME next to
-    the file."""
+    """Study folder: store, dictionaries, runs, results.jsonl, report. Empty = a folder named
+    after the file, beside it. Relative paths in a study file (this one, corpus sources, data
+    folders) are relative to the file's folder."""
     notes: str = ""
     """Free text copied into the report: why each hyper-parameter was fixed as it is."""
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
@@ -286,9 +287,31 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
         raise UserError(f"study file {p} not found; "
                         "pass a YAML file such as studies/cpu_replication.yaml")
     raw = read_yaml(p, "study file", "fix it (see studies/*.yaml)") or {}
-    spec = study_from_dict(raw, str(p))
+    spec = relative_to(study_from_dict(raw, str(p)), p.parent)
     folder = out or spec.out or str(p.parent / p.stem)
     return dataclasses.replace(spec, out=str(Path(folder).expanduser()))
+
+
+def relative_to(spec: StudySpec, folder: Path) -> StudySpec:
+    """A study file's relative paths, read relative to the file's folder (not to wherever the
+    command runs), so a shipped study works from any clone: `out`, corpus sources (not hf:NAME),
+    finetune.data_dir and blimp.heldout_store always; a tokenizer, teacher or BLiMP set only when
+    that path exists beside the file (otherwise it is a hub or HF datasets name)."""
+    def path(text: str) -> str:
+        return text if not text or Path(text).expanduser().is_absolute() else str(folder / text)
+
+    def if_there(text: str) -> str:
+        return path(text) if text and (folder / text).exists() else text
+
+    corpus = dataclasses.replace(
+        spec.corpus, tokenizer=if_there(spec.corpus.tokenizer),
+        sources=[s if s.startswith("hf:") else path(s) for s in spec.corpus.sources])
+    return dataclasses.replace(
+        spec, out=path(spec.out), corpus=corpus,
+        dictionary=dataclasses.replace(spec.dictionary, teacher=if_there(spec.dictionary.teacher)),
+        finetune=dataclasses.replace(spec.finetune, data_dir=path(spec.finetune.data_dir)),
+        blimp=dataclasses.replace(spec.blimp, data=[if_there(d) for d in spec.blimp.data],
+                                  heldout_store=path(spec.blimp.heldout_store)))
 
 
 def readiness_label(frac: float) -> str:
