@@ -1,9 +1,11 @@
 """`mlsm study report`: what a study folder holds, as Markdown + PNGs (written into the folder).
 
-Sections: pre-training loss curves; readiness curves (Berend 2023 Fig. 4a); the Wilcoxon matrix
-and win counts (Fig. 2b/2c); per-task mean ± std (Table 1); BLiMP vs FLOPs per batch (Fig. 6) with
-each probe's held-out loss and top-1 beside the score; each arm's compute (FLOPs, tokens, wall
-time) and the wall time of every stage; what failed. `summary.json` holds the same numbers.
+Sections, laid out as the *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under
+review) reports: pre-training loss curves; readiness curves (its Fig. 4a); the Wilcoxon matrix and
+win counts (Fig. 2b/2c); per-task mean ± std (Table 1); the first pair set's PLL accuracy vs FLOPs
+per batch (Fig. 6) with each probe's held-out loss and top-1 beside the score; each arm's compute
+(FLOPs, tokens, wall time) and the wall time of every stage; what failed. `summary.json` holds the
+same numbers.
 """
 
 from __future__ import annotations
@@ -216,9 +218,9 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
 
 
 def headline_pairs(study: Study) -> list[tuple[str, str]]:
-    """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
-    and at 100 % against every other arm at 100 %, and the latent arms against each other at
-    100 %."""
+    """The comparisons a study is run for (the Hitchhikers' Guide, Table 1 / Fig. 4): every latent
+    arm at 50 % and at 100 % against every other arm at 100 %, and the latent arms against each
+    other at 100 %."""
     latent = [a for a in study.spec.arms if study.is_latent(a)]
     others = [a for a in study.spec.arms if a not in latent]
     pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
