@@ -196,3 +196,26 @@ def test_a_demo_killed_while_writing_leaves_no_torn_file(tmp_path: Path, monkeyp
             assert data == reference[name], f"torn: {name}"
         _demo_text_files(out)
         assert _contents(out) == reference
+
+
+def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
+    """The demo's first pair set is word-order pairs of held-out prose: the report's table and
+    figure heading name it by its set, and nothing calls its accuracy BLiMP."""
+    from mlsm.demo import PAIR_SET
+    from mlsm.study.report import write_report
+
+    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
+                      "blimp-folder", 8, 4, 2, 3)
+    assert Path(spec.blimp.data[0]).name == PAIR_SET
+    study = Study(spec, log=lambda s: None)
+    (study.root / "blimp").mkdir(parents=True)
+    for arm, acc in (("mlm", 0.52), ("mlsm", 0.64)):
+        row = _blimp_row(arm, acc, 0.1)
+        row["sets"] = {PAIR_SET: {**row["sets"]["pairs"], "phenomena": {"shuffled_words": acc}},
+                       "blimp-folder": {"overall": 0.55, "n_pairs": 670, "p_vs_chance": 0.01,
+                                        "phenomena": {"anaphor_number_agreement": 0.55}}}
+        (study.root / "blimp" / f"{arm}@100pct.json").write_text(json.dumps(row))
+    text = write_report(study).read_text()
+    assert f"| model | {PAIR_SET} % | pairs |" in text
+    assert "| mlsm@100% | 64.0 | 400 |" in text  # the column holds the prose pairs' accuracy
+    assert "BLiMP %" not in text and "## BLiMP" not in text

@@ -129,8 +129,9 @@ def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, 
 
 
 def test_hitchhiker_recipes_are_the_papers_setting() -> None:
-    """DeBERTa-base v1's shape (~8.3M parameters per layer, Berend 2023 §4.1), the official code's
-    masking (⌊0.15 n⌋ positions, 100 % [MASK]) and a KD teacher on the original text."""
+    """DeBERTa-base v1's shape (~8.3M parameters per layer: the Hitchhikers' Guide to Masked Latent
+    Semantic Modeling, §4.1), the official repository's 2023 masking (⌊0.15 n⌋ positions of
+    `mlsm_pretrainer.py`, 100 % [MASK]) and a KD teacher on the original text."""
     from pathlib import Path
 
     from transformers import AutoConfig

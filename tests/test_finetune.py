@@ -314,8 +314,8 @@ def test_checkpoint_json_from_a_run_and_bad_json(tmp_path: Path) -> None:
 def test_fidelity_options_fixed_order_clip_and_conll_test(
     tiny: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """Berend 2023 §4.2 / the official fine-tuning script: one data order for every seed (only the
-    head differs), optional clipping, CoNLL-2003 scored on test as well as valid."""
+    """The Hitchhikers' Guide §4.2 / the official fine-tuning script: one data order for every seed
+    (only the head differs), optional clipping, CoNLL-2003 scored on test as well as valid."""
     import mlsm.evaluate.finetune as ft
 
     data = _small_fixtures(tmp_path / "data")

@@ -156,7 +156,8 @@ def test_relative_attention_flops_match_the_counter() -> None:
     assert relative_attention_flops({**shape, "relative_attention": False}, B, T) == 0
 
 
-# Berend (2023) Table 3: MLM FLOPs per batch, then % of MLM
+# Table 3 of the Hitchhikers' Guide to Masked Latent Semantic Modeling: MLM FLOPs per batch, then %
+# of MLM
 PAPER_MLM = 1.13e13
 PAPER_PERCENT = {"KD": 131.9, "MLSM (naive)": 132.7, "MLSM_L (l=12)": 107.1, "MLSM_l (l=10)": 102.7}
 _UNITS = {"PFLOP": 1e15, "TFLOP": 1e12, "GFLOP": 1e9, "MFLOP": 1e6}

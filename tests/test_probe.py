@@ -98,8 +98,9 @@ def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor,
 
 def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path,
                                                          tmp_path) -> None:
-    """Berend (2023) Fig. 6 "MLSM+MLM": an MTL model has a trained vocabulary head, so `mlsm blimp`
-    scores it like an MLM model (no probe); a pure MLSM checkpoint still asks for its probe."""
+    """The Hitchhikers' Guide's Fig. 6 "MLSM+MLM": an MTL model has a trained vocabulary head, so
+    `mlsm blimp` scores it like an MLM model (no probe); a pure MLSM checkpoint still asks for its
+    probe."""
     from transformers import AutoModelForMaskedLM
 
     from mlsm.errors import UserError

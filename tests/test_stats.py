@@ -106,8 +106,9 @@ def test_compare_pvalues_and_wins(results: Path) -> None:
 
 
 def test_significance_is_directional(results: Path, tmp_path: Path) -> None:
-    """Berend (2023) Fig. 2b/3b: a * at (i, j) means i is significantly better than j, so of the
-    pair (A beats B on all 9 cells) only (A, B) carries a star, and p is the one-sided exact p."""
+    """The Hitchhikers' Guide's Fig. 2b/3b: a * at (i, j) means i is significantly better than j, so
+    of the pair (A beats B on all 9 cells) only (A, B) carries a star, and p is the one-sided exact
+    p."""
     cmp = compare_runs(results, tmp_path / "out")
     a, b, c = (cmp.models.index(m) for m in "ABC")
     assert cmp.pvalues[a, b] == pytest.approx(exact_greater_p(UP)) == pytest.approx(1 / 2**9)
@@ -293,7 +294,8 @@ def test_pairing_survives_shuffles_dropped_seeds_ties_and_zeros(tmp_path: Path) 
     assert expected != pytest.approx(exact_wilcoxon_p_ties(diff))  # the dropped seed matters
     assert cmp.pvalues_two_sided[x, y] == pytest.approx(expected, rel=1e-9)
     assert cmp.pvalues_two_sided[y, x] == pytest.approx(expected, rel=1e-9)
-    # directional: (row, column) tests "row better than column" (one-sided, Berend 2023 Fig. 2b)
+    # directional: (row, column) tests "row better than column" (one-sided, as the Hitchhikers'
+    # Guide's Fig. 2b)
     assert cmp.pvalues[x, y] == pytest.approx(exact_wilcoxon_p_ties(d, "greater"), rel=1e-9)
     assert cmp.pvalues[y, x] == pytest.approx(exact_wilcoxon_p_ties(d, "less"), rel=1e-9)
 

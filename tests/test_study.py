@@ -251,8 +251,9 @@ def test_whole_study_writes_a_report_with_every_section(
     assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
     assert {r["seed"] for r in rows} == {0, 1}
     for section in (
-        "Compute per arm", "Wilcoxon", "BLiMP (PLL", "Wall time of every stage", "readiness.png",
-        "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |", "its metrics averaged",
+        "Compute per arm", "Wilcoxon", "Pair sets (PLL", "Wall time of every stage",
+        "readiness.png", "| mlsm@50% | mlm@100% |", "| mlsm@100% | mlm@100% |",
+        "its metrics averaged",
     ):
         assert section in text
     # the report names the machine: the CPU model (/proc/cpuinfo on Linux), cores and torch

@@ -45,8 +45,9 @@ class DataConfig:
     mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
-    """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official MLSM code
-    (Berend 2023); false = Bernoulli(mask_rate) per token, as BERT."""
+    """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official repository's
+    2023 script (`mlsm_pretrainer.py`, deleted in 2024); false = Bernoulli(mask_rate) per
+    non-special token, as BERT and the official repository's current `pretrainer.py`."""
 
 
 @dataclass
@@ -98,7 +99,8 @@ class TrainConfig:
     out: str = "runs/run"
     """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
     readiness: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
-    """Fractions of train.steps at which a checkpoint is kept (Berend 2023 compares at these)."""
+    """Fractions of train.steps at which a checkpoint is kept (the Hitchhikers' Guide compares at
+    10/25/50/100 %)."""
     save_every: int = 0
     """Also write a checkpoint every N steps (0 = only at readiness levels)."""
     keep_last: int = 2

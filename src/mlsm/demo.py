@@ -43,6 +43,9 @@ STEPS, BATCH, LR, WARMUP = 500, 16, 2e-3, 0.05
 DICTIONARY = {"layer": 3, "k": 512, "lam": 0.05}
 """The MLSM arm's teacher layer (early exit: 3 of MiniLM's 6 layers) and k (a third of Berend
 2023's 4d = 1536): the teacher's forward and the k x |V| probe dominate the MLSM arm's cost."""
+PAIR_SET = "heldout_prose_word_order"
+"""The folder of the zero-shot pairs, and so their name in every table, figure and summary line
+(a pair set is named by its folder): word-order pairs of held-out prose, not BLiMP."""
 N_VECTORS = 4096
 HELD_OUT = 300
 SEEDS = 1
@@ -237,7 +240,7 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     corpus_path, held = (corpus, []) if corpus else _write_corpus(out)
     if not held:
         held = stdlib_prose()[:HELD_OUT]
-    pairs = write_pairs(held, out / "pairs")
+    pairs = write_pairs(held, out / PAIR_SET)
     glue, blimp = select_eval_data(shared, log=log)
     spec = demo_study(out, str(corpus_path), pairs, _heldout_store(held, out), glue, blimp,
                       steps, batch, seeds, blimp_pairs)

@@ -359,7 +359,7 @@ def _provenance_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("stored targets", json.dumps(p["targets"])))
     if p["probe"] or p["objective"] == "probe":
         rows.append(("probe", "k → |V| linear probe included in heads.safetensors "
-                              "(Berend 2023, §4.3.1)"))
+                              "(the Hitchhikers' Guide, §4.3.1)"))
     if p["initialised_at_export"]:
         rows.append(("not trained", f"{', '.join(p['initialised_at_export'])}: HF initialiser, "
                                     f"seed {p['pooler_seed']}, added at export"))

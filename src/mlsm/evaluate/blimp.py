@@ -5,8 +5,9 @@ pairs each; each paradigm has a `field` (morphology, syntax, semantics, syntax_s
 `linguistics_term` (the paper's 12-13 phenomenon groups). A pair counts as correct when the model
 prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); a tie counts
 as wrong. Reported: accuracy per phenomenon, per field (mean over the field's phenomena), per
-`linguistics_term` (the paper's phenomenon groups) and overall (mean over phenomena, as in
-Berend 2023 §4.3.1 and the BLiMP paper).
+`linguistics_term` (the paper's phenomenon groups) and overall (mean over phenomena, as in the BLiMP
+paper and §4.3.1 of the *Hitchhikers' Guide to Masked Latent Semantic Modeling*, anonymous, under
+review).
 
 Data: a folder of `<UID>.jsonl` / `<UID>.jsonl.gz` files (the layout of ../shared/data/blimp and of
 the BLiMP repository), a single such file, or the HF dataset (`blimp` / `nyu-mll/blimp`, one

@@ -1,4 +1,7 @@
-"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates (Berend 2023 §4.2).
+"""Paired fine-tuning runs: model folders × tasks × seeds × learning rates.
+
+The protocol of the *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under
+review; §4.2).
 
 Protocol: AdamW, linear schedule (no warmup unless asked), batch 32, 3 epochs, lr 2e-5, the dev
 metric after the last epoch, 5 seeds. What makes the runs *paired* across models:
@@ -207,8 +210,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     """Fine-tune backbone + head in place: AdamW, linear schedule, ``cfg["epochs"]`` epochs.
     Returns the number of optimizer steps.
 
-    cfg["fixed_order"]: every seed trains on seed 0's data order (Berend 2023 §4.2: seeds differ
-    in the head only); cfg["clip"]: gradient-norm clipping, 0 = none. tracker: an
+    cfg["fixed_order"]: every seed trains on seed 0's data order (the Hitchhikers' Guide §4.2: seeds
+    differ in the head only); cfg["clip"]: gradient-norm clipping, 0 = none. tracker: an
     `mlsm.tracking.Tracker` that gets the training loss and lr every LOG_EVERY steps."""
     torch.manual_seed(seed)  # dropout masks; the data order has its own generator
     order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name,

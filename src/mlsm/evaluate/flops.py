@@ -15,19 +15,21 @@ d × |V| decoder), the latent head d × d + d × k, the naive head one d × (|V|
 
 Two accountings (``accounting=``):
 
-- ``"paper"`` — Berend (2023) Table 3: one batch of 128 sequences, every head (student and
-  teacher) at all B·T positions as the official HF-model code computes them, and the student's
-  DeBERTa relative attention counted: per layer and attention type (c2p, p2c) a (B·T × d)·(d × 2s)
-  score product against 2s relative positions, s = min(T, max_relative_positions) as DeBERTa v1
-  computes it, plus the 2s-row position projections. With the DeBERTa-base student, bert-base-cased
-  teacher and k = 3072 this gives MLM 1.13e13 FLOPs/batch, KD 131.9 %, naive MLSM 133.4 %,
-  MLSM_12 108.0 %, MLSM_10 103.8 % (paper: 1.13e13, 131.9, 132.7, 107.1, 102.7).
+- ``"paper"`` — Table 3 of the *Hitchhikers' Guide to Masked Latent Semantic Modeling*
+  (anonymous, under review; MLSM itself is Berend 2023): one batch of 128 sequences, every head
+  (student and teacher) at all B·T positions as the official HF-model code computes them, and the
+  student's DeBERTa relative attention counted: per layer and attention type (c2p, p2c) a
+  (B·T × d)·(d × 2s) score product against 2s relative positions, s = min(T,
+  max_relative_positions) as DeBERTa v1 computes it, plus the 2s-row position projections. With
+  the DeBERTa-base student, bert-base-cased teacher and k = 3072 this gives MLM 1.13e13
+  FLOPs/batch, KD 131.9 %, naive MLSM 133.4 %, MLSM_12 108.0 %, MLSM_10 103.8 % (Table 3:
+  1.13e13, 131.9, 132.7, 107.1, 102.7).
 - ``"mlsm"`` — ours: the recipe's global batch, heads only at the N = mask_rate · B · (T − 2)
   selected positions (mlsm's sparse prediction; the naive recipe's head still at all B·T), relative
   attention not counted (it costs every objective the same).
 
-Sparse coding is reported separately (the paper leaves it out): per target with s non-zeros
-the active-set solver costs Dᵀx (2dk), about s/4 steps that each compute the KKT gradient of
+Sparse coding is reported separately (Table 3 leaves it out): per target with s non-zeros the
+active-set solver costs Dᵀx (2dk), about s/4 steps that each compute the KKT gradient of
 every atom from the support (2k·|A|) and rank-one updates of G_AA⁻¹ (≈ 4|A|² per entering or
 leaving atom) — ≈ k·s²/4 + 4s³ in all — and the final KKT check (2ks); FISTA-n costs
 2dk + n · 4dk.
@@ -49,7 +51,7 @@ KNOWN_SHAPES: dict[str, dict[str, int]] = {
     "bert-large-cased": {"vocab_size": 28996, "hidden_size": 1024, "num_hidden_layers": 24,
                          "num_attention_heads": 16, "intermediate_size": 4096},
 }
-PAPER_BATCH = 128  # Berend (2023) Table 3 counts one batch of 128 sequences
+PAPER_BATCH = 128  # the Hitchhikers' Guide's Table 3 counts one batch of 128 sequences
 ACCOUNTINGS = ("paper", "mlsm")
 
 
@@ -188,8 +190,8 @@ def _fmt(x: int) -> str:
 
 
 ACCOUNTING_LABELS = {
-    "paper": "accounting: paper (Berend 2023 Table 3: one batch of 128 sequences, heads "
-             "at all positions, DeBERTa relative attention counted)",
+    "paper": "accounting: paper (the Hitchhikers' Guide's Table 3: one batch of 128 sequences, "
+             "heads at all positions, DeBERTa relative attention counted)",
     "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected "
             "positions only, relative attention not counted)",
 }

@@ -1,9 +1,10 @@
 """`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
 
 By default the probe is trained until its loss on held-out chunks stops improving
-(`mlsm.evaluate.probe_fit`: Berend 2023's 10 % of the pre-training steps leaves it untrained on
-short runs). With a fixed number of steps it reuses `pretrain` with the `probe` objective, so it
-gets the same batches, readiness checkpoints, resume and DDP as any run (Berend 2023, §4.3.1).
+(`mlsm.evaluate.probe_fit`: the 10 % of the pre-training steps of the *Hitchhikers' Guide to Masked
+Latent Semantic Modeling* (anonymous, under review; §4.3.1) leaves it untrained on short runs). With
+a fixed number of steps it reuses `pretrain` with the `probe` objective, so it gets the same
+batches, readiness checkpoints, resume and DDP as any run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -
 
     Default (no steps, overrides, store or resume): train to a held-out loss plateau
     (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
-    many steps through the pre-training loop, as Berend 2023 (10 % of the pre-training steps).
+    many steps through the pre-training loop, as the Hitchhikers' Guide (10 % of the pre-training
+    steps).
     """
     max_steps = kw.pop("max_steps", None) or 2000
     folder = resolve_checkpoint(checkpoint)
@@ -142,11 +144,11 @@ def _heads_names(folder: Path) -> dict[str, Any] | None:
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder.
 
-    An MTL checkpoint (latent head + a trained vocabulary head, Berend 2023 Fig. 6 "MLSM+MLM") is
-    scored through its vocabulary head, like an MLM model; it needs no probe. ``path`` may name a
-    run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the final checkpoint of
-    its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A checkpoint whose
-    objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
+    An MTL checkpoint (latent head + a trained vocabulary head, the Hitchhikers' Guide's Fig. 6
+    "MLSM+MLM") is scored through its vocabulary head, like an MLM model; it needs no probe.
+    ``path`` may name a run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the
+    final checkpoint of its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A
+    checkpoint whose objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
     """
     folder = resolve_checkpoint(path)
     check_scored_by_pll(folder)

@@ -1,13 +1,14 @@
 """Train an MLSM model's k -> |V| probe until its held-out loss stops improving.
 
-Berend 2023 (§4.3.1) trains the probe for ~10 % of the pre-training steps. On short CPU runs that
-leaves it untrained (10.30 nats ≈ ln |V| after a 500-step run), so here its length is set by the
-data: the probe starts *at* the unigram distribution (weights 0, bias = log unigram frequencies),
-is trained with Adam at a constant lr on the pre-training batches, and stops when the loss on
-held-out chunks (the batches right after the pre-training run, which neither the student nor the
-probe ever saw) has not improved by `min_delta` (relative) for `patience` evaluations. The result
-records held-out loss, top-1 and the unigram loss on the same targets, so every score made
-through the probe can be read next to how good the probe is.
+The *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under review; §4.3.1) trains
+the probe for ~10 % of the pre-training steps. On short CPU runs that leaves it untrained (10.30
+nats ≈ ln |V| after a 500-step run), so here its length is set by the data: the probe starts *at*
+the unigram distribution (weights 0, bias = log unigram frequencies), is trained with Adam at a
+constant lr on the pre-training batches, and stops when the loss on held-out chunks (the batches
+right after the pre-training run, which neither the student nor the probe ever saw) has not improved
+by `min_delta` (relative) for `patience` evaluations. The result records held-out loss, top-1 and
+the unigram loss on the same targets, so every score made through the probe can be read next to how
+good the probe is.
 """
 
 from __future__ import annotations

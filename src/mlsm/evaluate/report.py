@@ -1,5 +1,5 @@
-"""Figures and a Markdown report from a fine-tuning results file (Berend 2023, "Masked Latent
-Semantic Modeling", Figs. 2b, 4, 7).
+"""Figures and a Markdown report from a fine-tuning results file (Figs. 2b, 4 and 7 of the
+*Hitchhikers' Guide to Masked Latent Semantic Modeling*, anonymous, under review).
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas directly, so no
 pyplot state or global backend is touched (safe inside notebooks and other programs).

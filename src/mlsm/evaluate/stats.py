@@ -1,12 +1,13 @@
-"""Results files and paired comparisons (Berend 2023, Fig. 2b p-values, Fig. 2c wins, Table 1).
+"""Results files and paired comparisons (Fig. 2b p-values, Fig. 2c wins and Table 1 of the
+*Hitchhikers' Guide to Masked Latent Semantic Modeling*, anonymous, under review).
 
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
 both have: Wilcoxon signed-rank tests (``scipy.stats.wilcoxon``) over the paired scores, and the
 number of cells each model wins. All metrics here are higher-is-better.
 
-Significance is directional, as Berend (2023) reads Fig. 2b/3b and §4.3: a ``*`` at (row i,
-column j) means model i is significantly *better* than model j, i.e. the one-sided test with
+Significance is directional, as the Hitchhikers' Guide reads its Fig. 2b/3b and §4.3: a ``*`` at
+(row i, column j) means model i is significantly *better* than model j, i.e. the one-sided test with
 alternative "greater" on the differences (row − column) has p < 0.01. At most one cell of a pair
 carries a star. The two-sided p is kept (``pvalues_two_sided.csv``) for readers who want it.
 """
@@ -36,7 +37,7 @@ try:  # POSIX advisory lock: several finetune processes may append to one result
 except ImportError:  # Windows: appends of one write() call are still whole in practice
     fcntl = None
 
-SIGNIFICANCE = 0.01  # Berend 2023 marks p < 0.01
+SIGNIFICANCE = 0.01  # the Hitchhikers' Guide marks p < 0.01
 # What Comparison.write puts into an output folder (and the first line of its Markdown).
 COMPARISON_FILES = {"comparison.md", "means.csv", "pvalues.csv", "pvalues_two_sided.csv",
                     "wins.csv", "mean_diff_ci.csv"}

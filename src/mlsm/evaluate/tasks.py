@@ -1,7 +1,8 @@
 """Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets, metrics.
 
-The task list and metrics follow the evaluation protocol of Berend 2023 §4.2 (GLUE + WiC +
-CoNLL-2003). Local files are read in their *original distributed* formats:
+The task list and metrics follow the evaluation protocol of the *Hitchhikers' Guide to Masked Latent
+Semantic Modeling* (anonymous, under review; §4.2): GLUE + WiC + CoNLL-2003. Local files are read in
+their *original distributed* formats:
 
 - GLUE TSVs (``glue_data/<TASK>/``): tab separated, ``csv.QUOTE_NONE`` because sentences contain
   bare quote characters; CoLA train/dev have no header, every other file has one.
@@ -304,7 +305,8 @@ class TaskSpec:
     # metric suffix -> split
     eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})
     train_split: str = "train"
-    # a labelled test split scored with `eval_test` (CoNLL-2003: Berend 2023 reports test)
+    # a labelled test split scored with `eval_test` (CoNLL-2003; the official finetune_eval.py
+    # scores its validation split only)
     test_split: str = ""
 
     @property

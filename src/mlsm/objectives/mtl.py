@@ -1,4 +1,8 @@
-"""Multi-task MLSM + MLM (Berend 2023, §5 "MTL"): L = L_MLSM + κ · L_MLM.
+"""Multi-task MLSM + MLM: L = L_MLSM + κ · L_MLM.
+
+The MTL arm of the *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under review;
+κ ∈ {0.25, 0.5, 1}, Fig. 6 "MLSM+MLM"); training MLSM and MLM jointly is Berend's BabyLM paper
+("Better Together", 2023; the official code's `--mlm_weight`).
 
 A composition, not a copy: an `MLSM` and an `MLM` objective are members; MTL's targets are both
 members' targets, and both members' losses read the one student forward (both take the corrupted
@@ -38,7 +42,7 @@ class MTLConfig(MLSMConfig):
     name: Literal["mtl"] = "mtl"  # type: ignore[assignment]
     """Objective name (the tag of the objective group)."""
     kappa: float = 0.5
-    """Weight κ of the MLM loss (the paper tries 0.25, 0.5 and 1)."""
+    """Weight κ of the MLM loss (the Hitchhikers' Guide tries 0.25, 0.5 and 1)."""
     head: Literal["separate", "shared"] = "separate"
     """`separate` (ours): the latent head has its own transform beside the vocabulary head.
     `shared` (the official code): one transform (the vocabulary head's) feeds a d × (|V| + k)
@@ -84,7 +88,7 @@ class MTL(Objective):
         super().__init__()
         if cfg.kappa < 0:
             raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); "
-                            "the paper uses 0.25, 0.5 or 1")
+                            "the Hitchhikers' Guide uses 0.25, 0.5 or 1")
         if cfg.head not in ("separate", "shared"):
             raise UserError(f"objective.head={cfg.head!r}; "
                             "use separate (ours) or shared (the official code)")

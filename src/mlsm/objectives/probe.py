@@ -1,4 +1,7 @@
-"""The linear probe that gives an MLSM model a vocabulary (Berend 2023, §4.3.1).
+"""The linear probe that gives an MLSM model a vocabulary.
+
+The probe of §4.3.1 of the *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under
+review).
 
 The MLSM student predicts latent properties, not words. To score text by pseudo-log-likelihood,
 a linear layer k -> |V| is trained on top of the frozen model's latent distribution
@@ -32,8 +35,9 @@ class ProbeConfig:
     checkpoint: str = ""
     """MLSM checkpoint folder whose latent head the probe reads (also set model.init_from to it)."""
     input: Literal["probs", "logprobs", "logits"] = "probs"
-    """What the probe reads: `probs` = softmax(z) (Berend 2023's wording),
-    `logprobs` = log_softmax(z) or `logits` = z (see docs/evaluation.md for which trains best)."""
+    """What the probe reads: `probs` = softmax(z) (the Hitchhikers' Guide's wording),
+    `logprobs` = log_softmax(z) or `logits` = z (see docs/study.md, "The probe", for which
+    trains best)."""
 
 
 def probe_input(latent_logits: torch.Tensor, kind: str) -> torch.Tensor:

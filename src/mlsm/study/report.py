@@ -1,9 +1,11 @@
 """`mlsm study report`: what a study folder holds, as Markdown + PNGs (written into the folder).
 
-Sections: pre-training loss curves; readiness curves (Berend 2023 Fig. 4a); the Wilcoxon matrix
-and win counts (Fig. 2b/2c); per-task mean ± std (Table 1); BLiMP vs FLOPs per batch (Fig. 6) with
-each probe's held-out loss and top-1 beside the score; each arm's compute (FLOPs, tokens, wall
-time) and the wall time of every stage; what failed. `summary.json` holds the same numbers.
+Sections, laid out as the *Hitchhikers' Guide to Masked Latent Semantic Modeling* (anonymous, under
+review) reports: pre-training loss curves; readiness curves (its Fig. 4a); the Wilcoxon matrix and
+win counts (Fig. 2b/2c); per-task mean ± std (Table 1); the first pair set's PLL accuracy vs FLOPs
+per batch (Fig. 6) with each probe's held-out loss and top-1 beside the score; each arm's compute
+(FLOPs, tokens, wall time) and the wall time of every stage; what failed. `summary.json` holds the
+same numbers.
 """
 
 from __future__ import annotations
@@ -166,8 +168,9 @@ def _blimp_row_problem(row: dict[str, Any]) -> str | None:
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
                      path: Path) -> str | None:
-    """Fig. 6: BLiMP overall accuracy vs FLOPs per training batch, one point per arm@readiness.
-    `overall` is the study's first pair set (the demo's is its prose pairs), named on the axis."""
+    """The layout of the Hitchhikers' Guide's Fig. 6: the first pair set's accuracy (BLiMP there)
+    vs FLOPs per training batch, one point per arm@readiness. `overall` is the study's first pair
+    set (the demo's is its held-out prose word-order pairs), named on the axis."""
     flops = {c["arm"]: c["flops_per_batch"] for c in compute}
     pts = [(flops.get(r["arm"], math.nan), 100 * r["overall"],
             f"{r['arm']}@{readiness_label(r['readiness'])}") for r in rows]
@@ -180,8 +183,7 @@ def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
         ax.scatter([x / 1e12], [y], color=f"C{k}", label=label)
     ax.axhline(50, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("training FLOPs per batch (TFLOP, student + teacher)")
-    first = next(iter(rows[0].get("sets") or ["BLiMP"]))
-    ax.set_ylabel(f"'{first}' pair accuracy (%)")
+    ax.set_ylabel(f"'{first_pair_set(rows)}' pair accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -216,9 +218,9 @@ def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
 
 
 def headline_pairs(study: Study) -> list[tuple[str, str]]:
-    """The comparisons a study is run for (Berend 2023, Table 1 / Fig. 4): every latent arm at 50 %
-    and at 100 % against every other arm at 100 %, and the latent arms against each other at
-    100 %."""
+    """The comparisons a study is run for (the Hitchhikers' Guide, Table 1 / Fig. 4): every latent
+    arm at 50 % and at 100 % against every other arm at 100 %, and the latent arms against each
+    other at 100 %."""
     latent = [a for a in study.spec.arms if study.is_latent(a)]
     others = [a for a in study.spec.arms if a not in latent]
     pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
@@ -274,10 +276,11 @@ def blimp_comparisons(study: Study, blimp: list[dict[str, Any]]) -> list[dict[st
     return out
 
 
-def _blimp_pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
+def _blimp_pair_lines(pairs: list[dict[str, Any]], first: str) -> list[str]:
+    """The headline pairs on the first pair set (`first`, its name), paired by phenomenon."""
     if not pairs:
         return []
-    return ["", "## BLiMP: headline comparisons, paired by phenomenon\n",
+    return ["", f"## `{first}`: headline comparisons, paired by phenomenon\n",
             "Wilcoxon signed-rank over the phenomena both models scored (the same pairs); wins: "
             "phenomena where one model's accuracy is higher; mean difference A − B in points.\n",
             "| A | B | phenomena | A wins | B wins | mean A − B | p(A>B) | p(B>A) | p two-sided |",
@@ -300,6 +303,12 @@ def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
 def _p(p: Any) -> str:
     """A p-value for a table: 3 significant digits, '—' when missing."""
     return f"{p:.3g}" if _number(p) else "—"
+
+
+def first_pair_set(rows: list[dict[str, Any]]) -> str:
+    """The name of the pair set whose accuracy is a row's `overall` (the study's first set: the
+    demo's is its held-out prose word-order pairs, not BLiMP), so no table calls it BLiMP."""
+    return next(iter(rows[0].get("sets") or ["BLiMP"])) if rows else "BLiMP"
 
 
 def _blimp_line(r: dict[str, Any]) -> str:
@@ -359,19 +368,21 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
             lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {cells} |")
     where = study.spec.blimp.heldout_store and "a store of held-out documents" or \
         "the chunks after the last pre-training batch (held out only within the run's first epoch)"
-    lines += ["", "## BLiMP (PLL; latent arms through their probe; the first pair set)\n",
+    first = first_pair_set(blimp)
+    lines += ["", f"## Pair sets (PLL; latent arms through their probe): `{first}`, the first, "
+              "and held-out masked tokens\n",
               f"Held-out masked tokens: {where}, the run's own masking; latent arms are scored "
               "through their probe. Unigram: the training store's token frequencies on the same "
               "targets (the plateau of an MLM that does not use context); p: two-sided binomial "
               "test of the model's top-1 against the unigram's rate.\n",
               "p vs 50 %: two-sided exact binomial test of the pooled pairs.\n",
-              "| model | BLiMP % | pairs | p vs 50 % | held-out masked top-1 % | unigram top-1 % "
-              "| p | held-out loss (nats) | unigram loss (nats) | probe input "
+              f"| model | {first} % | pairs | p vs 50 % | held-out masked top-1 % "
+              "| unigram top-1 % | p | held-out loss (nats) | unigram loss (nats) | probe input "
               "| probe held-out loss (nats) | probe top-1 % | probe unigram loss | probe steps |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     lines += [_blimp_line(r) for r in blimp]
     lines += _unscored_rows(study)
-    lines += _blimp_pair_lines(blimp_pairs)
+    lines += _blimp_pair_lines(blimp_pairs, first)
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
@@ -400,7 +411,8 @@ def write_report(study: Study) -> Path:
     parts += ft_parts
     png = plot_blimp_flops(blimp, compute, root / "blimp_flops.png")
     if png:
-        parts.append(f"## BLiMP vs FLOPs per batch (Fig. 6)\n\n![blimp vs flops]({png})\n")
+        parts.append(f"## `{first_pair_set(blimp)}` pair accuracy vs FLOPs per batch (as the "
+                     f"Hitchhikers' Guide's Fig. 6)\n\n![blimp vs flops]({png})\n")
     parts.append("\n".join(_tables(compute, blimp, blimp_pairs, times, study)) + "\n")
     summary = {"git_revision": git_revision(), "machine": machine_description(),
                "compute": compute, "blimp": blimp, "blimp_pairs": blimp_pairs,

@@ -2,8 +2,9 @@
 
 A study is several pre-training **arms** trained on identical batches (they share `base`, so the
 batch of step t depends only on (data.seed, t)), evaluated at readiness checkpoints by paired
-fine-tuning and by BLiMP — the comparison of Berend 2023, Table 1 and Fig. 4. Every key below is
-checked; an unknown one is a one-line error naming the valid keys.
+fine-tuning and by BLiMP — the comparison of Table 1 and Fig. 4 of the *Hitchhikers' Guide to Masked
+Latent Semantic Modeling* (anonymous, under review). Every key below is checked; an unknown one is a
+one-line error naming the valid keys.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class DictionarySpec:
     teacher: str = ""
     """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
     n_vectors: int = 200_000
-    """Teacher states the dictionary is learned on (Berend 2023 used far more; see the study
-    notes)."""
+    """Teacher states the dictionary is learned on (the official `train_dict.py` collects 1,000,000;
+    see the study notes)."""
     max_len: int = 128
     """Sequence length when collecting teacher states."""
     seed: int = 0
