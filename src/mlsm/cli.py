@@ -256,6 +256,26 @@ def _blimp(a: argparse.Namespace) -> None:
           f"({result['n_pairs']} pairs) -> {paths['markdown']}")
 
 
+def _score(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.score import results_row, score_corpus, warn_truncated, write_scores
+    from mlsm.evaluate.stats import append_results
+
+    check_apart(a.out, "--out", {"INPUT": a.input, "MODEL": a.model, "--results": a.results})
+    model, tokenizer = load_scorer(a.model, device=a.device)
+    result = score_corpus(model, tokenizer, a.input, variant=a.variant, max_tokens=a.max_tokens,
+                          text_field=a.text_field, limit=a.limit, token_budget=a.token_budget,
+                          progress=None)
+    paths = write_scores(result, a.out)
+    warn_truncated(result)
+    s = result.summary
+    print(f"PPPL {s['pppl']:.3f} ({a.variant}) over {s['n_sentences']} {s['unit']}, "
+          f"{s['n_tokens']} tokens -> {paths['scores']}, {paths['summary']}")
+    if a.results:
+        append_results(a.results, [results_row(result, a.model, a.name or Path(a.model).name)])
+        print(f"results row appended to {a.results}")
+
+
 def _rank(a: argparse.Namespace) -> None:
     from mlsm.evaluate.rank import (
         RANK_HEADING,
@@ -538,6 +558,32 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     return _blimp
 
 
+def _add_score(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("score", help="PLL per sentence and pseudo-perplexity (PPPL) of a corpus")
+    p.add_argument("model", help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N); an "
+                   "MLSM run is scored through its probe (mlsm probe RUN)")
+    p.add_argument("input", help=".txt/.jsonl (gzipped or not), one sentence per line, or a "
+                   "token store (scored in chunks of --max-tokens)")
+    p.add_argument("--out", required=True, type=out_file,
+                   help="JSON lines, one per sentence (the summary goes to OUT.summary.json)")
+    p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
+                   help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="cut longer sentences to this many tokens (default: the model's limit)")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="score the first N sentences / store chunks")
+    p.add_argument("--text-field", default="text", help="JSON field of a .jsonl input")
+    p.add_argument("--token-budget", type=positive_int, default=8192,
+                   help="padded tokens per forward pass")
+    p.add_argument("--results", default=None, type=out_file,
+                   help="also append a results row (task pppl:INPUT, metric neg_log_pppl) for "
+                   "compare/report")
+    p.add_argument("--name", default=None, help="model name in the results row (default: the "
+                   "folder name)")
+    p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
+    return _score
+
+
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("rank", help="tau-effective rank of token representations per layer")
     p.add_argument("model",
@@ -649,7 +695,7 @@ def _add_export(sub: argparse._SubParsersAction) -> Callable:
 # One line per verb. --- verbs ---
 _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets,
           _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report,
-          _add_blimp, _add_rank, _add_export, _add_study]
+          _add_blimp, _add_score, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
