@@ -233,7 +233,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     # a cell can take many minutes on a CPU: its own progress under the grid's
     bar = Progress(total, f"{spec.name} seed {seed}", "step", leave=False)
     for perm in order:
-        for i in range(0, len(perm), bs):
+        for i in range(0, len(perm) if step < total else 0, bs):
             inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
             hidden = backbone(**inputs).last_hidden_state
             loss = _loss(spec, head(hidden, inputs.get("attention_mask")), labels)
