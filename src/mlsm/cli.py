@@ -188,15 +188,23 @@ def _pretrain(a: argparse.Namespace) -> None:
     print(f"run directory: {run}")
 
 
+_PROTOCOL_FLAGS = ("seeds", "lrs", "epochs", "batch_size", "warmup_ratio", "max_steps", "head",
+                   "val_fraction")  # left unset: the --preset's value, else finetune()'s default
+
+
 def _finetune(a: argparse.Namespace) -> None:
     from mlsm.evaluate.finetune import finetune
+    from mlsm.evaluate.protocol import preset_settings
 
+    given = {k: getattr(a, k) for k in _PROTOCOL_FLAGS if getattr(a, k) is not None}
+    if "seeds" in given:
+        given["seeds"] = range(given["seeds"])
     path = finetune(
-        a.models, [t for t in a.tasks.split(",") if t], seeds=range(a.seeds),
-        lrs=a.lrs, epochs=a.epochs, batch_size=a.batch_size,
+        a.models, [t for t in a.tasks.split(",") if t],
+        **(preset_settings(a.preset, **given) if a.preset else given),
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
         max_train_examples=a.max_train_examples, device=a.device,
-        warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay, readiness=a.readiness,
+        weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
         report_to=[t for t in a.report_to.split(",") if t],
     )
@@ -254,6 +262,26 @@ def _blimp(a: argparse.Namespace) -> None:
     paths = write_blimp_report(result, a.out)
     print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
           f"({result['n_pairs']} pairs) -> {paths['markdown']}")
+
+
+def _score(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.score import results_row, score_corpus, warn_truncated, write_scores
+    from mlsm.evaluate.stats import append_results
+
+    check_apart(a.out, "--out", {"INPUT": a.input, "MODEL": a.model, "--results": a.results})
+    model, tokenizer = load_scorer(a.model, device=a.device)
+    result = score_corpus(model, tokenizer, a.input, variant=a.variant, max_tokens=a.max_tokens,
+                          text_field=a.text_field, limit=a.limit, token_budget=a.token_budget,
+                          progress=None)
+    paths = write_scores(result, a.out)
+    warn_truncated(result)
+    s = result.summary
+    print(f"PPPL {s['pppl']:.3f} ({a.variant}) over {s['n_sentences']} {s['unit']}, "
+          f"{s['n_tokens']} tokens -> {paths['scores']}, {paths['summary']}")
+    if a.results:
+        append_results(a.results, [results_row(result, a.model, a.name or Path(a.model).name)])
+        print(f"results row appended to {a.results}")
 
 
 def _rank(a: argparse.Namespace) -> None:
@@ -434,12 +462,24 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
-    p.add_argument("--seeds", type=positive_int, default=5,
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="a named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md); the flags "
+                   "below that you set override its values")
+    p.add_argument("--seeds", type=positive_int, default=None,
                    help="number of seeds, run as 0..N-1 (default 5)")
-    p.add_argument("--lrs", default="2e-5", type=float_list,
+    p.add_argument("--lrs", default=None, type=float_list,
                    help="comma-separated learning rates (default 2e-5)")
-    p.add_argument("--epochs", type=positive_int, default=3)
-    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--epochs", type=positive_int, default=None, help="(default 3)")
+    p.add_argument("--max-steps", type=non_negative_int, default=None,
+                   help="most optimizer steps per run, whichever of it and --epochs ends first "
+                   "(default 0: no cap)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="(default 32)")
+    p.add_argument("--head", choices=["cls", "mean"], default=None,
+                   help="sentence-task head: cls = first token, dense, tanh, linear; mean = "
+                   "mean-pooled tokens, linear (default cls)")
+    p.add_argument("--val-fraction", type=fraction, default=None,
+                   help="hold out this fraction of each training set to pick the best of --lrs "
+                   "on; the grid goes to RESULTS.lr-grid.jsonl (default 0: no selection)")
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--data-dir", default=None,
                    help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ "
@@ -448,7 +488,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="JSON-lines file to append to")
     p.add_argument("--max-train-examples", type=positive_int, default=None,
                    help="cap training sets (CPU runs)")
-    p.add_argument("--warmup-ratio", type=fraction, default=0.0)
+    p.add_argument("--warmup-ratio", type=fraction, default=None, help="(default 0)")
     p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
     p.add_argument("--fixed-order", action="store_true",
                    help="every seed trains on one data order (only the head differs)")
@@ -471,8 +511,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> Callable:
                    help="per model and task keep only the learning rate with the best mean "
                    "validation score")
     p.add_argument("--bootstrap", type=non_negative_int, default=0, metavar="N",
-                   help="95 %% bootstrap CIs of the mean paired differences from N resamples (e.g. "
-                   "10000; 0 = none)")
+                   help="95 %% bootstrap CIs of each mean and of the mean paired differences "
+                   "from N resamples (e.g. 10000; 0 = none)")
     p.add_argument("--per-run", action="store_true",
                    help="pair one score per fine-tuning run, its metrics averaged (MRPC acc/F1, "
                    "STS-B Pearson/Spearman), not one per metric: the conservative test")
@@ -536,6 +576,32 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
                    help="padded tokens per forward pass")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     return _blimp
+
+
+def _add_score(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("score", help="PLL per sentence and pseudo-perplexity (PPPL) of a corpus")
+    p.add_argument("model", help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N); an "
+                   "MLSM run is scored through its probe (mlsm probe RUN)")
+    p.add_argument("input", help=".txt/.jsonl (gzipped or not), one sentence per line, or a "
+                   "token store (scored in chunks of --max-tokens)")
+    p.add_argument("--out", required=True, type=out_file,
+                   help="JSON lines, one per sentence (the summary goes to OUT.summary.json)")
+    p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
+                   help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="cut longer sentences to this many tokens (default: the model's limit)")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="score the first N sentences / store chunks")
+    p.add_argument("--text-field", default="text", help="JSON field of a .jsonl input")
+    p.add_argument("--token-budget", type=positive_int, default=8192,
+                   help="padded tokens per forward pass")
+    p.add_argument("--results", default=None, type=out_file,
+                   help="also append a results row (task pppl:INPUT, metric neg_log_pppl) for "
+                   "compare/report")
+    p.add_argument("--name", default=None, help="model name in the results row (default: the "
+                   "folder name)")
+    p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
+    return _score
 
 
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
@@ -649,7 +715,7 @@ def _add_export(sub: argparse._SubParsersAction) -> Callable:
 # One line per verb. --- verbs ---
 _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets,
           _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report,
-          _add_blimp, _add_rank, _add_export, _add_study]
+          _add_blimp, _add_score, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from mlsm import tracking
 from mlsm.errors import UserError
+from mlsm.evaluate import protocol
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.inputs import check_apart, read_json, real_path
@@ -88,31 +89,35 @@ def stable_seed(*parts: object) -> int:
 
 class TaskHead(nn.Module):
     """Head on the backbone output: first token → dense+tanh → linear (cls/reg), or per-token
-    linear.
+    linear; pooling="mean": mean of the unpadded tokens → linear (Gisserot-Boukhlef et al. 2025).
 
     The dense+tanh layer plays the role of BERT's pooler, built by us so that it is the same for
     every backbone (some have no pooler, others a pretrained one).
     """
 
-    def __init__(self, d: int, n_out: int, per_token: bool, dropout: float = 0.1) -> None:
+    def __init__(self, d: int, n_out: int, per_token: bool, dropout: float = 0.1,
+                 pooling: str = "cls") -> None:
         super().__init__()
-        self.per_token = per_token
+        self.per_token, self.pooling = per_token, pooling
         self.drop = nn.Dropout(dropout)
-        self.dense = None if per_token else nn.Linear(d, d)
+        self.dense = None if per_token or pooling == "mean" else nn.Linear(d, d)
         self.out = nn.Linear(d, n_out)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # hidden: (B, T, d) -> logits (B, T, n_out) per token, or (B, n_out) from position 0
-        x = hidden if self.per_token else hidden[:, 0]
+        # or (pooling="mean") from the mean of the tokens the (B, T) attention mask keeps
+        x = (hidden if self.per_token else protocol.mean_pool(hidden, attention_mask)
+             if self.pooling == "mean" else hidden[:, 0])
         if self.dense is not None:
             x = torch.tanh(self.dense(self.drop(x)))
         return self.out(self.drop(x))
 
 
-def build_head(spec: TaskSpec, d: int, seed: int) -> TaskHead:
+def build_head(spec: TaskSpec, d: int, seed: int, pooling: str = "cls") -> TaskHead:
     """The head for (task, seed): weights ~ N(0, 0.02²), biases 0, drawn on CPU from a generator
     seeded by (seed, task, d) alone — identical for every backbone with hidden size d."""
-    head = TaskHead(d, spec.num_outputs, per_token=spec.kind == "token")
+    head = TaskHead(d, spec.num_outputs, per_token=spec.kind == "token", pooling=pooling)
     gen = torch.Generator().manual_seed(stable_seed("head", seed, spec.name, d))
     with torch.no_grad():
         for module in (head.dense, head.out):
@@ -219,6 +224,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     clip = float(cfg.get("clip", 1.0))
     bs = cfg["batch_size"]
     total = cfg["epochs"] * math.ceil(len(feats) / bs)
+    if cfg.get("max_steps"):  # a step cap: whichever of epochs and max_steps ends first
+        total = min(total, cfg["max_steps"])
     warm = int(cfg["warmup_ratio"] * total)
     opt = _optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -229,9 +236,10 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     # a cell can take many minutes on a CPU: its own progress under the grid's
     bar = Progress(total, f"{spec.name} seed {seed}", "step", leave=False)
     for perm in order:
-        for i in range(0, len(perm), bs):
+        for i in range(0, len(perm) if step < total else 0, bs):
             inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
-            loss = _loss(spec, head(backbone(**inputs).last_hidden_state), labels)
+            hidden = backbone(**inputs).last_hidden_state
+            loss = _loss(spec, head(hidden, inputs.get("attention_mask")), labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if clip > 0:
@@ -245,6 +253,8 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
                 if tracker is not None:
                     tracker.log({"train/loss": value, "train/lr": sched.get_last_lr()[0]}, step)
             bar.update(1)
+            if step == total:
+                break
     bar.close()
     return step
 
@@ -266,7 +276,8 @@ def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
     for i in range(0, len(order), batch_size):
         idx = order[i:i + batch_size]
         inputs, _ = collate(tokenizer, spec, [feats[k] for k in idx], device)
-        out = head(backbone(**inputs).last_hidden_state).float().cpu()  # (B, C) or (B, T, C)
+        hidden = backbone(**inputs).last_hidden_state
+        out = head(hidden, inputs.get("attention_mask")).float().cpu()  # (B, C) or (B, T, C)
         for row, k in zip(out, idx, strict=True):
             preds[k] = _decode(spec, row, feats[k], examples[k])
     return preds
@@ -304,7 +315,8 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["model"], row["task"], row["seed"], float(row["lr"]), row["epochs"],
-            row["batch_size"], row["max_len"], row["n_train"])
+            row["batch_size"], row["max_len"], row["n_train"], row.get("head", "cls"),
+            row.get("max_steps", 0))
 
 
 def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None,
@@ -354,7 +366,7 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
     start = time.time()
     backbone = _load_backbone(model.path).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
-    head = build_head(spec, d, seed).to(device)
+    head = build_head(spec, d, seed, cfg.get("head", "cls")).to(device)
     steps = train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device, tracker)
     rows = []
     for suffix, (examples, feats) in data.evals.items():
@@ -368,6 +380,7 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
                 "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
                 "max_len": cfg["max_len"], "n_train": len(data.train), "n_eval": len(examples),
                 "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
+                "head": cfg.get("head", "cls"), "max_steps": cfg.get("max_steps", 0),
                 "seconds": round(time.time() - start, 2),
             })
     if tracker is not None:
@@ -443,6 +456,10 @@ def finetune(
     eval_test: bool = False,
     readiness: str = "final",
     report_to: Sequence[str] = (),
+    max_steps: int = 0,
+    head: str = "cls",
+    val_fraction: float = 0.0,
+    preset: str = "",
 ) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
 
@@ -456,29 +473,40 @@ def finetune(
     Fidelity options (docs/fidelity.md): ``fixed_order`` (one data order for all seeds),
     ``clip`` (gradient-norm clipping, 0 = off), ``eval_test`` (also score tasks with a labelled
     test split, i.e. CoNLL-2003, as ``<metric>_test``); ``max_len`` up to the model's limit (512).
+
+    Protocol options (``max_steps``, ``head``, ``val_fraction``, ``preset``; a preset's settings:
+    ``**preset_settings(NAME)``): see `mlsm.evaluate.protocol` and docs/finetune.md.
     """
     if clip < 0:
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
     tracking.require(list(report_to), "--report-to")  # before any model is loaded
     _check_grid(models, tasks, seeds, lrs, epochs, batch_size, max_len, max_train_examples)
+    protocol.check_protocol(max_steps, head, val_fraction)
     refs, specs = _grid(models, tasks, readiness)
     check_apart(results, "--results", {"--data-dir": data_dir,
                                        **{f"model {r.name}": r.path for r in refs}})
     settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,
                 "warmup_ratio": warmup_ratio, "weight_decay": weight_decay,
-                "fixed_order": fixed_order, "clip": clip}
+                "fixed_order": fixed_order, "clip": clip, "max_steps": max_steps, "head": head}
     path = Path(results)
-    _run_grid(refs, specs, seeds, lrs, settings, path, pick_device(device), report_to,
-              lambda spec: _task_data(spec, data_dir, max_train_examples, eval_test))
+    task_data = protocol.with_validation(
+        lambda spec: _task_data(spec, data_dir, max_train_examples, eval_test), val_fraction,
+        lambda spec: stable_seed("validation", spec.name))
+    grid = protocol.grid_path(path) if val_fraction else path
+    _run_grid(refs, specs, seeds, lrs, settings, grid, pick_device(device), report_to, task_data,
+              None if not val_fraction else lambda cell: protocol.report_selected(
+                  grid, path, {**cell, "lr": lrs, "seed": seeds}, preset))
     return path
 
 
 def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], seeds: Sequence[int],
               lrs: Sequence[float], settings: dict[str, Any], path: Path, dev: torch.device,
-              report_to: Sequence[str], task_data: Callable[[TaskSpec], Any]) -> None:
+              report_to: Sequence[str], task_data: Callable[[TaskSpec], Any],
+              finish: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Run every cell (task, model, lr, seed) not yet in the results file `path`, appending its
     rows when it ends. settings: the cell config shared by all cells, besides lr; task_data:
-    spec -> (train examples, {split: eval examples}), read once per task."""
+    spec -> (train examples, {split: eval examples}), read once per task; finish: called with
+    what the rows of each (model, task) share once all its cells are in `path`."""
     done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
     bar = Progress(len(refs) * len(specs) * len(seeds) * len(lrs), "finetune", "cell")
     for spec in specs:
@@ -488,11 +516,15 @@ def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], seeds: Sequence[int],
             for lr, seed in itertools.product(lrs, seeds):
                 cfg = {"lr": float(lr), **settings}
                 if (ref.name, spec.name, seed, float(lr), settings["epochs"],
-                        settings["batch_size"], settings["max_len"], len(train)) not in done:
+                        settings["batch_size"], settings["max_len"], len(train),
+                        settings["head"], settings["max_steps"]) not in done:
                     bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
                     data = data or prepare(ref, spec, train, evals, settings["max_len"])
                     with _cell_tracker(report_to, path, ref, spec, seed, cfg) as tracker:
                         rows = run_cell(ref, spec, data, seed, cfg, dev, tracker)
                     append_results(path, rows)
                 bar.update(1)
+            if finish is not None:
+                finish({"model": ref.name, "task": spec.name, "n_train": len(train),
+                        **{k: settings[k] for k in protocol.GRID_FIELDS if k in settings}})
     bar.close()

@@ -304,6 +304,77 @@ def _score_items(
     return out
 
 
+def _special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special ids the tokenizer puts before and after one sequence ([CLS] / [SEP] for BERT,
+    <s> / </s> for RoBERTa), read off the encoding of a probe text with and without them
+    (transformers 5 tokenizers have no build_inputs_with_special_tokens)."""
+    for probe in ("a", "the", "0", "."):
+        plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = tokenizer(probe)["input_ids"]
+        for k in range(len(full) - len(plain) + 1):
+            if plain and full[k : k + len(plain)] == plain:
+                return list(full[:k]), list(full[k + len(plain) :])
+    raise UserError("cannot tell where this tokenizer puts its special tokens; score text with "
+                    "score_pll instead")
+
+
+def _items_from_ids(
+    tokenizer: Any, sequences: Sequence[Sequence[int]], words: Sequence[Sequence[int]] | None,
+    max_len: int | None,
+) -> list[_Item]:
+    """One item per sequence of token ids (no special tokens): the tokenizer's own special
+    tokens go around each and are never scored."""
+    before, after = _special_frame(tokenizer)
+    items = []
+    for i, seq in enumerate(sequences):
+        ids = [*before, *seq, *after]
+        if max_len is not None and len(ids) > max_len:
+            raise UserError(f"sequence {i} has {len(ids)} tokens with its special tokens, more "
+                            f"than the model's {max_len}: cut it shorter")
+        targets = torch.arange(len(before), len(before) + len(seq))  # (n,) its own tokens
+        word = torch.full((len(ids),), -1, dtype=torch.long)
+        if words is not None:
+            word[targets] = torch.as_tensor(list(words[i]), dtype=torch.long)
+        items.append(_Item(torch.tensor(ids, dtype=torch.long), targets, word))
+    return items
+
+
+def score_token_ids(
+    model: Any,
+    tokenizer: Any,
+    sequences: Sequence[Sequence[int]],
+    *,
+    words: Sequence[Sequence[int]] | None = None,
+    variant: Variant = "original",
+    token_budget: int = 8192,
+    max_rows: int = 512,
+    device: str | torch.device | None = None,
+    progress: bool | None = False,
+) -> list[np.ndarray]:
+    """PLL terms of already tokenised sequences: per sequence, a float64 array of log P(token |
+    the masked copy) for each of its tokens, in order (`score_pll` sums them).
+
+    sequences: token ids WITHOUT special tokens (the tokenizer adds its own; they are never
+    scored) — what a token store holds, or a text cut to a token budget. words: for
+    ``within_word_l2r``, a word index per token (equal for the pieces of one word, as the fast
+    tokenizer's ``word_ids()``). The other arguments are `score_pll`'s.
+    """
+    if variant not in VARIANTS:
+        raise UserError(f"unknown PLL variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    if variant == "within_word_l2r" and words is None:
+        raise UserError("variant within_word_l2r needs the word index of every token (words=)")
+    if words is not None and [len(w) for w in words] != [len(s) for s in sequences]:
+        raise UserError("words= must give one word index per token of each sequence")
+    if token_budget < 1 or max_rows < 1:
+        raise UserError("token_budget and max_rows must be positive integers")
+    scorer = as_scorer(model)
+    mask_id, pad_id = _special_ids(tokenizer)
+    items = _items_from_ids(tokenizer, sequences, words, _model_max_len(tokenizer, scorer))
+    with _eval_mode(scorer), torch.inference_mode():
+        return _score_items(scorer, items, variant, mask_id, pad_id, token_budget, max_rows,
+                            _device_of(scorer, device), progress)
+
+
 @overload
 def score_pll(
     model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,

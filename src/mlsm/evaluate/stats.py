@@ -211,6 +211,8 @@ class Comparison:
     # (m, m, 3) bootstrap mean difference row − column, CI low, CI high
     ci: np.ndarray | None = None
     ci_level: float = 0.95
+    # (m, c, 2) percentile bootstrap CI of each mean over its runs (`bootstrap_mean_ci`)
+    mean_ci: np.ndarray | None = None
 
     def pvalue_table(self) -> list[list[str]]:
         """Rows of the directional p-value matrix as text.
@@ -223,14 +225,21 @@ class Comparison:
                  for j in range(m)] for i in range(m)]
 
     def mean_table(self) -> list[list[str]]:
-        """Table 1 rows: "mean ± std" ×100 per (task, metric), then the average of the means."""
+        """Table 1 rows: "mean ± std" ×100 per (task, metric) (and "[low, high]", the bootstrap
+        CI of the mean, when computed), then the average of the means."""
         out = []
         for i in range(len(self.models)):
             cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}"
-                     if self.count[i, c] else "—" for c in range(len(self.columns))]
+                     + self._mean_ci_text(i, c) if self.count[i, c] else "—"
+                     for c in range(len(self.columns))]
             row_means = self.mean[i][self.count[i] > 0]
             out.append([*cells, f"{100 * row_means.mean():.2f}" if len(row_means) else "—"])
         return out
+
+    def _mean_ci_text(self, i: int, c: int) -> str:
+        if self.mean_ci is None or math.isnan(self.mean_ci[i, c, 0]):
+            return ""
+        return f" [{100 * self.mean_ci[i, c, 0]:.2f}, {100 * self.mean_ci[i, c, 1]:.2f}]"
 
     def to_markdown(self) -> str:
         """The three tables as Markdown."""
@@ -238,7 +247,9 @@ class Comparison:
         wins = [[("—" if i == j else f"{int(self.wins[i, j])}/{int(self.n_pairs[i, j])}")
                  for j in range(len(self.models))] for i in range(len(self.models))]
         return "\n".join([
-            "## Mean dev scores (×100, mean ± std over seeds)", "",
+            "## Mean dev scores (×100, mean ± std over seeds"
+            + (f" [{100 * self.ci_level:.0f} % bootstrap CI of the mean])" if self.mean_ci
+               is not None else ")"), "",
             _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
             "## Wilcoxon signed-rank p-values, one-sided: row better than column "
             f"(* p < {SIGNIFICANCE})", "",
@@ -270,10 +281,13 @@ class Comparison:
         paths["markdown"] = out / "comparison.md"  # first: it marks the folder as mlsm's
         atomic_write_text(paths["markdown"],
                           COMPARISON_HEADINGS["comparison.md"] + "\n\n" + self.to_markdown())
-        means = [[t, met, mod, self.mean[i, c], self.std[i, c], int(self.count[i, c])]
+        cis = self.mean_ci is not None
+        means = [[t, met, mod, self.mean[i, c], self.std[i, c], int(self.count[i, c]),
+                  *(self.mean_ci[i, c].tolist() if cis else [])]  # type: ignore[index]
                  for c, (t, met) in enumerate(self.columns) for i, mod in enumerate(self.models)
                  if self.count[i, c]]
-        _csv(paths["means"], ["task", "metric", "model", "mean", "std", "n"], means)
+        _csv(paths["means"], ["task", "metric", "model", "mean", "std", "n",
+                              *(["ci_low", "ci_high"] if cis else [])], means)
         _csv(paths["pvalues"], ["model", *self.models],
              [[m, *r] for m, r in zip(self.models, self.pvalues.tolist(), strict=True)])
         two = (self.pvalues_two_sided if self.pvalues_two_sided is not None
@@ -346,6 +360,12 @@ def _pairwise(models: list[str],
 SELECTED_LR = -1.0  # the lr field of a cell after best-lr selection: "the model's best lr"
 
 
+def best_lr(by_lr: dict[float, list[float]]) -> float:
+    """The learning rate whose runs have the best mean validation score; a tie goes to the
+    smaller lr. The one rule of `select_best_lr` and of a preset's grid (`protocol`)."""
+    return max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr))
+
+
 def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
                    info: dict[str, dict[str, Any]]) -> dict[str, dict[tuple[Any, ...], float]]:
     """Keep, per (model, task, epochs, batch, max_len, n_train), the runs of the learning rate
@@ -361,8 +381,7 @@ def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
             if not str(key[1]).endswith("_test"):
                 group = (key[0], *key[lr_at + 1:])  # task, epochs, batch, max_len, n_train
                 groups.setdefault(group, {}).setdefault(key[lr_at], []).append(value)
-        best = {g: max(by_lr, key=lambda lr: (np.mean(by_lr[lr]), -lr))
-                for g, by_lr in groups.items()}
+        best = {g: best_lr(by_lr) for g, by_lr in groups.items()}
         out[model] = {(*k[:lr_at], SELECTED_LR, *k[lr_at + 1:]): v for k, v in cells.items()
                       if best.get((k[0], *k[lr_at + 1:])) == k[lr_at]}
         info.setdefault(model, {})["best_lr"] = {g[0]: lr for g, lr in best.items()}
@@ -415,6 +434,20 @@ def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...
     return out
 
 
+def bootstrap_mean_ci(values: np.ndarray, n_resamples: int, level: float = 0.95,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of one model's runs on one (task, metric)
+    (``scipy.stats.bootstrap``, resampling runs, a fixed seed); the point itself without spread,
+    NaN with fewer than 2 runs."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    if np.all(values == values[0]):
+        return float(values[0]), float(values[0])
+    res = sps.bootstrap((values,), np.mean, n_resamples=n_resamples, confidence_level=level,
+                        method="percentile", random_state=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                  select_lr: bool = False, bootstrap: int = 0,
                  ci_level: float = 0.95, per_run: bool = False) -> Comparison:
@@ -423,7 +456,8 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
 
     select_lr: per model and task keep only its best learning rate on validation
     (``select_best_lr``).
-    bootstrap: number of resamples for CIs of the mean paired differences (0 = none).
+    bootstrap: number of resamples for CIs of the mean paired differences and of each mean
+    (`bootstrap_mean_ci`; 0 = none).
     per_run: pair one score per fine-tuning run, its metrics averaged (``average_metrics``), not
     one per (run, metric): the conservative test when a task reports correlated metrics.
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
@@ -447,6 +481,7 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                                  for r in rows))
     shape = (len(models), len(columns))
     mean, std, count = np.zeros(shape), np.zeros(shape), np.zeros(shape, dtype=int)
+    mean_ci = np.full((*shape, 2), math.nan) if bootstrap else None
     for i, mod in enumerate(models):
         for c, (task, metric) in enumerate(columns):
             vals = np.array([v for k, v in scores[mod].items() if k[0] == task and k[1] == metric])
@@ -454,10 +489,12 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
             if len(vals):
                 mean[i, c] = vals.mean()
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
+            if mean_ci is not None:
+                mean_ci[i, c] = bootstrap_mean_ci(vals, bootstrap, ci_level)
     pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
     ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
     report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores,
-                        two_sided, ci, ci_level)
+                        two_sided, ci, ci_level, mean_ci)
     if out_dir is not None:
         report.write(out_dir)
     return report

@@ -102,6 +102,18 @@ class FinetuneSpec:
     """Fraction of fine-tuning steps with linear warmup."""
     weight_decay: float = 0.01
     """AdamW weight decay when fine-tuning."""
+    max_steps: int = 0
+    """Most optimizer steps per fine-tuning run, whichever of it and `epochs` ends first (0 = no
+    cap)."""
+    head: str = "cls"
+    """Sentence-task head: cls (first token, dense, tanh, linear) or mean (mean-pooled tokens,
+    linear)."""
+    val_fraction: float = 0.0
+    """Fraction of each training set held out to choose the best of `lrs` on (0 = every lr is
+    reported); the dev set is never used to choose."""
+    preset: str = ""
+    """A named fine-tuning protocol (e.g. mlm-vs-clm-2025, docs/finetune.md) that fixes seeds, lrs,
+    epochs, max_steps, batch_size, warmup_ratio, head and val_fraction; leave those keys out."""
 
 
 @dataclass
@@ -192,6 +204,8 @@ FIELD_CHECKS.update({
     "finetune.max_train_examples": _NONNEG, "finetune.weight_decay": _NONNEG,
     "finetune.lrs": (lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
     "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "finetune.max_steps": _NONNEG, "finetune.head": (lambda v: v in ("cls", "mean"), "cls or mean"),
+    "finetune.val_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
     "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
@@ -242,6 +256,7 @@ def _validate(spec: StudySpec) -> None:
         raise UserError(f"blimp.limits has {len(spec.blimp.limits)} entries but blimp.data has "
                         f"{len(spec.blimp.data)}; give one per set")
     _check_tasks(spec.finetune.tasks)
+    _check_preset(spec.finetune)
     if spec.executor.kind not in ("local", "slurm"):
         raise UserError(f"executor.kind must be local or slurm, got {spec.executor.kind!r}")
     slurm = spec.executor.slurm
@@ -259,6 +274,24 @@ def _check_tasks(tasks: list[str]) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise UserError(f"finetune.tasks lists {twice[0]} twice; give each task once")
+
+
+PRESET_KEYS = ("seeds", "lrs", "epochs", "max_steps", "batch_size", "warmup_ratio", "head",
+               "val_fraction")  # what finetune.preset fixes
+
+
+def _check_preset(ft: FinetuneSpec) -> None:
+    """finetune.preset: a known name, and none of the keys it fixes set otherwise."""
+    if not ft.preset:
+        return
+    from mlsm.evaluate.protocol import get_preset
+
+    get_preset(ft.preset)
+    default = FinetuneSpec()
+    clash = [k for k in PRESET_KEYS if getattr(ft, k) != getattr(default, k)]
+    if clash:
+        raise UserError(f"finetune.preset {ft.preset} fixes finetune.{clash[0]}; remove one of "
+                        "the two")
 
 
 def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:
