@@ -163,7 +163,7 @@ def test_a_failing_arm_is_recorded_and_the_others_finish(
 
 def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
     with pytest.raises(UserError, match="arms.a.objective has no name"):
-        study_from_dict({"arms": {"a": {"objective": {}}}})
+        study_from_dict({"arms": {"a": {"objective": {"kappa": 1.0}}}})
     with pytest.raises(UserError, match="unknown key arms.a.oops"):
         study_from_dict({"arms": {"a": {"oops": 1}}})
     with pytest.raises(UserError, match="finetune.readiness lists 0.3"):
