@@ -433,7 +433,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="for a run directory: its final checkpoint, or all its readiness "
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
-                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003 "
+                   "(wic_lemma: WiC with the lemma prefixed, ours)")
     p.add_argument("--seeds", type=positive_int, default=5,
                    help="number of seeds, run as 0..N-1 (default 5)")
     p.add_argument("--lrs", default="2e-5", type=float_list,
