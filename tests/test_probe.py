@@ -185,7 +185,9 @@ def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
     monkeypatch.setattr(probe_module, "pretrain", lambda cfg, resume=None: seen.update(cfg=cfg))
     monkeypatch.setattr(fit_module, "train_probe_to_plateau",
                         lambda *a, **kw: seen.update(plateau=kw))
-    run_probe(mlsm_ckpt, recipe="paper", out=str(tmp_path / "p"))
+    from mlsm.cli import main
+
+    main(["probe", str(mlsm_ckpt), "--recipe", "paper", "--out", str(tmp_path / "p")])
     assert PAPER_PROBE_STEPS == 10_000 and seen["cfg"].train.steps == 10_000
     assert seen["cfg"].train.readiness == [0.1, 0.25, 0.5, 1.0]
     assert "plateau" not in seen
