@@ -130,8 +130,9 @@ def test_mtl_shared_head_is_one_transform_and_a_concatenated_decoder(store_dir, 
 
 def test_hitchhiker_recipes_are_the_papers_setting() -> None:
     """DeBERTa-base v1's shape (~8.3M parameters per layer: the Hitchhikers' Guide to Masked Latent
-    Semantic Modeling, §4.1), the official repository's 2023 masking (⌊0.15 n⌋ positions of
-    `mlsm_pretrainer.py`, 100 % [MASK]) and a KD teacher on the original text."""
+    Semantic Modeling, §4.1), the official code's masking (its pretrainer.py: Bernoulli(0.15) over
+    non-special tokens, 100 % [MASK]), torch's AdamW epsilon and a KD teacher on the original
+    text."""
     from pathlib import Path
 
     from transformers import AutoConfig
@@ -141,7 +142,8 @@ def test_hitchhiker_recipes_are_the_papers_setting() -> None:
     root = Path(__file__).resolve().parents[1] / "configs" / "hitchhiker"
     for name in ("mlm", "kd", "mlsm", "mtl"):
         cfg = load_config(root / f"{name}.yaml")
-        assert cfg.data.exact_count and cfg.data.mask_split == [1.0, 0.0, 0.0], name
+        assert not cfg.data.exact_count and cfg.data.mask_split == [1.0, 0.0, 0.0], name
+        assert cfg.optim.eps == 1e-8, name
     assert load_config(root / "kd.yaml").objective.teacher_input == "original"
     m = load_config(root / "mlsm.yaml").model
     config = AutoConfig.for_model(m.arch,

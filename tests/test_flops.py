@@ -182,8 +182,26 @@ def test_paper_accounting_reproduces_table_3(capsys) -> None:
             value, unit = cells[3].split()
             rows[cells[0]] = (float(value) * _UNITS[unit], float(cells[4].rstrip(" %")))
     assert abs(rows["MLM"][0] - PAPER_MLM) <= 0.05 * PAPER_MLM, rows["MLM"]
-    for name, percent in PAPER_PERCENT.items():
-        assert abs(rows[name][1] - percent) <= 1.5, (name, rows[name][1], percent)
+    for name, percent in PAPER_PERCENT.items():  # naive MLSM is the farthest: 134.0 vs 132.7
+        assert abs(rows[name][1] - percent) <= 1.3 + 1e-9, (name, rows[name][1], percent)
+
+
+def test_paper_naive_head_is_the_hf_mlm_head_resized() -> None:
+    """--accounting paper: the naive row's head is the official code's, HF's MLM head resized to
+    |V| + k (its d × d transform included) at every position, counted by torch against the
+    vocabulary head of the MLM row."""
+    from mlsm.evaluate.flops import PAPER_BATCH
+
+    table = flops_table(STUDENT, TEACHER, T, B, RATE, K, layer=2, accounting="paper")
+    paper = {r.objective.split(" (")[0]: r for r in table}
+    hidden = torch.randn(PAPER_BATCH, T, STUDENT["hidden_size"], requires_grad=True)
+
+    def head_step(vocab: int) -> int:  # forward + backward of BertOnlyMLMHead at every position
+        head = _mlm({**STUDENT, "vocab_size": vocab}).cls
+        return _count(lambda: head(hidden).sum().backward())
+
+    measured = head_step(STUDENT["vocab_size"] + K) - head_step(STUDENT["vocab_size"])
+    _close(measured, paper["MLSM"].student - paper["MLM"].student)
 
 
 def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:

@@ -171,3 +171,26 @@ def test_every_latent_objective_is_probed_and_scored_on_blimp(
     exported, _ = load_scorer(tmp_path / "e")
     torch.testing.assert_close(exported.latent.double()(h), want, rtol=0, atol=1e-12)
     assert 'read_latent_head("LOCAL_FOLDER")' in (tmp_path / "e" / "README.md").read_text()
+
+
+def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
+        store_dir, teacher_dir, dictionary_path, tmp_path, monkeypatch) -> None:
+    """`mlsm probe --recipe paper`: the Hitchhikers' Guide's probe, a fixed 10,000 steps through
+    the training loop with readiness checkpoints (the plateau probe stays the default)."""
+    import mlsm.evaluate.probe as probe_module
+    import mlsm.evaluate.probe_fit as fit_module
+    from mlsm.evaluate.probe import PAPER_PROBE_STEPS
+
+    mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
+    seen: dict = {}
+    monkeypatch.setattr(probe_module, "pretrain", lambda cfg, resume=None: seen.update(cfg=cfg))
+    monkeypatch.setattr(fit_module, "train_probe_to_plateau",
+                        lambda *a, **kw: seen.update(plateau=kw))
+    from mlsm.cli import main
+
+    main(["probe", str(mlsm_ckpt), "--recipe", "paper", "--out", str(tmp_path / "p")])
+    assert PAPER_PROBE_STEPS == 10_000 and seen["cfg"].train.steps == 10_000
+    assert seen["cfg"].train.readiness == [0.1, 0.25, 0.5, 1.0]
+    assert "plateau" not in seen
+    run_probe(mlsm_ckpt, out=str(tmp_path / "q"))  # the default: ours, to a plateau
+    assert seen["plateau"]["max_steps"] == 2000

@@ -231,8 +231,8 @@ def test_select_best_lr_on_validation_then_pair(tmp_path: Path) -> None:
         0.1
     )  # the chosen lr's test
     assert (
-        cmp.n_pairs[a, b] == 8 and cmp.wins[a, b] == 4
-    )  # 4 seeds × (acc, acc_test), paired across lrs
+        cmp.n_pairs[a, b] == 4 and cmp.wins[a, b] == 4
+    )  # 4 seeds × acc, paired across lrs (acc_test is reported, never paired)
     assert plain.count[a, col] == 8 and cmp.count[a, col] == 4
 
 
@@ -334,3 +334,28 @@ def test_compare_cli_per_run(results: Path, tmp_path: Path,
     assert "run_mean" in capsys.readouterr().out
     with open(tmp_path / "cmp" / "means.csv", encoding="utf-8") as f:
         assert {r["metric"] for r in csv.DictReader(f)} == {"run_mean"}
+
+
+def test_test_set_metrics_are_reported_never_tested(results: Path, tmp_path: Path) -> None:
+    """`--eval-test` rows (<metric>_test) appear in the means table, but the p-values, wins, pair
+    counts, bootstrap CIs and averages equal those of the same file without them."""
+    with_test = tmp_path / "with_test.jsonl"
+    with_test.write_bytes(results.read_bytes())
+    # test scores that would change every statistic: C far above A and B on f1_test
+    extra = [_row(m, ("conll2003", "f1_test", s), v + (0.5 if m == "C" else 0.0))
+             for m in "ABC" for s, v in enumerate((0.60, 0.61, 0.62))]
+    append_results(with_test, extra)
+    for per_run in (False, True):
+        ref = compare_runs(results, bootstrap=200, per_run=per_run)
+        got = compare_runs(with_test, bootstrap=200, per_run=per_run)
+        assert got.models == ref.models
+        for field in ("pvalues", "pvalues_two_sided", "wins", "n_pairs", "ci"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(ref, field))
+        assert [r[-1] for r in got.mean_table()] == [r[-1] for r in ref.mean_table()]
+        test_col = [c for c in got.columns if c[1].endswith("_test")]
+        assert len(test_col) == 1
+        c, col = got.models.index("C"), got.columns.index(test_col[0])
+        assert got.mean[c, col] == pytest.approx(np.mean([1.10, 1.11, 1.12]))
+        md = got.to_markdown()
+        assert "Test-set scores (conll2003 " in md and "dev metrics alone" in md
+        assert "Test-set" not in ref.to_markdown()

@@ -163,7 +163,7 @@ def test_a_failing_arm_is_recorded_and_the_others_finish(
 
 def test_bad_study_files_fail_with_one_line(tmp_path) -> None:
     with pytest.raises(UserError, match="arms.a.objective has no name"):
-        study_from_dict({"arms": {"a": {"objective": {}}}})
+        study_from_dict({"arms": {"a": {"objective": {"kappa": 1.0}}}})
     with pytest.raises(UserError, match="unknown key arms.a.oops"):
         study_from_dict({"arms": {"a": {"oops": 1}}})
     with pytest.raises(UserError, match="finetune.readiness lists 0.3"):
@@ -412,3 +412,31 @@ def test_blimp_table_row_shows_a_dash_for_optional_fields_of_the_wrong_type() ->
     cells = [c.strip() for c in _blimp_line(row).strip("|").split("|")]
     assert cells[:5] == ["a@100%", "62.5", "8", "—", "—"]
     assert cells[7:10] == ["—", "7.250", "logprobs"] and cells[11] == "—"
+
+
+def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """probe.recipe paper: `probe.steps` steps through the training loop with readiness
+    checkpoints, no plateau stop, then a probe.json the BLiMP stage reads."""
+    from mlsm.evaluate.probe import ProbeScorer, load_scorer
+    from mlsm.inputs import read_json
+    from mlsm.study.stages import _PROBE_FIELDS
+
+    _, blimp = _tiny_tasks(tmp_path)
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out,
+               blimp={"data": [str(blimp)], "readiness": [1.0]},
+               probe={"recipe": "paper", "steps": 4, "heldout_batches": 1, "batch_size": 8})
+    raw["arms"] = {"mlsm": raw["arms"]["mlsm"]}
+    spec = load_study(_write(tmp_path, raw))
+    run_study(spec, stages=["store", "dictionary", "pretrain", "probe"], log=lambda s: None)
+    probe = out / "runs" / "mlsm" / "probe-100"
+    info = read_json(probe / "probe.json", "probe record", "", fields=_PROBE_FIELDS)
+    assert (info["recipe"], info["steps"]) == ("paper", 4)
+    # readiness checkpoints of the 4 probe steps (10/25 % round to step 1), the last one scored
+    assert sorted(p.name for p in (probe / "checkpoints").iterdir()) == [
+        "step-0000001", "step-0000002", "step-0000004"]
+    assert Path(info["checkpoint"]) == probe / "checkpoints" / "step-0000004"
+    assert isinstance(load_scorer(info["checkpoint"])[0], ProbeScorer)
+    assert info["unigram_loss"] > 0 and info["n_heldout_targets"] > 0

@@ -71,8 +71,8 @@ def test_metrics_by_hand() -> None:
 
 def test_registry_is_consistent() -> None:
     assert set(TASKS) == {
-        "cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "conll2003",
-        "word_order",
+        "cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "wic_lemma",
+        "conll2003", "word_order",
     }
     for key, spec in TASKS.items():
         assert spec.name == key
@@ -229,11 +229,12 @@ def test_wic_loader(tmp_path: Path, nested: bool) -> None:
     _write(base / "dev.gold.txt", ["F", "T"])
     ex = load_task("wic", "dev", tmp_path)
     assert [e.label for e in ex] == [0, 1]
-    assert (
-        "bank" in ex[0].text
-        and "I sat by the bank ." in ex[0].text
-        and ex[0].text_pair == "The bank lends ."
-    )
+    # the official finetune_eval.py's input: the two sentences as they are
+    assert (ex[0].text, ex[0].text_pair) == ("I sat by the bank .", "The bank lends .")
+    lemma = load_task("wic_lemma", "dev", tmp_path)  # ours: the lemma prefixed
+    assert [(e.text, e.text_pair, e.label) for e in lemma] == [
+        ("bank : I sat by the bank .", "The bank lends .", 0),
+        ("run : I run fast .", "Run away !", 1)]
     _write(base / "dev.gold.txt", ["F"])
     with pytest.raises(UserError, match="WiC"):
         load_task("wic", "dev", tmp_path)
@@ -312,16 +313,11 @@ def test_real_mrpc_rebuilt_from_msr_matches_glue(tmp_path: Path) -> None:
 
 
 def test_hf_record_converters() -> None:
-    wic = get_task("wic").from_hf(
-        {
-            "word": "bank",
-            "sentence1": "A bank .",
-            "sentence2": "The bank .",
-            "label": 1,
-            "start1": 2,
-            "end1": 6,
-        }
-    )
+    record = {"word": "bank", "sentence1": "A bank .", "sentence2": "The bank .", "label": 1,
+              "start1": 2, "end1": 6}
+    wic = get_task("wic").from_hf(record)
+    assert (wic.text, wic.text_pair, wic.label) == ("A bank .", "The bank .", 1)
+    wic = get_task("wic_lemma").from_hf(record)
     assert (wic.text, wic.text_pair, wic.label) == ("bank : A bank .", "The bank .", 1)
     mnli = get_task("mnli").from_hf({"premise": "P", "hypothesis": "H", "label": 2, "idx": 0})
     assert (mnli.text, mnli.text_pair, mnli.label) == ("P", "H", 2)

@@ -228,7 +228,7 @@ def _probe(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import run_probe
 
     run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides,
-                    resume=a.resume, max_steps=a.max_steps)
+                    resume=a.resume, max_steps=a.max_steps, recipe=a.recipe)
     info = run / "probe.json"
     if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
         import json
@@ -461,7 +461,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="for a run directory: its final checkpoint, or all its readiness "
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
-                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003 "
+                   "(wic_lemma: WiC with the lemma prefixed, ours)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="a named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md); the flags "
                    "below that you set override its values")
@@ -544,9 +545,13 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--store", default="",
                    help="token store prepared with the checkpoint's tokenizer (default: the one "
                    "the model was pre-trained on)")
+    p.add_argument("--recipe", choices=["plateau", "paper"], default="plateau",
+                   help="plateau (ours, default): train to a held-out loss plateau of at most "
+                   "--max-steps; paper: the Hitchhikers' Guide's probe, 10,000 steps (or --steps) "
+                   "through the training loop with readiness checkpoints, no plateau stop")
     p.add_argument("--steps", type=non_negative_int, default=0,
                    help="fixed probe steps through the training loop (default: train to a "
-                   "held-out plateau)")
+                   "held-out plateau; with --recipe paper 10000)")
     p.add_argument("--max-steps", type=positive_int, default=2000,
                    help="most steps of the plateau probe (default 2000)")
     p.add_argument("--out", default="", type=out_dir,

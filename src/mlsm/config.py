@@ -45,9 +45,10 @@ class DataConfig:
     mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
-    """Select exactly ⌊mask_rate · max_len⌋ positions per sequence, as the official repository's
-    2023 script (`mlsm_pretrainer.py`, deleted in 2024); false = Bernoulli(mask_rate) per
-    non-special token, as BERT and the official repository's current `pretrainer.py`."""
+    """false = each non-special token selected with probability mask_rate (BERT; the official
+    MLSM code's current pretrainer.py, which the hitchhiker recipes follow); true = exactly
+    ⌊mask_rate · max_len⌋ positions per sequence (the 2023 mlsm_pretrainer.py of the official
+    repository, since deleted)."""
 
 
 @dataclass
@@ -71,7 +72,8 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     eps: float = 1e-6
-    """AdamW epsilon."""
+    """AdamW epsilon (1e-6 as BERT/RoBERTa pre-training; torch's default 1e-8 is what the official
+    MLSM code uses, and the hitchhiker recipes set it)."""
     schedule: str = "linear"
     """`linear` (warmup then linear decay to min_lr) or `wsd` (warmup, stable, linear decay)."""
     warmup: float = 0.02

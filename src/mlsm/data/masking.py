@@ -42,12 +42,12 @@ def select_positions(
 ) -> np.ndarray:
     """Bool (B, T): positions chosen for prediction; special (incl. padding) never chosen.
 
-    Bernoulli(rate) per eligible position (BERT's sampling), or, with exact_count, the
-    ⌊rate · T⌋ eligible positions with the smallest draws (T = row length, special tokens included;
-    rows are packed, so every row has T tokens): the count of the official repository's 2023 script
-    (`mlsm_pretrainer.py`, deleted in April 2024: ``int(num_tokens * .15)`` positions among the
-    non-[CLS]/[SEP] tokens), the same in every row. Its current `pretrainer.py` draws
-    Bernoulli(0.15) over the non-special tokens instead (exact_count false).
+    Bernoulli(rate) per eligible position (BERT's sampling; also the official MLSM code's current
+    ``pretrainer.py``: ``rand < learning_fraction`` on non-special tokens), or, with exact_count,
+    the ⌊rate · T⌋ eligible positions with the smallest draws (T = row length, special tokens
+    included; rows are packed, so every row has T tokens): the count of the official repository's
+    2023 ``mlsm_pretrainer.py``, since deleted (``int(num_tokens * .15)`` positions among the
+    non-[CLS]/[SEP] tokens), the same in every row.
     """
     if not 0.0 < rate < 1.0:
         raise ValueError(f"mask rate must be in (0, 1), got {rate}")

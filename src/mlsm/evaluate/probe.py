@@ -52,15 +52,26 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
 
 
-def run_probe(checkpoint: str | Path, *, resume: str | None = None, **kw: Any) -> Path:
+PAPER_PROBE_STEPS = 10_000
+"""Steps of the Hitchhikers' Guide's probe (§4.3, Fig. 6): a fixed length with readiness
+checkpoints, no plateau stop (`mlsm probe --recipe paper`)."""
+
+
+def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str = "plateau",
+              **kw: Any) -> Path:
     """Train the probe (kw: store, steps, out, overrides, max_steps); returns the probe run
     directory.
 
-    Default (no steps, overrides, store or resume): train to a held-out loss plateau
-    (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps` (or overrides): that
-    many steps through the pre-training loop, as the Hitchhikers' Guide (10 % of the pre-training
-    steps).
+    recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
+    held-out loss plateau (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps`
+    (or overrides): that many steps through the pre-training loop. recipe "paper": the
+    Hitchhikers' Guide's probe, PAPER_PROBE_STEPS steps (unless `steps` says otherwise) through the
+    loop, readiness checkpoints at 10/25/50/100 %, no plateau stop.
     """
+    if recipe not in ("plateau", "paper"):
+        raise UserError(f"probe recipe {recipe!r} is not one of plateau, paper")
+    if recipe == "paper" and not kw.get("steps"):
+        kw["steps"] = PAPER_PROBE_STEPS
     max_steps = kw.pop("max_steps", None) or 2000
     folder = resolve_checkpoint(checkpoint)
     cfg = probe_config(folder, **kw)  # one line for a folder that is not an MLSM checkpoint

@@ -7,7 +7,6 @@ pyplot state or global backend is touched (safe inside notebooks and other progr
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +33,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _avg(cmp: Comparison, i: int) -> float:
-    """Mean over all (task, metric) columns of model i's per-column means (the Table 1 "avg")."""
-    have = cmp.count[i] > 0
-    return float(cmp.mean[i][have].mean()) if have.any() else math.nan
+    """Mean over the dev (task, metric) columns of model i's per-column means (Table 1's "avg")."""
+    return cmp.average(i)
 
 
 def plot_readiness(cmp: Comparison, path: Path) -> Path:

@@ -4,7 +4,10 @@
 ``results.jsonl`` holds one JSON object per line and per metric (see ``finetune.run_cell``).
 Two models are compared on every (task, metric, seed, lr, epochs, batch, max_len, n_train) cell
 both have: Wilcoxon signed-rank tests (``scipy.stats.wilcoxon``) over the paired scores, and the
-number of cells each model wins. All metrics here are higher-is-better.
+number of cells each model wins. All metrics here are higher-is-better. Test-set metrics
+(``<metric>_test``, written by ``mlsm finetune --eval-test``) are reported in the means table and
+never enter the tests, the win counts, the bootstrap or the average: the statistics are on dev
+metrics alone, as the paper's.
 
 Significance is directional, as the Hitchhikers' Guide reads its Fig. 2b/3b and §4.3: a ``*`` at
 (row i, column j) means model i is significantly *better* than model j, i.e. the one-sided test with
@@ -43,6 +46,20 @@ COMPARISON_FILES = {"comparison.md", "means.csv", "pvalues.csv", "pvalues_two_si
                     "wins.csv", "mean_diff_ci.csv"}
 COMPARISON_HEADINGS = {"comparison.md": "# Fine-tuning comparison"}
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
+TEST_SUFFIX = "_test"  # the metric name of a score on a labelled test split (`--eval-test`)
+
+
+def is_test_metric(metric: Any) -> bool:
+    """A test-set score (reported, never in the paired statistics or averages)."""
+    return str(metric).endswith(TEST_SUFFIX)
+
+
+def dev_cells(scores: dict[str, dict[tuple[Any, ...], float]]
+              ) -> dict[str, dict[tuple[Any, ...], float]]:
+    """The scores without their test-set cells: what the statistics are computed on."""
+    at = CELL_FIELDS.index("metric")
+    return {m: {k: v for k, v in cells.items() if not is_test_metric(k[at])}
+            for m, cells in scores.items()}
 
 
 def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
@@ -224,22 +241,38 @@ class Comparison:
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
                  for j in range(m)] for i in range(m)]
 
+    def average(self, i: int) -> float:
+        """Model i's mean of its per-column dev means (Table 1's "avg"; test columns left out);
+        NaN without any."""
+        dev = np.array([not is_test_metric(m) for _, m in self.columns], dtype=bool)
+        have = (self.count[i] > 0) & dev
+        return float(self.mean[i][have].mean()) if have.any() else math.nan
+
     def mean_table(self) -> list[list[str]]:
         """Table 1 rows: "mean ± std" ×100 per (task, metric) (and "[low, high]", the bootstrap
-        CI of the mean, when computed), then the average of the means."""
+        CI of the mean, when computed), then the average of the dev means."""
         out = []
         for i in range(len(self.models)):
             cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}"
                      + self._mean_ci_text(i, c) if self.count[i, c] else "—"
                      for c in range(len(self.columns))]
-            row_means = self.mean[i][self.count[i] > 0]
-            out.append([*cells, f"{100 * row_means.mean():.2f}" if len(row_means) else "—"])
+            avg = self.average(i)
+            out.append([*cells, "—" if math.isnan(avg) else f"{100 * avg:.2f}"])
         return out
 
     def _mean_ci_text(self, i: int, c: int) -> str:
         if self.mean_ci is None or math.isnan(self.mean_ci[i, c, 0]):
             return ""
         return f" [{100 * self.mean_ci[i, c, 0]:.2f}, {100 * self.mean_ci[i, c, 1]:.2f}]"
+
+    def test_note(self) -> list[str]:
+        """The line saying that test-set columns are reported only (empty without any)."""
+        tests = [f"{t} {m}" for t, m in self.columns if is_test_metric(m)]
+        if not tests:
+            return []
+        return [f"Test-set scores ({', '.join(tests)}) are reported in the means table only: the "
+                "average, the Wilcoxon tests, the win counts and the bootstrap use the dev "
+                "metrics alone.", ""]
 
     def to_markdown(self) -> str:
         """The three tables as Markdown."""
@@ -250,7 +283,7 @@ class Comparison:
             "## Mean dev scores (×100, mean ± std over seeds"
             + (f" [{100 * self.ci_level:.0f} % bootstrap CI of the mean])" if self.mean_ci
                is not None else ")"), "",
-            _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
+            _md(["model", *cols, "avg"], self.models, self.mean_table()), "", *self.test_note(),
             "## Wilcoxon signed-rank p-values, one-sided: row better than column "
             f"(* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
@@ -378,7 +411,7 @@ def select_best_lr(scores: dict[str, dict[tuple[Any, ...], float]],
     for model, cells in scores.items():
         groups: dict[tuple[Any, ...], dict[float, list[float]]] = {}
         for key, value in cells.items():
-            if not str(key[1]).endswith("_test"):
+            if not is_test_metric(key[1]):
                 group = (key[0], *key[lr_at + 1:])  # task, epochs, batch, max_len, n_train
                 groups.setdefault(group, {}).setdefault(key[lr_at], []).append(value)
         best = {g: best_lr(by_lr) for g, by_lr in groups.items()}
@@ -408,7 +441,7 @@ def average_metrics(scores: dict[str, dict[tuple[Any, ...], float]]
 
 
 def _run_metric(metric: str) -> str:
-    return RUN_MEAN + ("_test" if str(metric).endswith("_test") else "")
+    return RUN_MEAN + (TEST_SUFFIX if is_test_metric(metric) else "")
 
 
 def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...], float]],
@@ -491,8 +524,9 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
             if mean_ci is not None:
                 mean_ci[i, c] = bootstrap_mean_ci(vals, bootstrap, ci_level)
-    pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
-    ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
+    dev = dev_cells(scores)  # test-set scores are reported, never tested, counted or averaged
+    pvalues, two_sided, wins, n_pairs = _pairwise(models, dev)
+    ci = bootstrap_mean_diff(models, dev, bootstrap, ci_level) if bootstrap else None
     report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores,
                         two_sided, ci, ci_level, mean_ci)
     if out_dir is not None:

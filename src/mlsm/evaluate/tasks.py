@@ -20,6 +20,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -206,16 +207,17 @@ def _read_mrpc(folder: Path, split: str) -> list[Example]:
     return [Example(r[3], r[4], _label_id(r[0], _B, path)) for r in _mrpc_rows(path) if keep(r)]
 
 
-def _wic_text(word: str, s1: str) -> str:
-    # WiC as sentence-pair classification with the target lemma prefixed, so the head on the
-    # first token sees which word is asked about (the same for every backbone).
-    return f"{word} : {s1}"
+def _wic_text(word: str, s1: str, lemma: bool) -> str:
+    # `wic`: sentence 1 as it is, paired with sentence 2 (the official finetune_eval.py);
+    # `wic_lemma` (ours): the target lemma prefixed, so the head on the first token sees which
+    # word is asked about (the same for every backbone).
+    return f"{word} : {s1}" if lemma else s1
 
 
-def _read_wic(folder: Path, split: str) -> list[Example]:
+def _read_wic(folder: Path, split: str, lemma: bool = False) -> list[Example]:
     """WiC: ``<split>.data.txt`` (lemma, N/V, "i-j", sentence 1, sentence 2).
 
-    Plus ``<split>.gold.txt`` (T/F).
+    Plus ``<split>.gold.txt`` (T/F). lemma: prefix sentence 1 with "<lemma> : " (`wic_lemma`).
     """
     what = f"WiC files {split}.data.txt and {split}.gold.txt"
     base = folder / split if (folder / split / f"{split}.data.txt").is_file() else folder
@@ -227,7 +229,7 @@ def _read_wic(folder: Path, split: str) -> list[Example]:
     if len(rows) != len(golds) or any(len(r) != 5 or r[1] not in ("N", "V") for r in rows):
         raise UserError(f"{data}: expected 5 tab-separated WiC columns (lemma, N/V, i-j, s1, s2), "
                         "one T/F gold line per row")
-    return [Example(_wic_text(r[0], r[3]), r[4], _label_id(g, ("F", "T"), gold))
+    return [Example(_wic_text(r[0], r[3], lemma), r[4], _label_id(g, ("F", "T"), gold))
             for r, g in zip(rows, golds, strict=True)]
 
 
@@ -278,8 +280,8 @@ def _hf_pair(a: str, b: str | None) -> Callable[[dict[str, Any]], Example]:
     return lambda r: Example(r[a], r[b] if b else None, r["label"])
 
 
-def _hf_wic(r: dict[str, Any]) -> Example:
-    return Example(_wic_text(r["word"], r["sentence1"]), r["sentence2"], int(r["label"]))
+def _hf_wic(r: dict[str, Any], lemma: bool = False) -> Example:
+    return Example(_wic_text(r["word"], r["sentence1"], lemma), r["sentence2"], int(r["label"]))
 
 
 def _hf_conll(r: dict[str, Any]) -> Example:
@@ -287,6 +289,9 @@ def _hf_conll(r: dict[str, Any]) -> Example:
 
 
 # ----------------------------------------------------------------------------- registry
+
+_WIC_FOLDERS = ("WiC", "wic", "WiC_dataset")
+_WIC_HF = (("aps/super_glue", "wic"), ("super_glue", "wic"))
 
 
 @dataclass(frozen=True)
@@ -355,8 +360,12 @@ TASKS: dict[str, TaskSpec] = {
     "qqp": TaskSpec("qqp", "cls", _B, metric_acc_f1, ("QQP", "qqp"),
                     _glue_reader(_GT, "question1", "question2", "is_duplicate", _B),
                     _glue("qqp"), _hf_pair("question1", "question2"), _GLUE_SPLITS),
-    "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, ("WiC", "wic", "WiC_dataset"), _read_wic,
-                    (("aps/super_glue", "wic"), ("super_glue", "wic")), _hf_wic, _GLUE_SPLITS),
+    "wic": TaskSpec("wic", "cls", ("F", "T"), metric_acc, _WIC_FOLDERS, _read_wic, _WIC_HF,
+                    _hf_wic, _GLUE_SPLITS),
+    # ours: sentence 1 prefixed with "<lemma> : " (the official code gives the pair as it is)
+    "wic_lemma": TaskSpec("wic_lemma", "cls", ("F", "T"), metric_acc, _WIC_FOLDERS,
+                          partial(_read_wic, lemma=True), _WIC_HF,
+                          partial(_hf_wic, lemma=True), _GLUE_SPLITS),
     # made by `mlsm demo` from held-out prose when no GLUE data is at hand: original vs
     # word-shuffled
     "word_order": TaskSpec("word_order", "cls", _B, metric_acc, ("WordOrder", "word_order"),

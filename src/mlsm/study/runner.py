@@ -29,7 +29,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
 from mlsm.runs import readiness_step
-from mlsm.study.spec import StudySpec, check_arm_dictionary, readiness_label
+from mlsm.study.spec import StudySpec, arm_base, check_arm_dictionary, readiness_label
 
 _VOLATILE = (("train", "threads"), ("train", "device"))
 """Config keys that may change between a run and its resumption (they do not change the result)."""
@@ -83,7 +83,7 @@ class Study:
         objective declares `predicts_latent`)."""
         from mlsm.objectives import objective_class
 
-        cls = objective_class(self.spec.arms[arm].objective.get("name"))
+        cls = objective_class(self.objective(arm).get("name"))
         return bool(cls and cls.predicts_latent)
 
     def unscored_reason(self, arm: str, frac: float) -> str | None:
@@ -92,29 +92,35 @@ class Study:
         CLM -> MLM in its CLM phase), or None when it is scored."""
         from mlsm.objectives import objective_class
 
-        objective = self.spec.arms[arm].objective
+        objective = self.objective(arm)
         cls = objective_class(objective.get("name"))
         steps = self.steps(arm)
         why = cls and cls.pll_refusal_at(objective, readiness_step(frac, steps), steps)
         return f"{objective.get('name')} is scored by fine-tuning only: {why}" if why else None
 
     # --- configs -------------------------------------------------------------------------
+    def objective(self, arm: str) -> dict[str, Any]:
+        """The arm's resolved objective group (its recipe's, base's and its own keys)."""
+        return config_to_dict(self.arm_config(arm))["objective"]
+
     def arm_config(self, arm: str) -> RunConfig:
-        """The resolved run config of an arm: base, then the arm's overrides and objective."""
+        """The resolved run config of an arm: its recipe, base, the arm's overrides and objective
+        (`arm_base`), then the study's store, run folder, readiness and dictionary."""
         a = self.spec.arms[arm]
-        objective = dict(a.objective)
+        given = a.objective  # what the arm sets itself wins over the study's dictionary
+        objective: dict[str, Any] = {}
         path = self.dictionary_path(arm)
         if path is not None:
-            objective.setdefault("dictionary", str(path))
-            objective.setdefault("layer", int(a.dictionary.get("layer", TEACHER_LAYER)))
-            if self.spec.dictionary.teacher:
-                objective.setdefault("teacher", self.spec.dictionary.teacher)
+            study_set = {"dictionary": str(path),
+                         "layer": int(a.dictionary.get("layer", TEACHER_LAYER)),
+                         "teacher": self.spec.dictionary.teacher}
+            objective = {k: v for k, v in study_set.items()
+                         if k not in given and (v or k != "teacher")}  # "" = the recipe's
         fixed = {"data": {"store": str(self.store)},
                  "train": {"out": str(self.run_dir(arm)), "readiness": list(self.spec.readiness)}}
         if self.spec.executor.threads:
             fixed["train"]["threads"] = self.spec.executor.threads
-        raw = merge(merge(self.spec.base, a.overrides), {**fixed, "objective": objective})
-        return config_from_dict(raw)
+        return config_from_dict(merge(arm_base(self.spec, arm), {**fixed, "objective": objective}))
 
     # --- bookkeeping ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -380,9 +386,11 @@ def check_study_inputs(spec: StudySpec, in_job: bool = False) -> None:
         raise UserError(f"out {spec.root} is not a study folder (no study.json) and holds "
                         f"{', '.join(clash)}, which the study would overwrite; choose an empty "
                         "or new folder (nothing was written)")
-    train = spec.base.get("train") if isinstance(spec.base, dict) else None
-    report_to = (train or {}).get("report_to") or []
-    tracking.require(list(report_to), "base.train.report_to of the study file")
+    for arm in spec.arms:
+        train = arm_base(spec, arm).get("train")
+        report_to = (train if isinstance(train, dict) else {}).get("report_to") or []
+        tracking.require(list(report_to), f"base.train.report_to of the study file (arm {arm}, "
+                                          "with its recipe and overrides)")
     if spec.executor.kind == "slurm" and not in_job:
         from mlsm.study.executors import check_slurm
 

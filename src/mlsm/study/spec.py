@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mlsm.config import FIELD_CHECKS, build_dataclass, config_from_dict, merge
+from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.inputs import read_yaml
@@ -46,8 +47,15 @@ class DictionarySpec:
 
 @dataclass
 class ArmSpec:
-    objective: dict[str, Any] = field(default_factory=lambda: {"name": "mlm"})
-    """objective.* of this arm (name plus the objective's own keys)."""
+    recipe: str = ""
+    """A run-config YAML file (e.g. ../configs/hitchhiker/mlsm.yaml; a relative path is read from
+    the study file's folder) that is this arm's starting point: the arm's run config is the
+    recipe, then the study's `base`, the arm's `overrides` and `objective`, then what the study
+    sets itself (data.store, train.out, train.readiness, the dictionary). Empty = `base` alone."""
+    objective: dict[str, Any] = field(default_factory=dict)
+    """objective.* of this arm (name plus the objective's own keys), merged into the recipe's (or
+    base's) objective when it names the same one or none, else replacing it. Empty = the
+    recipe's / base's objective, else mlm."""
     dictionary: dict[str, Any] = field(default_factory=dict)
     """For latent objectives: {layer, k, lam}; the study learns (and shares) one dictionary per
     (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it."""
@@ -57,6 +65,14 @@ class ArmSpec:
 
 @dataclass
 class ProbeSpec:
+    recipe: Literal["plateau", "paper"] = "plateau"
+    """`plateau` (ours: the probe trained to a held-out loss plateau, at most max_steps, with the
+    keys below) or `paper` (the Hitchhikers' Guide's probe, §4.3: `steps` steps through the
+    training loop with the pre-training run's optimiser and batches, readiness checkpoints, no
+    plateau stop; of the keys below only heldout_batches and batch_size are read, for the held-out
+    score written beside it)."""
+    steps: int = 10_000
+    """recipe paper: probe steps (the Hitchhikers' Guide trains 10,000)."""
     lr: float = 0.2
     """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
     roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
@@ -102,6 +118,15 @@ class FinetuneSpec:
     """Fraction of fine-tuning steps with linear warmup."""
     weight_decay: float = 0.01
     """AdamW weight decay when fine-tuning."""
+    fixed_order: bool = False
+    """Every seed trains on one data order, only the head differs (the official code's
+    shuffle_seed=42); false = one order per (seed, task). As `mlsm finetune --fixed-order`."""
+    clip: float = 1.0
+    """Gradient-norm clipping when fine-tuning, 0 = off (the official code clips nothing). As
+    `mlsm finetune --clip`."""
+    eval_test: bool = False
+    """Also score tasks with a labelled test split (CoNLL-2003) as <metric>_test; reported beside
+    the dev metrics, never in the paired statistics. As `mlsm finetune --eval-test`."""
     max_steps: int = 0
     """Most optimizer steps per fine-tuning run, whichever of it and `epochs` ends first (0 = no
     cap)."""
@@ -193,7 +218,7 @@ _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
 FIELD_CHECKS.update({
     "study.readiness": _FRACTIONS,
     "dictionary.n_vectors": _POS, "dictionary.max_len": (lambda v: v >= 4, "at least 4"),
-    "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
+    "probe.steps": _POS, "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
     "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
     "probe.heldout_batches": _POS, "probe.batch_size": _POS,
     "probe.inputs": (lambda v: bool(v) and len(set(v)) == len(v)
@@ -202,6 +227,7 @@ FIELD_CHECKS.update({
     "finetune.readiness": _FRACTIONS, "finetune.seeds": _POS, "finetune.epochs": _POS,
     "finetune.batch_size": _POS, "finetune.max_len": (lambda v: v >= 4, "at least 4"),
     "finetune.max_train_examples": _NONNEG, "finetune.weight_decay": _NONNEG,
+    "finetune.clip": _NONNEG,
     "finetune.lrs": (lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
     "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "finetune.max_steps": _NONNEG, "finetune.head": (lambda v: v in ("cls", "mean"), "cls or mean"),
@@ -215,8 +241,10 @@ _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpe
            "finetune": FinetuneSpec, "blimp": BlimpSpec, "executor": ExecutorSpec}
 
 
-def study_from_dict(raw: dict[str, Any], where: str = "study") -> StudySpec:
-    """Build and validate a StudySpec from a parsed study file."""
+def study_from_dict(raw: dict[str, Any], where: str = "study",
+                    folder: str | Path | None = None) -> StudySpec:
+    """Build and validate a StudySpec from a parsed study file; `folder`: the study file's
+    folder, from which relative `arms.*.recipe` paths are read (default: the working folder)."""
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping with keys such as base, arms, finetune")
     raw = dict(raw)
@@ -226,6 +254,8 @@ def study_from_dict(raw: dict[str, Any], where: str = "study") -> StudySpec:
         raise UserError(f"{where}: `arms` must map at least one arm name to "
                         "{objective: {name: ...}}")
     arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
+    arms = {n: dataclasses.replace(a, recipe=_recipe_path(n, a.recipe, folder)) if a.recipe else a
+            for n, a in arms.items()}
     spec = build_dataclass(StudySpec, raw, "study")
     spec = dataclasses.replace(spec, arms=arms, **groups)
     _validate(spec)
@@ -236,11 +266,7 @@ def _validate(spec: StudySpec) -> None:
     for name, arm in spec.arms.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
-        if "name" not in arm.objective:
-            raise UserError(f"arms.{name}.objective has no name; "
-                            "write e.g. objective: {name: mlm}")
-        # checks every key
-        config_from_dict(merge(spec.base, {**arm.overrides, "objective": arm.objective}))
+        config_from_dict(arm_base(spec, name))  # checks every key
         unknown = set(arm.dictionary) - {"layer", "k", "lam"}
         if unknown:
             raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
@@ -264,6 +290,40 @@ def _validate(spec: StudySpec) -> None:
             and slurm.get("cluster") not in ("local", "debug"):  # submitit would ask for 5 min
         raise UserError("executor.slurm.timeout_min is not set, so every job would get submitit's "
                         "5 minutes; set it to the longest stage's minutes (e.g. timeout_min: 1440)")
+
+
+def _recipe_path(arm: str, recipe: str, folder: str | Path | None) -> str:
+    """arms.ARM.recipe as an absolute path (relative to the study file's folder), checked to be a
+    file."""
+    path = Path(recipe).expanduser()
+    if not path.is_absolute():
+        path = Path(folder or ".") / path
+    if not path.is_file():
+        raise UserError(f"arms.{arm}.recipe {recipe} is not a file (read from "
+                        f"{Path(folder or '.').resolve()}); give a run-config YAML such as "
+                        "../configs/hitchhiker/mlm.yaml, relative to the study file")
+    return str(path.resolve())
+
+
+def arm_base(spec: StudySpec, arm: str) -> dict[str, Any]:
+    """The raw run config of an arm before the study's own settings (store, out, readiness,
+    dictionary): its recipe, the study's base, the arm's overrides, then its objective."""
+    a = spec.arms[arm]
+    raw = (read_recipe(a.recipe) or {}) if a.recipe else {}
+    if not isinstance(raw, dict):
+        raise UserError(f"arms.{arm}.recipe {a.recipe} must be a YAML mapping of groups (data:, "
+                        "model:, objective:, optim:, train:); see configs/")
+    raw = merge(merge(raw, spec.base), a.overrides)
+    below = raw.get("objective") if isinstance(raw.get("objective"), dict) else {}
+    if a.objective.get("name", below.get("name")) != below.get("name"):
+        below = {}  # another objective than the recipe's: none of its keys apply
+    objective = merge(below, a.objective)
+    if not objective:
+        objective = {"name": "mlm"}
+    if "name" not in objective:
+        raise UserError(f"arms.{arm}.objective has no name and neither its recipe nor base names "
+                        "one; write e.g. objective: {name: mlm}")
+    return {**raw, "objective": objective}
 
 
 def _check_tasks(tasks: list[str]) -> None:
@@ -321,7 +381,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
         raise UserError(f"study file {p} not found; "
                         "pass a YAML file such as studies/cpu_replication.yaml")
     raw = read_yaml(p, "study file", "fix it (see studies/*.yaml)") or {}
-    spec = relative_to(study_from_dict(raw, str(p)), p.parent)
+    spec = relative_to(study_from_dict(raw, str(p), p.parent), p.parent)
     folder = out or spec.out or str(p.parent / p.stem)
     return dataclasses.replace(spec, out=str(Path(folder).expanduser()))
 

@@ -74,12 +74,48 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
     if (out / "probe.json").is_file():
         return "skipped"
     p = study.spec.probe
+    if p.recipe == "paper":
+        _paper_probe(study, arm, frac, out)
+        return None
     train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr,
                            select_steps=p.select_steps, max_steps=p.max_steps,
                            eval_every=p.eval_every, patience=p.patience, min_delta=p.min_delta,
                            heldout_batches=p.heldout_batches, batch_size=p.batch_size or None,
                            threads=driver_threads(study))
     return None
+
+
+def _paper_probe(study: Study, arm: str, frac: float, out: Path) -> None:
+    """The Hitchhikers' Guide's probe (§4.3): `probe.steps` steps through the training loop, with
+    readiness checkpoints and no plateau stop (resumed when interrupted); then OUT/probe.json with
+    its held-out masked-token score next to the unigram's, as the plateau probe writes."""
+    import torch
+
+    from mlsm.evaluate.probe import load_scorer, run_probe
+    from mlsm.train.checkpoint import list_checkpoints
+
+    p = study.spec.probe
+    if driver_threads(study):
+        torch.set_num_threads(driver_threads(study))
+    checkpoint = study.checkpoint(arm, frac)
+    done = {s: folder for s, folder in list_checkpoints(out)}
+    if p.steps not in done:
+        run_probe(checkpoint, steps=p.steps, out=str(out),
+                  resume="auto" if (out / "metrics.jsonl").is_file() else None)
+        done = {s: folder for s, folder in list_checkpoints(out)}
+    final = done.get(p.steps)
+    if final is None:  # run_probe returns early only when a signal asked it to stop
+        raise KeyboardInterrupt(f"the probe of {model_name(arm, frac)} stopped by a signal; run "
+                                "the same command to resume")
+    scorer, _ = load_scorer(final)
+    held = heldout_masked_tokens(scorer, checkpoint, p.heldout_batches, p.batch_size or 16)
+    info = {"recipe": "paper", "checkpoint": str(final), "source": str(checkpoint),
+            "input": scorer.input, "steps": p.steps, "heldout_loss": held["loss"],
+            "heldout_top1": held["top1"], "unigram_loss": held["unigram_loss"],
+            "unigram_top1": held["unigram_top1"],
+            "better_than_unigram": held["loss"] < held["unigram_loss"] * (1 - p.min_delta),
+            "n_heldout_targets": held["n"]}
+    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
 
 
 def run_finetune(study: Study, arms: list[str]) -> set[str]:
@@ -112,6 +148,7 @@ def _finetune(study: Study, arm: str) -> str | None:
     finetune(models, ft.tasks, **protocol, max_len=ft.max_len, data_dir=ft.data_dir or None,
              results=study.results, max_train_examples=ft.max_train_examples or None,
              weight_decay=ft.weight_decay,
+             fixed_order=ft.fixed_order, clip=ft.clip, eval_test=ft.eval_test,
              device="cpu" if study.spec.executor.kind == "local" else "auto",
              report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
     return "skipped" if _rows_of(study, arm) == before else None  # every cell was there

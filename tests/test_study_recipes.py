@@ -1,0 +1,143 @@
+"""A study's arms resolve to their recipes, and a study can set every fine-tuning setting."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlsm.config import config_to_dict, load_config
+from mlsm.errors import UserError
+from mlsm.study.runner import Study
+from mlsm.study.spec import FinetuneSpec, load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+HITCHHIKER = ROOT / "configs" / "hitchhiker"
+
+# arm of studies/paper_table1.yaml -> (recipe, the grid overrides of configs/hitchhiker/README.md)
+PAPER_GRID = {
+    "mlm": ("mlm", []),
+    "kd": ("kd", []),
+    "mlsm_L12_k3072": ("mlsm", ["objective.layer=12"]),
+    "mlsm_l10_k3072": ("mlsm", []),
+    "mlsm_l10_k1536": ("mlsm", []),
+    "mlsm_l10_k6144": ("mlsm", []),
+    "mtl_l10_kappa025": ("mtl", ["objective.kappa=0.25"]),
+    "mtl_l10_kappa05": ("mtl", []),
+    "mtl_l10_kappa1": ("mtl", ["objective.kappa=1"]),
+}
+
+
+def test_paper_study_arms_are_the_hitchhiker_recipes(tmp_path) -> None:
+    """Every field of every arm's resolved run config equals `mlsm pretrain --config RECIPE` with
+    the README's grid overrides, but for what the study sets: store, run folder, dictionary and
+    save_every."""
+    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
+    assert set(spec.arms) == set(PAPER_GRID)
+    study = Study(spec, log=lambda s: None)
+    for arm, (recipe, grid) in PAPER_GRID.items():
+        study_set = [f"data.store={study.store}", f"train.out={study.run_dir(arm)}",
+                     "train.save_every=5000"]
+        dictionary = study.dictionary_path(arm)
+        if dictionary is not None:
+            study_set.append(f"objective.dictionary={dictionary}")
+            k = arm.rsplit("_k", 1)[1] if arm.startswith("mlsm") else "3072"
+            layer = 12 if "L12" in arm else 10
+            assert dictionary.name.startswith(f"bert-base-cased_l{layer}_k{k}_lam0.05"), arm
+        expected = load_config(HITCHHIKER / f"{recipe}.yaml", [*grid, *study_set])
+        assert config_to_dict(study.arm_config(arm)) == config_to_dict(expected), arm
+
+
+def test_paper_study_probe_and_finetuning_are_the_papers(tmp_path) -> None:
+    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
+    assert (spec.probe.recipe, spec.probe.steps) == ("paper", 10_000)
+    # the official finetune_eval.py: one shuffle for every seed, no clipping; dev sets only
+    ft = spec.finetune
+    assert (ft.fixed_order, ft.clip, ft.eval_test) == (True, 0.0, False)
+
+
+def _study(tmp_path: Path, arms: dict, base: dict | None = None) -> Study:
+    folder = tmp_path / "studies"
+    folder.mkdir(exist_ok=True)
+    path = folder / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "out": str(tmp_path / "out"), "arms": arms,
+                                    "base": base or {}}))
+    return Study(load_study(path), log=lambda s: None)
+
+
+def test_recipe_is_the_arms_base_then_base_overrides_and_objective(tmp_path) -> None:
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "r.yaml").write_text(yaml.safe_dump({
+        "data": {"max_len": 64, "mask_split": [1.0, 0.0, 0.0]},
+        "optim": {"lr": 3e-4, "eps": 1e-8},
+        "objective": {"name": "kd", "teacher": "t", "teacher_input": "original"}}))
+    study = _study(tmp_path, {
+        "same": {"recipe": "../recipes/r.yaml"},
+        "merged": {"recipe": "../recipes/r.yaml", "objective": {"temperature": 2.0},
+                   "overrides": {"optim": {"lr": 1e-3}}},
+        "other": {"recipe": "../recipes/r.yaml", "objective": {"name": "mlm"}},
+        "plain": {}}, base={"train": {"steps": 7}})
+    same = study.arm_config("same")
+    assert (same.data.max_len, same.data.mask_split, same.optim.eps, same.train.steps) == \
+        (64, [1.0, 0.0, 0.0], 1e-8, 7)
+    assert (same.objective.name, same.objective.teacher_input) == ("kd", "original")
+    merged = study.arm_config("merged")
+    assert (merged.objective.temperature, merged.objective.teacher_input, merged.optim.lr) == \
+        (2.0, "original", 1e-3)
+    assert study.arm_config("other").objective.name == "mlm"  # no kd key leaks into it
+    assert study.arm_config("plain").objective.name == "mlm"
+    assert study.arm_config("plain").data.max_len == 128
+
+
+def test_bad_recipes_are_one_line(tmp_path) -> None:
+    with pytest.raises(UserError, match=r"arms.a.recipe nope.yaml is not a file"):
+        _study(tmp_path, {"a": {"recipe": "nope.yaml"}})
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(UserError, match=r"arms.a.recipe .* must be a YAML mapping"):
+        _study(tmp_path, {"a": {"recipe": "../list.yaml"}})
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"optim": {"lrr": 1}}))
+    with pytest.raises(UserError, match=r"optim.lrr"):
+        _study(tmp_path, {"a": {"recipe": "../bad.yaml"}})
+    with pytest.raises(UserError, match=r"arms.a.objective has no name"):
+        _study(tmp_path, {"a": {"objective": {"kappa": 1.0}}})
+
+
+# finetune() parameters a study sets itself rather than through its `finetune:` spec
+STUDY_OWNED = {"models", "results", "device", "readiness", "report_to"}
+
+
+def test_every_finetune_setting_is_settable_in_a_study() -> None:
+    from mlsm.evaluate.finetune import finetune
+
+    params = set(inspect.signature(finetune).parameters) - STUDY_OWNED
+    fields = {f.name for f in dataclasses.fields(FinetuneSpec)}
+    assert params <= fields, f"FinetuneSpec lacks {sorted(params - fields)}"
+
+
+def test_the_study_passes_every_finetune_setting_through(tmp_path, monkeypatch) -> None:
+    """Each FinetuneSpec field, set to a value other than its default, reaches finetune()."""
+    import mlsm.evaluate.finetune as ft_module
+    from mlsm.study import stages
+
+    values = {"tasks": ["rte"], "data_dir": "/data", "readiness": [0.5], "seeds": 2,
+              "lrs": [3e-5], "epochs": 4, "batch_size": 8, "max_len": 64,
+              "max_train_examples": 100, "warmup_ratio": 0.2, "weight_decay": 0.1,
+              "fixed_order": True, "clip": 0.0, "eval_test": True, "max_steps": 100,
+              "head": "mean", "val_fraction": 0.1}
+    defaults = FinetuneSpec()
+    # `preset` stands for a set of these values (tests/test_protocol.py checks it reaches finetune)
+    assert set(values) == {f.name for f in dataclasses.fields(FinetuneSpec)} - {"preset"}
+    assert all(values[k] != getattr(defaults, k) for k in values)
+    study = _study(tmp_path, {"mlm": {}})
+    study.spec = dataclasses.replace(study.spec, finetune=FinetuneSpec(**values))
+    seen: dict = {}
+    monkeypatch.setattr(ft_module, "finetune", lambda models, tasks, **kw: seen.update(
+        kw, models=models, tasks=tasks))
+    stages._finetune(study, "mlm")
+    expect = {**values, "seeds": range(2), "data_dir": "/data"}
+    expect.pop("readiness")
+    assert {k: seen[k] for k in expect} == expect
+    assert seen["models"] == [f"mlm@50%={study.checkpoint('mlm', 0.5)}"]
