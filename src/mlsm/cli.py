@@ -425,7 +425,8 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
+    p = sub.add_parser("finetune",
+                       help="fine-tune HF encoders on GLUE/WiC/CoNLL/SQuAD with paired seeds")
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), "
                    "optionally NAME=MODEL")
@@ -433,7 +434,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="for a run directory: its final checkpoint, or all its readiness "
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
-                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003,"
+                   "squad,squad_v2")
     p.add_argument("--seeds", type=positive_int, default=5,
                    help="number of seeds, run as 0..N-1 (default 5)")
     p.add_argument("--lrs", default="2e-5", type=float_list,
@@ -442,7 +444,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--data-dir", default=None,
-                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ "
+                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/, squad_v1.1/ "
                    "(default: HF datasets)")
     p.add_argument("--results", default="results.jsonl", type=out_file,
                    help="JSON-lines file to append to")
