@@ -72,15 +72,16 @@ def test_metrics_by_hand() -> None:
 def test_registry_is_consistent() -> None:
     assert set(TASKS) == {
         "cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wic", "wic_lemma",
-        "conll2003", "word_order",
+        "conll2003", "word_order", "squad", "squad_v2",
     }
     for key, spec in TASKS.items():
         assert spec.name == key
         assert set(spec.eval_splits.values()) <= set(spec.hf_splits)
         assert spec.train_split in spec.hf_splits
     assert get_task("SST-2") is TASKS["sst2"] and get_task("STS-B") is TASKS["stsb"]
+    assert get_task("SQuAD-v2") is TASKS["squad_v2"]
     with pytest.raises(UserError):
-        get_task("squad")
+        get_task("squad3")
 
 
 # ------------------------------------------------------------------ fixtures in original formats

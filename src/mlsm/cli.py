@@ -453,7 +453,8 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("finetune", help="fine-tune HF encoders on GLUE/WiC/CoNLL with paired seeds")
+    p = sub.add_parser("finetune",
+                       help="fine-tune HF encoders on GLUE/WiC/CoNLL/SQuAD with paired seeds")
     p.add_argument("models", nargs="+", metavar="MODEL",
                    help="HF model folders or runs (RUN, RUN@50%%, RUN@step-N), "
                    "optionally NAME=MODEL")
@@ -461,8 +462,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="for a run directory: its final checkpoint, or all its readiness "
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
-                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003 "
-                   "(wic_lemma: WiC with the lemma prefixed, ours)")
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003,"
+                   "squad,squad_v2 (wic_lemma: WiC with the lemma prefixed, ours)")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="a named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md); the flags "
                    "below that you set override its values")
@@ -483,7 +484,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    "on; the grid goes to RESULTS.lr-grid.jsonl (default 0: no selection)")
     p.add_argument("--max-len", type=positive_int, default=128)
     p.add_argument("--data-dir", default=None,
-                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/ "
+                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/, squad_v1.1/ "
                    "(default: HF datasets)")
     p.add_argument("--results", default="results.jsonl", type=out_file,
                    help="JSON-lines file to append to")

@@ -31,7 +31,7 @@ from torch import nn
 
 from mlsm import tracking
 from mlsm.errors import UserError
-from mlsm.evaluate import protocol
+from mlsm.evaluate import protocol, qa
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.inputs import check_apart, read_json, real_path
@@ -117,7 +117,7 @@ class TaskHead(nn.Module):
 def build_head(spec: TaskSpec, d: int, seed: int, pooling: str = "cls") -> TaskHead:
     """The head for (task, seed): weights ~ N(0, 0.02²), biases 0, drawn on CPU from a generator
     seeded by (seed, task, d) alone — identical for every backbone with hidden size d."""
-    head = TaskHead(d, spec.num_outputs, per_token=spec.kind == "token", pooling=pooling)
+    head = TaskHead(d, spec.num_outputs, per_token=spec.kind in ("token", "qa"), pooling=pooling)
     gen = torch.Generator().manual_seed(stable_seed("head", seed, spec.name, d))
     with torch.no_grad():
         for module in (head.dense, head.out):
@@ -142,7 +142,7 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
 def load_tokenizer(path: str, spec: TaskSpec) -> Any:
     from mlsm import hf
 
-    if spec.kind != "token":
+    if spec.kind != "token":  # QA: `qa.encode_windows` refuses a slow tokenizer
         return hf.load_tokenizer(path)
     # Pre-split words need add_prefix_space for byte-level BPE tokenizers (RoBERTa, GPT-2);
     # WordPiece tokenizers ignore it.
@@ -159,7 +159,10 @@ def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example],
     "words": word index per labelled token}.
 
     Token tasks label the first sub-token of each word and put -100 on every other position.
+    QA tasks give one feature per context window (`qa.encode_windows`).
     """
+    if spec.kind == "qa":
+        return qa.encode_windows(tokenizer, examples, max_len)
     feats = []
     for ex in examples:
         if spec.kind != "token":
@@ -180,7 +183,10 @@ def encode(tokenizer: Any, spec: TaskSpec, examples: Sequence[Example],
 
 def collate(tokenizer: Any, spec: TaskSpec, feats: Sequence[dict[str, Any]],
             device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Pad a batch: model inputs (B, T) and labels (B,) or (B, T) with -100 padding."""
+    """Pad a batch: model inputs (B, T) and labels (B,) or (B, T) with -100 padding; QA:
+    (B, 2) start/end positions."""
+    if spec.kind == "qa":
+        return qa.collate(tokenizer, feats, device)
     batch = tokenizer.pad([f["inputs"] for f in feats], return_tensors="pt")
     if spec.kind == "token":
         width = batch["input_ids"].shape[1]
@@ -239,7 +245,9 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
         for i in range(0, len(perm) if step < total else 0, bs):
             inputs, labels = collate(tokenizer, spec, [feats[j] for j in perm[i:i + bs]], device)
             hidden = backbone(**inputs).last_hidden_state
-            loss = _loss(spec, head(hidden, inputs.get("attention_mask")), labels)
+            logits = head(hidden, inputs.get("attention_mask"))
+            loss = (qa.loss(logits, labels, inputs["attention_mask"]) if spec.kind == "qa"
+                    else _loss(spec, logits, labels))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if clip > 0:
@@ -269,6 +277,8 @@ def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
     Batches are formed from length-sorted examples (less padding); results come back in input
     order.
     """
+    if spec.kind == "qa":  # windows -> one decoded answer per example
+        return qa.predict(backbone, head, tokenizer, feats, examples, device, batch_size)
     backbone.eval()
     head.eval()
     order = sorted(range(len(feats)), key=lambda k: len(feats[k]["inputs"]["input_ids"]))
@@ -297,6 +307,8 @@ def _decode(spec: TaskSpec, row: torch.Tensor, feat: dict[str, Any], ex: Example
 
 def score(spec: TaskSpec, preds: list[Any], examples: Sequence[Example]) -> dict[str, float]:
     """The task metric(s) of predictions against the examples' gold labels."""
+    if spec.kind == "qa":
+        return spec.metric(preds, examples)
     if spec.kind == "token":
         gold = [[spec.labels[t] for t in ex.label] for ex in examples]
         return spec.metric(preds, gold)
@@ -334,9 +346,10 @@ class Prepared:
     """One model's tokenisation of one task, shared by all its seeds and learning rates."""
 
     tokenizer: Any
-    train: list[dict[str, Any]]  # features of the training set
+    train: list[dict[str, Any]]  # features of the training set (QA: windows)
     # metric suffix -> (examples, features)
     evals: dict[str, tuple[list[Example], list[dict[str, Any]]]]
+    n_train: int = -1  # training examples (QA: questions, not windows); -1: len(train)
 
 
 def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
@@ -344,7 +357,8 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
     """Tokenise the task's training and evaluation sets with the model's tokenizer."""
     tok = load_tokenizer(model.path, spec)
     return Prepared(tok, encode(tok, spec, train, max_len),
-                    {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()})
+                    {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()},
+                    len(train))
 
 
 def _load_backbone(path: str) -> nn.Module:
@@ -371,6 +385,7 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
     rows = []
     for suffix, (examples, feats) in data.evals.items():
         preds = predict(backbone, head, data.tokenizer, spec, feats, examples, device)
+        extras = spec.row_extras(preds, examples) if spec.row_extras else {}
         for metric, value in score(spec, preds, examples).items():
             rows.append({
                 "model": model.name, "path": model.path, "step": model.step,
@@ -378,10 +393,12 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
                 "objective": model.objective, "run": model.run, "task": spec.name,
                 "metric": f"{metric}_{suffix}" if suffix else metric, "value": value, "seed": seed,
                 "lr": cfg["lr"], "epochs": cfg["epochs"], "batch_size": cfg["batch_size"],
-                "max_len": cfg["max_len"], "n_train": len(data.train), "n_eval": len(examples),
+                "max_len": cfg["max_len"],
+                "n_train": data.n_train if data.n_train >= 0 else len(data.train),
+                "n_eval": len(examples),
                 "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
                 "head": cfg.get("head", "cls"), "max_steps": cfg.get("max_steps", 0),
-                "seconds": round(time.time() - start, 2),
+                "seconds": round(time.time() - start, 2), **extras.get(metric, {}),
             })
     if tracker is not None:
         tracker.log({f"eval/{r['metric']}": r["value"] for r in rows}, steps)

@@ -30,6 +30,8 @@ from seqeval.metrics import f1_score as seqeval_f1
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 from mlsm.errors import UserError
+from mlsm.evaluate import qa
+from mlsm.evaluate.qa_data import from_hf_row, squad_reader
 from mlsm.inputs import read_text
 
 
@@ -45,7 +47,8 @@ class Example:
     label: int | float | list[int]
 
 
-Reader = Callable[[Path, str], list[Example]]  # (task folder, split) -> examples
+# (task folder, split) -> examples (QA tasks: `qa_data.QAExample`s)
+Reader = Callable[[Path, str], list[Any]]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -299,13 +302,15 @@ class TaskSpec:
     """Everything task-specific; the fine-tuning code reads only these fields."""
 
     name: str
-    kind: str  # "cls" (first-token classification), "reg" (regression), "token" (per-word tags)
+    # "cls" (first-token classification), "reg" (regression), "token" (per-word tags),
+    # "qa" (extractive QA: start/end logits per token, `mlsm.evaluate.qa`)
+    kind: str
     labels: tuple[str, ...]  # label names by id; empty for regression
     metric: Callable[..., dict[str, float]]
     folders: tuple[str, ...]  # folder names tried under data_dir
     read: Reader
     hf: tuple[tuple[str, str | None], ...]  # HF datasets (path, config) candidates, tried in order
-    from_hf: Callable[[dict[str, Any]], Example]
+    from_hf: Callable[[dict[str, Any]], Any]
     hf_splits: dict[str, str]  # our split -> HF split
     # metric suffix -> split
     eval_splits: dict[str, str] = field(default_factory=lambda: {"": "dev"})
@@ -313,6 +318,8 @@ class TaskSpec:
     # a labelled test split scored with `eval_test` (CoNLL-2003; the official finetune_eval.py
     # scores its validation split only)
     test_split: str = ""
+    # (predictions, examples) -> {metric: extra fields of its result row} (SQuAD 2.0 thresholds)
+    row_extras: Callable[..., dict[str, dict[str, Any]]] | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -323,6 +330,7 @@ _B = ("0", "1")
 _NLI2 = ("entailment", "not_entailment")
 _GLUE_SPLITS = {"train": "train", "dev": "validation"}
 _GT = {"train": ("train.tsv",), "dev": ("dev.tsv",)}
+_SQUAD_SPLITS = {"train": "train", "dev": "validation"}
 
 
 def _glue(config: str) -> tuple[tuple[str, str | None], ...]:
@@ -376,12 +384,23 @@ TASKS: dict[str, TaskSpec] = {
                           (("eriktks/conll2003", None), ("conll2003", None)), _hf_conll,
                           {"train": "train", "valid": "validation", "test": "test"},
                           eval_splits={"": "valid"}, test_split="test"),
+    # SQuAD v1.1 / v2.0 (Rajpurkar et al. 2016, 2018): official JSON files, or the by-article
+    # split of a lone dev file (docs/finetune.md, "Extractive QA")
+    "squad": TaskSpec("squad", "qa", ("start", "end"), qa.score_v1,
+                      ("squad_v1.1", "squad", "SQuAD", "squad1.1", "SQuAD1.1", "squad_v1"),
+                      squad_reader("1.1"), (("rajpurkar/squad", None), ("squad", None)),
+                      from_hf_row, _SQUAD_SPLITS),
+    "squad_v2": TaskSpec("squad_v2", "qa", ("start", "end"), qa.score_v2,
+                         ("squad_v2", "squad_v2.0", "SQuAD2.0", "squad2.0", "SQuAD-v2"),
+                         squad_reader("2.0"), (("rajpurkar/squad_v2", None), ("squad_v2", None)),
+                         from_hf_row, _SQUAD_SPLITS, row_extras=qa.thresholds_v2),
 }
 
 
 def get_task(name: str) -> TaskSpec:
     """The registry entry for ``name`` (case-insensitive; "sst-2" and "sts-b" work too)."""
     key = name.lower().replace("-", "")
+    key = {"squadv2": "squad_v2", "squad2": "squad_v2", "squad_v1": "squad"}.get(key, key)
     if key not in TASKS:
         raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
     return TASKS[key]
