@@ -660,12 +660,27 @@ _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_t
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     parser = _Parser(prog="mlsm", description="Masked Latent Semantic Modeling toolkit")
+    parser.add_argument("--version", action="version", version=f"mlsm {version()}")
     sub = parser.add_subparsers(dest="verb", required=True)
     handlers = {}
     for add in _VERBS:
         handler = add(sub)
         handlers[next(reversed(sub.choices))] = handler
     return parser, handlers
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata); from a source tree that is
+    not installed, the package's own `__version__`."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    import mlsm
+
+    try:
+        return installed("mlsm")
+    except PackageNotFoundError:
+        return mlsm.__version__
 
 
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")

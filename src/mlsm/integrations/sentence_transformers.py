@@ -23,7 +23,8 @@ def write_modules(folder: Path, *, hidden_size: int, max_seq_length: int,
                   normalize: bool) -> dict[str, Any]:
     """Write the module files into `folder` (an exported HF folder); returns what the card and
     mlsm.json record."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:

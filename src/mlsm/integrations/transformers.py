@@ -36,8 +36,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
-from mlsm.config import (DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig,
-                         config_to_dict, resolve_objective)
+from mlsm.config import (
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    config_to_dict,
+    resolve_objective,
+)
 from mlsm.data.batches import Batch, BatchSource, Masker
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
@@ -151,7 +158,8 @@ class MLSMTrainer(Trainer):
     an mlsm objective.
 
     objective: the objective's options as in `mlsm pretrain` (a dict such as {"name": "mlsm",
-    "dictionary": PATH} or {"name": "kd", "teacher": PATH}, or its typed Config; docs/objectives.md).
+    "dictionary": PATH} or {"name": "kd", "teacher": PATH}, or its typed Config;
+    docs/objectives.md).
     data: masking options (`mlsm.config.DataConfig`: seed, mask_rate, mask_split, exact_count);
     taken from `train_dataset` when it is an `MLSMDataset`. processing_class: the tokenizer
     (required: masking needs its special tokens). The heads the objective adds are initialised
