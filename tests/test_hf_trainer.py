@@ -124,7 +124,7 @@ def test_one_trainer_step_is_one_pretrain_step(name, store_dir, teacher_dir, dic
     assert (info["step"], info["objective"], info["readiness"]) == (1, name, 1.0)
 
 
-def test_collator_masks_as_mlsm(store_dir, teacher_dir, dictionary_path) -> None:
+def test_collator_masks_as_mlsm(store_dir) -> None:
     """Rows from MLSMDataset, in any order, give the rows of mlsm's own batch; a row without a
     sample index is keyed by its content (same row, same mask; other row, other mask)."""
     store = TokenStore.open(store_dir)
