@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
+from mlsm.evaluate.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json
 from mlsm.study.runner import Study
@@ -192,62 +193,3 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
-
-
-def binomial_p(k: int, n: int, p: float) -> float:
-    """Two-sided exact binomial test of k successes in n trials against rate p (SciPy's
-    binomtest): how surprising the score would be at chance (pairs: p = 0.5) or at the unigram's
-    rate (masked tokens). NaN when there is nothing to test."""
-    from scipy.stats import binomtest
-
-    if n <= 0 or not 0 < p < 1:
-        return float("nan")
-    return float(binomtest(int(k), int(n), p).pvalue)
-
-
-def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int,
-                          store: str | None = None) -> dict[str, float]:
-    """Masked-token loss and top-1 of a scorer on held-out text, with the run's own masking, next
-    to the unigram distribution of the training store on the same targets (the plateau an MLM
-    sits on before it uses context) and a binomial test of top-1 against the unigram's rate.
-
-    store: a token store of held-out documents (batches 0, 1, ... of it); None = the chunks right
-    after the pre-training run's last batch, which are held out only while the run stays within
-    its first epoch of the corpus."""
-    import torch
-    import torch.nn.functional as F
-
-    from mlsm.config import config_from_dict
-    from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import TokenStore
-    from mlsm.evaluate.pll import as_scorer
-    from mlsm.evaluate.probe_fit import heldout_steps, unigram_log_probs
-
-    scorer = as_scorer(scorer)
-    info = read_json(checkpoint / "checkpoint.json", "checkpoint file",
-                     "restore it from a copy of the checkpoint", fields={"config": "object"})
-    cfg = config_from_dict(info["config"])
-    train = TokenStore.open(cfg.data.store)
-    source_store = TokenStore.open(store) if store else train
-    source = BatchSource(source_store, cfg.data, source_store.load_tokenizer())
-    steps = list(range(n_batches)) if store else heldout_steps(checkpoint, batch_size, n_batches)
-    unigram = None
-    loss, correct, uni_loss, uni_correct, n = 0.0, 0, 0.0, 0, 0
-    for step in steps:
-        b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
-        with torch.no_grad():
-            # (N, V)
-            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()
-        if unigram is None:
-            unigram = unigram_log_probs(train, logits.shape[-1])  # (V,)
-        y = b.input_ids[b.selected]
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(-1) == y).sum())
-        uni_loss -= unigram[y].sum().item()
-        uni_correct += int((y == unigram.argmax()).sum())
-        n += y.numel()
-    m = max(n, 1)
-    return {"loss": loss / m, "top1": correct / m, "n": n, "correct": correct,
-            "unigram_loss": uni_loss / m, "unigram_top1": uni_correct / m,
-            "p_vs_unigram": binomial_p(correct, n, uni_correct / m),
-            "text": "held-out store" if store else "chunks after the run"}
