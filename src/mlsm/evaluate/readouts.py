@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("probe", "pairs", "masked")
+READOUTS_FILE = "readouts.jsonl"
 PROBE_TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "qnli")
 
 
@@ -82,7 +83,7 @@ def checkpoint_facts(folder: Path) -> dict[str, Any]:
     return facts
 
 
-def _train_store(folder: Path, spec: ReadoutSpec) -> str:
+def train_store(folder: Path, spec: ReadoutSpec) -> str:
     from mlsm.errors import UserError
     from mlsm.inputs import read_json
 
@@ -163,7 +164,7 @@ def _pair_rows(scorer: Any, tokenizer: Any, folder: Path, spec: ReadoutSpec,
     from mlsm.evaluate.blimp import evaluate_blimp
     from mlsm.evaluate.unigram import UnigramControl
 
-    control = UnigramControl.from_store(_train_store(folder, spec)) if spec.pairs else None
+    control = UnigramControl.from_store(train_store(folder, spec)) if spec.pairs else None
     rows = []
     for data in spec.pairs:
         start = time.perf_counter()
@@ -190,7 +191,7 @@ def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
 
     start = time.perf_counter()
     source, steps = _heldout(folder, spec)
-    control = UnigramControl.from_store(_train_store(folder, spec))
+    control = UnigramControl.from_store(train_store(folder, spec))
     import torch
 
     unigram = torch.from_numpy(control.log_probs).float()  # (V,)
@@ -203,12 +204,12 @@ def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
              "p_vs_control": m["p_vs_unigram"]}]
     if spec.pppl_batches:
         p = pppl(scorer, source, steps[: spec.pppl_batches], spec.batch_size, unigram,
-                 source.tokenizer.mask_token_id)
+                 source.mask_id)
         rows.append({"kind": "masked", "task": "heldout", "metric": "pppl", "value": p["pppl"],
                      "control": p["unigram_ppl"], "control_kind": "unigram", "n": p["n"],
                      "text": text})
     seconds = round(time.perf_counter() - start, 1)
-    log(f"[readout] masked: " + ", ".join(f"{r['metric']} {r['value']:.3f} (unigram "
+    log("[readout] masked: " + ", ".join(f"{r['metric']} {r['value']:.3f} (unigram "
                                           f"{r['control']:.3f})" for r in rows)
         + f" in {seconds:.0f} s")
     return [{**r, "seconds": seconds} for r in rows]
