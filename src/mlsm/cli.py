@@ -387,7 +387,7 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--report-only", action="store_true",
                    help="only (re)write the report from what is done")
     p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
-                                                   "finetune", "blimp", "report"],
+                                                   "finetune", "blimp", "readout", "report"],
                    help="run only these stages (default: all that are not complete)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="run the stages of these arms only (default: every arm of the study); "

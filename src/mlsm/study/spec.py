@@ -16,6 +16,7 @@ from typing import Any
 from mlsm.config import FIELD_CHECKS, build_dataclass, config_from_dict, merge
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
+from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 
 
@@ -164,6 +165,9 @@ class StudySpec:
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
     blimp: BlimpSpec = field(default_factory=BlimpSpec)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    readout: ReadoutSpec | None = None
+    """Readouts (docs/readouts.md) of every readiness checkpoint; none (no `readout` group) = no
+    readout stage."""
 
     @property
     def root(self) -> Path:
@@ -193,6 +197,11 @@ FIELD_CHECKS.update({
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
     "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
+    "readout.kinds": (lambda v: set(v) <= {"probe", "pairs", "masked"},
+                      "readout kinds among probe, pairs, masked"),
+    "readout.max_train": _NONNEG, "readout.pair_limit": _NONNEG, "readout.masked_batches": _POS,
+    "readout.pppl_batches": _NONNEG, "readout.batch_size": _POS,
+    "readout.max_len": (lambda v: v >= 8, "at least 8"),
 })
 
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
@@ -210,8 +219,11 @@ def study_from_dict(raw: dict[str, Any], where: str = "study") -> StudySpec:
         raise UserError(f"{where}: `arms` must map at least one arm name to "
                         "{objective: {name: ...}}")
     arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
+    readout = raw.pop("readout", None)
+    if readout is not None:
+        readout = build_dataclass(ReadoutSpec, readout, "readout")
     spec = build_dataclass(StudySpec, raw, "study")
-    spec = dataclasses.replace(spec, arms=arms, **groups)
+    spec = dataclasses.replace(spec, arms=arms, readout=readout, **groups)
     _validate(spec)
     return spec
 

@@ -46,6 +46,9 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     b = study.spec.blimp
     # readiness points PLL cannot score are recorded as skipped by run_probe / run_blimp, no job
     scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]
+    if stage == "readout":
+        return study.spec.readout is not None and not all(
+            readout_path(study, arm, f).is_file() for f in study.spec.readiness)
     if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
             (study.probe_dir(arm, f) / "probe.json").is_file() for f in scored)
@@ -149,6 +152,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
 
     from mlsm.evaluate.blimp import evaluate_blimp
     from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.unigram import UnigramControl
 
     path = blimp_path(study, arm, frac)
     if path.is_file():
@@ -173,11 +177,12 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), p.heldout_batches,
                                     p.batch_size or 16, store=b.heldout_store or None)
     sets = {}
+    control = UnigramControl.from_store(study.store)  # scores the same pairs (issue #32)
     for i, data in enumerate(b.data):
         limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
         phenomena = b.phenomena or None if i == 0 else None
         result = evaluate_blimp(model, tokenizer, data, phenomena=phenomena,
-                                limit_per_phenomenon=limit, progress=None)
+                                limit_per_phenomenon=limit, progress=None, control=control)
         correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
                                          "correct": correct,
@@ -185,11 +190,64 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                                          "fields": {k: v["accuracy"]
                                                     for k, v in result["fields"].items()},
                                          "phenomena": {k: v["accuracy"]
-                                                       for k, v in result["phenomena"].items()}}
+                                                       for k, v in result["phenomena"].items()},
+                                         "control": result["control"]["overall"],
+                                         "control_phenomena": {
+                                             k: v["control_accuracy"]
+                                             for k, v in result["phenomena"].items()},
+                                         "tests": result["tests"]}
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
+    return None
+
+
+def readout_path(study: Study, arm: str, frac: float) -> Path:
+    return study.root / "readouts" / f"{model_name(arm, frac).replace('%', 'pct')}.jsonl"
+
+
+def run_readout(study: Study, arms: list[str]) -> set[str]:
+    """Readouts (`mlsm.evaluate.readouts`) of every readiness checkpoint of every arm, one
+    JSON-lines file per checkpoint; an arm not scored by PLL gets its linear probes only."""
+    if study.spec.readout is None:
+        return set()
+    failed = set()
+    for arm in arms:
+        for frac in study.spec.readiness:
+            if not study.stage("readout", lambda a=arm, f=frac: _readout(study, a, f),
+                               model_name(arm, frac)):
+                failed.add(arm)
+    return failed
+
+
+def _readout(study: Study, arm: str, frac: float) -> str | None:
+    import dataclasses
+
+    import torch
+
+    from mlsm.evaluate.readouts import readout
+
+    path = readout_path(study, arm, frac)
+    if path.is_file():
+        return "skipped"
+    spec = study.spec.readout
+    assert spec is not None
+    spec = dataclasses.replace(spec, heldout_store=spec.heldout_store
+                               or study.spec.blimp.heldout_store)
+    if study.unscored_reason(arm, frac):  # no words to read: MAE-LM, CLM
+        spec = dataclasses.replace(spec, kinds=[k for k in spec.kinds if k == "probe"])
+    scorer = None
+    info = study.probe_dir(arm, frac) / "probe.json"
+    if study.is_latent(arm) and info.is_file():
+        scorer = read_json(info, "probe record", "delete it and run the probe stage again",
+                           fields=_PROBE_FIELDS)["checkpoint"]
+    if driver_threads(study):
+        torch.set_num_threads(driver_threads(study))
+    rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
+                   scorer_path=scorer, log=study.log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps({**r, "arm": arm}) + "\n" for r in rows))
     return None
