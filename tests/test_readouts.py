@@ -15,6 +15,7 @@ from scipy.stats import wilcoxon
 from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.blimp import evaluate_blimp, phenomenon_tests
 from mlsm.evaluate.unigram import UnigramControl, pair_credit
+from tests.conftest import make_text
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +65,11 @@ def test_blimp_control_scores_the_same_pairs_and_ties_word_order(store_dir, tmp_
         def logits_at(self, input_ids, attention_mask, select):
             return logits.expand(int(select.sum()), -1)  # (N, V)
 
-    pairs = {"order": [("the cat sat", "sat the cat"), ("a b c d", "d c b a")],
+    words = " ".join(make_text(3, seed=5)).split()[:60]
+    # long sentences reversed / rotated: a float sum in token order differs in the last bits
+    order = [("the cat sat", "sat the cat"), ("a b c d", "d c b a")] + [
+        (" ".join(words[i:i + 30]), " ".join(words[i:i + 30][::-1])) for i in range(0, 30, 3)]
+    pairs = {"order": order,
              "lexical": [("the cat", "the zyzzyva"), ("the zyzzyva", "the cat"), ("a", "b")]}
     folder = _write_pairs(tmp_path / "pairs", pairs)
     r = evaluate_blimp(UnigramScorer(), control.tokenizer, folder, control=control)
@@ -222,3 +227,21 @@ def test_mlsm_readout_verb_writes_every_kind(teacher_dir, store_dir, tmp_path) -
     masked = {r["metric"]: r for r in rows if r["kind"] == "masked"}
     assert set(masked) == {"loss", "top1", "pppl"}
     assert masked["loss"]["n"] > 0 and masked["loss"]["control"] > 0
+
+
+def test_mlsm_blimp_scores_the_unigram_control_of_the_pretraining_store(
+        teacher_dir, store_dir, tmp_path) -> None:
+    from mlsm.cli import main
+
+    pairs = _write_pairs(tmp_path / "pairs", {"order": [("the cat sat", "sat the cat")],
+                                              "other": [("the dog", "the zyzzyva")]})
+    assert main(["blimp", str(teacher_dir), "--data", str(pairs), "--out",
+                 str(tmp_path / "auto")]) == 0
+    result = json.loads((tmp_path / "auto" / "blimp.json").read_text())
+    assert result["control"]["source"] == str(store_dir)  # the run's own store, by default
+    assert result["phenomena"]["order"]["control_accuracy"] == 0.5
+    assert "unigram control" in (tmp_path / "auto" / "blimp.md").read_text()
+    assert main(["blimp", str(teacher_dir), "--data", str(pairs), "--unigram", "none",
+                 "--out", str(tmp_path / "none")]) == 0
+    result = json.loads((tmp_path / "none" / "blimp.json").read_text())
+    assert "control" not in result and "p_vs_control" not in result["tests"]

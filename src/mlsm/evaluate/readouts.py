@@ -115,6 +115,10 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
     base = {"model": name or str(model), "checkpoint": str(folder), **checkpoint_facts(folder),
             "git_revision": git_revision()}
     rows: list[dict[str, Any]] = []
+    if "probe" in spec.kinds and not spec.glue:
+        log("[readout] probe: no GLUE folder given (--glue, or --data holding glue/)")
+    if "pairs" in spec.kinds and not spec.pairs:
+        log("[readout] pairs: no pair set given (--pairs, or --data holding blimp/)")
     if "probe" in spec.kinds and spec.glue:
         rows += _probe_rows(folder, spec, log)
     words = [k for k in ("pairs", "masked") if k in spec.kinds]

@@ -16,6 +16,7 @@ above both trained students, so a BLiMP score is evidence of syntax only where i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,10 @@ class UnigramControl:
         return self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
     def score(self, texts: Sequence[str]) -> list[float]:
-        """Sum of log p(w) over each text's tokens (nats)."""
-        return [float(self.log_probs[ids].sum()) for ids in self.token_ids(texts)]
+        """Sum of log p(w) over each text's tokens (nats). `math.fsum` is exactly rounded, so
+        the sum does not depend on the tokens' order: a pair of the same tokens in another order
+        ties exactly (a float sum in token order differs in the last bits)."""
+        return [math.fsum(self.log_probs[ids]) for ids in self.token_ids(texts)]
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "n_tokens": self.n_tokens, "vocab": len(self.counts),
