@@ -227,6 +227,7 @@ def test_mlsm_readout_verb_writes_every_kind(teacher_dir, store_dir, tmp_path) -
     masked = {r["metric"]: r for r in rows if r["kind"] == "masked"}
     assert set(masked) == {"loss", "top1", "pppl"}
     assert masked["loss"]["n"] > 0 and masked["loss"]["control"] > 0
+    assert (out / "readouts_steps.png").is_file() and (out / "readouts_flops.png").is_file()
 
 
 def test_mlsm_blimp_scores_the_unigram_control_of_the_pretraining_store(

@@ -277,7 +277,7 @@ def _unigram_control(model: str, store: str) -> object | None:
 
 
 def _readout(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, readout, write_rows
+    from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, plot_rows, readout, write_rows
 
     kinds = [k for k in a.kinds.split(",") if k]
     data = Path(a.data) if a.data else None
@@ -292,7 +292,9 @@ def _readout(a: argparse.Namespace) -> None:
                        masked_batches=a.masked_batches)
     rows = readout(a.model, spec, name=a.name)
     path = write_rows(rows, Path(a.out) / READOUTS_FILE)
-    print(f"{len(rows)} readout rows -> {path}")
+    plots = plot_rows(path)
+    print(f"{len(rows)} readout rows -> {path}" + (f"; plots of every row there: "
+                                                     f"{', '.join(plots)}" if plots else ""))
 
 
 def _rank(a: argparse.Namespace) -> None:

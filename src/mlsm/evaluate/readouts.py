@@ -10,10 +10,12 @@ Three kinds (docs/readouts.md), each read beside a control measured on the same 
   (`mlsm.evaluate.heldout`). Latent (MLSM) models are read through their k -> |V| probe; without
   one, `pairs` and `masked` write one row saying so.
 
-A row: {"model", "checkpoint", "step", "readiness", "train_flops", "kind", "task", "metric",
-"value", "control", "control_kind", "n", ...}: `task` is the GLUE task, the pair set or "heldout";
-pair rows of one phenomenon also carry "phenomenon"; "train_flops" = step x FLOPs per training
-batch (`mlsm.evaluate.flops.flops_for_run`), so a report can plot any readout against compute.
+Rows are appended to OUT/readouts.jsonl; `plot_rows` draws every readout in it against steps and
+against training FLOPs (`mlsm.evaluate.readout_plots`). A row: {"model", "checkpoint", "step",
+"readiness", "train_flops", "kind", "task", "metric", "value", "control", "control_kind", "n",
+...}: `task` is the GLUE task, the pair set or "heldout"; pair rows of one phenomenon also carry
+"phenomenon"; "train_flops" = step x FLOPs per training batch
+(`mlsm.evaluate.flops.flops_for_run`), so any readout can be plotted against compute.
 """
 
 from __future__ import annotations
@@ -246,3 +248,22 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
     append_results(path, rows)
     return Path(path)
+
+
+def plot_rows(path: str | Path) -> list[str]:
+    """Redraw readouts_steps.png / readouts_flops.png beside a readouts.jsonl from all its rows
+    (one line per run); a torn last line (a killed writer) is left out, as `read_results` does."""
+    import json
+
+    from mlsm.evaluate.readout_plots import write_plots
+
+    path = Path(path)
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("kind"), str):
+            rows.append(row)
+    return [str(path.parent / name) for name in write_plots(rows, path.parent)]
