@@ -246,3 +246,11 @@ def test_mlsm_blimp_scores_the_unigram_control_of_the_pretraining_store(
                  "--out", str(tmp_path / "none")]) == 0
     result = json.loads((tmp_path / "none" / "blimp.json").read_text())
     assert "control" not in result and "p_vs_control" not in result["tests"]
+
+
+def test_a_missing_glue_folder_is_one_line(teacher_dir, tmp_path) -> None:
+    from mlsm.errors import UserError
+    from mlsm.evaluate.readouts import ReadoutSpec, readout
+
+    with pytest.raises(UserError, match="GLUE folder .* not found"):
+        readout(teacher_dir, ReadoutSpec(kinds=["probe"], glue=str(tmp_path / "nope")))

@@ -113,6 +113,9 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
     unknown = sorted(set(spec.kinds) - set(KINDS))
     if unknown:
         raise UserError(f"unknown readout kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
+    if spec.glue and "probe" in spec.kinds and not Path(spec.glue).is_dir():
+        raise UserError(f"GLUE folder {spec.glue} not found; point --glue (or readout.glue) at "
+                        "the folder holding CoLA/, SST-2/, ... (e.g. ../shared/data/glue)")
     folder = resolve_checkpoint(model)
     base = {"model": name or str(model), "checkpoint": str(folder), **checkpoint_facts(folder),
             "git_revision": git_revision()}
@@ -135,7 +138,11 @@ def _probe_rows(folder: Path, spec: ReadoutSpec, log: Callable[[str], None]) -> 
 
     model, tokenizer = load_encoder(str(folder))
     rows = []
-    for task in available_tasks(spec.glue, spec.tasks):
+    tasks = available_tasks(spec.glue, spec.tasks)
+    if not tasks:
+        log(f"[readout] probe: none of {', '.join(spec.tasks)} has train and dev files in "
+            f"{spec.glue}")
+    for task in tasks:
         got = probe_task(model, tokenizer, task, spec.glue, spec.max_train or None, spec.max_len)
         log(f"[readout] probe {task}: " + ", ".join(
             f"{r['metric']} {r['value']:.3f} (control {r['control']:.3f})" for r in got)
