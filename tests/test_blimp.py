@@ -57,7 +57,8 @@ RIGHT, WRONG, TIE = ("the cat", "the dog"), ("the dog", "the cat"), ("the cat", 
 
 @pytest.fixture
 def blimp_dir(tmp_path: Path) -> Path:
-    """a: 3 right + 1 wrong (0.75); b (gzip, field spelled with '/'): right + tie (0.5); c: 1.0."""
+    """a: 3 right + 1 wrong (0.75); b (gzip, field spelled with '/'): right + tie (0.75: a tie
+    counts half); c: 1.0."""
     folder = tmp_path / "blimp"
     folder.mkdir()
     a = [RIGHT, RIGHT, WRONG, RIGHT]
@@ -83,8 +84,10 @@ def tok(tmp_path_factory):
 def test_known_preferences(blimp_dir, tok):
     result = evaluate_blimp(UnigramScorer(), tok, blimp_dir)
     acc = {uid: r["accuracy"] for uid, r in result["phenomena"].items()}
-    assert acc == {"par_a": 0.75, "par_b": 0.5, "par_c": 1.0}
-    assert result["overall"] == pytest.approx((0.75 + 0.5 + 1.0) / 3)
+    assert acc == {"par_a": 0.75, "par_b": 0.75, "par_c": 1.0}
+    par_b = result["phenomena"]["par_b"]
+    assert par_b["correct"] == 1 and par_b["ties"] == 1
+    assert result["overall"] == pytest.approx((0.75 + 0.75 + 1.0) / 3)
     assert result["n_pairs"] == 8 and result["n_phenomena"] == 3
     assert set(result["fields"]) == {"morphology", "syntax_semantics"}
     assert result["fields"]["morphology"]["accuracy"] == pytest.approx(0.875)
@@ -97,7 +100,7 @@ def test_limit_filter_and_single_file(blimp_dir, tok):
                             limit_per_phenomenon=2)
     assert list(result["phenomena"]) == ["par_a"] and result["overall"] == 1.0
     single = evaluate_blimp(UnigramScorer(), tok, blimp_dir / "par_b.jsonl.gz")
-    assert single["phenomena"]["par_b"]["accuracy"] == 0.5
+    assert single["phenomena"]["par_b"]["accuracy"] == 0.75
 
 
 def test_tiny_bert_matches_brute_force(tmp_path, tok):

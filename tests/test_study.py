@@ -242,10 +242,13 @@ def test_whole_study_writes_a_report_with_every_section(
             "batch_size": 8,
             "min_delta": 1e-4,
         },
+        readout={"glue": str(tasks), "tasks": ["word_order"], "pairs": [str(blimp)],
+                 "masked_batches": 1, "batch_size": 4},
     )
     spec = load_study(_write(tmp_path, raw))
     report = run_study(spec, log=lambda s: None)
     assert report == out / "report.md"
+    _check_readouts(out, report.read_text())
     text = report.read_text()
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["model"] for r in rows} == {"mlm@50%", "mlm@100%", "mlsm@50%", "mlsm@100%"}
@@ -287,6 +290,27 @@ def test_whole_study_writes_a_report_with_every_section(
     assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()
     # what a study writes is all in the list that keeps a corpus source out of its outputs
     assert {p.name for p in out.iterdir()} <= set(OUTPUTS), sorted(p.name for p in out.iterdir())
+
+
+def _check_readouts(out: Path, text: str) -> None:
+    """The readout stage read every readiness checkpoint of every arm; the MLSM arm in words
+    only where the study trained its probe (100 %); the report plots and tabulates them; the
+    BLiMP stage scored the unigram control on the same pairs."""
+    rows = {m: [json.loads(x) for x in (out / "readouts" / f"{m}.jsonl").read_text().splitlines()]
+            for m in ("mlm@50pct", "mlm@100pct", "mlsm@50pct", "mlsm@100pct")}
+    for model, got in rows.items():
+        kinds = {r["kind"] for r in got}
+        assert kinds == {"probe", "pairs", "masked"}, model
+        assert all(r["step"] in (4, 8) and r["train_flops"] > 0 for r in got), model
+    assert {r.get("note") for r in rows["mlsm@50pct"] if r["kind"] != "probe"} == {"no probe"}
+    masked = [r for r in rows["mlsm@100pct"] if r["kind"] == "masked"]
+    assert {r["metric"] for r in masked} == {"loss", "top1", "pppl"}
+    assert "## Readouts" in text and "| mlm@50% |" in text
+    assert (out / "readouts_steps.png").is_file() and (out / "readouts_flops.png").is_file()
+    blimp_set = next(iter(json.loads((out / "blimp" / "mlm@100pct.json").read_text())["sets"]
+                          .values()))
+    assert blimp_set["control_phenomena"].keys() == blimp_set["phenomena"].keys()
+    assert blimp_set["tests"]["n_paired"] == 2 and "| unigram % |" in text
 
 
 def test_slurm_executor_through_submitit_local(
@@ -406,12 +430,12 @@ def test_blimp_table_row_shows_a_dash_for_optional_fields_of_the_wrong_type() ->
     from mlsm.study.report import _blimp_line
 
     row = {"arm": "a", "readiness": 1.0, "overall": 0.625, "n_pairs": 8,
-           "sets": {"blimp": {"phenomena": {"x": 0.625}, "p_vs_chance": "low"}},
+           "sets": {"blimp": {"phenomena": {"x": 0.625}, "p_vs_chance": "low", "tests": "?"}},
            "heldout": {"top1": "high", "loss": [1], "unigram_loss": 7.25},
            "probe": {"heldout_top1": {"a": 1}, "input": "logprobs"}}
     cells = [c.strip() for c in _blimp_line(row).strip("|").split("|")]
     assert cells[:5] == ["a@100%", "62.5", "8", "—", "—"]
-    assert cells[7:10] == ["—", "7.250", "logprobs"] and cells[11] == "—"
+    assert cells[9:12] == ["—", "7.250", "logprobs"] and cells[13] == "—"
 
 
 def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(

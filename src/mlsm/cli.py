@@ -255,13 +255,54 @@ def _blimp(a: argparse.Namespace) -> None:
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
     check_output_folder(a.out, "--out", {"blimp.md", "blimp.json"}.__contains__,
                         {"blimp.md": BLIMP_HEADING})
+    control = _unigram_control(a.model, a.unigram)
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
                             limit_per_phenomenon=a.limit, variant=a.variant,
-                            token_budget=a.token_budget, progress=None)
+                            token_budget=a.token_budget, progress=None, control=control)
     paths = write_blimp_report(result, a.out)
+    unigram = f"; unigram control {100 * result['control']['overall']:.1f}%" if control else ""
     print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
-          f"({result['n_pairs']} pairs) -> {paths['markdown']}")
+          f"({result['n_pairs']} pairs){unigram} -> {paths['markdown']}")
+
+
+def _unigram_control(model: str, store: str) -> object | None:
+    """--unigram: 'none', a token store, or 'auto' (the model's pre-training store, if known)."""
+    from mlsm.evaluate.readouts import ReadoutSpec, train_store
+    from mlsm.evaluate.unigram import UnigramControl
+    from mlsm.runs import resolve_checkpoint
+
+    if store == "none":
+        return None
+    if store != "auto":
+        return UnigramControl.from_store(store)
+    try:
+        return UnigramControl.from_store(train_store(resolve_checkpoint(model), ReadoutSpec()))
+    except UserError:  # an HF folder: no store known
+        print("mlsm blimp: no unigram control (no pre-training store known; pass --unigram STORE)",
+              file=sys.stderr)
+        return None
+
+
+def _readout(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, plot_rows, readout, write_rows
+
+    kinds = [k for k in a.kinds.split(",") if k]
+    data = Path(a.data) if a.data else None
+    glue = a.glue or (str(data / "glue") if data and (data / "glue").is_dir() else "")
+    pairs = list(a.pairs or [])
+    if not pairs and data and (data / "blimp").is_dir():
+        pairs = [str(data / "blimp")]
+    check_apart(a.out, "--out", {"MODEL": a.model, "--data": a.data or "", "--store": a.store})
+    spec = ReadoutSpec(kinds=kinds, glue=glue, tasks=[t for t in a.tasks.split(",") if t],
+                       max_train=a.max_train, pairs=pairs, pair_limit=a.pair_limit,
+                       store=a.store, heldout_store=a.heldout_store,
+                       masked_batches=a.masked_batches)
+    rows = readout(a.model, spec, name=a.name)
+    path = write_rows(rows, Path(a.out) / READOUTS_FILE)
+    plots = plot_rows(path)
+    print(f"{len(rows)} readout rows -> {path}" + (f"; plots of every row there: "
+                                                     f"{', '.join(plots)}" if plots else ""))
 
 
 def _score(a: argparse.Namespace) -> None:
@@ -376,7 +417,7 @@ def _add_study(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--report-only", action="store_true",
                    help="only (re)write the report from what is done")
     p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
-                                                   "finetune", "blimp", "report"],
+                                                   "finetune", "blimp", "readout", "report"],
                    help="run only these stages (default: all that are not complete)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="run the stages of these arms only (default: every arm of the study); "
@@ -582,6 +623,9 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--token-budget", type=positive_int, default=8192,
                    help="padded tokens per forward pass")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--unigram", default="auto", metavar="STORE",
+                   help="token store whose add-one unigram scores the same pairs as a control; "
+                   "auto (default): the model's pre-training store; none: no control")
     return _blimp
 
 
@@ -609,6 +653,37 @@ def _add_score(sub: argparse._SubParsersAction) -> Callable:
                    "folder name)")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     return _score
+
+
+def _add_readout(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("readout", help="cheap readouts of a checkpoint: linear probes, minimal "
+                       "pairs vs a unigram control, held-out masked tokens (docs/readouts.md)")
+    p.add_argument("model", help="checkpoint folder, run (RUN, RUN@50%%, RUN@step-N) or HF "
+                   "encoder folder")
+    p.add_argument("--out", required=True, type=out_dir,
+                   help="folder whose readouts.jsonl the rows are appended to")
+    p.add_argument("--kinds", default="probe,pairs,masked",
+                   help="comma-separated: probe, pairs, masked (default: all three)")
+    p.add_argument("--data", default="../shared/data",
+                   help="folder holding glue/ and blimp/ (default ../shared/data)")
+    p.add_argument("--glue", default="", help="GLUE folder (default: DATA/glue)")
+    p.add_argument("--tasks", default="cola,sst2,mrpc,stsb,rte,qnli",
+                   help="tasks to probe (those without train and dev files are left out)")
+    p.add_argument("--max-train", type=non_negative_int, default=0,
+                   help="cap on training examples per task (default 0 = the full set)")
+    p.add_argument("--pairs", nargs="+", default=None, metavar="SET",
+                   help="minimal-pair sets in BLiMP's format (default: DATA/blimp)")
+    p.add_argument("--pair-limit", type=non_negative_int, default=100,
+                   help="first N pairs per phenomenon (0 = all; default 100)")
+    p.add_argument("--store", default="",
+                   help="token store for the unigram control (default: the pre-training store)")
+    p.add_argument("--heldout-store", default="",
+                   help="token store of held-out documents for masked tokens (default: the "
+                   "chunks after the run's last batch)")
+    p.add_argument("--masked-batches", type=positive_int, default=8,
+                   help="held-out batches of 16 sequences (default 8)")
+    p.add_argument("--name", default="", help="model name in the rows (default: MODEL)")
+    return _readout
 
 
 def _add_rank(sub: argparse._SubParsersAction) -> Callable:
@@ -727,7 +802,7 @@ def _add_export(sub: argparse._SubParsersAction) -> Callable:
 # One line per verb. --- verbs ---
 _VERBS = [_add_demo, _add_prepare, _add_train_tokenizer, _add_dictionary, _add_targets,
           _add_pretrain, _add_flops, _add_probe, _add_finetune, _add_compare, _add_report,
-          _add_blimp, _add_score, _add_rank, _add_export, _add_study]
+          _add_blimp, _add_score, _add_readout, _add_rank, _add_export, _add_study]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable]]:

@@ -84,8 +84,7 @@ def summary_lines(study: Study) -> list[str]:
                          f"p {_p(h.get('p_vs_unigram'))}, n {h.get('n', 0)})")
         elif h:
             skipped.append(f"{name} held-out masked tokens")
-        parts += [f"{k} {100 * v['overall']:.1f} % of {v['n_pairs']} (p {_p(v.get('p_vs_chance'))})"
-                  for k, v in sets.items()]
+        parts += [_set_text(k, v) for k, v in sets.items()]
         if parts:
             lines.append(f"{name}: " + "; ".join(parts))
     lines += _finetune_lines(study, skipped)
@@ -93,8 +92,21 @@ def summary_lines(study: Study) -> list[str]:
         lines.insert(0, f"warning: left out {len(skipped)} result(s) with a NaN score: "
                         + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if lines:
-        lines.insert(1 if skipped else 0, "pairs: chance 50 %; p: two-sided exact binomial test")
+        lines.insert(1 if skipped else 0, "pairs: chance 50 %, beside the unigram control on the "
+                     "same pairs, p: Wilcoxon signed-rank over phenomena (two-sided); masked "
+                     "top-1 p: two-sided exact binomial test against the unigram's rate")
     return lines + _stage_lines(study)
+
+
+def _set_text(name: str, v: dict[str, Any]) -> str:
+    """One pair set: accuracy, the unigram control's, and the tests across its phenomena (a
+    result written before the control: the pooled binomial p it had)."""
+    head = f"{name} {100 * v['overall']:.1f} % of {v['n_pairs']}"
+    t = v.get("tests")
+    if not isinstance(t, dict) or not _finite(v.get("control")):
+        return f"{head} (p {_p(v.get('p_vs_chance'))})"
+    return (f"{head} (unigram {100 * v['control']:.1f} %; {t['n_phenomena']} phenomena: "
+            f"p vs unigram {_p(t.get('p_vs_control'))}, p vs 50 % {_p(t.get('p_vs_chance'))})")
 
 
 def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:

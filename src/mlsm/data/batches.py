@@ -129,7 +129,8 @@ class BatchSource:
             raise UserError(f"data.max_len={cfg.max_len} is too short; use at least 8")
         self.masker = Masker(cfg, tokenizer)
         self.store, self.cfg = store, cfg
-        self.cls_id, self.sep_id = self.masker.cls_id, self.masker.sep_id
+        self.cls_id, self.sep_id, self.mask_id = (self.masker.cls_id, self.masker.sep_id,
+                                                  self.masker.mask_id)
         self.chunk = cfg.max_len - 2
         # Virtual stream = documents each followed by [SEP]; doc j starts at offsets[j] + j in it.
         self.vstart = store.offsets[:-1] + np.arange(store.n_docs, dtype=np.int64)

@@ -3,11 +3,16 @@
 BLiMP (Warstadt et al. 2020, TACL 8) has 67 paradigms ("phenomena", column `UID`) of 1000 minimal
 pairs each; each paradigm has a `field` (morphology, syntax, semantics, syntax_semantics) and a
 `linguistics_term` (the paper's 12-13 phenomenon groups). A pair counts as correct when the model
-prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); a tie counts
-as wrong. Reported: accuracy per phenomenon, per field (mean over the field's phenomena), per
-`linguistics_term` (the paper's phenomenon groups) and overall (mean over phenomena, as in the BLiMP
-paper and §4.3.1 of the *Hitchhikers' Guide to Masked Latent Semantic Modeling*, anonymous, under
-review).
+prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); an exact tie
+counts half (`mlsm.evaluate.unigram.pair_credit`: the unigram control ties on every word-order
+pair, and both are scored alike). Reported: accuracy per phenomenon, per field (mean over the
+field's phenomena), per `linguistics_term` (the paper's phenomenon groups) and overall (mean over
+phenomena, as in the BLiMP paper and §4.3.1 of the *Hitchhikers' Guide to Masked Latent
+Semantic Modeling*, anonymous, under review). With a unigram control
+(`mlsm.evaluate.unigram`) the same pairs are scored by it too, and the model is tested across
+phenomena, not pooled pairs (`phenomenon_tests`): the pairs of one phenomenon come from one
+template, so they are not independent draws and a pooled binomial test overstates the evidence
+(issue #32).
 
 Data: a folder of `<UID>.jsonl` / `<UID>.jsonl.gz` files (the layout of ../shared/data/blimp and of
 the BLiMP repository), a single such file, or the HF dataset (`blimp` / `nyu-mll/blimp`, one
@@ -27,6 +32,7 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import Variant, score_pll
+from mlsm.evaluate.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
 
@@ -167,14 +173,16 @@ def _mean(values: Sequence[float]) -> float:
 def _summarise(
     grouped: dict[str, list[BlimpPair]], good: Sequence[float], bad: Sequence[float]
 ) -> dict[str, Any]:
-    """Accuracies per phenomenon, per field and overall from PLLs in `grouped` order."""
+    """Accuracies per phenomenon, per field and overall from scores in `grouped` order.
+    `correct` counts strict wins, `ties` exact ties (each worth half a pair in `accuracy`)."""
     phenomena: dict[str, dict[str, Any]] = {}
     i = 0
     for uid, pairs in grouped.items():
         n = len(pairs)
-        correct = sum(good[j] > bad[j] for j in range(i, i + n))
+        credit = [pair_credit(good[j], bad[j]) for j in range(i, i + n)]
         phenomena[uid] = {"field": pairs[0].field, "term": pairs[0].term,
-                          "accuracy": correct / n, "correct": int(correct), "n": n}
+                          "accuracy": sum(credit) / n, "correct": credit.count(1.0),
+                          "ties": credit.count(0.5), "n": n}
         i += n
     return {
         "overall": _mean([row["accuracy"] for row in phenomena.values()]),
@@ -184,6 +192,38 @@ def _summarise(
         "terms": _group(phenomena, "term"),
         "phenomena": phenomena,
     }
+
+
+def phenomenon_tests(model: dict[str, float], control: dict[str, float] | None = None
+                     ) -> dict[str, Any]:
+    """Tests across phenomena (one accuracy per phenomenon is one observation): Wilcoxon
+    signed-rank of the accuracies against 50 % and, with a control scored on the same pairs,
+    of model − control paired by phenomenon (`mlsm.evaluate.stats.wilcoxon_p`: scipy's, zero
+    differences dropped; 1.0 when every phenomenon ties). One-sided p: the model is better;
+    two-sided p: it differs. r: Pearson correlation of the two over phenomena."""
+    import numpy as np
+
+    from mlsm.evaluate.stats import wilcoxon_p
+
+    uids = sorted(model)
+    x = np.array([model[u] for u in uids], dtype=float)
+    half = np.full_like(x, 0.5)
+    out: dict[str, Any] = {
+        "n_phenomena": len(uids), "above_chance": int(np.sum(x > 0.5)),
+        "below_chance": int(np.sum(x < 0.5)),
+        "p_above_chance": wilcoxon_p(x, half, "greater"), "p_vs_chance": wilcoxon_p(x, half)}
+    if control:
+        common = [u for u in uids if u in control]
+        x = np.array([model[u] for u in common], dtype=float)
+        y = np.array([control[u] for u in common], dtype=float)
+        r = float(np.corrcoef(x, y)[0, 1]) if len(common) > 1 and x.std() and y.std() \
+            else float("nan")
+        out.update({"n_paired": len(common), "wins_vs_control": int(np.sum(x > y)),
+                    "losses_vs_control": int(np.sum(x < y)),
+                    "mean_diff_vs_control": float(np.mean(x - y)) if common else float("nan"),
+                    "p_above_control": wilcoxon_p(x, y, "greater"),
+                    "p_vs_control": wilcoxon_p(x, y), "r_vs_control": r})
+    return out
 
 
 def _group(phenomena: dict[str, dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
@@ -210,13 +250,16 @@ def evaluate_blimp(
     device: str | None = None,
     keep_scores: bool = False,
     progress: bool | None = None,
+    control: UnigramControl | None = None,
 ) -> dict[str, Any]:
     """BLiMP accuracy of a masked LM (or any `MaskedScorer`) by PLL.
 
     Returns {"overall", "n_pairs", "n_phenomena", "fields": {field: {"accuracy", "n",
     "phenomena"}}, "terms": {linguistics_term: same}, "phenomena": {UID: {"field", "term",
     "accuracy", "correct", "n"}}, "variant", "data"}
-    and, with keep_scores, "pairs": [{"uid", "pair_id", "good", "bad"}] (the PLLs).
+    and, with keep_scores, "pairs": [{"uid", "pair_id", "good", "bad"}] (the PLLs). "tests":
+    `phenomenon_tests`. With a `control`, every phenomenon also has "control_accuracy", "control"
+    holds its overall score and source, and the tests pair the model with it by phenomenon.
     """
     grouped = load_blimp(data, phenomena, limit_per_phenomenon)
     pairs = [p for group in grouped.values() for p in group]
@@ -225,6 +268,17 @@ def evaluate_blimp(
                        variant=variant, token_budget=token_budget, device=device, progress=progress)
     good, bad = scores[: len(pairs)], scores[len(pairs) :]
     result = {"variant": variant, "data": str(data), **_summarise(grouped, good, bad)}
+    model_acc = {u: r["accuracy"] for u, r in result["phenomena"].items()}
+    control_acc = None
+    if control is not None:
+        scores = control.score([p.good for p in pairs] + [p.bad for p in pairs])
+        summary = _summarise(grouped, scores[: len(pairs)], scores[len(pairs):])
+        control_acc = {u: r["accuracy"] for u, r in summary["phenomena"].items()}
+        for uid, row in result["phenomena"].items():
+            row["control_accuracy"] = control_acc[uid]
+        result["control"] = {"kind": "unigram", "overall": summary["overall"],
+                             **control.describe()}
+    result["tests"] = phenomenon_tests(model_acc, control_acc)
     if keep_scores:
         result["pairs"] = [{"uid": p.uid, "pair_id": p.pair_id, "good": g, "bad": b}
                            for p, g, b in zip(pairs, good, bad, strict=True)]
@@ -234,15 +288,43 @@ def evaluate_blimp(
 BLIMP_HEADING = "# BLiMP (PLL)"  # blimp.md's first line: how `mlsm blimp` knows a folder is its
 
 
+def _pct(x: Any) -> str:
+    return f"{100 * x:.1f}" if isinstance(x, (int, float)) and x == x else "—"
+
+
+def _tests_lines(result: dict[str, Any]) -> list[str]:
+    """The tests across phenomena, in words (none without a `tests` entry: older files)."""
+    t = result.get("tests")
+    if not t:
+        return []
+    lines = ["", "**Tests across phenomena** (Wilcoxon signed-rank, one accuracy per phenomenon; "
+             "never pooled pairs):", "",
+             f"- vs 50 %: {t['above_chance']} of {t['n_phenomena']} phenomena above, "
+             f"{t['below_chance']} below; p(above) {t['p_above_chance']:.3g}, "
+             f"two-sided p {t['p_vs_chance']:.3g}"]
+    if "p_vs_control" in t:
+        lines.append(f"- vs the unigram control (paired by phenomenon): {t['wins_vs_control']} "
+                     f"wins, {t['losses_vs_control']} losses of {t['n_paired']}; mean difference "
+                     f"{100 * t['mean_diff_vs_control']:+.1f} points; p(above) "
+                     f"{t['p_above_control']:.3g}, two-sided p {t['p_vs_control']:.3g}; r over "
+                     f"phenomena {t['r_vs_control']:.2f}")
+    return lines
+
+
 def blimp_markdown(result: dict[str, Any]) -> str:
-    """A human-readable report: overall, per field, per phenomenon (accuracies in %)."""
+    """A human-readable report: overall, per field, per phenomenon (accuracies in %), the unigram
+    control's score beside the model's, and the tests across phenomena."""
+    control = result.get("control")
     lines = [
         BLIMP_HEADING,
         "",
         f"variant: `{result.get('variant', '?')}` · data: `{result.get('data', '?')}` · "
         f"{result['n_pairs']} pairs in {result['n_phenomena']} phenomena",
         "",
-        f"**Overall (mean over phenomena): {100 * result['overall']:.1f}%**",
+        f"**Overall (mean over phenomena): {100 * result['overall']:.1f}%**"
+        + (f" · unigram control {_pct(control['overall'])}% (add-one smoothed counts of "
+           f"`{control['source']}`, {control['n_tokens']:,} tokens)" if control else ""),
+        *_tests_lines(result),
         "",
         "| field | phenomena | pairs | accuracy (%) |",
         "| --- | ---: | ---: | ---: |",
@@ -255,10 +337,11 @@ def blimp_markdown(result: dict[str, Any]) -> str:
     for term, row in result.get("terms", {}).items():
         lines.append(f"| {term} | {len(row['phenomena'])} | {row['n']} | "
                      f"{100 * row['accuracy']:.1f} |")
-    lines += ["", "| phenomenon (UID) | field | pairs | accuracy (%) |",
-              "| --- | --- | ---: | ---: |"]
+    lines += ["", "| phenomenon (UID) | field | pairs | accuracy (%) | unigram control (%) |",
+              "| --- | --- | ---: | ---: | ---: |"]
     for uid, row in sorted(result["phenomena"].items(), key=lambda kv: (kv[1]["field"], kv[0])):
-        lines.append(f"| {uid} | {row['field']} | {row['n']} | {100 * row['accuracy']:.1f} |")
+        lines.append(f"| {uid} | {row['field']} | {row['n']} | {100 * row['accuracy']:.1f} | "
+                     f"{_pct(row.get('control_accuracy'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
+from mlsm.evaluate.unigram import unigram_log_probs
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json
 from mlsm.models.backbone import build_student
@@ -47,13 +47,6 @@ def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
     # ceil(samples seen / batch_size)
     first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
     return [first + j for j in range(n)]
-
-
-def unigram_log_probs(store: TokenStore, vocab: int, max_tokens: int = 5_000_000) -> torch.Tensor:
-    """log p(token) over the first max_tokens of the store, add-one smoothed: (V,)."""
-    counts = np.bincount(np.asarray(store.tokens[:max_tokens], dtype=np.int64),
-                         minlength=vocab)[:vocab] + 1.0
-    return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 
 class _Features:

@@ -315,9 +315,12 @@ def _blimp_line(r: dict[str, Any]) -> str:
     """One row of the BLiMP table. The optional fields (held-out, probe) of a row written by an
     older study, or edited by hand, show as '—', never as an error."""
     p, h = r.get("probe") or {}, r.get("heldout") or {}
-    chance = next(iter(r["sets"].values())).get("p_vs_chance")
+    first = next(iter(r["sets"].values()))
+    tests = first.get("tests") if isinstance(first.get("tests"), dict) else {}
     cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", _fmt(r["overall"], 0.01, 1),
-             str(r["n_pairs"]), _p(chance), _fmt(h.get("top1"), 0.01, 1),
+             str(r["n_pairs"]), _fmt(first.get("control"), 0.01, 1),
+             _p(tests.get("p_vs_control")), _p(tests.get("p_vs_chance")),
+             _fmt(h.get("top1"), 0.01, 1),
              _fmt(h.get("unigram_top1"), 0.01, 1), _p(h.get("p_vs_unigram")),
              _fmt(h.get("loss"), 1, 3), _fmt(h.get("unigram_loss"), 1, 3),
              str(p.get("input", "—")) if p else "— (MLM head)", _fmt(p.get("heldout_loss"), 1, 3),
@@ -327,10 +330,13 @@ def _blimp_line(r: dict[str, Any]) -> str:
 
 
 def _set_cells(s: dict[str, Any] | None) -> str:
-    """'accuracy % | p' of one pair set (p from the pooled pairs; '—' for rows written before)."""
+    """'accuracy % | unigram % | p vs unigram | p vs 50 %' of one pair set (Wilcoxon tests over
+    its phenomena; '—' for rows written before the control)."""
     if not s:
-        return "— | —"
-    return f"{_fmt(s.get('overall'), 0.01, 1)} | {_p(s.get('p_vs_chance'))}"
+        return "— | — | — | —"
+    t = s.get("tests") if isinstance(s.get("tests"), dict) else {}
+    return (f"{_fmt(s.get('overall'), 0.01, 1)} | {_fmt(s.get('control'), 0.01, 1)} | "
+            f"{_p(t.get('p_vs_control'))} | {_p(t.get('p_vs_chance'))}")
 
 
 def _unscored_rows(study: Study) -> list[str]:
@@ -339,7 +345,7 @@ def _unscored_rows(study: Study) -> list[str]:
     if not study.spec.blimp.data:
         return []
     return [f"| {arm}@{readiness_label(frac)} | n/a (scored by fine-tuning only) |"
-            + " — |" * 12
+            + " — |" * 14
             for arm in study.spec.arms for frac in study.spec.blimp.readiness
             if study.unscored_reason(arm, frac)]
 
@@ -359,10 +365,12 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
         lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
-                  "p: two-sided exact binomial test of the pooled pairs against 50 % "
-                  "(scipy.stats.binomtest).\n",
-                  "| model | " + " | ".join(f"{n} | p" for n in names) + " |",
-                  "|---|" + "---:|---:|" * len(names)]
+                  "unigram: the add-one unigram of the study's store on the same pairs; p: "
+                  "two-sided Wilcoxon signed-rank over the set's phenomena (model − unigram, "
+                  "model − 50 %), not pooled pairs.\n",
+                  "| model | " + " | ".join(f"{n} | unigram | p vs unigram | p vs 50 %"
+                                            for n in names) + " |",
+                  "|---|" + "---:|---:|---:|---:|" * len(names)]
         for r in blimp:
             cells = " | ".join(_set_cells(r.get("sets", {}).get(n)) for n in names)
             lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {cells} |")
@@ -375,11 +383,14 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
               "through their probe. Unigram: the training store's token frequencies on the same "
               "targets (the plateau of an MLM that does not use context); p: two-sided binomial "
               "test of the model's top-1 against the unigram's rate.\n",
-              "p vs 50 %: two-sided exact binomial test of the pooled pairs.\n",
-              f"| model | {first} % | pairs | p vs 50 % | held-out masked top-1 % "
-              "| unigram top-1 % | p | held-out loss (nats) | unigram loss (nats) | probe input "
+              "unigram %: the add-one unigram of the study's store on the same pairs; "
+              "p vs unigram, p vs 50 %: two-sided Wilcoxon signed-rank over phenomena (one "
+              "accuracy per phenomenon; pooled pairs are not independent).\n",
+              f"| model | {first} % | pairs | unigram % | p vs unigram | p vs 50 % "
+              "| held-out masked top-1 % | unigram top-1 % "
+              "| p | held-out loss (nats) | unigram loss (nats) | probe input "
               "| probe held-out loss (nats) | probe top-1 % | probe unigram loss | probe steps |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     lines += [_blimp_line(r) for r in blimp]
     lines += _unscored_rows(study)
     lines += _blimp_pair_lines(blimp_pairs, first)
@@ -414,9 +425,13 @@ def write_report(study: Study) -> Path:
         parts.append(f"## `{first_pair_set(blimp)}` pair accuracy vs FLOPs per batch (as the "
                      f"Hitchhikers' Guide's Fig. 6)\n\n![blimp vs flops]({png})\n")
     parts.append("\n".join(_tables(compute, blimp, blimp_pairs, times, study)) + "\n")
+    from mlsm.study.readout_report import readout_section
+
+    readout_parts, readouts = readout_section(study)
+    parts += readout_parts
     summary = {"git_revision": git_revision(), "machine": machine_description(),
                "compute": compute, "blimp": blimp, "blimp_pairs": blimp_pairs,
-               "finetune": ft_summary,
+               "finetune": ft_summary, "readouts": readouts,
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
                "status": study.status()}

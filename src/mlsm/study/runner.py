@@ -316,17 +316,19 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     return None
 
 
-STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report")
+STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "readout", "report")
 """Every stage of a study, in the order they run."""
 
 
 OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp", "comparison",
            "results.jsonl", "report.md", "summary.json", "status.json", "stages.jsonl",
            "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
-           "blimp_flops.png", ".status.json.lock")
+           "blimp_flops.png", ".status.json.lock", "readouts", "readouts_steps.png",
+           "readouts_flops.png")
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
 _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
-                   "wilcoxon.png", "blimp_flops.png", "comparison")
+                   "wilcoxon.png", "blimp_flops.png", "comparison", "readouts_steps.png",
+                   "readouts_flops.png")
 
 
 def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[str], None] = print,
@@ -426,6 +428,8 @@ def _evaluations(study: Study, wanted: list[str], ok: list[str]) -> None:
         run_evaluation(study, "finetune", ok)
     if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
         run_evaluation(study, "blimp", [a for a in ok if a not in no_probe])
+    if "readout" in wanted:  # every arm: one without a probe is read by its linear probes
+        run_evaluation(study, "readout", ok)
 
 
 def _report(study: Study) -> Path:

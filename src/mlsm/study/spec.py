@@ -18,6 +18,7 @@ from mlsm.config import FIELD_CHECKS, build_dataclass, config_from_dict, merge
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
+from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 
 
@@ -203,6 +204,9 @@ class StudySpec:
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
     blimp: BlimpSpec = field(default_factory=BlimpSpec)
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    readout: ReadoutSpec | None = None
+    """Readouts (docs/readouts.md) of every readiness checkpoint; none (no `readout` group) = no
+    readout stage."""
 
     @property
     def root(self) -> Path:
@@ -235,6 +239,11 @@ FIELD_CHECKS.update({
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
     "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
+    "readout.kinds": (lambda v: set(v) <= {"probe", "pairs", "masked"},
+                      "readout kinds among probe, pairs, masked"),
+    "readout.max_train": _NONNEG, "readout.pair_limit": _NONNEG, "readout.masked_batches": _POS,
+    "readout.pppl_batches": _NONNEG, "readout.batch_size": _POS,
+    "readout.max_len": (lambda v: v >= 8, "at least 8"),
 })
 
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
@@ -256,8 +265,11 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
     arms = {n: dataclasses.replace(a, recipe=_recipe_path(n, a.recipe, folder)) if a.recipe else a
             for n, a in arms.items()}
+    readout = raw.pop("readout", None)
+    if readout is not None:
+        readout = build_dataclass(ReadoutSpec, readout, "readout")
     spec = build_dataclass(StudySpec, raw, "study")
-    spec = dataclasses.replace(spec, arms=arms, **groups)
+    spec = dataclasses.replace(spec, arms=arms, readout=readout, **groups)
     _validate(spec)
     return spec
 
@@ -389,8 +401,9 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
 def relative_to(spec: StudySpec, folder: Path) -> StudySpec:
     """A study file's relative paths, read relative to the file's folder (not to wherever the
     command runs), so a shipped study works from any clone: `out`, corpus sources (not hf:NAME),
-    finetune.data_dir and blimp.heldout_store always; a tokenizer, teacher or BLiMP set only when
-    that path exists beside the file (otherwise it is a hub or HF datasets name)."""
+    finetune.data_dir, the held-out and readout stores and readout.glue always; a tokenizer,
+    teacher or pair set only when that path exists beside the file (otherwise it is a hub or HF
+    datasets name)."""
     def path(text: str) -> str:
         return text if not text or Path(text).expanduser().is_absolute() else str(folder / text)
 
@@ -400,8 +413,12 @@ def relative_to(spec: StudySpec, folder: Path) -> StudySpec:
     corpus = dataclasses.replace(
         spec.corpus, tokenizer=if_there(spec.corpus.tokenizer),
         sources=[s if s.startswith("hf:") else path(s) for s in spec.corpus.sources])
+    readout = spec.readout and dataclasses.replace(
+        spec.readout, glue=path(spec.readout.glue), store=path(spec.readout.store),
+        heldout_store=path(spec.readout.heldout_store),
+        pairs=[if_there(d) for d in spec.readout.pairs])
     return dataclasses.replace(
-        spec, out=path(spec.out), corpus=corpus,
+        spec, out=path(spec.out), corpus=corpus, readout=readout,
         dictionary=dataclasses.replace(spec.dictionary, teacher=if_there(spec.dictionary.teacher)),
         finetune=dataclasses.replace(spec.finetune, data_dir=path(spec.finetune.data_dir)),
         blimp=dataclasses.replace(spec.blimp, data=[if_there(d) for d in spec.blimp.data],

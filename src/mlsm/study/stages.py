@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
+from mlsm.evaluate.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json
 from mlsm.study.runner import Study
@@ -45,6 +46,9 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     b = study.spec.blimp
     # readiness points PLL cannot score are recorded as skipped by run_probe / run_blimp, no job
     scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]
+    if stage == "readout":
+        return study.spec.readout is not None and not all(
+            readout_path(study, arm, f).is_file() for f in study.spec.readiness)
     if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
             (study.probe_dir(arm, f) / "probe.json").is_file() for f in scored)
@@ -189,6 +193,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
 
     from mlsm.evaluate.blimp import evaluate_blimp
     from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.unigram import UnigramControl
 
     path = blimp_path(study, arm, frac)
     if path.is_file():
@@ -213,11 +218,12 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), p.heldout_batches,
                                     p.batch_size or 16, store=b.heldout_store or None)
     sets = {}
+    control = UnigramControl.from_store(study.store)  # scores the same pairs (issue #32)
     for i, data in enumerate(b.data):
         limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
         phenomena = b.phenomena or None if i == 0 else None
         result = evaluate_blimp(model, tokenizer, data, phenomena=phenomena,
-                                limit_per_phenomenon=limit, progress=None)
+                                limit_per_phenomenon=limit, progress=None, control=control)
         correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
                                          "correct": correct,
@@ -225,7 +231,12 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                                          "fields": {k: v["accuracy"]
                                                     for k, v in result["fields"].items()},
                                          "phenomena": {k: v["accuracy"]
-                                                       for k, v in result["phenomena"].items()}}
+                                                       for k, v in result["phenomena"].items()},
+                                         "control": result["control"]["overall"],
+                                         "control_phenomena": {
+                                             k: v["control_accuracy"]
+                                             for k, v in result["phenomena"].items()},
+                                         "tests": result["tests"]}
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
@@ -235,60 +246,49 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     return None
 
 
-def binomial_p(k: int, n: int, p: float) -> float:
-    """Two-sided exact binomial test of k successes in n trials against rate p (SciPy's
-    binomtest): how surprising the score would be at chance (pairs: p = 0.5) or at the unigram's
-    rate (masked tokens). NaN when there is nothing to test."""
-    from scipy.stats import binomtest
-
-    if n <= 0 or not 0 < p < 1:
-        return float("nan")
-    return float(binomtest(int(k), int(n), p).pvalue)
+def readout_path(study: Study, arm: str, frac: float) -> Path:
+    return study.root / "readouts" / f"{model_name(arm, frac).replace('%', 'pct')}.jsonl"
 
 
-def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int,
-                          store: str | None = None) -> dict[str, float]:
-    """Masked-token loss and top-1 of a scorer on held-out text, with the run's own masking, next
-    to the unigram distribution of the training store on the same targets (the plateau an MLM
-    sits on before it uses context) and a binomial test of top-1 against the unigram's rate.
+def run_readout(study: Study, arms: list[str]) -> set[str]:
+    """Readouts (`mlsm.evaluate.readouts`) of every readiness checkpoint of every arm, one
+    JSON-lines file per checkpoint; an arm not scored by PLL gets its linear probes only."""
+    if study.spec.readout is None:
+        return set()
+    failed = set()
+    for arm in arms:
+        for frac in study.spec.readiness:
+            if not study.stage("readout", lambda a=arm, f=frac: _readout(study, a, f),
+                               model_name(arm, frac)):
+                failed.add(arm)
+    return failed
 
-    store: a token store of held-out documents (batches 0, 1, ... of it); None = the chunks right
-    after the pre-training run's last batch, which are held out only while the run stays within
-    its first epoch of the corpus."""
+
+def _readout(study: Study, arm: str, frac: float) -> str | None:
+    import dataclasses
+
     import torch
-    import torch.nn.functional as F
 
-    from mlsm.config import config_from_dict
-    from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import TokenStore
-    from mlsm.evaluate.pll import as_scorer
-    from mlsm.evaluate.probe_fit import heldout_steps, unigram_log_probs
+    from mlsm.evaluate.readouts import readout
 
-    scorer = as_scorer(scorer)
-    info = read_json(checkpoint / "checkpoint.json", "checkpoint file",
-                     "restore it from a copy of the checkpoint", fields={"config": "object"})
-    cfg = config_from_dict(info["config"])
-    train = TokenStore.open(cfg.data.store)
-    source_store = TokenStore.open(store) if store else train
-    source = BatchSource(source_store, cfg.data, source_store.load_tokenizer())
-    steps = list(range(n_batches)) if store else heldout_steps(checkpoint, batch_size, n_batches)
-    unigram = None
-    loss, correct, uni_loss, uni_correct, n = 0.0, 0, 0.0, 0, 0
-    for step in steps:
-        b = source.micro_batches(step, batch_size, batch_size, 0, 1)[0]
-        with torch.no_grad():
-            # (N, V)
-            logits = scorer.logits_at(b.corrupted_ids, b.attention_mask, b.selected).float()
-        if unigram is None:
-            unigram = unigram_log_probs(train, logits.shape[-1])  # (V,)
-        y = b.input_ids[b.selected]
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(-1) == y).sum())
-        uni_loss -= unigram[y].sum().item()
-        uni_correct += int((y == unigram.argmax()).sum())
-        n += y.numel()
-    m = max(n, 1)
-    return {"loss": loss / m, "top1": correct / m, "n": n, "correct": correct,
-            "unigram_loss": uni_loss / m, "unigram_top1": uni_correct / m,
-            "p_vs_unigram": binomial_p(correct, n, uni_correct / m),
-            "text": "held-out store" if store else "chunks after the run"}
+    path = readout_path(study, arm, frac)
+    if path.is_file():
+        return "skipped"
+    spec = study.spec.readout
+    assert spec is not None
+    spec = dataclasses.replace(spec, heldout_store=spec.heldout_store
+                               or study.spec.blimp.heldout_store)
+    if study.unscored_reason(arm, frac):  # no words to read: MAE-LM, CLM
+        spec = dataclasses.replace(spec, kinds=[k for k in spec.kinds if k == "probe"])
+    scorer = None
+    info = study.probe_dir(arm, frac) / "probe.json"
+    if study.is_latent(arm) and info.is_file():
+        scorer = read_json(info, "probe record", "delete it and run the probe stage again",
+                           fields=_PROBE_FIELDS)["checkpoint"]
+    if driver_threads(study):
+        torch.set_num_threads(driver_threads(study))
+    rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
+                   scorer_path=scorer, log=study.log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps({**r, "arm": arm}) + "\n" for r in rows))
+    return None
