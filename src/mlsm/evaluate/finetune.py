@@ -28,8 +28,9 @@ from torch import nn
 
 from mlsm import tracking
 from mlsm.errors import UserError
-from mlsm.evaluate.stats import append_results, read_results
+from mlsm.evaluate.stats import append_results, check_model_name, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.hf import check_max_len
 from mlsm.inputs import check_apart, read_json, real_path
 from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
@@ -459,6 +460,9 @@ def finetune(
     tracking.require(list(report_to), "--report-to")  # before any model is loaded
     _check_grid(models, tasks, seeds, lrs, epochs, batch_size, max_len, max_train_examples)
     refs, specs = _grid(models, tasks, readiness)
+    for ref in refs:  # names become table cells; inputs must fit every model's positions
+        check_model_name(ref.name, "model name")
+        check_max_len(ref.path, max_len, "--max-len")
     check_apart(results, "--results", {"--data-dir": data_dir,
                                        **{f"model {r.name}": r.path for r in refs}})
     settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,

@@ -133,6 +133,15 @@ def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
 
 
 _TABLE_BREAKERS = re.compile(r"[\x00-\x1f\x7f|]")
+
+
+def check_model_name(name: str, what: str) -> None:
+    """Refuse a name that `read_results` would refuse in the results file (a line break, a
+    control character or '|'), before it is written there: `finetune` accepted such a model
+    name and `compare` refused the file afterwards."""
+    if _TABLE_BREAKERS.search(name):
+        raise UserError(f"{what} {name!r} holds a line break, a control character or '|', which "
+                        "results tables cannot hold; name it with NAME=PATH (nothing was written)")
 _NUMERIC_FIELDS = tuple(k for k in CELL_FIELDS if k not in ("task", "metric"))
 SCORE_LIMIT = 1e6  # |value| of a score (fractions, or percentages): beyond it, not a score
 
