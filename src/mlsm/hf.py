@@ -212,6 +212,8 @@ def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
     except _LOAD_ERRORS as exc:
         raise _refusal(f"a model ({getattr(cls, '__name__', cls)})", path, exc) from None
     _check_loaded(model, info, path)
+    if p.is_dir():
+        check_tokenizer_fits(model, p)
     if report and (info["missing_keys"] or info["unexpected_keys"]):
         print(f"mlsm: note: {path} loaded as {type(model).__name__}: "
               f"{_keys(info['unexpected_keys'])} of its weights unused, "
@@ -253,8 +255,7 @@ def check_parts_agree(folder: Path) -> None:
     """Refuse, before anything is built, a model folder whose files do not belong together:
     a model.safetensors whose header is torn or lies about its length; a config.json describing
     far more parameters than the weights hold (20,000 layers built for a minute before being
-    refused) or more than `MAX_MODEL_PARAMS`; a tokenizer with ids beyond the config's
-    vocab_size (an index error in the first forward pass)."""
+    refused) or more than `MAX_MODEL_PARAMS`."""
     config = _json_object(folder / "config.json")
     estimate = estimate_params(config)
     weights = _safetensors_params(folder / "model.safetensors")
@@ -266,12 +267,18 @@ def check_parts_agree(folder: Path) -> None:
         raise UserError(f"{folder}: its config.json describes a model of about {estimate:,} "
                         f"parameters, more than mlsm builds ({MAX_MODEL_PARAMS:,}); check its "
                         "sizes (num_hidden_layers, hidden_size, ...)")
-    vocab = config.get("vocab_size")
+
+
+def check_tokenizer_fits(model: Any, folder: Path) -> None:
+    """Refuse a folder whose tokenizer has more ids than the loaded model has embeddings (an
+    index error in the first forward pass on a text that uses them)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
     ids = tokenizer_size(folder)
-    if isinstance(vocab, int) and ids is not None and ids > vocab:
-        raise UserError(f"{folder}: its tokenizer has {ids:,} ids but the model only {vocab:,} "
-                        "embeddings (config.json vocab_size); the tokenizer is another model's: "
-                        "restore the tokenizer files the model was saved with")
+    if isinstance(rows, int) and ids is not None and ids > rows:
+        raise UserError(f"{folder}: its tokenizer has {ids:,} ids but the model only {rows:,} "
+                        "embeddings; the tokenizer is another model's: restore the tokenizer "
+                        "files the model was saved with")
 
 
 def _json_object(path: Path) -> dict[str, Any]:

@@ -34,8 +34,9 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _avg(cmp: Comparison, i: int) -> float:
-    """Mean over all (task, metric) columns of model i's per-column means (the Table 1 "avg")."""
-    have = cmp.count[i] > 0
+    """Mean over the (task, metric) columns every model has of model i's per-column means (the
+    Table 1 "avg")."""
+    have = cmp.common_columns()
     return float(cmp.mean[i][have].mean()) if have.any() else math.nan
 
 

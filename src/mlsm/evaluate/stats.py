@@ -215,13 +215,24 @@ class Comparison:
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
                  for j in range(m)] for i in range(m)]
 
+    def common_columns(self) -> np.ndarray:
+        """(c,) bool: the (task, metric) columns every model has a score in; "avg" is their mean
+        (an average over different task sets would compare models on different things)."""
+        return (self.count > 0).all(axis=0)
+
+    def avg_label(self) -> str:
+        common = self.common_columns()
+        return "avg" if common.all() else f"avg ({int(common.sum())} common)"
+
     def mean_table(self) -> list[list[str]]:
-        """Table 1 rows: "mean ± std" ×100 per (task, metric), then the average of the means."""
+        """Table 1 rows: "mean ± std" ×100 per (task, metric), then the average of the means
+        over the columns every model has (`common_columns`)."""
         out = []
+        common = self.common_columns()
         for i in range(len(self.models)):
             cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}"
                      if self.count[i, c] else "—" for c in range(len(self.columns))]
-            row_means = self.mean[i][self.count[i] > 0]
+            row_means = self.mean[i][common]
             out.append([*cells, f"{100 * row_means.mean():.2f}" if len(row_means) else "—"])
         return out
 
@@ -232,7 +243,7 @@ class Comparison:
                  for j in range(len(self.models))] for i in range(len(self.models))]
         return "\n".join([
             "## Mean dev scores (×100, mean ± std over seeds)", "",
-            _md(["model", *cols, "avg"], self.models, self.mean_table()), "",
+            _md(["model", *cols, self.avg_label()], self.models, self.mean_table()), "",
             "## Wilcoxon signed-rank p-values, one-sided: row better than column "
             f"(* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
@@ -408,6 +419,22 @@ def bootstrap_mean_diff(models: list[str], scores: dict[str, dict[tuple[Any, ...
     return out
 
 
+def _warn_uneven(models: list[str], columns: list[tuple[str, str]], count: np.ndarray) -> None:
+    """One warning when models were scored on different (task, metric) columns: which model
+    lacks which, and that "avg" covers only the common ones."""
+    lacking = [(m, [f"{t} {met}" for c, (t, met) in enumerate(columns) if not count[i, c]])
+               for i, m in enumerate(models)]
+    lacking = [(m, cols) for m, cols in lacking if cols]
+    if not lacking:
+        return
+    common = int((count > 0).all(axis=0).sum())
+    said = "; ".join(f"{m} lacks {', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}"
+                     for m, cols in lacking[:3])
+    print(f"mlsm: warning: the models were not scored on the same tasks ({said}"
+          f"{'; ...' if len(lacking) > 3 else ''}); the avg column averages only the {common} "
+          "columns every model has", file=sys.stderr)
+
+
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                  select_lr: bool = False, bootstrap: int = 0,
                  ci_level: float = 0.95, per_run: bool = False) -> Comparison:
@@ -447,6 +474,7 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
             if len(vals):
                 mean[i, c] = vals.mean()
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
+    _warn_uneven(models, columns, count)
     pvalues, two_sided, wins, n_pairs = _pairwise(models, scores)
     ci = bootstrap_mean_diff(models, scores, bootstrap, ci_level) if bootstrap else None
     report = Comparison(models, columns, mean, std, count, pvalues, wins, n_pairs, info, scores,

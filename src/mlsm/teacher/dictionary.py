@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
+from mlsm.limits import BYTES_PER_VECTOR_FLOAT
 from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
@@ -113,6 +115,22 @@ def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: 
     if max_len < 3:
         raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two "
                         "special tokens; use >= 3")
+
+
+def check_vector_memory(n_vectors: int, d: int) -> None:
+    """Refuse, before collecting, more teacher states than this machine's memory holds: the
+    n x d float32 matrix is held whole (and copied once while it is gathered), so
+    `--n-vectors 2000000000` collected for minutes before failing."""
+    need = 2 * n_vectors * d * BYTES_PER_VECTOR_FLOAT
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare
+        return
+    if need > have:
+        most = max(1, have // (2 * d * BYTES_PER_VECTOR_FLOAT))
+        raise UserError(f"--n-vectors {n_vectors:,} needs about {need / 2**30:,.1f} GiB for the "
+                        f"teacher states ({d} floats each, gathered then joined), more than this "
+                        f"machine's {have / 2**30:,.1f} GiB; use --n-vectors {most:,} or fewer")
 
 
 # --------------------------------------------------------------------------- data
@@ -410,6 +428,7 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     k = default_k(teacher.hidden_size) if k is None else k
     _check_options(k, lam)
     _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
+    check_vector_memory(n_vectors, teacher.hidden_size)
     if out is None:
         return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
                       eval_vectors, seed, None)
