@@ -141,10 +141,16 @@ def _bounded_dictionary_n_vectors_beyond_memory(tmp, fix):
 
 
 def _loader_finetune_max_len_beyond_positions(tmp, fix):
-    """Inputs longer than the model's positions were found only after training."""
-    args = _finetune(fix, tmp, _glue(tmp))
+    """Inputs longer than the model's positions were found only after training (at evaluation);
+    now once tokenised, before any training."""
+    long = " ".join(["the cat sees a dog ."] * 150)  # 900 words
+    glue = _glue(tmp, train="index\tsentence1\tsentence2\tlabel\n"
+                 f"0\t{long}\ta cat .\tentailment\n1\tthe cat .\ta cat .\tentailment\n")
+    args = _finetune(fix, tmp, glue)
     args[args.index("--max-len") + 1] = "600"
-    return args, [fix["teacher_dir"]], "--max-len 600 is longer than the 512 positions"
+    return (args, [fix["teacher_dir"], glue],
+            "--max-len 600 lets inputs of 600 tokens through, which is longer than the 512 "
+            "positions")
 
 
 def _loader_pretrain_init_from_max_len_beyond_positions(tmp, fix):

@@ -343,17 +343,21 @@ def tokenizer_size(folder: Path) -> int | None:
 _POSITION_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer")
 
 
-def check_max_len(folder: str | os.PathLike, max_len: int, flag: str) -> None:
+def check_max_len(folder: str | os.PathLike, max_len: int, flag: str,
+                  longest: int | None = None) -> None:
     """Refuse a sequence length the model at `folder` has no positions for, before any training
-    (inputs longer than max_position_embeddings failed only after training, at evaluation). A
-    model without absolute positions (DeBERTa's relative ones) has no such limit."""
+    (inputs longer than max_position_embeddings failed only after training, at evaluation).
+    `longest`: the longest input actually tokenised (at most max_len), when only inputs that
+    reach beyond the positions are to be refused. A model without absolute positions (DeBERTa's
+    relative ones) has no such limit."""
     config = _json_object(Path(folder) / "config.json")
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int) or config.get("position_biased_input") is False:
         return
     if config.get("model_type") in _POSITION_OFFSET_TYPES:  # positions start after the pad id
         positions -= int(config.get("pad_token_id") or 0) + 1
-    if max_len > positions:
-        raise UserError(f"{flag} {max_len} is longer than the {positions} positions of the model "
-                        f"{folder} (config.json max_position_embeddings); use {flag} {positions} "
-                        "or less")
+    if (max_len if longest is None else longest) > positions:
+        inputs = "" if longest is None else f" lets inputs of {longest} tokens through, which"
+        raise UserError(f"{flag} {max_len}{inputs} is longer than the {positions} positions of "
+                        f"the model {folder} (config.json max_position_embeddings); use {flag} "
+                        f"{positions} or less")
