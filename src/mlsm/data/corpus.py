@@ -176,8 +176,8 @@ def _damaged(path: Path, why: str) -> UserError:
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise UserError(f"{path} is not a complete token store (no meta.json); run `mlsm "
-                        f"prepare SOURCES --tokenizer TOK --out {path} --overwrite` first")
+        raise UserError(f"{path} is not a complete token store (no meta.json); delete it and "
+                        f"run `mlsm prepare SOURCES --tokenizer TOK --out {path}`")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
