@@ -218,7 +218,7 @@ def _case_prepare_locked(tmp, fx):
     out = tmp / "store"
     fx["hold"](out)
     return (_prepare(fx, fx["corpus_dir"] / "a.txt", out=out, extra=()), [],
-            "in use by another mlsm process", None)
+            "is being written by", None)
 
 
 def _case_source_corrupt_gz(tmp, fx):
@@ -366,7 +366,7 @@ def _case_run_locked(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["hold"](run)
     return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
-            "in use by another mlsm process", None)
+            "is being written by", None)
 
 
 def _case_targets_out_user_folder(tmp, fx):
@@ -382,7 +382,7 @@ def _case_targets_out_is_a_file(tmp, fx):
 
 def _case_targets_locked(tmp, fx):
     fx["hold"](tmp / "t")
-    return fx["targets_cmd"](tmp / "t"), [], "in use by another mlsm process", None
+    return fx["targets_cmd"](tmp / "t"), [], "is being written by", None
 
 
 def _case_targets_damaged_in_training(tmp, fx):
@@ -490,7 +490,7 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     capsys.readouterr()
     # a second one
     line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)
-    assert "in use by another mlsm process" in line
+    assert f"is being written by pid {first.pid}" in line, line
     while (not (run / "metrics.jsonl").exists() and first.poll() is None
            and time.time() - start < 120):
         time.sleep(0.02)

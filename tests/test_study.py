@@ -13,7 +13,7 @@ import scipy.stats
 import torch
 import yaml
 
-from mlsm.errors import UserError
+from mlsm.errors import Incomplete, UserError
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study, study_from_dict
 from tests.conftest import TINY_MODEL
@@ -91,7 +91,8 @@ def test_changed_config_is_an_error_naming_the_arm(
     run_study(load_study(_write(tmp_path, raw)), stages=["store", "pretrain"], log=lambda s: None)
     raw["base"]["optim"]["lr"] = 5e-4
     spec = load_study(_write(tmp_path, raw))
-    run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
+    with pytest.raises(Incomplete, match="pretrain:mlm"):
+        run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
     error = Study(spec).status()["pretrain:mlm"]["error"]
     assert "arm mlm" in error and "optim.lr" in error
 
@@ -155,7 +156,8 @@ def test_a_failing_arm_is_recorded_and_the_others_finish(
     raw["arms"]["broken"] = {"objective": {"name": "mlsm", "teacher": str(tmp_path / "missing")},
                              "dictionary": {"layer": 1, "k": 64, "lam": 0.05}}
     spec = study_from_dict(raw)
-    run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
+    with pytest.raises(Incomplete, match="of study .* failed: .*pretrain:broken"):
+        run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
     status = Study(spec).status()
     assert status["pretrain:broken"]["state"] == "failed"
     assert status["pretrain:mlm"]["state"] == "done" and status["pretrain:mlsm"]["state"] == "done"
@@ -327,7 +329,8 @@ def test_slurm_executor_through_submitit_local(
         "bad": {"objective": {"name": "mlsm"}},
     }  # no dictionary: fails in its job
     spec = study_from_dict(raw)
-    run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
+    with pytest.raises(Incomplete, match="pretrain:bad"):
+        run_study(spec, stages=["store", "pretrain"], log=lambda s: None)
     status = Study(spec).status()
     assert status["pretrain:mlm"]["state"] == "done"
     assert (out / "runs" / "mlm" / "checkpoints" / "step-0000008").is_dir()

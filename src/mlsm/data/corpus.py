@@ -31,6 +31,7 @@ from mlsm import locking
 from mlsm.data.shards import Unit, default_num_proc, tokenise_units
 from mlsm.data.sources import (
     STORE_VERSION,
+    check_max_doc_bytes,
     fingerprint,
     iter_documents,
     iter_units,
@@ -42,6 +43,7 @@ from mlsm.fileio import atomic_write_text, building_dir, remove_stale_builds
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
 from mlsm.inputs import field_problem, real_path
+from mlsm.limits import MAX_DOC_BYTES
 from mlsm.progress import Progress
 
 STORE_FORMAT = "mlsm-token-store"
@@ -174,8 +176,8 @@ def _damaged(path: Path, why: str) -> UserError:
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise UserError(f"{path} is not a complete token store (no meta.json); "
-                        f"run `mlsm prepare ... --out {path}` first")
+        raise UserError(f"{path} is not a complete token store (no meta.json); delete it and "
+                        f"run `mlsm prepare SOURCES --tokenizer TOK --out {path}`")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -240,13 +242,14 @@ def prepare_corpus(
     overwrite: bool = False,
     chunk_docs: int = 512,
     num_proc: int | None = None,
+    max_doc_bytes: int = MAX_DOC_BYTES,
 ) -> TokenStore:
     """Tokenise `sources` with `tokenizer` into a token store at `out` and return it.
 
     A no-op when `out` already holds a store of the same inputs. `tokenizer` is a fast HF
     tokenizer or a folder / hub id; it must have a mask token (the store feeds masked objectives).
     `num_proc` tokenising processes (default: every CPU this process may use) write the same
-    store, byte for byte, as one.
+    store, byte for byte, as one. A document longer than `max_doc_bytes` is refused.
     """
     if isinstance(sources, str | Path):
         sources = [str(sources)]
@@ -259,6 +262,7 @@ def prepare_corpus(
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)
                                  or num_proc < 1):
         raise UserError(f"--num-proc must be a positive number of processes, got {num_proc!r}")
+    check_max_doc_bytes(max_doc_bytes)
     out = Path(out)
     _guard_out(out, sources)  # fail on a bad path before the (slower) tokenizer load
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -274,7 +278,8 @@ def prepare_corpus(
             raise UserError(f"{out} already holds a token store of other inputs; pass --overwrite "
                             "to replace it or choose another --out")
         num_proc = default_num_proc() if num_proc is None else num_proc
-        _build_store(out, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
+        _build_store(out, sources, tok, tok_hash, text_field, fp, (chunk_docs, max_doc_bytes),
+                     num_proc)
     return TokenStore.open(out)
 
 
@@ -365,22 +370,23 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 
 
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
-                 text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
+                 text_field: str, fp: str, chunks: tuple[int, int], num_proc: int) -> None:
     """Write the store into a hidden sibling and swap it into place when complete (the caller
     holds the store's lock, so a build folder left by a killed run is removed first)."""
     remove_stale_builds(out, "partial")
     try:
         with building_dir(out, "partial") as tmp:
-            _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunk_docs, num_proc)
+            _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunks, num_proc)
     except OSError as exc:
         raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was "
                         "replaced — free space and re-run") from None
 
 
 def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
-                text_field: str, fp: str, chunk_docs: int, num_proc: int) -> None:
-    """Write tokens, offsets, tokenizer and meta.json of a store into the folder `tmp`."""
-    units = iter_units(sources, text_field, chunk_docs)
+                text_field: str, fp: str, chunks: tuple[int, int], num_proc: int) -> None:
+    """Write tokens, offsets, tokenizer and meta.json of a store into the folder `tmp`.
+    chunks: (documents per unit, longest document in bytes)."""
+    units = iter_units(sources, text_field, *chunks)
     n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc)
     if n_tokens == 0:
         raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")

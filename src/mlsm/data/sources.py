@@ -19,9 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mlsm.data.shards import Unit, unit_documents
 from mlsm.errors import UserError
 from mlsm.inputs import real_path
+from mlsm.limits import MAX_DOC_BYTES
 
 STORE_VERSION = 1
 TEXT_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json", ".json.gz")
@@ -94,14 +97,42 @@ def _unit_end(buf: bytearray, kind: str, chunk_lines: int, scan_from: int) -> in
     return None if blank is None else blank.start() + 1
 
 
-def _file_units(path: Path, chunk_lines: int) -> Iterator[Unit]:
+def _too_long(path: Path, line: int, limit: int, what: str) -> UserError:
+    return UserError(f"{path}:{line}: {what} is longer than {limit:,} bytes (--max-doc-bytes); "
+                     "split it into documents, or raise --max-doc-bytes if it is meant to be one")
+
+
+def _line_lengths(block: bytes, pending: int) -> tuple[np.ndarray, int]:
+    """The lengths (bytes, without the newline) of the lines `block` ends, the first one
+    continuing a line of `pending` bytes; and the length of the line it leaves unfinished."""
+    ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)  # (n,) "\n" positions
+    if not len(ends):
+        return ends, pending + len(block)
+    lengths = np.diff(ends, prepend=-1) - 1
+    lengths[0] += pending
+    return lengths, len(block) - int(ends[-1]) - 1
+
+
+def _file_units(path: Path, chunk_lines: int,
+                max_doc_bytes: int = MAX_DOC_BYTES) -> Iterator[Unit]:
     """One file's raw bytes in units of whole lines; a text unit ends only before an
     (ASCII-)blank line, so a document never spans two units. Only bytes are handled here: the
-    workers decode, parse and tokenise (see `shards`)."""
+    workers decode, parse and tokenise (see `shards`). A line, or a text document, longer than
+    `max_doc_bytes` is refused here, before the buffer or the tokeniser holds it."""
     kind, label = _kind(path), str(path)
     buf, first, scan_from = bytearray(), 1, 0
+    lines, pending = 0, 0  # complete lines read, bytes of the line being read
     with _open_bytes(path) as fh:
         for block in iter(lambda: fh.read(READ_BYTES), b""):
+            lengths, pending = _line_lengths(block, pending)
+            if len(lengths) and int(lengths.max()) > max_doc_bytes:
+                raise _too_long(path, lines + 1 + int(np.argmax(lengths > max_doc_bytes)),
+                                max_doc_bytes, "a line")
+            lines += len(lengths)
+            if pending > max_doc_bytes:
+                raise _too_long(path, lines + 1, max_doc_bytes, "a line")
+            if len(buf) > UNIT_BYTES + max_doc_bytes:  # no document boundary for that long
+                raise _too_long(path, first, max_doc_bytes, "a document (no blank line)")
             # a boundary not found yet needs a line ending in `block`: search from the last
             # "\n" before it (found from where the previous search began: linear, not quadratic)
             scan_from = max(scan_from, buf.rfind(b"\n", scan_from))
@@ -116,7 +147,8 @@ def _file_units(path: Path, chunk_lines: int) -> Iterator[Unit]:
         yield kind, label, first, bytes(buf)
 
 
-def _hf_units(spec: str, text_field: str, chunk_docs: int) -> Iterator[Unit]:
+def _hf_units(spec: str, text_field: str, chunk_docs: int,
+              max_doc_bytes: int = MAX_DOC_BYTES) -> Iterator[Unit]:
     from mlsm.hf import first_line
 
     name, _, split = spec[3:].partition("@")
@@ -133,6 +165,10 @@ def _hf_units(spec: str, text_field: str, chunk_docs: int) -> Iterator[Unit]:
     for record in ds:
         text = record.get(text_field)
         if isinstance(text, str) and text.strip():
+            if len(text) > max_doc_bytes // 4 and len(text.encode()) > max_doc_bytes:
+                raise UserError(f"{spec}: a record's {text_field!r} is longer than "
+                                f"{max_doc_bytes:,} bytes (--max-doc-bytes); raise "
+                                "--max-doc-bytes if it is meant to be one document")
             docs.append(text)
         if len(docs) == chunk_docs:
             yield "docs", spec, 0, docs
@@ -141,25 +177,33 @@ def _hf_units(spec: str, text_field: str, chunk_docs: int) -> Iterator[Unit]:
         yield "docs", spec, 0, docs
 
 
-def iter_units(sources: list[str], text_field: str = "text",
-               chunk_docs: int = 512) -> Iterator[Unit]:
-    """Every source's units in order; a damaged file is one line naming it."""
+def iter_units(sources: list[str], text_field: str = "text", chunk_docs: int = 512,
+               max_doc_bytes: int = MAX_DOC_BYTES) -> Iterator[Unit]:
+    """Every source's units in order; a damaged file, or a document longer than
+    `max_doc_bytes`, is one line naming it."""
+    check_max_doc_bytes(max_doc_bytes)
     for source in sources:
         if source.startswith("hf:"):
-            yield from _hf_units(source, text_field, chunk_docs)
+            yield from _hf_units(source, text_field, chunk_docs, max_doc_bytes)
             continue
         for path in resolve_paths(source):
             try:
-                yield from _file_units(path, chunk_docs)
+                yield from _file_units(path, chunk_docs, max_doc_bytes)
             except (OSError, EOFError, zlib.error) as exc:  # gzip: BadGzipFile, EOFError, zlib
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise UserError(f"cannot read {path} ({reason}); the file is damaged or truncated "
                                 "— restore it or leave it out") from None
 
 
-def iter_documents(sources: list[str], text_field: str = "text") -> Iterator[str]:
+def check_max_doc_bytes(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"--max-doc-bytes must be a positive number of bytes, got {value!r}")
+
+
+def iter_documents(sources: list[str], text_field: str = "text",
+                   max_doc_bytes: int = MAX_DOC_BYTES) -> Iterator[str]:
     """Yield documents from every source in order; decoding errors name the file and the fix."""
-    for unit in iter_units(sources, text_field):
+    for unit in iter_units(sources, text_field, max_doc_bytes=max_doc_bytes):
         yield from unit_documents(unit, text_field)
 
 

@@ -23,6 +23,7 @@ from mlsm.data.corpus import iter_documents
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.inputs import check_apart
+from mlsm.limits import MAX_DOC_BYTES
 
 # (unk, cls, sep, pad, mask) for each kind, in the conventions of BERT and of XLM-R/DeBERTa-v3.
 _SPECIALS = {
@@ -60,8 +61,10 @@ def train_tokenizer(
     vocab_size: int = 30522,
     lowercase: bool = False,
     text_field: str = "text",
+    max_doc_bytes: int = MAX_DOC_BYTES,
 ) -> PreTrainedTokenizerFast:
-    """Train a tokenizer on the documents of `sources` and save it as an HF folder at `out`."""
+    """Train a tokenizer on the documents of `sources` and save it as an HF folder at `out`;
+    a document longer than `max_doc_bytes` is refused."""
     if kind not in _SPECIALS:
         raise UserError(f"tokenizer kind {kind!r} is unknown; use wordpiece or unigram")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not (
@@ -75,7 +78,7 @@ def train_tokenizer(
     seen = [0]
 
     def documents() -> Iterator[str]:
-        for doc in iter_documents([str(s) for s in sources], text_field):
+        for doc in iter_documents([str(s) for s in sources], text_field, max_doc_bytes):
             seen[0] += 1
             yield doc
 

@@ -35,6 +35,7 @@ from mlsm.evaluate.pll import Variant, score_pll
 from mlsm.evaluate.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
+from mlsm.limits import MAX_SENTENCE_CHARS
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -102,6 +103,11 @@ def _local_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
         if not files:
             raise UserError(f"no *.jsonl or *.jsonl.gz files in {path}: {_FIX_DATA}")
+        stems = [_stem(p) for p in files]
+        twice = next((s for s in stems if stems.count(s) > 1), None)
+        if twice is not None:  # both would be read: every pair of it counted twice
+            raise UserError(f"{path} holds both {twice}.jsonl and {twice}.jsonl.gz; keep one "
+                            "of them (both would be scored, every pair counted twice)")
         return files
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return [path]
@@ -251,6 +257,7 @@ def evaluate_blimp(
     keep_scores: bool = False,
     progress: bool | None = None,
     control: UnigramControl | None = None,
+    max_sentence_chars: int = MAX_SENTENCE_CHARS,
 ) -> dict[str, Any]:
     """BLiMP accuracy of a masked LM (or any `MaskedScorer`) by PLL.
 
@@ -265,7 +272,8 @@ def evaluate_blimp(
     pairs = [p for group in grouped.values() for p in group]
     # One call for all sentences: the best length bucketing, and repeated sentences scored once.
     scores = score_pll(model, tokenizer, [p.good for p in pairs] + [p.bad for p in pairs],
-                       variant=variant, token_budget=token_budget, device=device, progress=progress)
+                       variant=variant, token_budget=token_budget, device=device, progress=progress,
+                       max_chars=max_sentence_chars)
     good, bad = scores[: len(pairs)], scores[len(pairs) :]
     result = {"variant": variant, "data": str(data), **_summarise(grouped, good, bad)}
     model_acc = {u: r["accuracy"] for u, r in result["phenomena"].items()}

@@ -32,8 +32,9 @@ from torch import nn
 from mlsm import tracking
 from mlsm.errors import UserError
 from mlsm.evaluate import protocol, qa
-from mlsm.evaluate.stats import append_results, read_results
+from mlsm.evaluate.stats import append_results, check_model_name, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.hf import check_max_len
 from mlsm.inputs import check_apart, read_json, real_path
 from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
@@ -356,9 +357,14 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
             max_len: int) -> Prepared:
     """Tokenise the task's training and evaluation sets with the model's tokenizer."""
     tok = load_tokenizer(model.path, spec)
-    return Prepared(tok, encode(tok, spec, train, max_len),
-                    {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()},
-                    len(train))
+    prepared = Prepared(tok, encode(tok, spec, train, max_len),
+                        {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()},
+                        len(train))
+    every = [prepared.train, *(f for _, f in prepared.evals.values())]
+    longest = max((len((f.get("inputs") or {}).get("input_ids") or ()) for feats in every
+                   for f in feats), default=0)
+    check_max_len(model.path, max_len, "--max-len", longest)  # before training, not at eval
+    return prepared
 
 
 def _load_backbone(path: str) -> nn.Module:
@@ -500,6 +506,8 @@ def finetune(
     _check_grid(models, tasks, seeds, lrs, epochs, batch_size, max_len, max_train_examples)
     protocol.check_protocol(max_steps, head, val_fraction)
     refs, specs = _grid(models, tasks, readiness)
+    for ref in refs:  # names become table cells (compare refuses some)
+        check_model_name(ref.name, "model name")
     check_apart(results, "--results", {"--data-dir": data_dir,
                                        **{f"model {r.name}": r.path for r in refs}})
     settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from mlsm.errors import UserError
+from mlsm.limits import MAX_SENTENCE_CHARS
 from mlsm.progress import Progress
 
 Variant = Literal["original", "within_word_l2r"]
@@ -379,13 +380,13 @@ def score_token_ids(
 def score_pll(
     model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,
     token_budget: int = ..., max_rows: int = ..., device: str | torch.device | None = ...,
-    per_token: Literal[False] = ..., progress: bool | None = ...,
+    per_token: Literal[False] = ..., progress: bool | None = ..., max_chars: int = ...,
 ) -> list[float]: ...
 @overload
 def score_pll(
     model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,
     token_budget: int = ..., max_rows: int = ..., device: str | torch.device | None = ...,
-    per_token: Literal[True], progress: bool | None = ...,
+    per_token: Literal[True], progress: bool | None = ..., max_chars: int = ...,
 ) -> list[TokenScores]: ...
 def score_pll(
     model: Any,
@@ -398,6 +399,7 @@ def score_pll(
     device: str | torch.device | None = None,
     per_token: bool = False,
     progress: bool | None = False,
+    max_chars: int = MAX_SENTENCE_CHARS,
 ) -> list[float] | list[TokenScores]:
     """Pseudo-log-likelihood (natural log) of each sentence, in input order.
 
@@ -406,7 +408,8 @@ def score_pll(
     (rows * longest row); max_rows: cap on masked copies per pass (bounds the (rows, |V|) logits).
     device: where inputs go; default the model's. per_token: return `TokenScores` per sentence
     instead of floats. progress: None = a tqdm bar on a TTY, plain lines every 30 s otherwise
-    (`mlsm.progress`); False = none.
+    (`mlsm.progress`); False = none. max_chars: a longer sentence is refused before anything
+    is tokenised (a 100 MB "sentence" took gigabytes in the tokeniser).
     """
     if variant not in VARIANTS:
         raise UserError(f"unknown PLL variant {variant!r}: use one of {', '.join(VARIANTS)}")
@@ -418,6 +421,11 @@ def score_pll(
     if bad is not None:
         raise UserError(f"sentence {bad} is a {type(sentences[bad]).__name__}, not text; pass a "
                         "list of strings")
+    long = next((i for i, x in enumerate(sentences) if len(x) > max_chars), None)
+    if long is not None:
+        raise UserError(f"sentence {long} has {len(sentences[long]):,} characters, more than the "
+                        f"limit of {max_chars:,} (--max-sentence-chars); split it, or raise the "
+                        "limit if it is meant to be one sentence")
     scorer = as_scorer(model)
     mask_id, pad_id = _special_ids(tokenizer)
     items, which = _encode(tokenizer, sentences, variant, _model_max_len(tokenizer, scorer))

@@ -33,7 +33,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _avg(cmp: Comparison, i: int) -> float:
-    """Mean over the dev (task, metric) columns of model i's per-column means (Table 1's "avg")."""
+    """Mean over the dev (task, metric) columns every model has of model i's per-column means
+    (Table 1's "avg"; test columns left out)."""
     return cmp.average(i)
 
 

@@ -166,6 +166,15 @@ def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
 
 
 _TABLE_BREAKERS = re.compile(r"[\x00-\x1f\x7f|]")
+
+
+def check_model_name(name: str, what: str) -> None:
+    """Refuse a name that `read_results` would refuse in the results file (a line break, a
+    control character or '|'), before it is written there: `finetune` accepted such a model
+    name and `compare` refused the file afterwards."""
+    if _TABLE_BREAKERS.search(name):
+        raise UserError(f"{what} {name!r} holds a line break, a control character or '|', which "
+                        "results tables cannot hold; name it with NAME=PATH (nothing was written)")
 _NUMERIC_FIELDS = tuple(k for k in CELL_FIELDS if k not in ("task", "metric"))
 SCORE_LIMIT = 1e6  # |value| of a score (fractions, or percentages): beyond it, not a score
 
@@ -241,16 +250,28 @@ class Comparison:
                   f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
                  for j in range(m)] for i in range(m)]
 
-    def average(self, i: int) -> float:
-        """Model i's mean of its per-column dev means (Table 1's "avg"; test columns left out);
-        NaN without any."""
+    def common_columns(self) -> np.ndarray:
+        """(c,) bool: the dev (task, metric) columns every model has a score in; "avg" is their
+        mean (an average over different task sets would compare models on different things;
+        test-set columns are reported, never averaged)."""
         dev = np.array([not is_test_metric(m) for _, m in self.columns], dtype=bool)
-        have = (self.count[i] > 0) & dev
+        return (self.count > 0).all(axis=0) & dev
+
+    def avg_label(self) -> str:
+        dev = np.array([not is_test_metric(m) for _, m in self.columns], dtype=bool)
+        common = self.common_columns()
+        return "avg" if common.sum() == dev.sum() else f"avg ({int(common.sum())} common)"
+
+    def average(self, i: int) -> float:
+        """Model i's mean of its per-column means over `common_columns` (Table 1's "avg"); NaN
+        without any."""
+        have = self.common_columns()
         return float(self.mean[i][have].mean()) if have.any() else math.nan
 
     def mean_table(self) -> list[list[str]]:
         """Table 1 rows: "mean ± std" ×100 per (task, metric) (and "[low, high]", the bootstrap
-        CI of the mean, when computed), then the average of the dev means."""
+        CI of the mean, when computed), then the average of the means over the dev columns every
+        model has (`common_columns`)."""
         out = []
         for i in range(len(self.models)):
             cells = [f"{100 * self.mean[i, c]:.2f} ± {100 * self.std[i, c]:.2f}"
@@ -283,7 +304,8 @@ class Comparison:
             "## Mean dev scores (×100, mean ± std over seeds"
             + (f" [{100 * self.ci_level:.0f} % bootstrap CI of the mean])" if self.mean_ci
                is not None else ")"), "",
-            _md(["model", *cols, "avg"], self.models, self.mean_table()), "", *self.test_note(),
+            _md(["model", *cols, self.avg_label()], self.models, self.mean_table()), "",
+            *self.test_note(),
             "## Wilcoxon signed-rank p-values, one-sided: row better than column "
             f"(* p < {SIGNIFICANCE})", "",
             _md(["model", *self.models], self.models, self.pvalue_table()), "",
@@ -481,6 +503,22 @@ def bootstrap_mean_ci(values: np.ndarray, n_resamples: int, level: float = 0.95,
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def _warn_uneven(models: list[str], columns: list[tuple[str, str]], count: np.ndarray) -> None:
+    """One warning when models were scored on different (task, metric) columns: which model
+    lacks which, and that "avg" covers only the common ones."""
+    lacking = [(m, [f"{t} {met}" for c, (t, met) in enumerate(columns) if not count[i, c]])
+               for i, m in enumerate(models)]
+    lacking = [(m, cols) for m, cols in lacking if cols]
+    if not lacking:
+        return
+    common = int((count > 0).all(axis=0).sum())
+    said = "; ".join(f"{m} lacks {', '.join(cols[:3])}{', ...' if len(cols) > 3 else ''}"
+                     for m, cols in lacking[:3])
+    print(f"mlsm: warning: the models were not scored on the same tasks ({said}"
+          f"{'; ...' if len(lacking) > 3 else ''}); the avg column averages only the {common} "
+          "columns every model has", file=sys.stderr)
+
+
 def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                  select_lr: bool = False, bootstrap: int = 0,
                  ci_level: float = 0.95, per_run: bool = False) -> Comparison:
@@ -524,6 +562,7 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
                 std[i, c] = vals.std(ddof=1) if len(vals) > 1 else 0.0
             if mean_ci is not None:
                 mean_ci[i, c] = bootstrap_mean_ci(vals, bootstrap, ci_level)
+    _warn_uneven(models, columns, count)
     dev = dev_cells(scores)  # test-set scores are reported, never tested, counted or averaged
     pvalues, two_sided, wins, n_pairs = _pairwise(models, dev)
     ci = bootstrap_mean_diff(models, dev, bootstrap, ci_level) if bootstrap else None

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForMaskedLM, PretrainedConfig, Pre
 
 from mlsm.config import ModelConfig
 from mlsm.errors import UserError
-from mlsm.hf import load_config, load_model, quiet_head_mismatch
+from mlsm.hf import check_max_len, estimate_params, load_config, load_model, quiet_head_mismatch
 from mlsm.models.heads import mlm_head_fn, read_heads
 
 
@@ -88,10 +88,16 @@ def _from_scratch_config(cfg: ModelConfig, tok: PreTrainedTokenizerBase,
     # roberta offsets positions by pad + 1
     kw["max_position_embeddings"] = max(positions, max_len + 2)
     try:
-        return make(**kw)
+        config = make(**kw)
     except (ValueError, TypeError, StrictDataclassError) as exc:  # a value of the wrong type
         raise UserError(f"model.overrides: {type(default).__name__} refuses the values given "
                         f"({' '.join(str(exc).split())[:300]}); fix model.overrides") from None
+    size = estimate_params(config.to_dict())
+    if size is not None and size > cfg.max_params:  # before minutes of building it
+        raise UserError(f"the model of model.arch / model.config / model.overrides would have "
+                        f"about {size:,} parameters, more than model.max_params = "
+                        f"{cfg.max_params:,.0f}; check its sizes, or raise model.max_params")
+    return config
 
 
 def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int,
@@ -103,6 +109,7 @@ def build_student(cfg: ModelConfig, tok: PreTrainedTokenizerBase, max_len: int,
             if not Path(cfg.init_from).is_dir():
                 raise UserError(f"model.init_from={cfg.init_from} is not a folder; pass a "
                                 "checkpoint or HF model folder")
+            check_max_len(cfg.init_from, max_len, "data.max_len")  # before the first step
             with quiet_head_mismatch(cfg.init_from, with_head=True):
                 hf = load_model(AutoModelForMaskedLM, cfg.init_from)
             if hf.config.vocab_size != len(tok):

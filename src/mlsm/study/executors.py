@@ -14,6 +14,7 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -24,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mlsm import locking
 from mlsm.config import config_from_dict, config_to_dict, save_config
-from mlsm.errors import UserError
+from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.study.runner import Study, check_same_config, pretrain_arm, pretrain_done
+from mlsm.study.runner import LOCK_VARIABLE, Study, check_same_config, pretrain_arm, pretrain_done
 from mlsm.study.spec import StudySpec
 
 
@@ -330,7 +332,7 @@ def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> st
     log = study.root / "logs" / f"{stage}-{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     study.log(f"[study] {stage}:{arm}: running as a subprocess, log {log}")
-    env = dict(os.environ)
+    env = {**os.environ, LOCK_VARIABLE: str(locking.lock_path(study.root))}  # we hold it
     if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm", "study", str(spec_file), "--out", str(study.root),
@@ -369,7 +371,8 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     threads = study.executor.threads or _job_cpus()  # else torch takes every core of the node
     study = dataclasses.replace(study, executor=dataclasses.replace(study.executor,
                                                                     threads=threads))
-    run_study(study, stages=[stage], arms=[arm], in_job=True)
+    with contextlib.suppress(Incomplete):  # _outcome raises with the failures it recorded
+        run_study(study, stages=[stage], arms=[arm], in_job=True)
     if _outcome(Study(study, log=lambda s: None), stage, arm) == "skipped":
         return "skipped"
     return {"seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu}

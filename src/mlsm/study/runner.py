@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Any
 from mlsm import locking, tracking
 from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
-from mlsm.errors import UserError
+from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
 from mlsm.runs import readiness_step
@@ -46,6 +47,7 @@ class Study:
         self.log = log
         self.root.mkdir(parents=True, exist_ok=True)
         self._child_cpu = threading.local()
+        self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
 
     # --- paths ---------------------------------------------------------------------------
     @property
@@ -172,6 +174,7 @@ class Study:
                                   "seconds": round(seconds, 1), **extra})
             self._append_time(name, arm, seconds, self._cpu_since(cpu0), "failed", message, extra)
             self.log(f"[study] {key}: FAILED ({message})")
+            self.failures.append((key, message))
             if not isinstance(exc, UserError):
                 (self.root / "errors.log").open("a").write(f"--- {key}\n{traceback.format_exc()}\n")
             return False
@@ -341,6 +344,20 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     """
     spec = _only_arms(spec, arms)
     check_study_inputs(spec, in_job)  # before anything is written
+    # one writer per study folder: a second `mlsm study` on it refuses; the stages' own
+    # subprocesses and jobs run inside the holder's command (in_job, or the variable it sets)
+    mine = in_job or os.environ.get(LOCK_VARIABLE) == str(locking.lock_path(spec.root))
+    with locking.hold(spec.root, "study folder", enabled=not mine):
+        return _run_study(spec, stages, log, arms, in_job)
+
+
+LOCK_VARIABLE = "MLSM_STUDY_LOCK_HELD"
+"""Set by a study for the `mlsm study --arms` subprocesses it starts: the lock it names is held
+by their parent, so they write into its folder without taking it."""
+
+
+def _run_study(spec: StudySpec, stages: list[str] | None, log: Callable[[str], None],
+               arms: list[str] | None, in_job: bool) -> Path | None:
     study = Study(spec, log, in_job)
     if not arms:  # a job restricted to some arms leaves the study's own record alone
         record = {"spec": _plain(spec), "git_revision": git_revision()}
@@ -355,7 +372,23 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
         failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
     _evaluations(study, wanted, [a for a in spec.arms
                                  if a not in failed and pretrain_done(study, a)])
-    return _report(study) if "report" in wanted else None
+    report = _report(study) if "report" in wanted else None
+    if study.failures:  # the others finished; the exit status must still say it
+        raise Incomplete(failure_summary(study), report)
+    return report
+
+
+def failure_summary(study: Study) -> str:
+    """One line: how many stages failed in this command, which, the first error, and where the
+    rest is recorded."""
+    keys = [k for k, _ in study.failures]
+    shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+    first = " ".join(study.failures[0][1].split())
+    first = first if len(first) <= 200 else first[:197] + "..."
+    return (f"{len(keys)} stage{'s' if len(keys) > 1 else ''} of study {study.root} failed: "
+            f"{shown} (first: {first}); the others finished. Errors are in "
+            f"{study.root / 'status.json'} (tracebacks in {study.root / 'errors.log'}); fix "
+            "them and re-run the same command, which redoes only what is not done")
 
 
 def _only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +34,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 
+from mlsm import locking
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
+from mlsm.limits import BYTES_PER_VECTOR_FLOAT
 from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
@@ -112,6 +115,22 @@ def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: 
     if max_len < 3:
         raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two "
                         "special tokens; use >= 3")
+
+
+def check_vector_memory(n_vectors: int, d: int) -> None:
+    """Refuse, before collecting, more teacher states than this machine's memory holds: the
+    n x d float32 matrix is held whole (and copied once while it is gathered), so
+    `--n-vectors 2000000000` collected for minutes before failing."""
+    need = 2 * n_vectors * d * BYTES_PER_VECTOR_FLOAT
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare
+        return
+    if need > have:
+        most = max(1, have // (2 * d * BYTES_PER_VECTOR_FLOAT))
+        raise UserError(f"--n-vectors {n_vectors:,} needs about {need / 2**30:,.1f} GiB for the "
+                        f"teacher states ({d} floats each, gathered then joined), more than this "
+                        f"machine's {have / 2**30:,.1f} GiB; use --n-vectors {most:,} or fewer")
 
 
 # --------------------------------------------------------------------------- data
@@ -409,8 +428,20 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     k = default_k(teacher.hidden_size) if k is None else k
     _check_options(k, lam)
     _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
-    if out is not None:
-        check_dictionary_out(out)
+    check_vector_memory(n_vectors, teacher.hidden_size)
+    if out is None:
+        return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
+                      eval_vectors, seed, None)
+    check_dictionary_out(out)
+    # one writer: two at once left the atoms of one beside the meta of the other
+    with locking.hold(_paths(out)[0], "dictionary"):
+        return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
+                      eval_vectors, seed, out)
+
+
+def _learn(store: Any, teacher: Teacher, k: int, lam: float, n_vectors: int, max_len: int,
+           batch_size: int, n_iter: int | None, forget: float, eval_vectors: int, seed: int,
+           out: str | Path | None) -> Dictionary:
     X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed).to(teacher.device)
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
@@ -501,9 +532,11 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     """Read a dictionary written by `save_dictionary` (PATH or PATH.safetensors)."""
     weights, meta_path = _paths(path)
     if not weights.is_file():
-        raise UserError(f"no dictionary at {weights}; learn one with `mlsm dictionary "
-                        f"--out {weights}`")
-    fix = f"learn it again with `mlsm dictionary --out {weights}`"
+        raise UserError(f"no dictionary at {weights}; learn one with `mlsm dictionary --store "
+                        f"STORE --out {weights}`")
+    # the command must work as written: --store is required, and a damaged file is not ours
+    fix = (f"delete it and learn it again with `mlsm dictionary --store STORE --out {weights}` "
+           "(the token store prepared with the teacher's tokenizer)")
     try:
         tensors = load_file(str(weights), device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:  # binary, truncated, torn header
@@ -513,15 +546,34 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     if atoms is None or atoms.dim() != 2 or not atoms.is_floating_point():
         raise UserError(f"{weights} is not an mlsm dictionary (no 2-D float tensor `atoms`; it "
                         f"holds {', '.join(sorted(tensors)) or 'nothing'}); {fix}")
+    embedded = _embedded_meta(weights)
     meta = (read_json(meta_path, "dictionary meta", fix, fields=META_FIELDS)
-            if meta_path.exists() else {})
+            if meta_path.exists() else embedded)
     if meta.get("k") is not None and meta["k"] != atoms.shape[1]:
         raise UserError(f"dictionary {weights} holds {atoms.shape[1]} atoms but its meta "
                         f"{meta_path.name} says k = {meta['k']}: the two files are of different "
                         f"dictionaries; {fix}")
+    differ = sorted(key for key in set(meta) & set(embedded) if meta[key] != embedded[key])
+    if differ:  # a write killed between the two files, or two writers: not one dictionary
+        raise UserError(f"dictionary {weights} and its meta {meta_path.name} are of different "
+                        f"dictionaries ({', '.join(differ[:3])} differ from the meta the weights "
+                        f"carry; a write was interrupted, or another one wrote one of them); "
+                        f"{fix}")
     if not bool(atoms.any()):  # every sparse code against it would be zero
         raise UserError(f"dictionary {weights} has only zero atoms; {fix}")
     return Dictionary(atoms, meta)
+
+
+def _embedded_meta(weights: Path) -> dict[str, Any]:
+    """The meta `save_dictionary` puts in the safetensors header ({} for an older or foreign file
+    whose header holds none, or none that parses as a JSON object)."""
+    try:
+        with safe_open(str(weights), "pt") as fh:
+            text = (fh.metadata() or {}).get("meta")
+        meta = json.loads(text) if text else {}
+    except (SafetensorError, OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 # what readers use of a dictionary's meta (Dictionary.lam / .layer, the export card, `mlsm flops`)

@@ -76,7 +76,8 @@ class TargetStore:
         path = Path(path)
         if not (path / "meta.json").is_file():
             raise UserError(f"{path} is not a complete target store (no meta.json); build or "
-                            f"resume it with `mlsm targets --out {path}`")
+                            "resume it with `mlsm targets --store STORE --dictionary DICT --out "
+                            f"{path}`")
         meta = _read_json(path / "meta.json")
         if meta.get("format") != TARGETS_FORMAT:
             raise UserError(f"{path} is not an mlsm target store; build one with `mlsm targets`")
@@ -398,8 +399,8 @@ class StoredTargets:
         if ((tokens.meta.get("fingerprint"), tokens.n_tokens)
                 != (meta["store_fingerprint"], meta["store_n_tokens"])):
             raise UserError(f"target store {path} was built from another token store "
-                            f"({meta['store']}); rebuild it with "
-                            f"`mlsm targets --store {tokens.path}`")
+                            f"({meta['store']}); delete it and rebuild it with `mlsm targets "
+                            f"--store {tokens.path} --dictionary DICT --out {path}`")
         if tokenizer_hash(tokenizer) != meta["tokenizer_hash"]:
             raise UserError(f"target store {path} was built with another tokenizer; "
                             "rebuild it for this token store")

@@ -1,0 +1,39 @@
+"""Bounds on the work a small input may ask for, each checked before memory is allocated.
+
+A 285 KB gzip can hold one 200 MB line, a config.json can claim 20,000 layers, a flag can ask for
+two billion vectors: each used to run for minutes, or abort deep inside a library, before any
+check. Each limit here is generous for real use, refused in one line that names it and the flag
+(or key) that raises it, and torch-free so that the CLI's defaults and `--help` stay fast.
+docs/reliability.md ("Bounded inputs") lists them with their tests.
+"""
+
+from __future__ import annotations
+
+MAX_DOC_BYTES = 16 << 20
+"""The longest document read from a corpus source, in bytes of UTF-8 (`prepare` /
+`train-tokenizer --max-doc-bytes`): a line of a .jsonl or text file, a text document without a
+blank line for that long past its unit, a record of an hf: dataset. A 200 MB line took 8.5 GB in
+the tokeniser."""
+
+MAX_SENTENCE_CHARS = 20_000
+"""The longest sentence PLL scores, in characters (`mlsm blimp --max-sentence-chars`), checked
+before tokenising (a 100 MB "sentence" took gigabytes there); a sentence must also fit the
+model's positions, which is checked after."""
+
+MAX_MODEL_PARAMS = 20_000_000_000
+"""The most parameters a model built from a config may have (`model.max_params`-style checks use
+`check_model_size`): the estimate from config.json is compared before anything is built (a
+config claiming 20,000 layers built for a minute before it was refused)."""
+
+BYTES_PER_VECTOR_FLOAT = 4
+"""float32: what one collected teacher state costs per dimension (dictionary --n-vectors)."""
+
+
+def transformer_params(vocab_size: int, hidden: int, layers: int, intermediate: int,
+                       positions: int) -> int:
+    """Parameters of a BERT-style encoder, from its config's sizes: embeddings (tokens and
+    positions) plus, per layer, attention (4 d^2 + 4 d), feed-forward (2 d i + d + i) and two
+    layer norms (4 d). An estimate for the size check, exact for BERT without the pooler."""
+    per_layer = 4 * hidden * hidden + 4 * hidden + 2 * hidden * intermediate + hidden \
+        + intermediate + 4 * hidden
+    return (vocab_size + positions) * hidden + layers * per_layer
