@@ -392,6 +392,22 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     return lines
 
 
+def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
+    """The pre-registered hypotheses evaluated over every results row of the study (paired by
+    pre-training seed, Holm across them), and the line that makes the rest exploratory."""
+    from mlsm.study import hypotheses as hy
+
+    hyps = study.spec.hypotheses
+    rows = hy.study_rows(study.root, warn=lambda m: study.log(f"[study] warning: {m}")) if hyps else []
+    results = hy.evaluate(hyps, rows, bool(study.spec.seeds))
+    problems = (hy.preregistration_problems(study.root, hyps)
+                if hyps or (study.root / hy.RECORD).is_file() else [])
+    lines = hy.report_lines(hyps, results, problems)
+    lines.append("## Exploratory analyses\n\nEverything below this line is exploratory: not "
+                 "pre-registered, p-values not corrected across the many comparisons.\n")
+    return lines, results
+
+
 def write_report(study: Study) -> Path:
     """Write STUDY_OUT/report.md, its PNGs and summary.json; returns the report path."""
     root = study.root
@@ -404,6 +420,8 @@ def write_report(study: Study) -> Path:
              f"{', '.join(study.spec.arms)}.\n"]
     if study.spec.notes:
         parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
+    hyp_lines, hyp_summary = hypotheses_section(study)
+    parts.append("\n".join(hyp_lines))
     png = plot_pretraining(study, root / "pretraining.png")
     if png:
         parts.append(f"## Pre-training loss\n\n![pre-training]({png})\n")
@@ -416,7 +434,7 @@ def write_report(study: Study) -> Path:
     parts.append("\n".join(_tables(compute, blimp, blimp_pairs, times, study)) + "\n")
     summary = {"git_revision": git_revision(), "machine": machine_description(),
                "compute": compute, "blimp": blimp, "blimp_pairs": blimp_pairs,
-               "finetune": ft_summary,
+               "finetune": ft_summary, "hypotheses": hyp_summary,
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
                "status": study.status()}

@@ -29,6 +29,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
 from mlsm.runs import readiness_step
+from mlsm.study.hypotheses import RECORD, record_preregistration
 from mlsm.study.spec import StudySpec, arm_base, check_arm_dictionary, readiness_label
 
 _VOLATILE = (("train", "threads"), ("train", "device"))
@@ -323,7 +324,7 @@ STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "repo
 OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp", "comparison",
            "results.jsonl", "report.md", "summary.json", "status.json", "stages.jsonl",
            "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
-           "blimp_flops.png", ".status.json.lock")
+           "blimp_flops.png", ".status.json.lock", RECORD)
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
 _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
                    "wilcoxon.png", "blimp_flops.png", "comparison")
@@ -343,6 +344,9 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     if not arms:  # a job restricted to some arms leaves the study's own record alone
         record = {"spec": _plain(spec), "git_revision": git_revision()}
         atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
+        # the hypotheses' hash, before any stage can write an evaluation row (once: a later
+        # change of the hypotheses is then visible to the report)
+        record_preregistration(study.root, spec.hypotheses, git_revision())
     wanted = stages or list(STAGES)
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {_error_of(study, 'store')}")
@@ -360,6 +364,10 @@ def _only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
     """The study restricted to `arms` (all when None); an unknown arm is a one-line error."""
     if not arms:
         return spec
+    if spec.seeds:  # an arm's name stands for all of its seeds' runs
+        declared = {run.rpartition("-s")[0] for run in spec.arms}
+        arms = [run for a in arms for run in ([f"{a}-s{s}" for s in spec.seeds]
+                                              if a in declared and a not in spec.arms else [a])]
     unknown = [a for a in arms if a not in spec.arms]
     if unknown:
         raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")

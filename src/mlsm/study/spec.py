@@ -19,6 +19,7 @@ from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.inputs import read_yaml
+from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
 
 
 @dataclass
@@ -197,7 +198,17 @@ class StudySpec:
     readiness: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     """Fractions of pre-training kept as checkpoints for evaluation."""
     arms: dict[str, ArmSpec] = field(default_factory=dict)
-    """Arm name -> objective and overrides."""
+    """Arm name -> objective and overrides. With `seeds`, the loaded study holds one entry per
+    (arm, seed) run, named ARM-s<seed> (see `seeded_runs`)."""
+    seeds: list[int] = field(default_factory=list)
+    """Pre-training seeds: each arm is trained once per seed as run ARM-s<seed> (runs/ARM-s<seed>,
+    models ARM-s<seed>@P%), the seed setting data.seed (data order, masking) and train.seed (model
+    init, dropout), the same for every arm, so arms pair by seed. Dictionaries are learned once
+    and shared. Empty (the default) = one run per arm named ARM with base's seeds, as before."""
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+    """Pre-registered hypotheses (see mlsm.study.hypotheses.Hypothesis and docs/study.md):
+    recorded in STUDY_OUT/preregistration.json before any evaluation row exists, evaluated by the
+    report over the seeds with Holm's correction; everything else is labelled exploratory."""
     dictionary: DictionarySpec = field(default_factory=DictionarySpec)
     probe: ProbeSpec = field(default_factory=ProbeSpec)
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
@@ -217,6 +228,8 @@ _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
 # keys are "group.key"; these groups do not clash with the run config's data/model/optim/train).
 FIELD_CHECKS.update({
     "study.readiness": _FRACTIONS,
+    "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
+                    "distinct whole numbers 0 or more"),
     "dictionary.n_vectors": _POS, "dictionary.max_len": (lambda v: v >= 4, "at least 4"),
     "probe.steps": _POS, "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
     "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
@@ -256,10 +269,23 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     arms = {str(n): build_dataclass(ArmSpec, a or {}, f"arms.{n}") for n, a in arms_raw.items()}
     arms = {n: dataclasses.replace(a, recipe=_recipe_path(n, a.recipe, folder)) if a.recipe else a
             for n, a in arms.items()}
+    hypotheses = raw.pop("hypotheses", None)
     spec = build_dataclass(StudySpec, raw, "study")
-    spec = dataclasses.replace(spec, arms=arms, **groups)
+    spec = dataclasses.replace(spec, arms=seeded_runs(arms, spec.seeds), **groups,
+                               hypotheses=parse_hypotheses(hypotheses, list(arms), spec.readiness))
     _validate(spec)
     return spec
+
+
+def seeded_runs(arms: dict[str, ArmSpec], seeds: list[int]) -> dict[str, ArmSpec]:
+    """One run per (arm, seed), seed by seed (every arm of seed 0 first, so pairs complete
+    early), named ARM-s<seed>, whose overrides set data.seed and train.seed to the seed (over the
+    recipe's and base's); `arms` unchanged when `seeds` is empty."""
+    if not seeds:
+        return arms
+    return {f"{name}-s{s}": dataclasses.replace(
+                a, overrides=merge(a.overrides, {"data": {"seed": s}, "train": {"seed": s}}))
+            for s in seeds for name, a in arms.items()}
 
 
 def _validate(spec: StudySpec) -> None:
