@@ -49,7 +49,8 @@ class Hypothesis:
     """Task of the rows (rte, heldout, blimp, ...); `*` = the mean over the tasks both models
     have, each task weighted equally."""
     metric: str = ""
-    """Metric of the rows (accuracy, top1, loss, acc, mcc, ...); it must match the rows' name."""
+    """Metric of the rows (accuracy, top1, loss, acc, mcc, ...), as the rows name it; `*` = the
+    mean of each task's metrics (for kinds whose metrics all grow with quality, e.g. probe)."""
     direction: Literal["greater", "less", "two-sided"] = "greater"
     """Registered direction of a - b."""
     test: Literal["paired-t", "wilcoxon"] = "paired-t"
@@ -92,7 +93,9 @@ def parse_hypotheses(raw: Any, arms: Sequence[str], readiness: Sequence[float]) 
 
 def _check_model(where: str, side: str, text: str, arms: Sequence[str],
                  readiness: Sequence[float]) -> None:
-    arm, _, label = text.rpartition("@")
+    arm, at, label = text.rpartition("@")
+    if not at:
+        raise UserError(f"{where}: {side} = {text!r} must be ARM@P%, e.g. {arms[0]}@100%")
     if arm not in arms:
         raise UserError(f"{where}: {side} = {text!r} names no arm of the study; write ARM@P% with "
                         f"ARM one of {', '.join(arms)}")
@@ -203,21 +206,30 @@ def split_model(model: str, seeded: bool) -> tuple[str, int | None, str]:
 def seed_values(h: Hypothesis, side: str, rows: Sequence[dict[str, Any]],
                 seeded: bool) -> dict[Any, dict[str, float]]:
     """{pre-training seed: {task: mean value}} of model `a` or `b` (b = control: the control of
-    a's rows) over the rows matching h's kind, task and metric."""
+    a's rows) over the rows matching h's kind, task and metric (metric "*": the mean of the task's
+    metrics, each the mean of its rows)."""
     target = h.a if side == "a" or h.b == "control" else h.b
     field = "control" if side == "b" and h.b == "control" else "value"
     arm, _, label = target.rpartition("@")
-    got: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    got: dict[Any, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if (r.get("kind") or "") != h.kind or r.get("metric") != h.metric or r.get("phenomenon"):
+        if (r.get("kind") or "") != h.kind or r.get("phenomenon"):
+            continue
+        if h.metric != "*" and r.get("metric") != h.metric:
             continue
         if h.task != "*" and r.get("task") != h.task:
             continue
         value = r.get(field)
         r_arm, seed, r_label = split_model(r.get("model", ""), seeded)
         if (r_arm, r_label) == (arm, label) and is_number(value) and math.isfinite(value):
-            got[seed][str(r.get("task"))].append(float(value))
-    return {s: {t: sum(v) / len(v) for t, v in tasks.items()} for s, tasks in got.items()}
+            got[seed][(str(r.get("task")), str(r.get("metric")))].append(float(value))
+    out: dict[Any, dict[str, float]] = {}
+    for seed, cells in got.items():
+        per_task: dict[str, list[float]] = defaultdict(list)
+        for (task, _), values in cells.items():
+            per_task[task].append(sum(values) / len(values))
+        out[seed] = {t: sum(v) / len(v) for t, v in per_task.items()}
+    return out
 
 
 def paired_values(h: Hypothesis, rows: Sequence[dict[str, Any]],

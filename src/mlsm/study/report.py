@@ -398,7 +398,8 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     from mlsm.study import hypotheses as hy
 
     hyps = study.spec.hypotheses
-    rows = hy.study_rows(study.root, warn=lambda m: study.log(f"[study] warning: {m}")) if hyps else []
+    warn = lambda m: study.log(f"[study] warning: {m}")  # noqa: E731
+    rows = hy.study_rows(study.root, warn=warn) if hyps else []
     results = hy.evaluate(hyps, rows, bool(study.spec.seeds))
     problems = (hy.preregistration_problems(study.root, hyps)
                 if hyps or (study.root / hy.RECORD).is_file() else [])
