@@ -487,3 +487,29 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     raw["hypotheses"][0]["direction"] = "two-sided"  # changed once results exist
     run_study(load_study(_write(tmp_path, raw)), stages=["report"], log=lambda s: None)
     assert "PRE-REGISTRATION BROKEN" in (out / "report.md").read_text()
+
+
+def test_target_store_is_built_once_and_shared_by_seeds(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """`dictionary.targets: true`: one target store per dictionary, built in the dictionary
+    stage, read by every seed's run of the arm (objective.targets), which then trains."""
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out, seeds=[0, 1])
+    raw["base"]["train"]["steps"] = 2
+    raw["arms"] = {"mlsm": {"objective": {"name": "mlsm"},
+                            "dictionary": {"layer": 1, "k": 64, "lam": 0.05, "targets": True}}}
+    spec = study_from_dict(raw)
+    run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
+    stores = list((out / "targets").iterdir())
+    assert len(stores) == 1 and (stores[0] / "meta.json").is_file()
+    study = Study(spec, log=lambda s: None)
+    for run in ("mlsm-s0", "mlsm-s1"):
+        assert study.arm_config(run).objective.targets == str(stores[0])
+        saved = yaml.safe_load((out / "runs" / run / "config.yaml").read_text())
+        assert saved["objective"]["targets"] == str(stores[0])
+        assert (out / "runs" / run / "checkpoints" / "step-0000002").is_dir()
+    assert [r["stage"] for r in _stages(out)].count("targets") == 1
+    with pytest.raises(UserError, match="dictionary.targets must be true or false"):
+        study_from_dict({**raw, "arms": {"m": {"objective": {"name": "mlsm"},
+                                               "dictionary": {"targets": "yes"}}}})

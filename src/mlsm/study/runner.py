@@ -69,6 +69,15 @@ class Study:
         name = f"{teacher}_l{layer}_k{d.get('k', 0)}_lam{lam:g}"
         return self.root / "dictionaries" / f"{name}.safetensors"
 
+    def targets_path(self, arm: str) -> Path | None:
+        """The target store of the arm's dictionary (`dictionary.targets: true`), one per
+        (dictionary, max_len): shared by every arm and seed using it; None = online targets."""
+        path = self.dictionary_path(arm)
+        if path is None or not self.spec.arms[arm].dictionary.get("targets"):
+            return None
+        max_len = config_from_dict(arm_base(self.spec, arm)).data.max_len
+        return self.root / "targets" / f"{path.stem}_len{max_len}"
+
     def steps(self, arm: str) -> int:
         return self.arm_config(arm).train.steps
 
@@ -112,11 +121,13 @@ class Study:
         objective: dict[str, Any] = {}
         path = self.dictionary_path(arm)
         if path is not None:
+            targets = self.targets_path(arm)
             study_set = {"dictionary": str(path),
                          "layer": int(a.dictionary.get("layer", TEACHER_LAYER)),
-                         "teacher": self.spec.dictionary.teacher}
-            objective = {k: v for k, v in study_set.items()
-                         if k not in given and (v or k != "teacher")}  # "" = the recipe's
+                         "teacher": self.spec.dictionary.teacher,
+                         "targets": str(targets) if targets else ""}
+            objective = {k: v for k, v in study_set.items()  # "" = the recipe's
+                         if k not in given and (v or k not in ("teacher", "targets"))}
         fixed = {"data": {"store": str(self.store)},
                  "train": {"out": str(self.run_dir(arm)), "readiness": list(self.spec.readiness)}}
         if self.spec.executor.threads:
@@ -317,14 +328,35 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     return None
 
 
+def build_targets_for(study: Study, arm: str) -> str | None:
+    """Build (or resume) the target store of the arm's dictionary over the study's token store:
+    the codes of every position, whatever data order a seed draws (`mlsm targets`)."""
+    from mlsm.locking import hold
+    from mlsm.teacher.targets import build_target_store, check_targets_out
+    from mlsm.teacher.teacher import load_teacher
+
+    out, dictionary = study.targets_path(arm), study.dictionary_path(arm)
+    assert out is not None and dictionary is not None
+    if (out / "meta.json").is_file():
+        return "skipped"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_targets_out(out)
+    layer = int(study.spec.arms[arm].dictionary.get("layer", TEACHER_LAYER))
+    with hold(out, "target store"):
+        teacher = load_teacher(study.spec.dictionary.teacher or None, layer)
+        max_len = config_from_dict(arm_base(study.spec, arm)).data.max_len
+        build_target_store(study.store, dictionary, teacher, max_len, out)
+    return None
+
+
 STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "report")
 """Every stage of a study, in the order they run."""
 
 
-OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp", "comparison",
-           "results.jsonl", "report.md", "summary.json", "status.json", "stages.jsonl",
-           "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
-           "blimp_flops.png", ".status.json.lock", RECORD)
+OUTPUTS = ("store", "dictionaries", "targets", "runs", "configs", "logs", "slurm", "blimp",
+           "comparison", "results.jsonl", "report.md", "summary.json", "status.json",
+           "stages.jsonl", "study.json", "errors.log", "pretraining.png", "readiness.png",
+           "wilcoxon.png", "blimp_flops.png", ".status.json.lock", RECORD)
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
 _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
                    "wilcoxon.png", "blimp_flops.png", "comparison")
@@ -411,8 +443,9 @@ def _error_of(study: Study, key: str) -> str:
 
 
 def _dictionaries(study: Study) -> set[str]:
-    """Learn each dictionary once (arms sharing (teacher, layer, k, lam) share it); returns the
-    arms whose dictionary failed."""
+    """Learn each dictionary once (arms sharing (teacher, layer, k, lam) share it), then each
+    target store once (`dictionary.targets`); returns the arms whose dictionary or targets
+    failed."""
     failed: set[str] = set()
     seen: dict[Path, bool] = {}
     for arm in study.spec.arms:
@@ -420,7 +453,10 @@ def _dictionaries(study: Study) -> set[str]:
         if path is not None and path not in seen:
             seen[path] = study.stage("dictionary",
                                      lambda a=arm: learn_dictionary_for(study, a), arm)
-        if path is not None and not seen[path]:
+        targets = study.targets_path(arm) if path is not None and seen[path] else None
+        if targets is not None and targets not in seen:
+            seen[targets] = study.stage("targets", lambda a=arm: build_targets_for(study, a), arm)
+        if path is not None and not seen[path] or targets is not None and not seen[targets]:
             failed.add(arm)
     return failed
 

@@ -58,8 +58,11 @@ class ArmSpec:
     base's) objective when it names the same one or none, else replacing it. Empty = the
     recipe's / base's objective, else mlm."""
     dictionary: dict[str, Any] = field(default_factory=dict)
-    """For latent objectives: {layer, k, lam}; the study learns (and shares) one dictionary per
-    (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it."""
+    """For latent objectives: {layer, k, lam, targets}; the study learns (and shares) one
+    dictionary per (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it.
+    targets: true = it also builds that dictionary's target store once (`mlsm targets`: the codes
+    of every position of the token store, shared by every arm and seed using it) and sets
+    objective.targets, so pre-training never runs the teacher."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Run-config groups merged over `base` for this arm only (e.g. {optim: {lr: 5e-4}})."""
 
@@ -293,10 +296,12 @@ def _validate(spec: StudySpec) -> None:
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
         config_from_dict(arm_base(spec, name))  # checks every key
-        unknown = set(arm.dictionary) - {"layer", "k", "lam"}
+        unknown = set(arm.dictionary) - {"layer", "k", "lam", "targets"}
         if unknown:
             raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
-                            "valid keys: layer, k, lam")
+                            "valid keys: layer, k, lam, targets")
+        if not isinstance(arm.dictionary.get("targets", False), bool):
+            raise UserError(f"arms.{name}.dictionary.targets must be true or false")
         check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors)
     for key, fracs in (("finetune.readiness", spec.finetune.readiness),
                        ("blimp.readiness", spec.blimp.readiness)):
