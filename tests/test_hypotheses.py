@@ -203,3 +203,24 @@ def test_preregistration_record_flags_changes_and_late_records(tmp_path) -> None
     record_preregistration(late, hyps, "abc")
     assert any("not pre-registered" in p for p in preregistration_problems(late, hyps))
     assert any("never recorded" in p for p in preregistration_problems(tmp_path / "none", hyps))
+
+
+def test_v2_study_loads_and_its_power_figures_are_computed_ones() -> None:
+    """studies/cpu_replication_v2.yaml: arms x seeds paired runs, three hypotheses, and the
+    detectable effects its notes (and docs/study.md) quote are what detectable_dz gives."""
+    from pathlib import Path
+
+    from mlsm.study.spec import load_study
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_study(root / "studies" / "cpu_replication_v2.yaml")
+    assert spec.seeds == [0, 1, 2, 3, 4] and len(spec.arms) == 10
+    assert [h.id for h in spec.hypotheses] == ["H1", "H2", "H3"]
+    quoted = ", ".join(f"{detectable_dz(n, 0.05, 'greater'):.2f} at {n}" for n in (3,))
+    assert quoted in spec.notes  # "2.30 at 3"
+    for n in (3, 4, 5, 6):
+        for alpha in (0.05, 0.05 / 3):
+            figure = f"{detectable_dz(n, alpha, 'greater'):.2f}"
+            assert figure in spec.notes and figure in (root / "docs" / "study.md").read_text()
+    for n, bound in ((3, "0.44"), (5, "0.74")):
+        assert f"{1 / detectable_dz(n, 0.05, 'greater'):.2f}" == bound and bound in spec.notes
