@@ -81,6 +81,9 @@ def test_wilcoxon_over_three_seeds_can_detect_nothing() -> None:
     assert min_detectable_effect(0.01, 3, 0.05, "wilcoxon", "two-sided") == math.inf
     assert min_detectable_effect(0.01, 4, 0.05, "wilcoxon", "greater") == math.inf
     assert math.isfinite(min_detectable_effect(0.01, 5, 0.05, "wilcoxon", "greater"))
+    # two-sided the smallest p doubles: 2 / 32 = 0.0625 at 5 seeds, 2 / 64 at 6
+    assert min_detectable_effect(0.01, 5, 0.05, "wilcoxon", "two-sided") == math.inf
+    assert math.isfinite(min_detectable_effect(0.01, 6, 0.05, "wilcoxon", "two-sided"))
     assert paired_p([3, 4, 5], [1, 2, 3], "wilcoxon", "two-sided") == pytest.approx(0.25)
 
 
@@ -139,6 +142,8 @@ def _rows(rng: np.random.Generator, seeds: list[int]) -> list[dict]:
                          "metric": "top1", "value": top1, "control": 0.05})
             rows.append({"model": f"{arm}-s{s}@100%", "kind": "pairs", "task": "blimp",
                          "phenomenon": "uid_a", "metric": "accuracy", "value": 0.0})
+            rows.append({"model": f"{arm}-s{s}@100%", "kind": "pairs", "task": "blimp",
+                         "metric": "accuracy", "value": 0.6 + shift + rng.normal(0, 0.002)})
             for task in ("rte", "sst2"):
                 for ft_seed in range(3):  # fine-tuning seeds average within a pre-training seed
                     rows.append({"model": f"{arm}-s{s}@100%", "task": task, "metric": "acc",
@@ -184,6 +189,11 @@ def test_evaluation_pairs_by_pretraining_seed_and_matches_scipy() -> None:
     expect = [(cell["mlsm-s0@100%", "mrpc", "acc"] + cell["mlsm-s0@100%", "mrpc", "f1"]) / 4
               + cell["mlsm-s0@100%", "sst2", "acc"] / 2]  # tasks weigh equally, not metrics
     assert probe[0]["a_values"][0] == pytest.approx(expect[0])
+    pairs = evaluate([Hypothesis(id="H5", statement="pairs", a="mlsm@100%", b="mlm@100%",
+                                 kind="pairs", task="blimp", metric="accuracy")], rows, True)
+    # the phenomenon's row (0.0) is left out
+    assert pairs[0]["a_values"] == [r["value"] for r in rows if r.get("kind") == "pairs"
+                                    and "phenomenon" not in r and r["model"].startswith("mlsm")]
     one = evaluate(hyps[:1], [r for r in rows if "-s0@" in r["model"]], seeded=True)[0]
     assert one["decision"].startswith("not tested") and one["n"] == 1
 
