@@ -484,6 +484,14 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     assert f"| {p:.4f} | {p:.4f} |" in report and "WARNING" not in report
     summary = json.loads((out / "summary.json").read_text())
     assert summary["hypotheses"][0]["p"] == pytest.approx(p)
+    # no latent arm here, so no headline pair: the across-seeds table needs one
+    from mlsm.study.hypotheses import comparison_lines, seed_comparisons, study_rows
+
+    got = seed_comparisons([("mlm_hi@100%", "mlm@100%")], study_rows(out), True)
+    two = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21]).pvalue
+    assert [(g["task"], g["n"]) for g in got] == [("heldout", 2)]
+    assert got[0]["p"] == pytest.approx(two) and "| masked | heldout | top1 | 2 |" in \
+        "\n".join(comparison_lines(got))
     raw["hypotheses"][0]["direction"] = "two-sided"  # changed once results exist
     run_study(load_study(_write(tmp_path, raw)), stages=["report"], log=lambda s: None)
     assert "PRE-REGISTRATION BROKEN" in (out / "report.md").read_text()

@@ -311,3 +311,38 @@ def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
                      f"{fmt(r['mde80'])} | {fmt(r['mde80_first_step'])} |")
     lines += [f"- {r['id']}: {r['note']}" for r in results if r["note"]]
     return lines + [""]
+
+
+def seed_comparisons(pairs: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]],
+                     seeded: bool) -> list[dict[str, Any]]:
+    """Exploratory: each (a, b) pair of ARM@P% models on every (kind, task, metric) the rows hold
+    (fine-tuning rows also averaged over all tasks and metrics: task "*", metric "*"), paired by
+    pre-training seed, two-sided paired t-test, uncorrected."""
+    keys = {((r.get("kind") or ""), str(r.get("task")), str(r.get("metric"))) for r in rows
+            if not r.get("phenomenon") and is_number(r.get("value"))}
+    keys |= {("", "*", "*")} if any(k[0] == "" for k in keys) else set()
+    hyps = [Hypothesis(id=f"{a} vs {b}", a=a, b=b, kind=k, task=t, metric=m,
+                       direction="two-sided")
+            for a, b in pairs for k, t, m in sorted(keys)]
+    out = []
+    for h in hyps:  # evaluate() one at a time: no Holm across exploratory comparisons
+        r = evaluate([h], rows, seeded)[0]
+        if r["n"]:
+            out.append({**r, "kind": h.kind, "task": h.task, "metric": h.metric})
+    return out
+
+
+def comparison_lines(got: Sequence[dict[str, Any]]) -> list[str]:
+    """The exploratory table of `seed_comparisons`."""
+    if not got:
+        return []
+    fmt = lambda x: f"{x:.4f}" if is_number(x) and math.isfinite(x) else "—"  # noqa: E731
+    lines = ["### Arms across pre-training seeds (exploratory)\n",
+             "One pair per pre-training seed; mean difference a − b with its 95 % t interval, "
+             "two-sided paired t-test, not corrected for the number of rows.\n",
+             "| a | b | kind | task | metric | seeds | mean a − b [95 % CI] | SD of diffs | p |",
+             "|---|---|---|---|---|---:|---|---:|---:|"]
+    lines += [f"| {r['a']} | {r['b']} | {r['kind'] or 'fine-tuning'} | {r['task']} | "
+              f"{r['metric']} | {r['n']} | {fmt(r['mean_diff'])} [{fmt(r['ci95'][0])}, "
+              f"{fmt(r['ci95'][1])}] | {fmt(r['sd_diff'])} | {fmt(r['p'])} |" for r in got]
+    return lines + [""]

@@ -226,6 +226,10 @@ def headline_pairs(study: Study) -> list[tuple[str, str]]:
     pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
              for f in (0.5, 1.0)]
     pairs += [(f"{a}@100%", f"{b}@100%") for i, a in enumerate(latent) for b in latent[i + 1:]]
+    if study.spec.seeds:  # runs ARM-s<seed>: a pair shares its pre-training seed
+        from mlsm.study.hypotheses import split_model
+
+        pairs = [(a, b) for a, b in pairs if split_model(a, True)[1] == split_model(b, True)[1]]
     return pairs
 
 
@@ -397,15 +401,20 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     pre-training seed, Holm across them), and the line that makes the rest exploratory."""
     from mlsm.study import hypotheses as hy
 
-    hyps = study.spec.hypotheses
+    hyps, seeded = study.spec.hypotheses, bool(study.spec.seeds)
     warn = lambda m: study.log(f"[study] warning: {m}")  # noqa: E731
-    rows = hy.study_rows(study.root, warn=warn) if hyps else []
-    results = hy.evaluate(hyps, rows, bool(study.spec.seeds))
+    rows = hy.study_rows(study.root, warn=warn) if hyps or seeded else []
+    results = hy.evaluate(hyps, rows, seeded)
     problems = (hy.preregistration_problems(study.root, hyps)
                 if hyps or (study.root / hy.RECORD).is_file() else [])
     lines = hy.report_lines(hyps, results, problems)
     lines.append("## Exploratory analyses\n\nEverything below this line is exploratory: not "
                  "pre-registered, p-values not corrected across the many comparisons.\n")
+    if seeded:  # the headline pairs by declared arm, tested across pre-training seeds
+        pairs = list(dict.fromkeys(
+            tuple(f"{hy.split_model(m, True)[0]}@{hy.split_model(m, True)[2]}" for m in pair)
+            for pair in headline_pairs(study)))
+        lines += hy.comparison_lines(hy.seed_comparisons(pairs, rows, True))
     return lines, results
 
 
