@@ -112,6 +112,8 @@ def test_seeds_name_runs_and_set_data_and_init_seeds() -> None:
         assert cfg["data"]["seed"] == seed and cfg["train"]["seed"] == seed
     assert list(_only_arms(spec, ["mlsm"]).arms) == ["mlsm-s3", "mlsm-s7"]
     assert list(_only_arms(spec, ["mlm-s7"]).arms) == ["mlm-s7"]
+    with pytest.raises(UserError, match="ends like a seeded run's"):
+        study_from_dict({"arms": {"mlm-s1": {}}, "seeds": [0, 1]})
     with pytest.raises(UserError, match="study.seeds must be distinct"):
         study_from_dict(_study(seeds=[1, 1]))
 

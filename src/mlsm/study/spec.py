@@ -286,6 +286,10 @@ def seeded_runs(arms: dict[str, ArmSpec], seeds: list[int]) -> dict[str, ArmSpec
     recipe's and base's); `arms` unchanged when `seeds` is empty."""
     if not seeds:
         return arms
+    clash = next((n for n in arms if n.rpartition("-s")[2].isdigit()), None)
+    if clash:
+        raise UserError(f"arm name {clash!r} ends like a seeded run's (ARM-s<seed>); rename it, "
+                        "e.g. without the -s")
     return {f"{name}-s{s}": dataclasses.replace(
                 a, overrides=merge(a.overrides, {"data": {"seed": s}, "train": {"seed": s}}))
             for s in seeds for name, a in arms.items()}
