@@ -467,3 +467,84 @@ def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
     assert Path(info["checkpoint"]) == probe / "checkpoints" / "step-0000004"
     assert isinstance(load_scorer(info["checkpoint"])[0], ProbeScorer)
     assert info["unigram_loss"] > 0 and info["n_heldout_targets"] > 0
+
+
+def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """Two arms x two pre-training seeds: runs ARM-s<seed>; the same seed gives every arm the same
+    batches and initial weights (same first loss), another seed others; the hypotheses' hash is
+    recorded before any row exists, the report tests them over seeds and flags a later change."""
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out, seeds=[0, 1])
+    raw["base"]["train"]["steps"] = 2
+    raw["arms"] = {"mlm": {"objective": {"name": "mlm"}},
+                   "mlm_hi": {"objective": {"name": "mlm"}, "overrides": {"optim": {"lr": 3e-3}}}}
+    raw["hypotheses"] = [{"id": "H1", "statement": "higher lr helps", "a": "mlm_hi@100%",
+                          "b": "mlm@100%", "kind": "masked", "task": "heldout",
+                          "metric": "top1"}]
+    path = _write(tmp_path, raw)
+    run_study(load_study(path), stages=["store", "pretrain"], log=lambda s: None)
+    record = json.loads((out / "preregistration.json").read_text())
+    assert record["results_existed"] is False and record["hypotheses"][0]["id"] == "H1"
+
+    def first(run: str, key: str) -> object:
+        return json.loads((out / "runs" / run / "metrics.jsonl").read_text().splitlines()[0])[key]
+
+    for s in (0, 1):
+        assert first(f"mlm-s{s}", "batch_digest") == first(f"mlm_hi-s{s}", "batch_digest")
+        assert first(f"mlm-s{s}", "loss") == first(f"mlm_hi-s{s}", "loss")  # same init, batch
+    assert first("mlm-s0", "batch_digest") != first("mlm-s1", "batch_digest")
+    assert first("mlm-s0", "loss") != first("mlm-s1", "loss")
+    # readout rows, as the readout stage writes them (one file per model)
+    values = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
+    (out / "readouts").mkdir()
+    for run, v in values.items():
+        (out / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
+            {"model": f"{run}@100%", "kind": "masked", "task": "heldout", "metric": "top1",
+             "value": v, "control": 0.05}) + "\n")
+    run_study(load_study(path), stages=["report"], log=lambda s: None)
+    report = (out / "report.md").read_text()
+    p = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21], alternative="greater").pvalue
+    assert "## Pre-registered hypotheses" in report and "## Exploratory analyses" in report
+    assert "| H1 | mlm_hi@100% | mlm@100% | 2 | 0.2300, 0.2500 | 0.2000, 0.2100 |" in report
+    assert f"| {p:.4f} | {p:.4f} |" in report and "WARNING" not in report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["hypotheses"][0]["p"] == pytest.approx(p)
+    # no latent arm here, so no headline pair: the across-seeds table needs one
+    from mlsm.study.hypotheses import comparison_lines, seed_comparisons, study_rows
+
+    got = seed_comparisons([("mlm_hi@100%", "mlm@100%")], study_rows(out), True)
+    two = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21]).pvalue
+    assert [(g["task"], g["n"]) for g in got] == [("heldout", 2)]
+    assert got[0]["p"] == pytest.approx(two) and "| masked | heldout | top1 | 2 |" in \
+        "\n".join(comparison_lines(got))
+    raw["hypotheses"][0]["direction"] = "two-sided"  # changed once results exist
+    run_study(load_study(_write(tmp_path, raw)), stages=["report"], log=lambda s: None)
+    assert "PRE-REGISTRATION BROKEN" in (out / "report.md").read_text()
+
+
+def test_target_store_is_built_once_and_shared_by_seeds(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """`dictionary.targets: true`: one target store per dictionary, built in the dictionary
+    stage, read by every seed's run of the arm (objective.targets), which then trains."""
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out, seeds=[0, 1])
+    raw["base"]["train"]["steps"] = 2
+    raw["arms"] = {"mlsm": {"objective": {"name": "mlsm"},
+                            "dictionary": {"layer": 1, "k": 64, "lam": 0.05, "targets": True}}}
+    spec = study_from_dict(raw)
+    run_study(spec, stages=["store", "dictionary", "pretrain"], log=lambda s: None)
+    stores = list((out / "targets").iterdir())
+    assert len(stores) == 1 and (stores[0] / "meta.json").is_file()
+    study = Study(spec, log=lambda s: None)
+    for run in ("mlsm-s0", "mlsm-s1"):
+        assert study.arm_config(run).objective.targets == str(stores[0])
+        saved = yaml.safe_load((out / "runs" / run / "config.yaml").read_text())
+        assert saved["objective"]["targets"] == str(stores[0])
+        assert (out / "runs" / run / "checkpoints" / "step-0000002").is_dir()
+    assert [r["stage"] for r in _stages(out)].count("targets") == 1
+    with pytest.raises(UserError, match="dictionary.targets must be true or false"):
+        study_from_dict({**raw, "arms": {"m": {"objective": {"name": "mlsm"},
+                                               "dictionary": {"targets": "yes"}}}})

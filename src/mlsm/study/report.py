@@ -226,6 +226,10 @@ def headline_pairs(study: Study) -> list[tuple[str, str]]:
     pairs = [(f"{a}@{readiness_label(f)}", f"{b}@100%") for a in latent for b in others
              for f in (0.5, 1.0)]
     pairs += [(f"{a}@100%", f"{b}@100%") for i, a in enumerate(latent) for b in latent[i + 1:]]
+    if study.spec.seeds:  # runs ARM-s<seed>: a pair shares its pre-training seed
+        from mlsm.study.hypotheses import split_model
+
+        pairs = [(a, b) for a, b in pairs if split_model(a, True)[1] == split_model(b, True)[1]]
     return pairs
 
 
@@ -403,6 +407,28 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     return lines
 
 
+def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
+    """The pre-registered hypotheses evaluated over every results row of the study (paired by
+    pre-training seed, Holm across them), and the line that makes the rest exploratory."""
+    from mlsm.study import hypotheses as hy
+
+    hyps, seeded = study.spec.hypotheses, bool(study.spec.seeds)
+    warn = lambda m: study.log(f"[study] warning: {m}")  # noqa: E731
+    rows = hy.study_rows(study.root, warn=warn) if hyps or seeded else []
+    results = hy.evaluate(hyps, rows, seeded)
+    problems = (hy.preregistration_problems(study.root, hyps)
+                if hyps or (study.root / hy.RECORD).is_file() else [])
+    lines = hy.report_lines(hyps, results, problems)
+    lines.append("## Exploratory analyses\n\nEverything below this line is exploratory: not "
+                 "pre-registered, p-values not corrected across the many comparisons.\n")
+    if seeded:  # the headline pairs by declared arm, tested across pre-training seeds
+        pairs = list(dict.fromkeys(
+            tuple(f"{hy.split_model(m, True)[0]}@{hy.split_model(m, True)[2]}" for m in pair)
+            for pair in headline_pairs(study)))
+        lines += hy.comparison_lines(hy.seed_comparisons(pairs, rows, True))
+    return lines, results
+
+
 def write_report(study: Study) -> Path:
     """Write STUDY_OUT/report.md, its PNGs and summary.json; returns the report path."""
     root = study.root
@@ -415,6 +441,8 @@ def write_report(study: Study) -> Path:
              f"{', '.join(study.spec.arms)}.\n"]
     if study.spec.notes:
         parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
+    hyp_lines, hyp_summary = hypotheses_section(study)
+    parts.append("\n".join(hyp_lines))
     png = plot_pretraining(study, root / "pretraining.png")
     if png:
         parts.append(f"## Pre-training loss\n\n![pre-training]({png})\n")
@@ -431,7 +459,7 @@ def write_report(study: Study) -> Path:
     parts += readout_parts
     summary = {"git_revision": git_revision(), "machine": machine_description(),
                "compute": compute, "blimp": blimp, "blimp_pairs": blimp_pairs,
-               "finetune": ft_summary, "readouts": readouts,
+               "finetune": ft_summary, "readouts": readouts, "hypotheses": hyp_summary,
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
                "status": study.status()}

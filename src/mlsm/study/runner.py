@@ -30,6 +30,7 @@ from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
 from mlsm.runs import readiness_step
+from mlsm.study.hypotheses import RECORD, record_preregistration
 from mlsm.study.spec import StudySpec, arm_base, check_arm_dictionary, readiness_label
 
 _VOLATILE = (("train", "threads"), ("train", "device"))
@@ -69,6 +70,15 @@ class Study:
         layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", LAM)
         name = f"{teacher}_l{layer}_k{d.get('k', 0)}_lam{lam:g}"
         return self.root / "dictionaries" / f"{name}.safetensors"
+
+    def targets_path(self, arm: str) -> Path | None:
+        """The target store of the arm's dictionary (`dictionary.targets: true`), one per
+        (dictionary, max_len): shared by every arm and seed using it; None = online targets."""
+        path = self.dictionary_path(arm)
+        if path is None or not self.spec.arms[arm].dictionary.get("targets"):
+            return None
+        max_len = config_from_dict(arm_base(self.spec, arm)).data.max_len
+        return self.root / "targets" / f"{path.stem}_len{max_len}"
 
     def steps(self, arm: str) -> int:
         return self.arm_config(arm).train.steps
@@ -113,11 +123,13 @@ class Study:
         objective: dict[str, Any] = {}
         path = self.dictionary_path(arm)
         if path is not None:
+            targets = self.targets_path(arm)
             study_set = {"dictionary": str(path),
                          "layer": int(a.dictionary.get("layer", TEACHER_LAYER)),
-                         "teacher": self.spec.dictionary.teacher}
-            objective = {k: v for k, v in study_set.items()
-                         if k not in given and (v or k != "teacher")}  # "" = the recipe's
+                         "teacher": self.spec.dictionary.teacher,
+                         "targets": str(targets) if targets else ""}
+            objective = {k: v for k, v in study_set.items()  # "" = the recipe's
+                         if k not in given and (v or k not in ("teacher", "targets"))}
         fixed = {"data": {"store": str(self.store)},
                  "train": {"out": str(self.run_dir(arm)), "readiness": list(self.spec.readiness)}}
         if self.spec.executor.threads:
@@ -319,15 +331,36 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
     return None
 
 
+def build_targets_for(study: Study, arm: str) -> str | None:
+    """Build (or resume) the target store of the arm's dictionary over the study's token store:
+    the codes of every position, whatever data order a seed draws (`mlsm targets`)."""
+    from mlsm.locking import hold
+    from mlsm.teacher.targets import build_target_store, check_targets_out
+    from mlsm.teacher.teacher import load_teacher
+
+    out, dictionary = study.targets_path(arm), study.dictionary_path(arm)
+    assert out is not None and dictionary is not None
+    if (out / "meta.json").is_file():
+        return "skipped"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_targets_out(out)
+    layer = int(study.spec.arms[arm].dictionary.get("layer", TEACHER_LAYER))
+    with hold(out, "target store"):
+        teacher = load_teacher(study.spec.dictionary.teacher or None, layer)
+        max_len = config_from_dict(arm_base(study.spec, arm)).data.max_len
+        build_target_store(study.store, dictionary, teacher, max_len, out)
+    return None
+
+
 STAGES = ("store", "dictionary", "pretrain", "probe", "finetune", "blimp", "readout", "report")
 """Every stage of a study, in the order they run."""
 
 
-OUTPUTS = ("store", "dictionaries", "runs", "configs", "logs", "slurm", "blimp", "comparison",
-           "results.jsonl", "report.md", "summary.json", "status.json", "stages.jsonl",
-           "study.json", "errors.log", "pretraining.png", "readiness.png", "wilcoxon.png",
-           "blimp_flops.png", ".status.json.lock", "readouts", "readouts_steps.png",
-           "readouts_flops.png")
+OUTPUTS = ("store", "dictionaries", "targets", "runs", "configs", "logs", "slurm", "blimp",
+           "comparison", "results.jsonl", "report.md", "summary.json", "status.json",
+           "stages.jsonl", "study.json", "errors.log", "pretraining.png", "readiness.png",
+           "wilcoxon.png", "blimp_flops.png", ".status.json.lock", RECORD, "readouts",
+           "readouts_steps.png", "readouts_flops.png")
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
 _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
                    "wilcoxon.png", "blimp_flops.png", "comparison", "readouts_steps.png",
@@ -362,6 +395,9 @@ def _run_study(spec: StudySpec, stages: list[str] | None, log: Callable[[str], N
     if not arms:  # a job restricted to some arms leaves the study's own record alone
         record = {"spec": _plain(spec), "git_revision": git_revision()}
         atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
+        # the hypotheses' hash, before any stage can write an evaluation row (once: a later
+        # change of the hypotheses is then visible to the report)
+        record_preregistration(study.root, spec.hypotheses, git_revision())
     wanted = stages or list(STAGES)
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {_error_of(study, 'store')}")
@@ -395,6 +431,10 @@ def _only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
     """The study restricted to `arms` (all when None); an unknown arm is a one-line error."""
     if not arms:
         return spec
+    if spec.seeds:  # an arm's name stands for all of its seeds' runs
+        declared = {run.rpartition("-s")[0] for run in spec.arms}
+        arms = [run for a in arms for run in ([f"{a}-s{s}" for s in spec.seeds]
+                                              if a in declared and a not in spec.arms else [a])]
     unknown = [a for a in arms if a not in spec.arms]
     if unknown:
         raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
@@ -438,8 +478,9 @@ def _error_of(study: Study, key: str) -> str:
 
 
 def _dictionaries(study: Study) -> set[str]:
-    """Learn each dictionary once (arms sharing (teacher, layer, k, lam) share it); returns the
-    arms whose dictionary failed."""
+    """Learn each dictionary once (arms sharing (teacher, layer, k, lam) share it), then each
+    target store once (`dictionary.targets`); returns the arms whose dictionary or targets
+    failed."""
     failed: set[str] = set()
     seen: dict[Path, bool] = {}
     for arm in study.spec.arms:
@@ -447,7 +488,10 @@ def _dictionaries(study: Study) -> set[str]:
         if path is not None and path not in seen:
             seen[path] = study.stage("dictionary",
                                      lambda a=arm: learn_dictionary_for(study, a), arm)
-        if path is not None and not seen[path]:
+        targets = study.targets_path(arm) if path is not None and seen[path] else None
+        if targets is not None and targets not in seen:
+            seen[targets] = study.stage("targets", lambda a=arm: build_targets_for(study, a), arm)
+        if path is not None and not seen[path] or targets is not None and not seen[targets]:
             failed.add(arm)
     return failed
 

@@ -20,6 +20,7 @@ from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
+from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
 
 
 @dataclass
@@ -58,8 +59,11 @@ class ArmSpec:
     base's) objective when it names the same one or none, else replacing it. Empty = the
     recipe's / base's objective, else mlm."""
     dictionary: dict[str, Any] = field(default_factory=dict)
-    """For latent objectives: {layer, k, lam}; the study learns (and shares) one dictionary per
-    (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it."""
+    """For latent objectives: {layer, k, lam, targets}; the study learns (and shares) one
+    dictionary per (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it.
+    targets: true = it also builds that dictionary's target store once (`mlsm targets`: the codes
+    of every position of the token store, shared by every arm and seed using it) and sets
+    objective.targets, so pre-training never runs the teacher."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Run-config groups merged over `base` for this arm only (e.g. {optim: {lr: 5e-4}})."""
 
@@ -198,7 +202,17 @@ class StudySpec:
     readiness: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
     """Fractions of pre-training kept as checkpoints for evaluation."""
     arms: dict[str, ArmSpec] = field(default_factory=dict)
-    """Arm name -> objective and overrides."""
+    """Arm name -> objective and overrides. With `seeds`, the loaded study holds one entry per
+    (arm, seed) run, named ARM-s<seed> (see `seeded_runs`)."""
+    seeds: list[int] = field(default_factory=list)
+    """Pre-training seeds: each arm is trained once per seed as run ARM-s<seed> (runs/ARM-s<seed>,
+    models ARM-s<seed>@P%), the seed setting data.seed (data order, masking) and train.seed (model
+    init, dropout), the same for every arm, so arms pair by seed. Dictionaries are learned once
+    and shared. Empty (the default) = one run per arm named ARM with base's seeds, as before."""
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+    """Pre-registered hypotheses (see mlsm.study.hypotheses.Hypothesis and docs/study.md):
+    recorded in STUDY_OUT/preregistration.json before any evaluation row exists, evaluated by the
+    report over the seeds with Holm's correction; everything else is labelled exploratory."""
     dictionary: DictionarySpec = field(default_factory=DictionarySpec)
     probe: ProbeSpec = field(default_factory=ProbeSpec)
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
@@ -221,6 +235,8 @@ _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
 # keys are "group.key"; these groups do not clash with the run config's data/model/optim/train).
 FIELD_CHECKS.update({
     "study.readiness": _FRACTIONS,
+    "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
+                    "distinct whole numbers 0 or more"),
     "dictionary.n_vectors": _POS, "dictionary.max_len": (lambda v: v >= 4, "at least 4"),
     "probe.steps": _POS, "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
     "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
@@ -268,10 +284,27 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     readout = raw.pop("readout", None)
     if readout is not None:
         readout = build_dataclass(ReadoutSpec, readout, "readout")
+    hypotheses = raw.pop("hypotheses", None)
     spec = build_dataclass(StudySpec, raw, "study")
-    spec = dataclasses.replace(spec, arms=arms, readout=readout, **groups)
+    spec = dataclasses.replace(spec, arms=seeded_runs(arms, spec.seeds), **groups, readout=readout,
+                               hypotheses=parse_hypotheses(hypotheses, list(arms), spec.readiness))
     _validate(spec)
     return spec
+
+
+def seeded_runs(arms: dict[str, ArmSpec], seeds: list[int]) -> dict[str, ArmSpec]:
+    """One run per (arm, seed), seed by seed (every arm of seed 0 first, so pairs complete
+    early), named ARM-s<seed>, whose overrides set data.seed and train.seed to the seed (over the
+    recipe's and base's); `arms` unchanged when `seeds` is empty."""
+    if not seeds:
+        return arms
+    clash = next((n for n in arms if n.rpartition("-s")[2].isdigit()), None)
+    if clash:
+        raise UserError(f"arm name {clash!r} ends like a seeded run's (ARM-s<seed>); rename it, "
+                        "e.g. without the -s")
+    return {f"{name}-s{s}": dataclasses.replace(
+                a, overrides=merge(a.overrides, {"data": {"seed": s}, "train": {"seed": s}}))
+            for s in seeds for name, a in arms.items()}
 
 
 def _validate(spec: StudySpec) -> None:
@@ -279,10 +312,12 @@ def _validate(spec: StudySpec) -> None:
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
         config_from_dict(arm_base(spec, name))  # checks every key
-        unknown = set(arm.dictionary) - {"layer", "k", "lam"}
+        unknown = set(arm.dictionary) - {"layer", "k", "lam", "targets"}
         if unknown:
             raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
-                            "valid keys: layer, k, lam")
+                            "valid keys: layer, k, lam, targets")
+        if not isinstance(arm.dictionary.get("targets", False), bool):
+            raise UserError(f"arms.{name}.dictionary.targets must be true or false")
         check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors)
     for key, fracs in (("finetune.readiness", spec.finetune.readiness),
                        ("blimp.readiness", spec.blimp.readiness)):
