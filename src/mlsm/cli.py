@@ -198,7 +198,7 @@ def _finetune(a: argparse.Namespace) -> None:
         max_train_examples=a.max_train_examples, device=a.device,
         warmup_ratio=a.warmup_ratio, weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
-        report_to=[t for t in a.report_to.split(",") if t],
+        report_to=[t for t in a.report_to.split(",") if t], temperature=a.temperature,
     )
     print(f"results: {path}")
 
@@ -433,7 +433,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="for a run directory: its final checkpoint, or all its readiness "
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
-                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003")
+                   help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003, "
+                   "scifact, scifact_zeroshot, beir:NAME[_zeroshot] (any BEIR folder)")
     p.add_argument("--seeds", type=positive_int, default=5,
                    help="number of seeds, run as 0..N-1 (default 5)")
     p.add_argument("--lrs", default="2e-5", type=float_list,
@@ -456,6 +457,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="gradient-norm clipping, 0 = off (default 1.0)")
     p.add_argument("--eval-test", action="store_true",
                    help="also score labelled test splits (CoNLL-2003) as <metric>_test")
+    p.add_argument("--temperature", type=positive_float, default=0.05,
+                   help="InfoNCE temperature of retrieval tasks (default 0.05)")
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--report-to", default="", metavar="TRACKERS",
                    help="comma-separated trackers, one run per cell: tensorboard, wandb, mlflow, "

@@ -28,6 +28,7 @@ from torch import nn
 
 from mlsm import tracking
 from mlsm.errors import UserError
+from mlsm.evaluate.retrieval import TEMPERATURE
 from mlsm.evaluate.stats import append_results, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.inputs import check_apart, read_json, real_path
@@ -201,6 +202,13 @@ def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> to
                               {"params": rest, "weight_decay": 0.0}], lr=lr)
 
 
+def linear_schedule(opt: torch.optim.Optimizer, total: int,
+                    warm: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warm`` steps, then linear decay to 0 at step ``total``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+
+
 def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
                feats: list[dict[str, Any]], seed: int, cfg: dict[str, Any], device: torch.device,
                tracker: Any = None) -> int:
@@ -218,8 +226,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     total = cfg["epochs"] * math.ceil(len(feats) / bs)
     warm = int(cfg["warmup_ratio"] * total)
     opt = _optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+    sched = linear_schedule(opt, total, warm)
     backbone.train()
     head.train()
     step = 0
@@ -306,6 +313,10 @@ def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
 
 def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None,
                eval_test: bool = False) -> tuple[list[Example], dict[str, list[Example]]]:
+    if spec.kind == "retrieval":  # BEIR data: training queries and test splits
+        from mlsm.evaluate import retrieval_cell
+
+        return retrieval_cell.task_data(spec, data_dir, max_train)  # type: ignore[return-value]
     train = load_task(spec.name, spec.train_split, data_dir, max_train)
     evals = {suffix: load_task(spec.name, split, data_dir)
              for suffix, split in spec.eval_splits.items()}
@@ -327,6 +338,10 @@ class Prepared:
 def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[str, list[Example]],
             max_len: int) -> Prepared:
     """Tokenise the task's training and evaluation sets with the model's tokenizer."""
+    if spec.kind == "retrieval":
+        from mlsm.evaluate import retrieval_cell
+
+        return retrieval_cell.prepare(model, spec, train, evals, max_len)  # type: ignore
     tok = load_tokenizer(model.path, spec)
     return Prepared(tok, encode(tok, spec, train, max_len),
                     {k: (ex, encode(tok, spec, ex, max_len)) for k, ex in evals.items()})
@@ -348,6 +363,10 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
              device: torch.device, tracker: Any = None) -> list[dict[str, Any]]:
     """One fine-tuning run (model, task, seed, lr) → one result row per metric (also sent to
     `tracker`, an `mlsm.tracking.Tracker`, as eval/<metric> at the last step)."""
+    if spec.kind == "retrieval":  # a bi-encoder without a head: mlsm.evaluate.retrieval_cell
+        from mlsm.evaluate import retrieval_cell
+
+        return retrieval_cell.run_cell(model, spec, data, seed, cfg, device, tracker)  # type: ignore
     start = time.time()
     backbone = _load_backbone(model.path).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
@@ -440,6 +459,7 @@ def finetune(
     eval_test: bool = False,
     readiness: str = "final",
     report_to: Sequence[str] = (),
+    temperature: float = TEMPERATURE,
 ) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
 
@@ -453,6 +473,7 @@ def finetune(
     Fidelity options (docs/fidelity.md): ``fixed_order`` (one data order for all seeds),
     ``clip`` (gradient-norm clipping, 0 = off), ``eval_test`` (also score tasks with a labelled
     test split, i.e. CoNLL-2003, as ``<metric>_test``); ``max_len`` up to the model's limit (512).
+    ``temperature``: InfoNCE τ of retrieval tasks (`mlsm.evaluate.retrieval`, docs/finetune.md).
     """
     if clip < 0:
         raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
@@ -463,8 +484,14 @@ def finetune(
                                        **{f"model {r.name}": r.path for r in refs}})
     settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,
                 "warmup_ratio": warmup_ratio, "weight_decay": weight_decay,
-                "fixed_order": fixed_order, "clip": clip}
+                "fixed_order": fixed_order, "clip": clip, "temperature": temperature,
+                # zero-shot retrieval: corpus embeddings per checkpoint fingerprint
+                "retrieval_cache": str(Path(results).parent / "retrieval_cache")}
     path = Path(results)
+    if any(s.kind == "retrieval" for s in specs):
+        from mlsm.evaluate.retrieval_cell import check_temperature
+
+        check_temperature(path, specs, temperature)
     _run_grid(refs, specs, seeds, lrs, settings, path, pick_device(device), report_to,
               lambda spec: _task_data(spec, data_dir, max_train_examples, eval_test))
     return path
