@@ -27,7 +27,7 @@ from mlsm.evaluate.retrieval import (
 )
 from mlsm.evaluate.retrieval_cell import pick_positives, training_queries
 from mlsm.evaluate.stats import compare_runs, read_results
-from mlsm.evaluate.tasks import get_task
+from mlsm.evaluate.tasks import get_task, task_folder
 from tests.conftest import _WORDS, SHARED
 
 
@@ -170,6 +170,13 @@ def test_search_equals_a_full_sort_across_chunks() -> None:
     torch.testing.assert_close(scores, ref_s[:, :12])
     assert torch.equal(idx, ref_i[:, :12])
     assert search(q, d[:4], k=12)[1].shape == (7, 4)  # fewer documents than k
+
+
+def test_identical_ids_are_not_retrieved() -> None:
+    """BEIR's ignore_identical_ids (ArguAna, Quora hold their queries in the corpus)."""
+    scores, idx = torch.tensor([[0.9, 0.8, 0.7]]), torch.tensor([[1, 0, 2]])
+    assert retrieval.to_run(["b"], ["a", "b", "c"], scores, idx) == \
+        {"b": {"a": pytest.approx(0.8), "c": pytest.approx(0.7)}}
 
 
 def _split(n_docs: int = 6) -> BeirSplit:
@@ -341,6 +348,16 @@ def test_finetune_grid_writes_rows_compare_reads(tiny: Path, tokenizer_dir: Path
         finetune([f"a={tiny}"], ["beir:toy"], temperature=0.1, **kw)
 
 
+def test_data_dir_may_hold_the_task_folder_one_level_down(tmp_path: Path) -> None:
+    """--data-dir ../shared/data finds glue/CoLA and scifact/ in one grid."""
+    folder = _beir(tmp_path / "beir")
+    (tmp_path / "glue" / "CoLA").mkdir(parents=True)
+    assert task_folder(get_task("beir:toy"), tmp_path) == folder
+    assert task_folder(get_task("cola"), tmp_path) == tmp_path / "glue" / "CoLA"
+    with pytest.raises(UserError, match="no folder scifact"):
+        task_folder(get_task("scifact"), tmp_path)
+
+
 def test_task_names() -> None:
     assert get_task("scifact").kind == "retrieval" and get_task("scifact").train_split
     assert not get_task("SciFact_zeroshot").train_split
@@ -357,8 +374,8 @@ def test_task_names() -> None:
 @pytest.mark.slow
 def test_shared_scifact_zero_shot_with_minilm() -> None:
     """The real SciFact test split and the packaged all-MiniLM-L6-v2 (a mean-pooling sentence
-    encoder): 40 test queries against their judged documents plus 400 others. A wiring error
-    (ids, pooling, the metric) drops nDCG@10 to chance level (about 0.02 here)."""
+    encoder): 20 test queries against their judged documents plus 120 others. A wiring error
+    (ids, pooling, the metric) drops nDCG@10 to chance level (about 0.03 here; measured 0.94)."""
     folder = SHARED / "scifact"
     if not (folder / "corpus.jsonl.gz").is_file():
         pytest.skip("shared SciFact not present")
@@ -371,12 +388,12 @@ def test_shared_scifact_zero_shot_with_minilm() -> None:
     test = read_beir(folder, "test")
     assert (len(test.doc_ids), len(test.queries)) == (5183, 300)
     assert sum(len(j) for j in test.qrels.values()) == 339
-    qids = list(test.qrels)[:40]
+    qids = list(test.qrels)[:20]
     judged = {d for q in qids for d in test.qrels[q]}
-    keep = [i for i, d in enumerate(test.doc_ids) if d in judged or i % 13 == 0][:400 + len(judged)]
+    keep = [i for i, d in enumerate(test.doc_ids) if d in judged or i % 43 == 0]
     split = BeirSplit([test.doc_ids[i] for i in keep], [test.doc_texts[i] for i in keep],
                       {q: test.queries[q] for q in qids}, {q: test.qrels[q] for q in qids},
                       str(folder))
     model, tok = BertModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    scores = retrieval.evaluate_split(model, tok, split, 128, torch.device("cpu"))
-    assert scores["ndcg@10"] > 0.5 and scores["recall@100"] > 0.8
+    scores = retrieval.evaluate_split(model, tok, split, 96, torch.device("cpu"))
+    assert scores["ndcg@10"] > 0.7 and scores["recall@100"] > 0.9

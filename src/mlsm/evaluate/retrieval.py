@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from mlsm.evaluate.beir import BeirSplit, Qrels
 from mlsm.fileio import atomic_write
+from mlsm.progress import Progress
 
 TEMPERATURE = 0.05  # τ: sentence-transformers MultipleNegativesRankingLoss (scale 20), SimCSE
 TOP_K = 100  # documents kept per query: enough for Recall@100
@@ -95,12 +96,15 @@ def encode(backbone: torch.nn.Module, tokenizer: Any, texts: Sequence[str], max_
     feats = tokenize(tokenizer, texts, max_len)
     order = sorted(range(len(feats)), key=lambda i: len(feats[i]["input_ids"]))
     out: torch.Tensor | None = None
+    bar = Progress(len(texts), "encode", "text", leave=False)  # a large corpus takes a while
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         vecs = embed(backbone, pad(tokenizer, [feats[i] for i in idx], device)).cpu()
         if out is None:
             out = torch.empty(len(texts), vecs.shape[1])
         out[torch.tensor(idx)] = vecs
+        bar.update(len(idx))
+    bar.close()
     assert out is not None  # a BeirSplit's corpus is never empty
     return out
 

@@ -81,7 +81,8 @@ def task_data(spec: TaskSpec, data_dir: str | Path | None,
 
     ``max_train`` keeps a fixed random subset of training queries (seed 0, qrels order kept),
     the same for every model and seed, as `tasks.load_task` does for examples."""
-    evals = {suffix: load_split(spec, data_dir, split) for suffix, split in spec.eval_splits.items()}
+    evals = {suffix: load_split(spec, data_dir, split)
+             for suffix, split in spec.eval_splits.items()}
     if not spec.train_split:
         return [], evals
     train = training_queries(load_split(spec, data_dir, spec.train_split))

@@ -411,13 +411,20 @@ def get_task(name: str) -> TaskSpec:
 
 
 def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
-    """The folder holding ``spec``'s files: ``data_dir/<TASK>`` or ``data_dir`` itself."""
+    """The folder holding ``spec``'s files: ``data_dir/<TASK>``, ``data_dir`` itself, or
+    ``data_dir/<any>/<TASK>`` (so ``--data-dir ../shared/data`` finds ``glue/CoLA`` and
+    ``scifact`` in one grid)."""
     root = Path(data_dir)
     for name in spec.folders:
         if (root / name).is_dir():
             return root / name
     if root.is_dir() and root.name in spec.folders:
         return root
+    subs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    for name in spec.folders:
+        for sub in subs:
+            if (sub / name).is_dir():
+                return sub / name
     raise UserError(f"{root}: no folder {' or '.join(spec.folders)} for task {spec.name}; "
                     "point --data-dir at the folder that holds it")
 
