@@ -7,7 +7,8 @@ size and max_len. The HF side is a `transformers.Trainer` whose ``compute_loss``
 queries and documents and calls the same `mlsm.evaluate.retrieval.info_nce`; its collator pads
 queries and documents separately, as mlsm does. Data: the SciFact training qrels when
 ../shared/data/scifact is present, else synthetic pairs. Rounds alternate the two sides; the
-median ratio of seconds per step (HF / mlsm) is printed with the machine.
+median ratio of seconds per step (HF / mlsm) is printed with the machine, in wall
+and in CPU time (fair on a shared machine).
 
     PYTHONPATH=src HF_HUB_OFFLINE=1 python benchmarks/bench_retrieval.py --steps 20 --rounds 3
 """
@@ -32,13 +33,13 @@ from mlsm.evaluate.retrieval_cell import RetrievalPrepared, TrainQuery, train_bi
 SCIFACT = Path(__file__).resolve().parents[2] / "shared/data/scifact"
 
 
-def pairs(n: int) -> list[TrainQuery]:
+def pairs(n: int, scifact: Path) -> list[TrainQuery]:
     """n training queries: SciFact's (first positive kept) when present, else synthetic."""
-    if (SCIFACT / "corpus.jsonl.gz").is_file():
+    if (scifact / "corpus.jsonl.gz").is_file():
         from mlsm.evaluate.beir import read_beir
         from mlsm.evaluate.retrieval_cell import training_queries
 
-        queries = training_queries(read_beir(SCIFACT, "train"))
+        queries = training_queries(read_beir(scifact, "train"))
         return [TrainQuery(t.qid, t.text, t.positives[:1]) for t in queries][:n]
     rng = random.Random(0)
     words = [f"w{i}" for i in range(2000)]
@@ -113,16 +114,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scifact", type=Path, default=SCIFACT, help="BEIR SciFact folder")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (SCIFACT / "corpus.jsonl.gz").is_file():
-        print(f"note: {SCIFACT} absent, synthetic pairs")
+    if not (a.scifact / "corpus.jsonl.gz").is_file():
+        print(f"note: {a.scifact} absent, synthetic pairs")
     from mlsm import hf
     from mlsm.teacher.teacher import default_teacher_path
 
     tok = hf.load_tokenizer(default_teacher_path())  # the packaged MiniLM tokenizer
-    train = pairs(a.steps * a.batch)
+    train = pairs(a.steps * a.batch, a.scifact)
     docs = {t.positives[0][0]: t.positives[0][1] for t in train}
     data = RetrievalPrepared(tok, train, tokenize(tok, [t.text for t in train], a.max_len),
                              dict(zip(docs, tokenize(tok, list(docs.values()), a.max_len),
@@ -135,8 +137,11 @@ def main() -> None:
     wall, cpu = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            ours = run_mlsm(data, model(tok, a.layers, a.hidden).to(dev), cfg, dev)
-            theirs = run_hf(data, model(tok, a.layers, a.hidden).to(dev), cfg, dev, tmp)
+            sides = [lambda: run_mlsm(data, model(tok, a.layers, a.hidden).to(dev), cfg, dev),
+                     lambda: run_hf(data, model(tok, a.layers, a.hidden).to(dev), cfg, dev, tmp)]
+            # the side that runs first in a round alternates (warm-up and order effects cancel)
+            first, second = (sides[0](), sides[1]()) if r % 2 == 0 else (sides[1](), sides[0]())
+            ours, theirs = (first, second) if r % 2 == 0 else (second, first)
             wall.append(theirs[0] / ours[0])
             cpu.append(theirs[1] / ours[1])
             print(f"round {r}: seconds per step wall/CPU: mlsm {ours[0]:.3f}/{ours[1]:.3f}, "

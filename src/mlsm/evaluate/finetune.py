@@ -198,8 +198,13 @@ def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> to
     # No decay on biases and LayerNorm weights (1-D tensors), as in BERT fine-tuning.
     decay = [p for p in params if p.ndim >= 2]
     rest = [p for p in params if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=lr)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    try:  # the fused kernel, as the HF Trainer's default: a step ~6x faster on CPU than the
+        # per-tensor loop (4.3M parameters: 0.11 s vs 0.66 s; benchmarks/README.md)
+        return torch.optim.AdamW(groups, lr=lr, fused=True)
+    except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not take
+        return torch.optim.AdamW(groups, lr=lr)
 
 
 def linear_schedule(opt: torch.optim.Optimizer, total: int,
