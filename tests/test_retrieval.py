@@ -251,6 +251,10 @@ def test_read_beir_resolves_ids_and_keeps_grades(tmp_path: Path) -> None:
     picks = {tuple(pick_positives(queries, s, "beir:toy"))[:2] for s in range(8)}
     assert len(picks) > 1
     assert pick_positives(queries, 3, "beir:toy") == pick_positives(queries, 3, "beir:toy")
+    # qrels without a header: the first line is data, even when its query id reads "query..."
+    (folder / "queries.jsonl").write_text('{"_id": "query1", "text": "cat"}\n')
+    _write(folder / "qrels" / "test.tsv", ["query1\td3\t1"])
+    assert read_beir(folder, "test").qrels == {"query1": {"d3": 1}}
 
 
 @pytest.mark.parametrize("damage, expected", [
@@ -264,6 +268,8 @@ def test_read_beir_resolves_ids_and_keeps_grades(tmp_path: Path) -> None:
     (lambda f: _write(f / "queries.jsonl", ['{"_id": "q1", "text": "a"}', "{oops"]),
      r"queries.jsonl:2 is not JSON"),
     (lambda f: _write(f / "qrels" / "test.tsv", ["query-id\tcorpus-id\tscore", "q16 d16 1"]),
+     r"qrels/test.tsv:2: expected 3 tab-separated columns"),
+    (lambda f: _write(f / "qrels" / "test.tsv", ["query-id\tcorpus-id\tscore", "q16\td16\tinf"]),
      r"qrels/test.tsv:2: expected 3 tab-separated columns"),
 ])
 def test_bad_beir_folder_is_one_line_naming_file_and_line(tmp_path: Path, damage,

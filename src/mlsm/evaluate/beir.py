@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -94,18 +95,22 @@ def _collect(rows: Iterable[tuple[int, dict[str, Any]]], path: str, text: Callab
     return out
 
 
+def _is_grade(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _qrels_rows(path: Path) -> Iterator[tuple[int, str, str, int]]:
     """(line, query id, document id, grade) of a qrels TSV; the header line is skipped."""
     for number, line in _open_text(path):
-        if not line.strip() or (number == 1 and line.lower().startswith("query")):
-            continue
         cols = line.split("\t")
+        if not line.strip() or (number == 1 and not _is_grade(cols[-1])):
+            continue  # BEIR's header; a first line of ids and a grade is data
         if len(cols) == 4:  # TREC qrels: query, iteration, document, grade
             cols = [cols[0], cols[2], cols[3]]
-        try:
-            grade = int(float(cols[2])) if len(cols) == 3 else None
-        except ValueError:
-            grade = None
+        grade = int(float(cols[2])) if len(cols) == 3 and _is_grade(cols[2]) else None
         if grade is None:
             raise UserError(f"{path}:{number}: expected 3 tab-separated columns query-id, "
                             f"corpus-id, score (an integer grade), got {line[:80]!r}")
