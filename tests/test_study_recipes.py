@@ -126,7 +126,7 @@ def test_the_study_passes_every_finetune_setting_through(tmp_path, monkeypatch) 
               "lrs": [3e-5], "epochs": 4, "batch_size": 8, "max_len": 64,
               "max_train_examples": 100, "warmup_ratio": 0.2, "weight_decay": 0.1,
               "fixed_order": True, "clip": 0.0, "eval_test": True, "max_steps": 100,
-              "head": "mean", "val_fraction": 0.1}
+              "head": "mean", "val_fraction": 0.1, "temperature": 0.1}
     defaults = FinetuneSpec()
     # `preset` stands for a set of these values (tests/test_protocol.py checks it reaches finetune)
     assert set(values) == {f.name for f in dataclasses.fields(FinetuneSpec)} - {"preset"}

@@ -217,7 +217,7 @@ def _finetune_grid(a: argparse.Namespace, finetune: Callable) -> Any:
         max_train_examples=a.max_train_examples, device=a.device,
         weight_decay=a.weight_decay, readiness=a.readiness,
         fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
-        report_to=[t for t in a.report_to.split(",") if t],
+        report_to=[t for t in a.report_to.split(",") if t], temperature=a.temperature,
     )
 
 
@@ -524,7 +524,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    "checkpoints (curves in `mlsm report`)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003,"
-                   "squad,squad_v2 (wic_lemma: WiC with the lemma prefixed, ours)")
+                   "squad,squad_v2,scifact,scifact_zeroshot,beir:NAME[_zeroshot] (any BEIR "
+                   "folder); wic_lemma: WiC with the lemma prefixed, ours")
     p.add_argument("--preset", default=None, metavar="NAME",
                    help="a named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md); the flags "
                    "below that you set override its values")
@@ -559,6 +560,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="gradient-norm clipping, 0 = off (default 1.0)")
     p.add_argument("--eval-test", action="store_true",
                    help="also score labelled test splits (CoNLL-2003) as <metric>_test")
+    p.add_argument("--temperature", type=positive_float, default=0.05,
+                   help="InfoNCE temperature of retrieval tasks (default 0.05)")
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--report-to", default="", metavar="TRACKERS",
                    help="comma-separated trackers, one run per cell: tensorboard, wandb, mlflow, "

@@ -304,6 +304,7 @@ class TaskSpec:
     name: str
     # "cls" (first-token classification), "reg" (regression), "token" (per-word tags),
     # "qa" (extractive QA: start/end logits per token, `mlsm.evaluate.qa`)
+    # "retrieval" (a BEIR folder: bi-encoder, mlsm.evaluate.retrieval_cell)
     kind: str
     labels: tuple[str, ...]  # label names by id; empty for regression
     metric: Callable[..., dict[str, float]]
@@ -336,6 +337,28 @@ _SQUAD_SPLITS = {"train": "train", "dev": "validation"}
 def _glue(config: str) -> tuple[tuple[str, str | None], ...]:
     # The Hub's parquet copy first; the old script name works with older `datasets` versions.
     return (("nyu-mll/glue", config), ("glue", config))
+
+
+def _scored_elsewhere(*_: Any) -> dict[str, float]:
+    raise UserError("a retrieval task is scored by mlsm.evaluate.retrieval.ir_metrics")
+
+
+def _not_examples(folder: Path, split: str) -> list[Example]:
+    raise UserError(f"{folder}: a retrieval task has no examples to load; fine-tune it with "
+                    "`mlsm finetune` or read it with mlsm.evaluate.beir.read_beir")
+
+
+def retrieval_task(name: str) -> TaskSpec:
+    """A BEIR retrieval task: fine-tune on qrels/train, score on qrels/test (metrics
+    mlsm.evaluate.retrieval.METRICS); NAME_zeroshot: score the checkpoint as it is."""
+    zero = name.lower().endswith("_zeroshot")
+    base = name[:-len("_zeroshot")] if zero else name
+    hub = ((base, None),) if "/" in base else ()  # an HF dataset path in the BEIR layout
+    folders = (base, base.lower()) if base != base.lower() else (base,)
+    full = name if name in ("scifact", "scifact_zeroshot") else f"beir:{name}"
+    return TaskSpec(full, "retrieval", (), _scored_elsewhere, folders, _not_examples, hub,
+                    _hf_pair("text", None), {"train": "train", "test": "test"},
+                    eval_splits={"": "test"}, train_split="" if zero else "train")
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -394,26 +417,43 @@ TASKS: dict[str, TaskSpec] = {
                          ("squad_v2", "squad_v2.0", "SQuAD2.0", "squad2.0", "SQuAD-v2"),
                          squad_reader("2.0"), (("rajpurkar/squad_v2", None), ("squad_v2", None)),
                          from_hf_row, _SQUAD_SPLITS, row_extras=qa.thresholds_v2),
+    # BEIR SciFact (Wadden et al. 2020; Thakur et al. 2021): dense retrieval, nDCG@10 on test
+    "scifact": retrieval_task("scifact"),
+    "scifact_zeroshot": retrieval_task("scifact_zeroshot"),
 }
 
 
 def get_task(name: str) -> TaskSpec:
-    """The registry entry for ``name`` (case-insensitive; "sst-2" and "sts-b" work too)."""
+    """The registry entry for ``name`` (case-insensitive; "sst-2" and "sts-b" work too).
+
+    ``beir:NAME`` is any BEIR-format retrieval dataset (folder NAME under --data-dir, else HF
+    ``mteb/NAME`` or ``BeIR/NAME``; a NAME with a "/" is an HF dataset path); a ``_zeroshot``
+    suffix evaluates it without fine-tuning."""
+    if name.lower().startswith("beir:") and len(name) > 5:
+        return retrieval_task(name[5:])
     key = name.lower().replace("-", "")
     key = {"squadv2": "squad_v2", "squad2": "squad_v2", "squad_v1": "squad"}.get(key, key)
     if key not in TASKS:
-        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or beir:NAME "
+                        "(a BEIR retrieval folder or HF dataset)")
     return TASKS[key]
 
 
 def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
-    """The folder holding ``spec``'s files: ``data_dir/<TASK>`` or ``data_dir`` itself."""
+    """The folder holding ``spec``'s files: ``data_dir/<TASK>``, ``data_dir`` itself, or
+    ``data_dir/<any>/<TASK>`` (so ``--data-dir ../shared/data`` finds ``glue/CoLA`` and
+    ``scifact`` in one grid)."""
     root = Path(data_dir)
     for name in spec.folders:
         if (root / name).is_dir():
             return root / name
     if root.is_dir() and root.name in spec.folders:
         return root
+    subs = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    for name in spec.folders:
+        for sub in subs:
+            if (sub / name).is_dir():
+                return sub / name
     raise UserError(f"{root}: no folder {' or '.join(spec.folders)} for task {spec.name}; "
                     "point --data-dir at the folder that holds it")
 

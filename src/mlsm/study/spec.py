@@ -132,6 +132,9 @@ class FinetuneSpec:
     eval_test: bool = False
     """Also score tasks with a labelled test split (CoNLL-2003) as <metric>_test; reported beside
     the dev metrics, never in the paired statistics. As `mlsm finetune --eval-test`."""
+    temperature: float = 0.05
+    """InfoNCE temperature of retrieval tasks (scifact, beir:NAME); as `mlsm finetune
+    --temperature` (0.05 = sentence-transformers' scale 20, SimCSE's)."""
     max_steps: int = 0
     """Most optimizer steps per fine-tuning run, whichever of it and `epochs` ends first (0 = no
     cap)."""
@@ -250,6 +253,7 @@ FIELD_CHECKS.update({
     "finetune.clip": _NONNEG,
     "finetune.lrs": (lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
     "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "finetune.temperature": _POS,
     "finetune.max_steps": _NONNEG, "finetune.head": (lambda v: v in ("cls", "mean"), "cls or mean"),
     "finetune.val_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,

@@ -153,6 +153,7 @@ def _finetune(study: Study, arm: str) -> str | None:
              results=study.results, max_train_examples=ft.max_train_examples or None,
              weight_decay=ft.weight_decay,
              fixed_order=ft.fixed_order, clip=ft.clip, eval_test=ft.eval_test,
+             temperature=ft.temperature,
              device="cpu" if study.spec.executor.kind == "local" else "auto",
              report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
     return "skipped" if _rows_of(study, arm) == before else None  # every cell was there
