@@ -159,6 +159,22 @@ def count_step(cfg, fused: bool = True) -> dict[str, int]:
         opt.zero_grad(set_to_none=True)
         return out
 
+    import mlsm.teacher.sparse_coding as sc
+    from mlsm.teacher.active_set_fixed import active_set_fixed
+
+    cpu_solver = sc.active_set  # the lock-step solver CUDA runs (bench_gpu_proxy.py's "after")
+    sc.active_set = lambda c, Gp, lam, tol, max_steps, warm=None: active_set_fixed(
+        c, Gp, lam, tol, warm=warm)
+    try:
+        return _count(step)
+    finally:
+        sc.active_set = cpu_solver
+
+
+def _count(step) -> dict[str, int]:
+    """Profile step(1) and the log line after a warm-up step(0)."""
+    from mlsm.train import loop
+
     step(0)
     counts = {}
     for part in ("step", "log"):
