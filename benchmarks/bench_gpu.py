@@ -89,7 +89,9 @@ def _objective(name: str, paths: dict[str, str]) -> dict[str, object]:
     return {"mlm": {"name": "mlm"},
             "mlsm": {"name": "mlsm", "teacher": paths["teacher"], "layer": int(paths["layer"]),
                      "dictionary": paths["dictionary"]},
-            "mlsm_store": {"name": "mlsm", "targets": paths["targets"]},
+            # the dictionary too: the FLOPs count takes k from it (not from the store's meta)
+            "mlsm_store": {"name": "mlsm", "targets": paths["targets"],
+                           "dictionary": paths["dictionary"]},
             "kd": {"name": "kd", "teacher": paths["teacher"]}}[name]
 
 
@@ -111,17 +113,27 @@ def _config(name: str, paths: dict[str, str], out: Path, a: argparse.Namespace):
     return config_from_dict(base)
 
 
-def _timed(cfg) -> dict[str, float]:
-    """Run `pretrain`; the second metrics line times the steps after the warm-up window."""
+def _timed(cfg, warmup: int) -> dict[str, float]:
+    """Run `pretrain`; time the steps after `warmup` from its metrics lines (each line times the
+    steps since the line before it, `train.log_every` = warmup)."""
     from mlsm.train.loop import pretrain
 
     run = pretrain(cfg)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
     tokens_per_step = cfg.train.batch_size * cfg.data.max_len
-    return {"s_step": tokens_per_step / last["tokens_per_s"], "tok_s": last["tokens_per_s"],
-            "flops_step": last.get("flops_per_step", 0.0),
-            "flops_s": last.get("flops_per_s", 0.0), "mfu": last.get("mfu", float("nan"))}
+    steps = seconds = 0.0
+    for prev, row in zip(rows, rows[1:], strict=False):
+        if prev["step"] >= warmup:
+            window = row["step"] - prev["step"]
+            steps += window
+            seconds += window * tokens_per_step / row["tokens_per_s"]
+    last = rows[-1]
+    flops_step = last.get("flops_per_step", 0.0)
+    flops_s = flops_step * steps / seconds
+    peak = last["flops_per_s"] / last["mfu"] if last.get("mfu") else None  # of all devices
+    return {"s_step": seconds / steps, "tok_s": tokens_per_step * steps / seconds,
+            "flops_step": flops_step, "flops_s": flops_s,
+            "mfu": flops_s / peak if peak else float("nan")}
 
 
 def count_step(cfg, fused: bool = True) -> dict[str, int]:
@@ -242,7 +254,7 @@ def main() -> None:
             cfg = _config(name, paths, Path(tmp) / "runs" / name, a)
             small = cfg if a.tiny else _config(name, paths, Path(tmp) / "n", _small(a))
             c = {**count_step(small), "before": count_step(small, fused=False)["step_kernels"]}
-            r = res[name] = {**_timed(cfg), **c}
+            r = res[name] = {**_timed(cfg, a.warmup), **c}
             print(f"| {name} | {r['s_step']:.4f} | {r['tok_s']:,.0f} | {r['flops_step']:.3g} "
                   f"| {r['flops_s']:.3g} | {r['mfu']:.3f} | {r['step_kernels']} ({r['before']}) "
                   f"| {r['step_syncs']} | {r['log_kernels']} | {r['log_syncs']} |", flush=True)
