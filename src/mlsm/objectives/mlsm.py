@@ -95,12 +95,16 @@ class TargetCoder:
     @torch.no_grad()
     def codes(self, batch: Batch) -> torch.Tensor:
         """Non-negative codes (N, k) of the teacher's states at the selected positions."""
-        with torch.autocast(batch.input_ids.device.type, enabled=False):
-            h = self.teacher.hidden_states(batch.input_ids, batch.attention_mask)  # (B, T, d)
-        x = F.normalize(h[batch.selected].float(), dim=-1)  # (N, d), as the dictionary was learned
-        if self.solver == "fista":
-            return fista(x, self.atoms, self.lam, n_iter=self.fista_iters)
-        return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
+        # The teacher runs in the run's precision (train.precision: its forward is most of the
+        # extra cost of online MLSM); its states are normalised and coded in fp32: the solver's
+        # KKT tolerance (1e-5) is far below bf16's resolution (2^-8), so a bf16 solve would not
+        # find the support the fp32 dictionary defines.
+        h = self.teacher.hidden_states(batch.input_ids, batch.attention_mask)  # (B, T, d)
+        with torch.autocast(batch.input_ids.device.type, enabled=False):  # its matmuls too
+            x = F.normalize(h[batch.selected].float(), dim=-1)  # (N, d), fp32
+            if self.solver == "fista":
+                return fista(x, self.atoms, self.lam, n_iter=self.fista_iters)
+            return sparse_encode(x, self.atoms, self.lam, gram=self.gram)
 
 
 def latent_kl(head: nn.Module, hidden: torch.Tensor, codes: torch.Tensor,

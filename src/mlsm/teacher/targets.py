@@ -423,4 +423,7 @@ class StoredTargets:
         """Codes (N, k) of the selected positions, rows in row-major order of batch.selected."""
         rows, cols = batch.selected.cpu().nonzero(as_tuple=True)  # (N,), (N,)
         chunks = batch.chunks.cpu()[rows].numpy()
-        return self.store.dense(chunks, cols.numpy()).to(batch.input_ids.device)
+        dense = self.store.dense(chunks, cols.numpy())  # (N, k) on the host
+        if batch.input_ids.device.type == "cuda":  # pinned: the copy does not wait for the GPU
+            return dense.pin_memory().to(batch.input_ids.device, non_blocking=True)
+        return dense.to(batch.input_ids.device)

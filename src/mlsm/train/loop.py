@@ -35,6 +35,7 @@ from mlsm.progress import Progress
 from mlsm.runs import readiness_steps
 from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
+from mlsm.train import device as dev
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
 from mlsm.train.signals import StopOnSignal
@@ -72,7 +73,7 @@ def _inputs(cfg: RunConfig) -> dict[str, str]:
 
 
 def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: Path) -> Path:
-    device = _device(cfg.train.device, dist_info)
+    device = dev.resolve_device(cfg.train.device, dist_info)
     tracking.require(cfg.train.report_to, "train.report_to")  # before minutes of loading
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -89,13 +90,16 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
         torch.manual_seed(cfg.train.seed + 1)  # heads an objective adds start the same in every run
         objective.attach(student)
     module = TrainModule(student, objective).to(device).train()  # from_pretrained gives eval mode
-    optimizer = _optimizer(module, cfg)
+    optimizer = _optimizer(module, cfg, device)
+    scaler = dev.grad_scaler(cfg.train.precision, device)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    start = _start_run(run_dir, cfg, resume, module, optimizer, dist_info)
+    start = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler)
+    if cfg.train.compile:
+        dev.compile_student(module)
     model = _wrap_ddp(module, dist_info, device)
     save_steps = _save_steps(cfg)
-    autocast = _autocast(cfg.train.precision, device)
+    autocast = dev.autocast_for(cfg.train.precision, device)
     tokens_per_step = cfg.train.batch_size * cfg.data.max_len
     meter = FlopMeter(None)
     if dist_info.is_main:
@@ -113,12 +117,13 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
             batches = source.micro_batches(step, cfg.train.batch_size, micro, dist_info.rank,
                                            dist_info.world)
             loss, grad_norm, totals = _train_step(model, batches, autocast, device, dist_info,
-                                                  cfg.optim.clip)
+                                                  cfg.optim.clip, (scaler, optimizer))
             if not math.isfinite(loss):
                 raise UserError(f"non-finite loss at step {step}; lower optim.lr or check the data "
                                 "— the last good checkpoint in "
                                 f"{run_dir / 'checkpoints'} is intact")
-            optimizer.step()
+            scaler.step(optimizer)  # = optimizer.step() unless fp16 found inf/NaN gradients
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
             bar.update(1, loss=loss)  # every progress line shows the latest loss
             done = step + 1
@@ -133,11 +138,12 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                               flops)
                 tracker.log({k: v for k, v in record.items() if k != "batch_digest"}, done)
             if done in save_steps:
-                _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps, dist_info)
+                _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler), save_steps,
+                            dist_info)
             if stopper.requested(dist_info, device):
                 if done not in save_steps:
-                    _checkpoint(run_dir, done, cfg, module, tokenizer, optimizer, save_steps,
-                                dist_info)
+                    _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler),
+                                save_steps, dist_info)
                 print(f"stopped by signal after step {done}; continue with --resume auto",
                       flush=True)
                 break
@@ -147,10 +153,16 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
 
 
 def _train_step(model: torch.nn.Module, batches: list, autocast: Any,
-                device: torch.device, info: DistInfo,
-                clip: float) -> tuple[float, float, dict[str, torch.Tensor]]:
+                device: torch.device, info: DistInfo, clip: float,
+                scaling: tuple[torch.amp.GradScaler, torch.optim.Optimizer] | None = None,
+                ) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
     """Forward/backward every micro-batch, then turn the summed gradients into the gradient of
-    the global mean loss. Returns (loss, grad norm, globally summed totals)."""
+    the global mean loss. Returns (loss, grad norm, globally summed totals).
+
+    One host sync per step: the loss, read to stop before a non-finite step reaches the weights.
+    The grad norm stays on the device (read when logged). scaling: (GradScaler, optimizer) for
+    fp16, whose scaled gradients are unscaled before they are averaged and clipped."""
+    scaler, optimizer = scaling or (None, None)
     module = model.module if info.world > 1 else model
     # float64 holds the digest (a sum of < 2^32 CRCs) exactly up to ~2^21 sequences per step
     totals: dict[str, torch.Tensor] = {"batch_digest": torch.zeros((), dtype=torch.float64)}
@@ -158,12 +170,14 @@ def _train_step(model: torch.nn.Module, batches: list, autocast: Any,
         sync = model.no_sync() if info.world > 1 and i < len(batches) - 1 else nullcontext()
         with sync:
             with autocast:
-                out = model(batch.to(device))  # TrainModule: batch -> targets -> student -> loss
-            out.loss_sum.backward()
+                out = model(dev.to_device(batch, device))  # batch -> targets -> student -> loss
+            (scaler.scale(out.loss_sum) if scaler else out.loss_sum).backward()
         _accumulate(totals, out)
         totals["batch_digest"] += batch.digest()
     totals = {k: all_reduce_sum(v.to(device), info) for k, v in totals.items()}
     n_targets = totals["n_targets"].clamp(min=1)
+    if scaler is not None and scaler.is_enabled():
+        scaler.unscale_(optimizer)
     grad_norm = _finish_gradients(module, n_targets, info, clip)
     return (totals["loss_sum"] / n_targets).item(), grad_norm, totals
 
@@ -177,31 +191,8 @@ def _require(value: str, key: str) -> str:
     return value
 
 
-def _device(pref: str, info: DistInfo) -> torch.device:
-    if pref == "auto":
-        pref = "cuda" if torch.cuda.is_available() else "cpu"
-    if pref == "cuda" and info.world > 1:
-        pref = f"cuda:{info.local_rank}"
-    if pref.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
-    return torch.device(pref)
-
-
-def _autocast(precision: str, device: torch.device) -> Any:
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        precision = "bf16" if bf16 else "fp32"
-    if precision == "fp32":
-        return nullcontext()
-    if precision == "fp16" and device.type != "cuda":
-        raise UserError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in dtypes:
-        raise UserError(f"train.precision={precision!r} is unknown; use auto, fp32, bf16 or fp16")
-    return torch.autocast(device.type, dtype=dtypes[precision])
-
-
-def _optimizer(module: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def _optimizer(module: torch.nn.Module, cfg: RunConfig,
+               device: torch.device | None = None) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as in BERT."""
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -209,7 +200,7 @@ def _optimizer(module: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                             eps=cfg.optim.eps)
+                             eps=cfg.optim.eps, **dev.adamw_options(device or torch.device("cpu")))
 
 
 def _wrap_ddp(module: TrainModule, info: DistInfo, device: torch.device) -> torch.nn.Module:
@@ -229,15 +220,14 @@ def _accumulate(totals: dict[str, torch.Tensor], out: Any) -> None:
 
 
 def _finish_gradients(module: torch.nn.Module, n_targets: torch.Tensor, info: DistInfo,
-                      clip: float) -> float:
+                      clip: float) -> torch.Tensor:
     """Turn accumulated gradients of loss sums into the gradient of the global mean; clip."""
     scale = info.world / n_targets  # DDP already averaged over ranks: undo that, divide by N
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     torch._foreach_mul_(grads, scale.to(grads[0].device))
     if clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip))
-    return float(torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 def _save_steps(cfg: RunConfig) -> set[int]:
@@ -256,7 +246,8 @@ _SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None,
 
 
 def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainModule,
-               optimizer: torch.optim.Optimizer, info: DistInfo) -> int:
+               optimizer: torch.optim.Optimizer, info: DistInfo,
+               scaler: torch.amp.GradScaler | None = None) -> int:
     """Create or re-open the run directory; on resume restore state and return the next step.
 
     Nothing in run_dir is written before the resume is validated (same run, intact checkpoint)."""
@@ -275,6 +266,8 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
             raise UserError(f"the optimizer state of {folder} does not fit this model "
                             f"({first_line(exc)}); resume with the config the run was started "
                             "with") from None
+        if scaler is not None and scaler.is_enabled() and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])  # fp16: the loss scale it had reached
         step = int(state["step"])
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
@@ -441,9 +434,13 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, tokenizer: Any,
-                optimizer: torch.optim.Optimizer, save_steps: set[int], info: DistInfo) -> None:
+                optimizers: tuple[torch.optim.Optimizer, torch.amp.GradScaler],
+                save_steps: set[int], info: DistInfo) -> None:
     if info.is_main:
+        optimizer, scaler = optimizers
         state = {"step": step, "optimizer": optimizer.state_dict()}
+        if scaler.is_enabled():
+            state["scaler"] = scaler.state_dict()
         readiness = step / cfg.train.steps
         meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name,
                 "run": str(run_dir),
@@ -474,12 +471,13 @@ def _open_tracker(cfg: RunConfig, run_dir: Path, info: DistInfo,
                                  resume_step=resumed_from)
 
 
-def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: float, tps: float,
+def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: Any, tps: float,
          totals: dict[str, torch.Tensor], tokens_per_step: int,
          extra: dict[str, float] | None = None) -> dict[str, Any]:
     """Append one metrics.jsonl line; returns the record (for the trackers)."""
     n = totals["n_targets"].clamp(min=1)
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+              "tokens_per_s": tps,
               "tokens": step * tokens_per_step, "n_targets": int(totals["n_targets"]),
               "batch_digest": int(totals["batch_digest"])}
     record.update({k: (v / n).item() for k, v in totals.items()
