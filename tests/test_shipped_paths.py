@@ -70,7 +70,7 @@ def test_relative_paths_in_a_user_study_file(tmp_path, monkeypatch) -> None:
     assert load_study(folder / "study.yaml", out="elsewhere").out == "elsewhere"  # --out: as typed
 
 
-def test_results_rows_inside_the_results_folder_are_written_relative(tmp_path) -> None:
+def test_results_rows_inside_the_results_folder_are_written_relative(tmp_path, monkeypatch) -> None:
     results = tmp_path / "study" / "results.jsonl"
     inside, outside = tmp_path / "study" / "runs" / "a" / "step-1", tmp_path / "elsewhere"
     append_results(results, [{"path": str(inside), "run": str(inside.parent), "value": 1.0},
@@ -78,3 +78,8 @@ def test_results_rows_inside_the_results_folder_are_written_relative(tmp_path) -
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert rows[0]["path"] == "runs/a/step-1" and rows[0]["run"] == "runs/a"
     assert rows[1]["path"] == str(outside) and rows[1]["run"] is None
+    # a relative path is the working folder's: inside the results folder it is rewritten too
+    monkeypatch.chdir(tmp_path)
+    append_results(results, [{"path": "study/runs/b", "run": "elsewhere/x", "value": 3.0}])
+    last = json.loads(results.read_text().splitlines()[-1])
+    assert last["path"] == "runs/b" and last["run"] == "elsewhere/x"

@@ -501,7 +501,8 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     (out / "readouts").mkdir()
     for run, v in values.items():
         (out / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
-            {"model": f"{run}@100%", "kind": "masked", "task": "heldout", "metric": "top1",
+            {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
+             "metric": "top1",
              "value": v, "control": 0.05}) + "\n")
     run_study(load_study(path), stages=["report"], log=lambda s: None)
     report = (out / "report.md").read_text()

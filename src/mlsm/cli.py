@@ -265,14 +265,16 @@ def _blimp(a: argparse.Namespace) -> None:
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
     check_output_folder(a.out, "--out", {"blimp.md", "blimp.json"}.__contains__,
                         {"blimp.md": BLIMP_HEADING})
-    control = _unigram_control(a.model, a.unigram)
     model, tokenizer = load_scorer(a.model, device=a.device)
+    control = _unigram_control(a.model, a.unigram)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
                             limit_per_phenomenon=a.limit, variant=a.variant,
                             token_budget=a.token_budget, progress=None, control=control,
                             max_sentence_chars=a.max_sentence_chars)
     paths = write_blimp_report(result, a.out)
-    unigram = f"; unigram control {100 * result['control']['overall']:.1f}%" if control else ""
+    unigram = (f"; unigram control {100 * result['control']['overall']:.1f}%" if control
+               else "; no unigram control" + ("" if a.unigram == "none" else
+                                               " (no pre-training store known: --unigram STORE)"))
     print(f"BLiMP overall {100 * result['overall']:.1f}% over {result['n_phenomena']} phenomena "
           f"({result['n_pairs']} pairs){unigram} -> {paths['markdown']}")
 
@@ -289,9 +291,7 @@ def _unigram_control(model: str, store: str) -> object | None:
         return UnigramControl.from_store(store)
     try:
         return UnigramControl.from_store(train_store(resolve_checkpoint(model), ReadoutSpec()))
-    except UserError:  # an HF folder: no store known
-        print("mlsm blimp: no unigram control (no pre-training store known; pass --unigram STORE)",
-              file=sys.stderr)
+    except UserError:  # an HF folder: no store known (the summary line says so)
         return None
 
 

@@ -94,7 +94,7 @@ def portable_row(row: dict[str, Any], folder: Path) -> dict[str, Any]:
     base = Path(os.path.abspath(folder))
     for key in ("path", "run"):
         value = out.get(key)
-        if isinstance(value, str) and Path(value).is_absolute():
+        if isinstance(value, str) and value:  # relative ones are relative to the working folder
             inside = Path(os.path.abspath(value))
             if inside == base or base in inside.parents:
                 out[key] = inside.relative_to(base).as_posix() or "."
