@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # forward and backward) and, for MLSM online, the solver's one sync.
 SYNCS_PER_STEP = {"mlm": 4, "mlsm": 12, "mlsm_store": 8, "kd": 6}
 # online MLSM's count depends on the codes the tiny set-up produces (a re-solve adds syncs): the
-# deterministic paths are bounded exactly, this one from below (issue #38 keeps it open)
+# deterministic paths are bounded exactly, this one from below (the re-solve is real on a GPU too)
 DATA_DEPENDENT = {"mlsm"}
 SYNCS_PER_LOG = 8  # the metrics line of every train.log_every steps reads each metric
 
