@@ -119,7 +119,7 @@ def test_one_trainer_step_is_one_pretrain_step(name, store_dir, teacher_dir, dic
         a, b = load_file(mine / file), load_file(theirs / file)
         assert a.keys() == b.keys(), file
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+            _same_update(a[key], b[key], key)
     info = json.loads((mine / "checkpoint.json").read_text())
     assert (info["step"], info["objective"], info["readiness"]) == (1, name, 1.0)
 
@@ -197,3 +197,15 @@ def test_example_script_runs(store_dir, tokenizer_dir, teacher_dir, dictionary_p
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "checkpoint.json").is_file() and (out / "heads.safetensors").is_file()
+
+
+def _same_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
+    """Weights after one AdamW step: equal (rtol 1e-5, atol 1e-6) except where the gradient sits
+    at the noise floor. Adam's first step moves each weight by about lr * g / (|g| + eps), so a
+    gradient of ~1e-7 (an unused position's) that the two sides reduce in another order can move
+    by up to lr: allow that on at most 0.1 % of a tensor's elements, never more than 2 lr. A
+    different lr, weight decay or eps moves almost every element, and fails."""
+    diff = (a.float() - b.float()).abs()
+    loose = diff > 1e-6 + 1e-5 * b.float().abs()
+    assert int(loose.sum()) <= max(1, a.numel() // 1000), (key, int(loose.sum()), a.numel())
+    assert float(diff.max()) <= 2 * LR, (key, float(diff.max()))
