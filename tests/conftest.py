@@ -241,3 +241,15 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
     b = load_file(other / final / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a), (
         "a run resumed from a perturbed checkpoint ended unchanged")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models run faster on one torch thread, much faster when the CPU is shared; used by
+    test modules as `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

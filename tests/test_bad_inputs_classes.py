@@ -1040,6 +1040,43 @@ def test_rank_looks_for_its_text_before_loading_the_model(teacher_dir: Path,
     assert not (tmp_path / "r").exists()
 
 
+
+# ------------------------------------------------------- the verbs and formats added 2026-11-26
+
+
+def _paths_score_out_is_the_input(tmp, fix):
+    text = _write(tmp / "in.txt", "the cat sat .\n")
+    return (["score", str(fix["teacher_dir"]), str(text), "--out", str(text)], [text],
+            "is the input INPUT")
+
+
+def _content_score_jsonl_line_not_json(tmp, fix):
+    text = _write(tmp / "in.jsonl", '{"text": "a b"}\nnot json\n')
+    return (["score", str(fix["teacher_dir"]), str(text), "--out", str(tmp / "o.jsonl")], [text],
+            "in.jsonl:2 is not JSON")
+
+
+def _consistency_finetune_qrels_name_a_missing_document(tmp, fix):
+    folder = tmp / "beir" / "scifact"
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\nq1\td9\t1\n")
+    results = _write(tmp / "results.jsonl", "")
+    return (["finetune", str(fix["teacher_dir"]), "--tasks", "scifact_zeroshot", "--data-dir",
+             str(tmp / "beir"), "--results", str(results)], [folder, results],
+            "test.tsv:2: corpus-id 'd9' is not in corpus.jsonl")
+
+
+def _consistency_finetune_squad_answer_not_at_its_offset(tmp, fix):
+    article = {"title": "T", "paragraphs": [{"context": "The cat sat on the mat.", "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "mat", "answer_start": 3}]}]}]}
+    folder = tmp / "data" / "squad_v1.1"
+    _write(folder / "dev-v1.1.json", json.dumps({"data": [article]}))
+    _write(folder / "train-v1.1.json", json.dumps({"data": [article]}))
+    results = _write(tmp / "results.jsonl", "")
+    return (["finetune", str(fix["teacher_dir"]), "--tasks", "squad", "--data-dir",
+             str(tmp / "data"), "--results", str(results)], [folder, results], "question q1")
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
 

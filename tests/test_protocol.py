@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +28,7 @@ from mlsm.evaluate.stats import SELECTED_LR, append_results, compare_runs, read_
 from mlsm.evaluate.tasks import get_task, load_task
 from tests.test_finetune import _bert, _keyword_sst2
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

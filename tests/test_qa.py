@@ -7,7 +7,6 @@ import gzip
 import itertools
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +50,7 @@ WORDS = ["river", "stone", "castle", "green", "music", "winter", "garden", "silv
 NAMES = ["anna", "boris", "clara", "dmitri", "elena", "felix", "greta", "hugo"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- metrics

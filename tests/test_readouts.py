@@ -17,13 +17,7 @@ from mlsm.evaluate.blimp import evaluate_blimp, phenomenon_tests
 from mlsm.evaluate.unigram import UnigramControl, pair_credit
 from tests.conftest import make_text
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_unigram_scores_are_the_add_one_count_formula(store_dir) -> None:

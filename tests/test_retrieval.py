@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,7 @@ from mlsm.evaluate.stats import compare_runs, read_results
 from mlsm.evaluate.tasks import get_task, task_folder
 from tests.conftest import _WORDS, SHARED
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------- metrics by hand
