@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from mlsm.artifacts import fingerprint
 from mlsm.cli import main
 from mlsm.data import shards, sources
 from mlsm.data.corpus import TokenStore, prepare_corpus
@@ -231,23 +232,23 @@ def test_legacy_store_is_reused_and_upgraded(tokenizer_dir: Path, tmp_path: Path
 
 
 def test_large_files_are_sampled_head_tail_and_middle(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(sources, "HASH_WHOLE_BELOW", 1000)
-    monkeypatch.setattr(sources, "EDGE_BYTES", 100)
-    monkeypatch.setattr(sources, "SAMPLE_BYTES", 10)
-    monkeypatch.setattr(sources, "SAMPLES", 4)
+    monkeypatch.setattr(fingerprint, "HASH_WHOLE_BELOW", 1000)
+    monkeypatch.setattr(fingerprint, "EDGE_BYTES", 100)
+    monkeypatch.setattr(fingerprint, "SAMPLE_BYTES", 10)
+    monkeypatch.setattr(fingerprint, "SAMPLES", 4)
     data = np.random.default_rng(0).integers(97, 123, 5000, dtype=np.uint8).tobytes()
     path = tmp_path / "big.txt"
     path.write_bytes(data)
-    base = sources.content_digest(path)
+    base = fingerprint.content_digest(path)
     assert base.startswith("sampled:")
     step = (5000 - 2 * 100 - 10) // 5
     for at in (0, 4999, 100 + step + 3, 100 + 4 * step + 9):  # head, tail, first and last sample
         changed = bytearray(data)
         changed[at] ^= 1
         path.write_bytes(bytes(changed))
-        assert sources.content_digest(path) != base, at
+        assert fingerprint.content_digest(path) != base, at
     path.write_bytes(data)
-    assert sources.content_digest(path) == base
+    assert fingerprint.content_digest(path) == base
 
 
 def test_a_script_without_main_guard_can_prepare(shards_dir, tokenizer_dir: Path,

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from mlsm.artifacts.fingerprint import content_digest
 from mlsm.data.shards import Unit, unit_documents
 from mlsm.errors import UserError
 from mlsm.inputs import real_path
@@ -32,9 +33,6 @@ UNIT_BYTES = 1 << 20  # a unit ends after this many raw bytes (or `chunk_docs` l
 READ_BYTES = 1 << 20  # bytes read (after gunzip) at a time
 # A line holding only ASCII whitespace (what bytes.strip() removes), complete: "\n" both sides.
 _BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
-HASH_WHOLE_BELOW = 64 << 20  # files up to this size are hashed whole
-EDGE_BYTES = 1 << 20  # larger files: their head and tail ...
-SAMPLES, SAMPLE_BYTES = 62, 64 << 10  # ... and this many blocks spread evenly in between
 
 
 def resolve_paths(source: str) -> list[Path]:
@@ -208,25 +206,6 @@ def iter_documents(sources: list[str], text_field: str = "text",
 
 
 # --------------------------------------------------------------------------- fingerprints
-
-
-def content_digest(path: Path) -> str:
-    """sha256 of the file's bytes when it is small; else of its head, tail and evenly spread
-    sampled blocks (a fixed ~6 MiB whatever the size, so a 100 GB corpus costs no full read)."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        if size <= HASH_WHOLE_BELOW:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-            return h.hexdigest()
-        step = (size - 2 * EDGE_BYTES - SAMPLE_BYTES) // (SAMPLES + 1)
-        spans = [(0, EDGE_BYTES), (size - EDGE_BYTES, EDGE_BYTES)]
-        spans += [(EDGE_BYTES + (i + 1) * step, SAMPLE_BYTES) for i in range(SAMPLES)]
-        for offset, length in spans:
-            fh.seek(offset)
-            h.update(fh.read(length))
-    return "sampled:" + h.hexdigest()
 
 
 def _per_file(sources: list[str], describe: Callable[[Path], list[Any]]) -> list[Any]:
