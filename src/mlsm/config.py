@@ -295,7 +295,8 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
 
 def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones, wrong
-    types, and values outside a field's range (`FIELD_CHECKS`)."""
+    types, and values outside a field's range: the one declared beside the field,
+    `field(..., metadata={"check": (predicate, "what it must be")})`, else `FIELD_CHECKS`."""
     if not isinstance(values, dict):
         raise UserError(f"{where} must be a mapping of keys to values (e.g. "
                         f"{where}.KEY=VALUE), got {values!r}")
@@ -308,8 +309,9 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
             f"{where}: {', '.join(names) or '(none)'}"
         )
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
+    declared = {f.name: f.metadata.get("check") for f in dataclasses.fields(cls)}
     for key, value in kwargs.items():
-        check = FIELD_CHECKS.get(f"{where}.{key}")
+        check = declared[key] or FIELD_CHECKS.get(f"{where}.{key}")
         if check is not None and not check[0](value):
             raise UserError(f"{where}.{key} must be {check[1]}, got {value!r}")
     return cls(**kwargs)
