@@ -99,7 +99,7 @@ def _config(name: str, paths: dict[str, str], out: Path, a: argparse.Namespace):
     """The run config: configs/hitchhiker/<objective>.yaml's student and optimiser, this shape."""
     import yaml
 
-    from mlsm.config import config_from_dict
+    from mlsm.run_config import config_from_dict
 
     base = yaml.safe_load((ROOT / "configs/hitchhiker/mlm.yaml").read_text())
     base["objective"] = _objective(name, paths)

@@ -135,7 +135,7 @@ def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3,
 @pytest.fixture(scope="session")
 def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store."""
-    from mlsm.config import load_config
+    from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
     out = tmp_path_factory.mktemp("teacher") / "run"
@@ -204,7 +204,7 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
     import torch
     from safetensors.torch import load_file
 
-    from mlsm.config import load_config
+    from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
     cfg = lambda out: load_config(  # noqa: E731

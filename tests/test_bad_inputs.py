@@ -207,11 +207,11 @@ def _loaders(good: Path) -> dict:
     from mlsm.data.corpus import load_tokenizer as corpus_tokenizer
     from mlsm.evaluate.finetune import _load_backbone
     from mlsm.evaluate.finetune import load_tokenizer as finetune_tokenizer
-    from mlsm.evaluate.flops import teacher_shape_config
     from mlsm.evaluate.pll import load_masked_lm
     from mlsm.evaluate.probe import load_scorer
     from mlsm.evaluate.rank import load_encoder
     from mlsm.evaluate.tasks import get_task
+    from mlsm.flops import teacher_shape_config
     from mlsm.hf import load_config, load_model, load_tokenizer
     from mlsm.models.backbone import _from_scratch_config, build_student
     from mlsm.objectives.kd import has_mlm_head

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM
 
 from mlsm.cli import main
-from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
@@ -20,6 +20,7 @@ from mlsm.models.backbone import Student, build_student
 from mlsm.models.heads import check_scored_by_pll
 from mlsm.objectives import OBJECTIVES, Context, build_objective, forward_step
 from mlsm.objectives.clm import causal_encode, next_token_targets
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides

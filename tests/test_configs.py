@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.config import load_config
 from mlsm.objectives import INTERNAL, OBJECTIVES
+from mlsm.run_config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 

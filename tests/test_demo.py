@@ -121,9 +121,9 @@ def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_
     """A scorer that predicts the training store's unigram distribution scores exactly the
     reported unigram baseline on the same targets (loss, top-1, p = 1): the baseline is computed
     on the targets the model is scored on."""
-    from mlsm.config import config_from_dict
     from mlsm.data.corpus import TokenStore
     from mlsm.evaluate.probe_fit import unigram_log_probs
+    from mlsm.run_config import config_from_dict
     from mlsm.study.stages import heldout_masked_tokens
     from mlsm.train.loop import pretrain
     from tests.conftest import TINY_MODEL

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import load_config
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides

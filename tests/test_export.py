@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM
 
 from mlsm.cli import main
-from mlsm.config import load_config
 from mlsm.errors import UserError
 from mlsm.evaluate.probe import ProbeScorer, run_probe
 from mlsm.export import export_checkpoint, push_to_hub
+from mlsm.run_config import load_config
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.targets import dictionary_hash
 from mlsm.train.loop import pretrain

@@ -12,7 +12,7 @@ import yaml
 from transformers import AutoModel, AutoTokenizer
 
 from mlsm.cli import main
-from mlsm.config import load_config
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 from tests.conftest import tiny_overrides
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import load_config
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.loop import pretrain
 

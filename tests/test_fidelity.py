@@ -137,7 +137,7 @@ def test_hitchhiker_recipes_are_the_papers_setting() -> None:
 
     from transformers import AutoConfig
 
-    from mlsm.config import load_config
+    from mlsm.run_config import load_config
 
     root = Path(__file__).resolve().parents[1] / "configs" / "hitchhiker"
     for name in ("mlm", "kd", "mlsm", "mtl"):

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import load_config
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.train import device as dev
 from mlsm.train import loop
 from mlsm.train.loop import pretrain

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import DataConfig, load_config
+from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.models.backbone import build_student
+from mlsm.run_config import load_config
 from mlsm.train import loop
 from mlsm.train.loop import pretrain
 from tests.conftest import TINY_MODEL, read_metrics, tiny_overrides

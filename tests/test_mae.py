@@ -11,13 +11,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel
 
-from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import build_student
 from mlsm.models.mae import DECODER, split_encoder_input
 from mlsm.objectives import Context, build_objective, forward_step
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides

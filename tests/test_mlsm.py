@@ -11,12 +11,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModel
 
-from mlsm.config import DataConfig, load_config
+from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.heads import LatentHead
 from mlsm.objectives import Context, build_objective, forward_step
+from mlsm.run_config import load_config
 from mlsm.teacher.sparse_coding import kkt_violation
 from mlsm.train.loop import pretrain
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
@@ -23,6 +23,7 @@ from mlsm.models.backbone import build_student
 from mlsm.models.heads import LatentHead
 from mlsm.objectives import INTERNAL, OBJECTIVES, Context, Objective, build_objective
 from mlsm.objectives.base import forward_step
+from mlsm.run_config import load_config
 
 from .conftest import TINY_MODEL, tiny_overrides
 
@@ -112,7 +113,7 @@ def test_declarations_match_what_the_objective_does(
     # latent_head: the head the probe reads (by this name) is one that predicts them
     assert not cls.predicts_latent or cls.latent_head in latent, (name, cls.latent_head, latent)
     # flops_row: a row of `mlsm flops`'s table for this run, or none
-    from mlsm.evaluate.flops import flops_for_run
+    from mlsm.flops import flops_for_run
     from mlsm.throughput import flops_row_of
 
     overrides = {"objective.name": name} if name in TEACHERLESS else {
@@ -211,7 +212,7 @@ def test_pll_refusal_iff_a_head_reads_a_decoder_or_the_encoder_trains_causally(
 def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(
     store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
 ) -> None:
-    from mlsm.evaluate.flops import flops_for_run
+    from mlsm.flops import flops_for_run
 
     overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
                  "objective.dictionary": str(dictionary_path)}

@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from mlsm import cli
-from mlsm.config import config_from_dict, load_config, save_config
+from mlsm.config import save_config
+from mlsm.run_config import config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))

@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, build_objective, forward_step
+from mlsm.run_config import load_config
 from mlsm.teacher.sparse_coding import objective as lasso_objective
 from mlsm.teacher.sparse_coding import sparse_encode
 from mlsm.train.loop import pretrain

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.config import DataConfig, ModelConfig, load_config
+from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.pll import score_pll
@@ -18,6 +18,7 @@ from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule
 from mlsm.objectives.probe import Probe, ProbeConfig
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import TINY_MODEL, tiny_overrides

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlsm.config import load_config
 from mlsm.evaluate.probe import load_scorer
 from mlsm.evaluate.probe_fit import heldout_steps, train_probe_to_plateau
 from mlsm.objectives.probe import probe_input
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides
@@ -89,7 +89,7 @@ def test_exported_probe_scores_what_was_measured(
     cfg = json.loads((mlsm_ckpt / "checkpoint.json").read_text())["config"]
     store = TokenStore.open(store_dir)
     tok = store.load_tokenizer()
-    from mlsm.config import config_from_dict
+    from mlsm.run_config import config_from_dict
 
     source = BatchSource(store, config_from_dict(cfg).data, tok)
     loss, n = 0.0, 0
@@ -204,10 +204,10 @@ def test_probe_fit_equals_a_plain_adam_reference(mlsm_ckpt: Path, store_dir: Pat
     import numpy as np
     from transformers import AutoModel
 
-    from mlsm.config import config_from_dict
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.models.heads import read_latent_head
+    from mlsm.run_config import config_from_dict
 
     lr, G, every = 0.2, 8, 4
     info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "probe", inputs=("probs",), lr=lr,

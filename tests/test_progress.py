@@ -89,7 +89,7 @@ def test_long_jobs_report_through_progress(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """pretrain and dictionary learning print their lines on a redirected stderr."""
-    from mlsm.config import load_config
+    from mlsm.run_config import load_config
     from mlsm.teacher.dictionary import learn_atoms
     from mlsm.train.loop import pretrain
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import get_linear_schedule_with_warmup, get_wsd_schedule
 
-from mlsm.config import OptimConfig, load_config
+from mlsm.config import OptimConfig
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 from mlsm.train.schedule import lr_factor
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlsm.config import config_to_dict, load_config
+from mlsm.config import config_to_dict
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.study.runner import Study
 from mlsm.study.spec import FinetuneSpec, load_study
 

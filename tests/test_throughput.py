@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlsm.config import load_config
-from mlsm.evaluate.flops import flops_for_run
+from mlsm.flops import flops_for_run
 from mlsm.models.backbone import build_student
+from mlsm.run_config import load_config
 from mlsm.throughput import FlopMeter, peak_from_name
 from mlsm.train.loop import pretrain
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.config import TRACKERS, load_config
+from mlsm.config import TRACKERS
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.tracking import BACKENDS, open_tracker, require
 from mlsm.train.loop import pretrain
 
@@ -285,7 +286,7 @@ def test_a_resumed_mlflow_run_is_the_same_run_with_each_step_once(
 _TRACKIO_RESUME_SCRIPT = """
 import json, shutil, sys
 from pathlib import Path
-from mlsm.config import load_config
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 cfg = load_config(None, json.loads(sys.argv[1]))
 run = pretrain(cfg)

@@ -10,8 +10,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mlsm.config import load_config
 from mlsm.errors import UserError
+from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
 from .conftest import check_resume, overfit_losses, tiny_overrides

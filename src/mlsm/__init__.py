@@ -15,8 +15,8 @@ _API = {
     "prepare_corpus": "mlsm.data.corpus",
     "TokenStore": "mlsm.data.corpus",
     "train_tokenizer": "mlsm.data.tokenizer",
-    "load_config": "mlsm.config",
-    "RunConfig": "mlsm.config",
+    "load_config": "mlsm.run_config",
+    "RunConfig": "mlsm.run_config",
     "pretrain": "mlsm.train.loop",
     "learn_dictionary": "mlsm.teacher.dictionary",
     "load_dictionary": "mlsm.teacher.dictionary",
@@ -29,7 +29,7 @@ _API = {
     "score_pll": "mlsm.evaluate.pll",
     "evaluate_blimp": "mlsm.evaluate.blimp",
     "run_probe": "mlsm.evaluate.probe",
-    "flops_table": "mlsm.evaluate.flops",
+    "flops_table": "mlsm.flops",
     "UserError": "mlsm.errors",
 }
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mlsm.config import INT_LIMIT
-from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER
+from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER, lam_range
 from mlsm.errors import Incomplete, UserError
 from mlsm.inputs import check_apart, check_output_folder
 from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
@@ -69,6 +69,15 @@ def non_negative_float(text: str) -> float:
     value = _number(text, float)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def lam_value(text: str) -> float:
+    """A sparse-coding λ, in the range `mlsm.defaults.lam_range` declares."""
+    value = _number(text, float)
+    ok, what = lam_range()
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
 
 
@@ -184,7 +193,7 @@ def _train_tokenizer(a: argparse.Namespace) -> None:
 
 
 def _pretrain(a: argparse.Namespace) -> None:
-    from mlsm.config import load_config
+    from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
     run = pretrain(load_config(a.config, a.overrides), resume=a.resume)
@@ -396,8 +405,8 @@ def _targets(a: argparse.Namespace) -> None:
 
 
 def _flops(a: argparse.Namespace) -> None:
-    from mlsm.config import load_config
-    from mlsm.evaluate.flops import flops_for_run, format_table
+    from mlsm.flops import flops_for_run, format_table
+    from mlsm.run_config import load_config
 
     cfg = load_config(a.config, a.overrides)
     rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size,
@@ -740,7 +749,7 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
                    f"default {TEACHER_LAYER})")
     p.add_argument("--k", type=positive_int, default=None,
                    help=f"number of atoms (default: {ATOMS_PER_DIM} x hidden size)")
-    p.add_argument("--lam", type=positive_float, default=LAM,
+    p.add_argument("--lam", type=lam_value, default=LAM,
                    help=f"lambda of the l1 penalty (default {LAM})")
     p.add_argument("--n-vectors", type=positive_int, default=2_000_000,
                    help="teacher states to collect")

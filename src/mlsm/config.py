@@ -1,26 +1,28 @@
-"""Run configuration as documented data.
+"""The run configuration's schema, as documented data.
 
-A run is described by five groups of plain dataclasses (data, model, objective, optim, train).
-Recipes are YAML files in `configs/`; command-line overrides are `group.key=value` pairs whose
-values are parsed as YAML. Every field has a docstring right below it. The objective group is a
-tagged union: `objective.name` picks one of the objective `Config` dataclasses registered in
-`OBJECTIVE_CONFIGS`, and the remaining keys are validated against it and defaulted, so a resolved
-config (and the config.yaml of a run) holds every option of its objective.
+A run is described by five groups (data, model, objective, optim, train). This module holds the
+four fixed groups' dataclasses, each field with its docstring right below it and its range beside
+it (`ranged(default, (predicate, "what it must be"))`), and the tools every config-shaped file
+uses: `build_dataclass` (unknown keys, types and ranges, one line each), `group.key=value`
+overrides, YAML, the resolved config's YAML and the machine/git description of a result.
 
-This module imports no objective: `mlsm.objectives` registers its configs here
-(`register_objective`), and `resolve_objective` imports `mlsm.objectives` when it first needs the
-registry (at config load), so there is no import cycle between the two.
+It is a leaf: it imports no objective, lazily or not, and keeps no registry that others fill. The
+objective group is a tagged union of the objectives' own `Config`s; it is resolved above the
+objectives (`mlsm.objectives.resolve_objective`), and a whole run's config is typed and loaded by
+`mlsm.run_config` (`load_config`, `config_from_dict`, `RunConfig`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import re
 import subprocess
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,18 +33,43 @@ from mlsm import inputs
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 
+Check = tuple[Callable[[Any], bool], str]
+"""A field's range: a predicate on its type-checked value and what the value must be."""
+
+POSITIVE: Check = (lambda v: v > 0, "positive")
+NON_NEGATIVE: Check = (lambda v: v >= 0, "0 or more")
+UNIT: Check = (lambda v: 0 <= v <= 1, "between 0 and 1")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACKENDS (test_tracking)
+INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
+
+
+def ranged(default: Any, check: Check) -> Any:
+    """A dataclass field with its range beside it: `build_dataclass` (and `check_fields`) refuse a
+    value for which `check[0]` is false, in one line saying it must be `check[1]`. A list or dict
+    default is copied for each instance."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+def field_check(f: dataclasses.Field) -> Check | None:
+    """The range declared beside a dataclass field (None when it has none)."""
+    return f.metadata.get("check")
+
 
 @dataclass
 class DataConfig:
     store: str = ""
     """Token store directory written by `mlsm prepare`."""
-    max_len: int = 128
+    max_len: int = ranged(128, (lambda v: v >= 4, "at least 4 (special tokens included)"))
     """Sequence length in tokens, special tokens included."""
     seed: int = 0
     """Data seed: sequence order and selected positions depend on it and the step only."""
-    mask_rate: float = 0.15
+    mask_rate: float = ranged(0.15, (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"))
     """Fraction of (non-special) tokens selected for prediction."""
-    mask_split: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])
+    mask_split: list[float] = ranged(
+        [0.8, 0.1, 0.1], (lambda v: len(v) == 3 and min(v) >= 0 and abs(sum(v) - 1) < 1e-6,
+                          "three non-negative fractions [mask, random, keep] that sum to 1"))
     """How selected tokens are corrupted: [MASK] / random token / unchanged (must sum to 1)."""
     exact_count: bool = False
     """false = each non-special token selected with probability mask_rate (BERT; the official
@@ -61,173 +88,90 @@ class ModelConfig:
     """Model folder to continue pre-training from (weights loaded); empty = from scratch."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Config fields to override, e.g. {hidden_size: 256, num_hidden_layers: 4}."""
-    max_params: float = 2e10
+    max_params: float = ranged(2e10, POSITIVE)
     """Refuse to build a from-scratch model of more parameters than this, estimated from its
     config before anything is built (a config claiming 20,000 layers built for minutes)."""
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
+    lr: float = ranged(1e-4, NON_NEGATIVE)
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.01
+    weight_decay: float = ranged(0.01, NON_NEGATIVE)
     """AdamW weight decay; not applied to biases and LayerNorm weights."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = ranged([0.9, 0.999], (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+                                               "two numbers in [0, 1)"))
     """AdamW betas."""
-    eps: float = 1e-6
+    eps: float = ranged(1e-6, POSITIVE)
     """AdamW epsilon (1e-6 as BERT/RoBERTa pre-training; torch's default 1e-8 is what the official
     MLSM code uses, and the hitchhiker recipes set it)."""
-    schedule: str = "linear"
+    schedule: str = ranged("linear", (lambda v: v in ("linear", "wsd"), "linear or wsd"))
     """`linear` (warmup then linear decay to min_lr) or `wsd` (warmup, stable, linear decay)."""
-    warmup: float = 0.02
+    warmup: float = ranged(0.02, NON_NEGATIVE)
     """Warmup length: a fraction of train.steps when < 1, else a number of steps."""
-    decay: float = 0.2
+    decay: float = ranged(0.2, NON_NEGATIVE)
     """WSD only: length of the final decay phase (fraction of steps when < 1, else steps)."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = ranged(0.0, UNIT)
     """Learning rate at the end of the schedule, as a fraction of lr."""
-    clip: float = 1.0
+    clip: float = ranged(1.0, NON_NEGATIVE)
     """Clip the global gradient norm to this value (0 disables)."""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = ranged(1000, POSITIVE)
     """Number of optimizer steps."""
-    batch_size: int = 32
+    batch_size: int = ranged(32, POSITIVE)
     """Global batch size in sequences per optimizer step (all ranks, all accumulation steps)."""
-    micro_batch_size: int = 0
+    micro_batch_size: int = ranged(0, NON_NEGATIVE)
     """Sequences per forward pass on one rank; 0 = batch_size / world size (no accumulation)."""
-    precision: str = "auto"
+    precision: str = ranged("auto", (lambda v: v in ("auto", "fp32", "bf16", "fp16"),
+                                     "auto, fp32, bf16 or fp16"))
     """fp32, bf16 or fp16 autocast; auto = bf16 on CUDA that supports it, else fp32."""
     compile: bool = False
     """torch.compile the student's encoder (in place: checkpoints keep their keys). Pays a
     compile of tens of seconds on the first step for faster steps after it; heads, teacher and
     sparse-coding solver stay eager (their shapes change with the number of targets)."""
-    device: str = "auto"
+    device: str = ranged("auto", (lambda v: bool(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)),
+                                  "auto, cpu, mps, cuda or cuda:N"))
     """cpu, cuda, cuda:N or auto."""
-    out: str = "runs/run"
+    out: str = ranged("runs/run", (lambda v: bool(v) and not Path(v).is_file(),
+                                   "a folder (not empty, not an existing file)"))
     """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
-    readiness: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0])
+    readiness: list[float] = ranged([0.1, 0.25, 0.5, 1.0],
+                                    (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"))
     """Fractions of train.steps at which a checkpoint is kept (the Hitchhikers' Guide compares at
     10/25/50/100 %)."""
-    save_every: int = 0
+    save_every: int = ranged(0, NON_NEGATIVE)
     """Also write a checkpoint every N steps (0 = only at readiness levels)."""
-    keep_last: int = 2
+    keep_last: int = ranged(2, NON_NEGATIVE)
     """How many of the periodic (non-readiness) checkpoints to keep."""
-    log_every: int = 10
+    log_every: int = ranged(10, POSITIVE)
     """Write a metrics.jsonl line every N steps."""
     seed: int = 0
     """Model-init and dropout seed (the data order has its own, data.seed)."""
-    threads: int = 0
+    threads: int = ranged(0, (lambda v: 0 <= v <= 1024, "0 (all cores) to 1024"))
     """torch CPU threads (0 = torch's default)."""
-    report_to: list[str] = field(default_factory=list)
+    report_to: list[str] = ranged([], (lambda v: set(v) <= set(TRACKERS) and len(set(v)) == len(v),
+                                       f"a list of distinct trackers among {', '.join(TRACKERS)}"))
     """Experiment trackers that receive every logged metric, the config and the git revision:
     any of tensorboard, wandb, mlflow, trackio (`pip install -e ".[tracking]"`); [] = none."""
-    peak_flops: float = 0.0
+    peak_flops: float = ranged(0.0, NON_NEGATIVE)
     """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table (CPU: no
     mfu unless set)."""
 
 
-# objective name -> its Config dataclass (a `name: Literal[...]` tag first, then its options).
-# Filled by `mlsm.objectives` (register_objective); INTERNAL names load but are not offered
-# to users.
-OBJECTIVE_CONFIGS: dict[str, type] = {}
-INTERNAL_OBJECTIVES: set[str] = set()
-
-
-def register_objective(config_cls: type, internal: bool = False) -> None:
-    """Make `config_cls` (a dataclass whose first field is its literal `name`) loadable."""
-    name = dataclasses.fields(config_cls)[0].default
-    OBJECTIVE_CONFIGS[name] = config_cls
-    if internal:
-        INTERNAL_OBJECTIVES.add(name)
-
-
-def user_objectives() -> list[str]:
-    """The objective names offered to users (help, docs, error messages)."""
-    _registry()
-    return [n for n in OBJECTIVE_CONFIGS if n not in INTERNAL_OBJECTIVES]
-
-
-def _registry() -> dict[str, type]:
-    if not OBJECTIVE_CONFIGS:
-        import mlsm.objectives  # noqa: F401  (registers every objective's Config here)
-    return OBJECTIVE_CONFIGS
-
-
-def resolve_objective(raw: Any) -> Any:
-    """The objective group as its typed Config: name checked, options validated and defaulted."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(f"objective must be a mapping, got {raw!r}; write objective.name={raw} "
-                        "(or `objective: {name: ...}` in YAML)")
-    raw = {"name": "mlm", **raw}
-    name = raw["name"]
-    if not isinstance(name, str) or name not in _registry():
-        raise UserError(f"unknown objective.name {name!r}; valid: {', '.join(user_objectives())}")
-    return build_dataclass(OBJECTIVE_CONFIGS[name], raw, "objective")
-
-
-@dataclass
-class RunConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    objective: Any = field(default_factory=lambda: resolve_objective({}))
-    """The objective's typed Config (one of OBJECTIVE_CONFIGS, tagged by its `name`)."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-
-_GROUPS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
-
-# Range of each numeric/choice field, checked when a config is loaded (so a bad value is one line
-# before any work starts): "group.key" -> (predicate on the type-checked value, what it must be).
-_POSITIVE = (lambda v: v > 0, "positive")
-_NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
-_UNIT = (lambda v: 0 <= v <= 1, "between 0 and 1")
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACKENDS (test_tracking)
-INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
-FIELD_CHECKS: dict[str, tuple[Any, str]] = {
-    "data.max_len": (lambda v: v >= 4, "at least 4 (special tokens included)"),
-    "data.mask_rate": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive)"),
-    "data.mask_split": (lambda v: len(v) == 3 and min(v) >= 0 and abs(sum(v) - 1) < 1e-6,
-                        "three non-negative fractions [mask, random, keep] that sum to 1"),
-    "optim.lr": _NON_NEGATIVE, "optim.weight_decay": _NON_NEGATIVE, "optim.eps": _POSITIVE,
-    "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    "optim.schedule": (lambda v: v in ("linear", "wsd"), "linear or wsd"),
-    "optim.warmup": _NON_NEGATIVE, "optim.decay": _NON_NEGATIVE, "optim.min_lr_ratio": _UNIT,
-    "optim.clip": _NON_NEGATIVE,
-    "model.max_params": _POSITIVE,
-    "train.steps": _POSITIVE, "train.batch_size": _POSITIVE,
-    "train.micro_batch_size": _NON_NEGATIVE,
-    "train.precision": (lambda v: v in ("auto", "fp32", "bf16", "fp16"),
-                        "auto, fp32, bf16 or fp16"),
-    "train.device": (lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
-                     "auto, cpu, mps, cuda or cuda:N"),
-    "train.out": (lambda v: bool(v) and not Path(v).is_file(),
-                  "a folder (not empty, not an existing file)"),
-    "train.readiness": (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"),
-    "train.save_every": _NON_NEGATIVE, "train.keep_last": _NON_NEGATIVE,
-    "train.log_every": _POSITIVE, "train.peak_flops": _NON_NEGATIVE,
-    "train.threads": (lambda v: 0 <= v <= 1024, "0 (all cores) to 1024"),
-    "train.report_to": (lambda v: set(v) <= set(TRACKERS) and len(set(v)) == len(v),
-                        f"a list of distinct trackers among {', '.join(TRACKERS)}"),
-    # objective options (validated against the objective's own Config at config load)
-    "objective.temperature": _POSITIVE,
-    "objective.lam": (lambda v: 0 <= v < 1, "in [0, 1) (1 or more makes every sparse code zero)"),
-    "objective.fista_iters": _POSITIVE, "objective.kappa": _UNIT, "objective.clm_fraction": _UNIT,
-    "objective.decoder_layers": _NON_NEGATIVE,
-    "objective.decoder_width": _NON_NEGATIVE, "objective.decoder_heads": _NON_NEGATIVE,
-}
+GROUPS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+                           "train": TrainConfig}
+"""The run's fixed groups; the fifth, `objective`, is a union resolved by mlsm.objectives."""
 # model.overrides keys that must be positive integers when given (HF config sizes).
 _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
               "max_position_embeddings")
 
 
-def check_config(cfg: RunConfig) -> None:
-    """Checks that span fields: the student's shape, batch sizes and the objective's options."""
-    sizes = cfg.model.overrides
+def check_groups(model: ModelConfig, train: TrainConfig) -> None:
+    """Checks that span fields of the fixed groups: the student's shape and the batch sizes."""
+    sizes = model.overrides
     for key in _SIZE_KEYS:
         if key in sizes and (not isinstance(sizes[key], int) or isinstance(sizes[key], bool)
                              or sizes[key] <= 0):
@@ -237,12 +181,9 @@ def check_config(cfg: RunConfig) -> None:
         raise UserError(f"model.overrides.hidden_size={hidden} is not divisible by "
                         f"num_attention_heads={heads}; "
                         "pick sizes such that hidden_size / num_attention_heads is an integer")
-    if cfg.train.micro_batch_size > cfg.train.batch_size:
-        raise UserError(f"train.micro_batch_size={cfg.train.micro_batch_size} is larger than "
-                        f"train.batch_size={cfg.train.batch_size}; lower it or set it to 0")
-    check = getattr(cfg.objective, "check", None)
-    if check is not None:  # options that depend on each other (e.g. solver=fista without targets)
-        check()
+    if train.micro_batch_size > train.batch_size:
+        raise UserError(f"train.micro_batch_size={train.micro_batch_size} is larger than "
+                        f"train.batch_size={train.batch_size}; lower it or set it to 0")
 
 
 def _as_float(where: str, value: Any) -> float:
@@ -293,10 +234,11 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     raise UserError(f"{where} must be of type {getattr(origin, '__name__', origin)}, got {value!r}")
 
 
-def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
+def build_dataclass(cls: type, values: dict[str, Any], where: str,
+                    checks: dict[str, Check] | None = None) -> Any:
     """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones, wrong
-    types, and values outside a field's range: the one declared beside the field,
-    `field(..., metadata={"check": (predicate, "what it must be")})`, else `FIELD_CHECKS`."""
+    types, and values outside a field's range: the one declared beside the field (`ranged`).
+    `checks` ("where.key" -> Check) serves classes whose fields do not declare their ranges yet."""
     if not isinstance(values, dict):
         raise UserError(f"{where} must be a mapping of keys to values (e.g. "
                         f"{where}.KEY=VALUE), got {values!r}")
@@ -309,30 +251,22 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
             f"{where}: {', '.join(names) or '(none)'}"
         )
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
-    declared = {f.name: f.metadata.get("check") for f in dataclasses.fields(cls)}
+    declared = {f.name: field_check(f) for f in dataclasses.fields(cls)}
     for key, value in kwargs.items():
-        check = declared[key] or FIELD_CHECKS.get(f"{where}.{key}")
-        if check is not None and not check[0](value):
-            raise UserError(f"{where}.{key} must be {check[1]}, got {value!r}")
+        _check_range(f"{where}.{key}", value, declared[key] or (checks or {}).get(f"{where}.{key}"))
     return cls(**kwargs)
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Build a RunConfig from nested dicts (a parsed YAML recipe), validating every key."""
-    if raw is not None and not isinstance(raw, dict):
-        raise UserError("a config must be a mapping of groups "
-                        f"({', '.join([*_GROUPS, 'objective'])}), got {raw!r}")
-    raw = dict(raw or {})
-    valid = [*_GROUPS, "objective"]
-    for key in raw:
-        if key not in valid:
-            raise UserError(f"unknown config group {key!r}{inputs.suggest(key, valid)}; "
-                            f"valid groups: {', '.join(valid)}")
-    groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name)
-              for name, cls in _GROUPS.items()}
-    cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
-    check_config(cfg)
-    return cfg
+def check_fields(obj: Any, where: str) -> None:
+    """The declared range of every field of a dataclass instance built in Python (not by
+    `build_dataclass`), e.g. an objective's typed Config passed to `build_objective`."""
+    for f in dataclasses.fields(obj):
+        _check_range(f"{where}.{f.name}", getattr(obj, f.name), field_check(f))
+
+
+def _check_range(where: str, value: Any, check: Check | None) -> None:
+    if check is not None and not check[0](value):
+        raise UserError(f"{where} must be {check[1]}, got {value!r}")
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -373,23 +307,12 @@ def read_yaml(path: str | Path) -> Any:
     return inputs.read_yaml(path, "config file", "pass a valid YAML recipe (see configs/)")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML recipe (optional) and apply `group.key=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path:
-        raw = read_yaml(path) or {}
-        if not isinstance(raw, dict):
-            raise UserError(f"config file {path} must be a YAML mapping of groups (data:, "
-                            f"model:, objective:, optim:, train:), got a {type(raw).__name__}; see "
-                            "configs/ for examples")
-    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
-
-
-def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A resolved config (`mlsm.run_config.RunConfig`) as nested dicts, every option included."""
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: RunConfig, path: Path) -> None:
+def save_config(cfg: Any, path: Path) -> None:
     """Write the resolved config as YAML (atomically)."""
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
@@ -452,33 +375,3 @@ def field_docs(cls: type) -> dict[str, str]:
                 text = str(nxt.value.value)
                 docs[node.target.id] = " ".join(text.split())  # type: ignore[union-attr]
     return docs
-
-
-def config_reference() -> str:
-    """Markdown reference of every config key: default and docstring (docs/configuration.md)."""
-    lines = ["# Configuration reference", "",
-             "Generated from the dataclasses in `src/mlsm/config.py` and `src/mlsm/objectives/`",
-             "(`python -m mlsm.config > docs/configuration.md`). Set keys in a YAML "
-             "recipe or on the",
-             "command line as `group.key=value`.", ""]
-    groups: list[tuple[str, type]] = [*_GROUPS.items()]
-    groups += [(f"objective ({name})", _registry()[name]) for name in user_objectives()]
-    for title, cls in groups:
-        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            has_factory = f.default_factory is not dataclasses.MISSING
-            default = f.default_factory() if has_factory else f.default
-            lines.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
-        if not dataclasses.fields(cls):
-            lines.append("| | | no options |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    # `python -m` runs this file as __main__, a second copy: the registry that mlsm.objectives
-    # fills is the one of the imported `mlsm.config`
-    from mlsm.config import config_reference as reference
-
-    print(reference())

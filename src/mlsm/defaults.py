@@ -8,12 +8,28 @@ teacher loader and the objectives all read these numbers, and `mlsm --help` must
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 TEACHER_LAYER = 5
 """Teacher layer l (HF hidden_states numbering, 0 = embeddings) when neither the run nor the
 dictionary names one: the packaged all-MiniLM-L6-v2's second-to-last layer (early exit)."""
 
 LAM = 0.05
 """λ of the dictionary's ℓ1 penalty (also the sparse codes' λ unless a run overrides it)."""
+
+
+
+def lam_range(zero_means: str = "") -> tuple[Callable[[float], bool], str]:
+    """λ's range, declared once, as a field's check (predicate, what it must be): 0 < λ < 1,
+    since |⟨d_j, x⟩| ≤ 1 for unit atoms and ℓ2-normalised states, so a λ of 1 or more makes every
+    code zero. zero_means: what 0 stands for, where a setting may leave λ to the dictionary."""
+
+    def ok(lam: float) -> bool:
+        return 0 < lam < 1 or (lam == 0 and bool(zero_means))
+
+    why = "1 or more makes every sparse code zero"
+    return ok, (f"in [0, 1) (0 = {zero_means}; {why})" if zero_means else f"in (0, 1) ({why})")
+
 
 ATOMS_PER_DIM = 4
 """k = ATOMS_PER_DIM × d atoms when k is not given (k = 3072 for d = 768)."""

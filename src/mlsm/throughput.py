@@ -1,6 +1,6 @@
 """Achieved FLOP/s and model FLOPs utilisation (MFU) of a pre-training run.
 
-FLOPs per optimizer step are the analytic count of `mlsm.evaluate.flops` (`mlsm flops`, the
+FLOPs per optimizer step are the analytic count of `mlsm.flops` (`mlsm flops`, the
 "mlsm" accounting: matmuls of the student's forward + backward and of the teacher's forward, the
 global batch); sparse coding is not counted, as MFU conventionally counts model FLOPs only
 (Chowdhery et al. 2022, PaLM, Appendix B). Over a logging window of n steps taking t seconds:
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from mlsm.flops import flops_for_run
 
 # (regex on torch.cuda.get_device_name, dense BF16/FP16 tensor FLOP/s, source); first match wins.
 # NVIDIA datasheets list "with sparsity" figures too: those are 2x the dense ones used here.
@@ -74,8 +76,6 @@ def flops_row_of(rows: list[Any], objective: str) -> Any:
 def flops_per_step(cfg: Any, student_config: Any) -> int | None:
     """Analytic FLOPs of one optimizer step of this run (None for objectives `flops_table` does
     not cover: those whose class declares no `flops_row`)."""
-    from mlsm.evaluate.flops import flops_for_run
-
     if flops_label(cfg.objective.name) is None:
         return None
     vocab = int(student_config.vocab_size)

@@ -108,10 +108,10 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
 def heldout_source(checkpoint: Path, n_batches: int, batch_size: int,
                    store: str | None = None) -> tuple[Any, list[int], Any]:
     """(BatchSource with the run's data config, held-out steps, the run's training TokenStore)."""
-    from mlsm.config import config_from_dict
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.evaluate.probe_fit import heldout_steps
+    from mlsm.run_config import config_from_dict
 
     info = read_json(Path(checkpoint) / "checkpoint.json", "checkpoint file",
                      "restore it from a copy of the checkpoint", fields={"config": "object"})

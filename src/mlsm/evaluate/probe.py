@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
-from mlsm.config import config_from_dict, merge, parse_overrides
+from mlsm.config import merge, parse_overrides
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import load_masked_lm
@@ -24,6 +24,7 @@ from mlsm.inputs import check_apart, read_json
 from mlsm.models.backbone import read_heads
 from mlsm.models.heads import check_scored_by_pll, latent_head_name, read_latent_head
 from mlsm.objectives.probe import probe_input
+from mlsm.run_config import config_from_dict
 from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
 from mlsm.train.loop import pretrain
 

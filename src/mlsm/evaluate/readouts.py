@@ -15,7 +15,7 @@ against training FLOPs (`mlsm.evaluate.readout_plots`). A row: {"model", "checkp
 "readiness", "train_flops", "kind", "task", "metric", "value", "control", "control_kind", "n",
 ...}: `task` is the GLUE task, the pair set or "heldout"; pair rows of one phenomenon also carry
 "phenomenon"; "train_flops" = step x FLOPs per training batch
-(`mlsm.evaluate.flops.flops_for_run`), so any readout can be plotted against compute.
+(`mlsm.flops.flops_for_run`), so any readout can be plotted against compute.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def checkpoint_facts(folder: Path) -> dict[str, Any]:
     info = read_json(path, "checkpoint file", "restore it from a copy of the checkpoint")
     facts["step"], facts["readiness"] = info.get("step"), info.get("readiness")
     try:
-        from mlsm.config import config_from_dict
-        from mlsm.evaluate.flops import flops_for_run
+        from mlsm.flops import flops_for_run
+        from mlsm.run_config import config_from_dict
         from mlsm.throughput import flops_row_of
 
         cfg = config_from_dict(info["config"])
@@ -231,11 +231,11 @@ def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
 def _heldout(folder: Path, spec: ReadoutSpec) -> tuple[Any, list[int]]:
     """The held-out batches: the run's data config on a held-out store (or on the chunks after
     the run); an HF folder needs a held-out store and reads it with the default masking."""
-    from mlsm.config import config_from_dict
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.errors import UserError
     from mlsm.evaluate.heldout import heldout_source
+    from mlsm.run_config import config_from_dict
 
     if (folder / "checkpoint.json").is_file():
         source, steps, _ = heldout_source(folder, spec.masked_batches, spec.batch_size,

@@ -40,17 +40,23 @@ from mlsm.config import (
     DataConfig,
     ModelConfig,
     OptimConfig,
-    RunConfig,
     TrainConfig,
     config_to_dict,
-    resolve_objective,
 )
 from mlsm.data.batches import Batch, BatchSource, Masker
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student
-from mlsm.objectives import Context, Objective, TrainModule, build_objective, forward_step
+from mlsm.objectives import (
+    Context,
+    Objective,
+    TrainModule,
+    build_objective,
+    forward_step,
+    resolve_objective,
+)
+from mlsm.run_config import RunConfig
 from mlsm.train import checkpoint as ckpt
 
 _BATCH_FIELDS = ("input_ids", "attention_mask", "special_mask", "selected", "corrupted_ids",

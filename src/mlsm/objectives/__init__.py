@@ -1,7 +1,9 @@
 """Objectives behind one literal registry. Adding one = one module + one line here + its test.
 
-Each objective registers its typed `Config` with `mlsm.config` (the tagged union of the
-`objective` group): the config module never imports an objective. `OBJECTIVES` is what users pick
+The `objective` group of a run is a tagged union of the objectives' typed `Config`s: this module
+resolves it (`resolve_objective`: the name picks the Config, the other keys are validated against
+it and defaulted), above every objective and below `mlsm.run_config`, so the schema
+(`mlsm.config`) never knows an objective. `OBJECTIVES` is what users pick
 from (`mlsm pretrain --help`, docs/configuration.md); `INTERNAL` objectives load the same way but
 serve mlsm itself: `probe` (the probe fitted on a frozen MLSM model by `mlsm probe`) and
 `mlsm_naive` (the official recipe, for the FLOPs / step-time comparison).
@@ -9,7 +11,10 @@ serve mlsm itself: `probe` (the probe fitted on a frozen MLSM model by `mlsm pro
 
 from __future__ import annotations
 
-from mlsm.config import register_objective
+import dataclasses
+from typing import Any
+
+from mlsm.config import build_dataclass, check_fields
 from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, TrainModule, forward_step
 from mlsm.objectives.clm import CLM
@@ -35,8 +40,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
 }
 INTERNAL: dict[str, type[Objective]] = {"mlsm_naive": MLSMNaive, "probe": Probe}
 
-for _name, _cls in {**OBJECTIVES, **INTERNAL}.items():
-    register_objective(_cls.Config, internal=_name in INTERNAL)
+DEFAULT_OBJECTIVE = "mlm"  # objective.name when a config names none
 
 
 def objective_class(name: object) -> type[Objective] | None:
@@ -44,16 +48,37 @@ def objective_class(name: object) -> type[Objective] | None:
     return {**OBJECTIVES, **INTERNAL}.get(name) if isinstance(name, str) else None
 
 
+def user_objectives() -> list[str]:
+    """The objective names offered to users (help, docs, error messages)."""
+    return list(OBJECTIVES)
+
+
+def resolve_objective(raw: Any) -> Any:
+    """The objective group as its typed Config: name checked, options validated and defaulted."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"objective must be a mapping, got {raw!r}; write objective.name={raw} "
+                        "(or `objective: {name: ...}` in YAML)")
+    raw = {"name": DEFAULT_OBJECTIVE, **raw}
+    cls = objective_class(raw["name"])
+    if cls is None:
+        raise UserError(f"unknown objective.name {raw['name']!r}; "
+                        f"valid: {', '.join(user_objectives())}")
+    return build_dataclass(cls.Config, raw, "objective")
+
+
 def build_objective(spec: object, ctx: Context) -> Objective:
     """Instantiate the objective of `spec`: its typed Config, or a dict {name: ..., options}."""
-    from mlsm.config import resolve_objective
-
     cfg = spec if not isinstance(spec, dict) else resolve_objective(spec)
     cls = objective_class(getattr(cfg, "name", None))
     if cls is None:
         raise UserError(f"unknown objective {spec!r}; valid: {', '.join(OBJECTIVES)}")
+    if dataclasses.is_dataclass(cfg) and not isinstance(spec, dict):
+        check_fields(cfg, "objective")  # a Config built in Python: the ranges beside its fields
     return cls(cfg, ctx)
 
 
-__all__ = ["INTERNAL", "OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "TrainModule",
-           "build_objective", "forward_step", "objective_class"]
+__all__ = ["DEFAULT_OBJECTIVE", "INTERNAL", "OBJECTIVES", "Context", "Objective",
+           "ObjectiveOutput", "TrainModule", "build_objective", "forward_step", "objective_class",
+           "resolve_objective", "user_objectives"]

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from mlsm.config import UNIT, ranged
 from mlsm.data.batches import Batch
-from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.objectives.clm import CLM, CLMConfig
@@ -28,13 +28,8 @@ from mlsm.objectives.mlm import MLM, MLMConfig
 class CLMThenMLMConfig:
     name: Literal["clm_then_mlm"] = "clm_then_mlm"
     """Objective name (the tag of the objective group)."""
-    clm_fraction: float = 0.25
+    clm_fraction: float = ranged(0.25, UNIT)
     """Fraction of train.steps trained with CLM (causal mask) before switching to MLM."""
-
-    def check(self) -> None:
-        if not 0.0 <= self.clm_fraction <= 1.0:
-            raise UserError(f"objective.clm_fraction={self.clm_fraction} must be in [0, 1], "
-                            "e.g. 0.25")
 
 
 def switch_step(clm_fraction: float, total_steps: int) -> int:
@@ -49,7 +44,6 @@ class CLMThenMLM(Objective):
 
     def __init__(self, cfg: CLMThenMLMConfig, ctx: Context):
         super().__init__()
-        cfg.check()
         self.switch_step = switch_step(cfg.clm_fraction, ctx.total_steps)
         """First optimizer step (0-based) trained with MLM."""
         self.clm = CLM(CLMConfig(), ctx)

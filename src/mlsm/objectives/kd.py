@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 
+from mlsm.config import POSITIVE, ranged
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.errors import UserError
@@ -38,7 +39,7 @@ class KDConfig:
     """Objective name (the tag of the objective group)."""
     teacher: str = ""
     """Teacher folder or hub id with a masked-LM head (AutoModelForMaskedLM); required."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, POSITIVE)
     """Softmax temperature T of both distributions; the loss is scaled by T²."""
     teacher_input: Literal["corrupted", "original"] = "corrupted"
     """What the teacher reads: `corrupted` (the student's input, DistilBERT) or `original`."""

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from mlsm.config import NON_NEGATIVE, ranged
 from mlsm.data.batches import Batch
-from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.mae import (
     DECODER,
@@ -45,36 +45,21 @@ from mlsm.objectives.mlm import vocab_loss
 class MAELMConfig:
     name: Literal["mae_lm"] = "mae_lm"
     """Objective name (the tag of the objective group)."""
-    delta: float = 0.0
+    delta: float = ranged(0.0, (lambda v: 0 <= v <= 1, "in [0, 1] (0 removes every selected "
+                                                     "position)"))
     """δ: fraction of the selected positions kept in the encoder input as [MASK] (0 = all
     removed)."""
-    decoder_layers: int = 0
+    decoder_layers: int = ranged(0, NON_NEGATIVE)
     """Decoder depth; 0 = 4 for base-size students (hidden size >= 768, Meng et al. 2024), else
     2."""
-    decoder_width: int = 0
+    decoder_width: int = ranged(0, NON_NEGATIVE)
     """Decoder width; 0 = the encoder's hidden size."""
-    decoder_heads: int = 0
+    decoder_heads: int = ranged(0, NON_NEGATIVE)
     """Decoder attention heads; 0 = the encoder's number of heads."""
-    decoder_dropout: float = 0.0
+    decoder_dropout: float = ranged(0.0, (lambda v: 0 <= v < 1, "in [0, 1) (the paper uses 0)"))
     """Dropout inside the decoder layers (Meng et al. 2024: 0)."""
     seed: int = 0
     """Seed of the decoder's initialisation and of the δ draws (the loop does not seed heads)."""
-
-    def check(self) -> None:
-        check_mae_options(self)
-
-
-def check_mae_options(cfg: MAELMConfig) -> None:
-    if not 0.0 <= cfg.delta <= 1.0:
-        raise UserError(f"objective.delta={cfg.delta} must be in [0, 1]; 0 removes every "
-                        "selected position")
-    if cfg.decoder_layers < 0 or cfg.decoder_width < 0 or cfg.decoder_heads < 0:
-        raise UserError("objective.decoder_layers, decoder_width and decoder_heads must be >= 0 (0 "
-                        "= the default / the encoder's)")
-    if not 0.0 <= cfg.decoder_dropout < 1.0:
-        raise UserError(f"objective.decoder_dropout={cfg.decoder_dropout} must be in [0, 1); "
-                        "the paper uses 0")
-
 
 class MAEDecoderPass(Objective):
     """What MAE-LM and MAE-MLSM share: the encoder/decoder split and the decoder (its head).
@@ -85,7 +70,6 @@ class MAEDecoderPass(Objective):
 
     def __init__(self, cfg: MAELMConfig, ctx: Context):
         super().__init__()
-        check_mae_options(cfg)
         self.cfg, self.max_len = cfg, ctx.max_len
         tok = ctx.tokenizer
         self.mask_id = int(tok.mask_token_id)

@@ -27,8 +27,8 @@ from mlsm.data.batches import Batch
 from mlsm.models.backbone import Student
 from mlsm.models.mae import seeded
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
-from mlsm.objectives.mae_lm import MAEDecoderPass, MAELMConfig, check_mae_options
-from mlsm.objectives.mlsm import MLSM, MLSMConfig, check_mlsm_options
+from mlsm.objectives.mae_lm import MAEDecoderPass, MAELMConfig
+from mlsm.objectives.mlsm import MLSM, MLSMConfig
 
 
 @dataclass
@@ -37,10 +37,7 @@ class MAEMLSMConfig(MLSMConfig, MAELMConfig):
 
     name: Literal["mae_mlsm"] = "mae_mlsm"  # type: ignore[assignment]
     """Objective name (the tag of the objective group)."""
-
-    def check(self) -> None:
-        check_mlsm_options(self)
-        check_mae_options(self)
+    # check(): MLSMConfig's (the fidelity switches); MAE-LM's options have ranges only
 
 
 def _part(cls: type, cfg: Any) -> Any:

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlsm.config import POSITIVE, ranged
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
+from mlsm.defaults import lam_range
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
@@ -39,7 +41,7 @@ class MLSMConfig:
     """Teacher model folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
     layer: int = -1
     """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
-    lam: float = 0.0
+    lam: float = ranged(0.0, lam_range("the dictionary's λ"))
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
     targets: str = ""
     """Target store from `mlsm targets`; when set, codes are read from it and no teacher is
@@ -48,24 +50,22 @@ class MLSMConfig:
     """Sparse coder of the online targets: `exact` (active set, KKT-checked) or `fista` (a fixed
     `fista_iters` iterations, as the official code: FISTA-100), to reproduce or measure
     exactness."""
-    fista_iters: int = 100
+    fista_iters: int = ranged(100, POSITIVE)
     """FISTA iterations when solver=fista (the official code uses 100)."""
     zero_codes: Literal["drop", "count"] = "drop"
     """Positions whose code is all zero: `drop` (no target, not in the mean) or `count` (loss 0 but
     counted in the denominator, as the official KLDivLoss(reduction="batchmean") does)."""
 
     def check(self) -> None:
-        """One-line errors for the fidelity switches (solver, fista_iters, zero_codes)."""
+        """One-line errors for the fidelity switches (solver, targets, zero_codes)."""
         check_mlsm_options(self)
 
 
 def check_mlsm_options(cfg: MLSMConfig) -> None:
-    """One-line errors for the fidelity switches (solver, fista_iters, zero_codes)."""
+    """One-line errors for the fidelity switches (solver, targets, zero_codes) that span fields
+    or guard a Config built in Python (ranges: beside the fields)."""
     if cfg.solver not in ("exact", "fista"):
         raise UserError(f"objective.solver={cfg.solver!r}; use exact or fista")
-    if cfg.solver == "fista" and cfg.fista_iters < 1:
-        raise UserError(f"objective.fista_iters={cfg.fista_iters} must be >= 1 "
-                        "(the official code uses 100)")
     if cfg.solver == "fista" and cfg.targets:
         raise UserError("objective.solver=fista codes online; drop objective.targets "
                         "(a target store holds exact codes)")

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, AutoModelForMaskedLM
 
+from mlsm.config import POSITIVE, ranged
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
+from mlsm.defaults import lam_range
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_model, load_tokenizer
 from mlsm.models.backbone import Student
@@ -42,9 +44,9 @@ class MLSMNaiveConfig:
     """Teacher model folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
     layer: int = -1
     """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
-    lam: float = 0.0
+    lam: float = ranged(0.0, lam_range("the dictionary's λ"))
     """Sparse-coding λ; 0 = the λ the dictionary was learned with."""
-    fista_iters: int = 100
+    fista_iters: int = ranged(100, POSITIVE)
     """FISTA iterations per batch (the official code uses 100)."""
 
 

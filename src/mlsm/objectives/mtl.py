@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from mlsm.config import UNIT, ranged
 from mlsm.data.batches import Batch
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
@@ -41,7 +42,7 @@ from mlsm.objectives.mlsm import MLSM, MLSMConfig
 class MTLConfig(MLSMConfig):
     name: Literal["mtl"] = "mtl"  # type: ignore[assignment]
     """Objective name (the tag of the objective group)."""
-    kappa: float = 0.5
+    kappa: float = ranged(0.5, UNIT)
     """Weight κ of the MLM loss (the Hitchhikers' Guide tries 0.25, 0.5 and 1)."""
     head: Literal["separate", "shared"] = "separate"
     """`separate` (ours): the latent head has its own transform beside the vocabulary head.
@@ -86,9 +87,6 @@ class MTL(Objective):
 
     def __init__(self, cfg: MTLConfig, ctx: Context):
         super().__init__()
-        if cfg.kappa < 0:
-            raise UserError(f"objective.kappa must be >= 0 (got {cfg.kappa}); "
-                            "the Hitchhikers' Guide uses 0.25, 0.5 or 1")
         if cfg.head not in ("separate", "shared"):
             raise UserError(f"objective.head={cfg.head!r}; "
                             "use separate (ours) or shared (the official code)")

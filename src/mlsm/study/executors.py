@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from mlsm import locking
-from mlsm.config import config_from_dict, config_to_dict, save_config
+from mlsm.config import config_to_dict, save_config
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.run_config import config_from_dict
 from mlsm.study.runner import LOCK_VARIABLE, Study, check_same_config, pretrain_arm, pretrain_done
 from mlsm.study.spec import StudySpec
 

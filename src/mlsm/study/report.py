@@ -81,7 +81,7 @@ def training_seconds(rows: list[dict[str, Any]]) -> float:
 def arm_compute(study: Study) -> list[dict[str, Any]]:
     """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
     time of the stage's last run and training time summed over every resumed segment."""
-    from mlsm.evaluate.flops import flops_for_run
+    from mlsm.flops import flops_for_run
     from mlsm.throughput import flops_row_of
 
     times = _stage_times(study)

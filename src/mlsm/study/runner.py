@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from mlsm import locking, tracking
-from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, merge
+from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
+from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.runs import readiness_step
 from mlsm.study.hypotheses import RECORD, record_preregistration
 from mlsm.study.spec import StudySpec, arm_base, check_arm_dictionary, readiness_label

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mlsm.config import FIELD_CHECKS, build_dataclass, config_from_dict, merge
+from mlsm.config import Check, build_dataclass, merge
 from mlsm.config import read_yaml as read_recipe
-from mlsm.defaults import LAM, TEACHER_LAYER
+from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
 from mlsm.errors import UserError
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
+from mlsm.run_config import config_from_dict
 from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
 
 
@@ -234,9 +235,9 @@ _POS = (lambda v: v > 0, "positive")
 _NONNEG = (lambda v: v >= 0, "0 or more")
 _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
               "distinct fractions in (0, 1]")
-# Ranges of the study's own keys, checked by build_dataclass like a run config's (FIELD_CHECKS
-# keys are "group.key"; these groups do not clash with the run config's data/model/optim/train).
-FIELD_CHECKS.update({
+# Ranges of the study's own keys ("group.key"), passed to build_dataclass (a run config's ranges
+# are declared beside its fields; these may move beside the study's fields the same way).
+STUDY_CHECKS: dict[str, Check] = {
     "study.readiness": _FRACTIONS,
     "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
                     "distinct whole numbers 0 or more"),
@@ -264,7 +265,7 @@ FIELD_CHECKS.update({
     "readout.max_train": _NONNEG, "readout.pair_limit": _NONNEG, "readout.masked_batches": _POS,
     "readout.pppl_batches": _NONNEG, "readout.batch_size": _POS,
     "readout.max_len": (lambda v: v >= 8, "at least 8"),
-})
+}
 
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
            "finetune": FinetuneSpec, "blimp": BlimpSpec, "executor": ExecutorSpec}
@@ -277,7 +278,8 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping with keys such as base, arms, finetune")
     raw = dict(raw)
-    groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k) for k, cls in _NESTED.items()}
+    groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k, STUDY_CHECKS)
+              for k, cls in _NESTED.items()}
     arms_raw = raw.pop("arms", None) or {}
     if not isinstance(arms_raw, dict) or not arms_raw:
         raise UserError(f"{where}: `arms` must map at least one arm name to "
@@ -287,9 +289,9 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
             for n, a in arms.items()}
     readout = raw.pop("readout", None)
     if readout is not None:
-        readout = build_dataclass(ReadoutSpec, readout, "readout")
+        readout = build_dataclass(ReadoutSpec, readout, "readout", STUDY_CHECKS)
     hypotheses = raw.pop("hypotheses", None)
-    spec = build_dataclass(StudySpec, raw, "study")
+    spec = build_dataclass(StudySpec, raw, "study", STUDY_CHECKS)
     spec = dataclasses.replace(spec, arms=seeded_runs(arms, spec.seeds), **groups, readout=readout,
                                hypotheses=parse_hypotheses(hypotheses, list(arms), spec.readiness))
     _validate(spec)
@@ -413,8 +415,9 @@ def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default:
         raise UserError(f"arms.{arm}.dictionary.layer must be a whole number >= 0 (got {layer!r})")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UserError(f"arms.{arm}.dictionary.k must be a whole number >= 1 (got {k!r})")
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam > 0:
-        raise UserError(f"arms.{arm}.dictionary.lam must be a number > 0 (got {lam!r}); "
+    lam_ok, lam_text = lam_range()
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam_ok(lam):
+        raise UserError(f"arms.{arm}.dictionary.lam must be a number {lam_text}, got {lam!r}; "
                         f"Berend 2023 uses {LAM}")
     if k and n_vectors < k:
         raise UserError(f"dictionary.n_vectors {n_vectors} is fewer than the k={k} atoms of arm "

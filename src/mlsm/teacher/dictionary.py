@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 
 from mlsm import locking
-from mlsm.defaults import LAM, TEACHER_LAYER, default_k
+from mlsm.defaults import LAM, TEACHER_LAYER, default_k, lam_range
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
@@ -96,11 +96,9 @@ def _check_options(k: int, lam: float) -> None:
     if k < 1:
         raise UserError(f"the dictionary size k must be >= 1 (got {k}); use e.g. --k 1536 "
                         "(4 × hidden size)")
-    if not lam > 0:
-        raise UserError(f"lambda must be > 0 (got {lam}); use e.g. --lam {LAM}")
-    if lam >= 1:  # |<d, x>| <= 1 for unit atoms and l2-normalised states: every code would be 0
-        raise UserError(f"lambda {lam} is 1 or more, which makes every sparse code zero (states "
-                        f"and atoms have unit norm); use a value below 1, e.g. --lam {LAM}")
+    lam_ok, lam_text = lam_range()
+    if not lam_ok(lam):
+        raise UserError(f"lambda must be {lam_text}, got {lam}; use e.g. --lam {LAM}")
 
 
 def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:

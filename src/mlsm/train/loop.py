@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mlsm import locking, tracking
-from mlsm.config import RunConfig, config_from_dict, config_to_dict, git_revision, save_config
+from mlsm.config import config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
 from mlsm.errors import UserError
@@ -32,6 +32,7 @@ from mlsm.inputs import check_apart, field_problem
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
+from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.runs import readiness_steps
 from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
@@ -49,7 +50,8 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     """
     if not isinstance(cfg, RunConfig):
         raise UserError(f"pretrain() takes a RunConfig, got a {type(cfg).__name__}; build it with "
-                        "mlsm.load_config(PATH, overrides) (a dict: mlsm.config.config_from_dict)")
+                        "mlsm.load_config(PATH, overrides) "
+                        "(a dict: mlsm.run_config.config_from_dict)")
     check_apart(cfg.train.out, "train.out", _inputs(cfg))  # before anything is written
     dist_info = init_distributed(cfg.train.device)
     run_dir = Path(cfg.train.out)
