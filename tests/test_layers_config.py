@@ -31,18 +31,31 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG_IMPORTS = {"mlsm", "mlsm.errors", "mlsm.inputs", "mlsm.fileio"}  # what the leaf may import
 
 
-def test_the_schema_imports_no_objective_anywhere_in_its_source() -> None:
-    """Every import of config.py, at the top or inside a function (a lazy import is still a
-    circle), names a module below it."""
-    tree = ast.parse((ROOT / "src" / "mlsm" / "config.py").read_text())
+def _imports(relative: str) -> set[str]:
+    """The mlsm modules a source file imports, at the top or inside a function (a lazy import is
+    still a circle)."""
+    tree = ast.parse((ROOT / "src" / "mlsm" / relative).read_text())
     named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             named.add(node.module)
         elif isinstance(node, ast.Import):
             named.update(a.name for a in node.names)
-    ours = {m for m in named if m == "mlsm" or m.startswith("mlsm.")}
+    return {m for m in named if m == "mlsm" or m.startswith("mlsm.")}
+
+
+def test_the_schema_imports_no_objective_anywhere_in_its_source() -> None:
+    ours = _imports("config.py")
     assert ours <= CONFIG_IMPORTS, sorted(ours - CONFIG_IMPORTS)
+
+
+@pytest.mark.parametrize("relative", ["throughput.py", "flops.py"])
+def test_flop_accounting_reaches_no_higher_floor(relative: str) -> None:
+    """The training loop logs FLOP/s through throughput.py, which counts with flops.py: neither
+    reaches up into evaluate/, train/ or study/."""
+    up = [m for m in _imports(relative) if m.startswith(("mlsm.evaluate", "mlsm.train",
+                                                         "mlsm.study", "mlsm.run_config"))]
+    assert not up, up
 
 
 def test_using_the_schema_loads_no_objective() -> None:

@@ -25,6 +25,7 @@ from mlsm.config import (
     TrainConfig,
     build_dataclass,
     check_groups,
+    field_check,
     field_docs,
     merge,
     parse_overrides,
@@ -87,19 +88,22 @@ def config_reference() -> str:
              "Generated from the dataclasses in `src/mlsm/config.py` and `src/mlsm/objectives/`",
              "(`python -m mlsm.run_config > docs/configuration.md`). Set keys in a YAML "
              "recipe or on the",
-             "command line as `group.key=value`.", ""]
+             "command line as `group.key=value`. A value outside a key's range (declared beside",
+             "the field) is refused at load in one line.", ""]
     groups: list[tuple[str, type]] = [*GROUPS.items()]
     groups += [(f"objective ({name})", objective_class(name).Config)  # type: ignore[union-attr]
                for name in user_objectives()]
     for title, cls in groups:
-        lines += [f"## {title}", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"## {title}", "", "| key | default | range | meaning |", "|---|---|---|---|"]
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             has_factory = f.default_factory is not dataclasses.MISSING
             default = f.default_factory() if has_factory else f.default
-            lines.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+            check = field_check(f)
+            limits = check[1].replace("|", "\\|") if check else ""
+            lines.append(f"| `{f.name}` | `{default!r}` | {limits} | {docs.get(f.name, '')} |")
         if not dataclasses.fields(cls):
-            lines.append("| | | no options |")
+            lines.append("| | | | no options |")
         lines.append("")
     return "\n".join(lines)
 
