@@ -71,7 +71,11 @@ class OptimConfig:
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.01
-    """AdamW weight decay; not applied to biases and LayerNorm weights."""
+    """AdamW weight decay; not applied to biases and LayerNorm weights unless `decay_all`."""
+    decay_all: bool = False
+    """Apply the weight decay to every parameter, biases and normalisation weights included, as
+    the official MLSM `pretrainer.py` does (torch's AdamW over `model.parameters()`); false keeps
+    1-D tensors out of it, as BERT does. The hitchhiker recipes set it."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     eps: float = 1e-6
