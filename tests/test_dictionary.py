@@ -259,3 +259,39 @@ def test_atom_moves_torch_loop_matches_numpy():
     assert ((old + ours).norm(dim=1) <= 1 + 1e-12).all() and (
         (old + ours).norm(dim=1) < 1 - 1e-3
     ).any()
+
+
+def _document_states(tiny, max_len: int) -> torch.Tensor:
+    """Reference for `sampling="documents"`: each store document of 5+ words, from its start,
+    through the HF model alone, states of layer 2 without [CLS]/[SEP], ℓ2-normalised, in order."""
+    store = TokenStore.open(tiny / "store")
+    tok = store.load_tokenizer()
+    model = BertModel.from_pretrained(tiny / "teacher").eval()
+    offsets = np.asarray(store.offsets)
+    rows = []
+    for start, stop in zip(offsets[:-1], offsets[1:], strict=True):
+        ids = [int(t) for t in store.tokens[start:min(stop, start + max_len - 2)]]
+        if len(tok.decode(ids).split()) < 5:
+            continue
+        full = torch.tensor([[tok.cls_token_id, *ids, tok.sep_token_id]])
+        with torch.no_grad():
+            h = model(full, output_hidden_states=True).hidden_states[2][0, 1:-1]
+        rows.append(h / h.norm(dim=1, keepdim=True))
+    return torch.cat(rows)
+
+
+def _as_multiset(X: torch.Tensor) -> torch.Tensor:
+    return X[torch.argsort(X @ torch.linspace(1, 2, X.shape[1]))]
+
+
+def test_documents_sampling_reads_the_store_in_order_as_the_official_script(tiny):
+    teacher = load_teacher(tiny / "teacher", layer=2)
+    store = TokenStore.open(tiny / "store")
+    ref = _document_states(tiny, max_len=16)
+    n = ref.shape[0] // 2
+    X = collect_vectors(teacher, store, n, max_len=16, seed=0, sampling="documents")
+    # the first n states of the store's documents, shuffled: the same multiset as the reference's
+    torch.testing.assert_close(_as_multiset(X), _as_multiset(ref[:n]), atol=1e-5, rtol=1e-4)
+    assert not torch.equal(X, ref[:n])  # shuffled, as the official script permutes them
+    with pytest.raises(UserError, match="lower --n-vectors or use --sampling windows"):
+        collect_vectors(teacher, store, ref.shape[0] + 1, max_len=16, sampling="documents")

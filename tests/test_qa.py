@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -238,6 +239,10 @@ def test_bad_offsets_and_shapes_are_one_line(tmp_path: Path) -> None:
     v2 = _squad_folder(tmp_path / "v2", "squad_v1.1", 2, impossible=True)
     with pytest.raises(UserError, match="use task squad_v2"):
         load_task("squad", "dev", v2.parent)
+    # the file itself as --data-dir: one line naming the folder to pass instead
+    with pytest.raises(UserError, match=rf"is a file; pass the folder that holds it "
+                                        rf"\(--data-dir {re.escape(str(folder))}\)"):
+        load_task("squad", "dev", path)
 
 
 # ----------------------------------------------------------------------------- windows, decode

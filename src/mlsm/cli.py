@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mlsm.config import INT_LIMIT
-from mlsm.defaults import ATOMS_PER_DIM, LAM, TEACHER_LAYER, lam_range
+from mlsm.defaults import ATOMS_PER_DIM, LAM, SAMPLINGS, TEACHER_LAYER, lam_range
 from mlsm.errors import Incomplete, UserError
 from mlsm.inputs import check_apart, check_output_folder
 from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
@@ -377,7 +377,8 @@ def _dictionary(a: argparse.Namespace) -> None:
     d = learn_dictionary(TokenStore.open(a.store),
                          load_teacher(a.teacher, a.layer, device=a.device),
                          k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len,
-                         batch_size=a.batch_size, n_iter=a.n_iter, seed=a.seed, out=a.out)
+                         batch_size=a.batch_size, n_iter=a.n_iter, seed=a.seed, out=a.out,
+                         sampling=a.sampling)
     print(f"dictionary d={d.d} k={d.k} objective "
           f"{d.meta.get('objective', float('nan')):.5f} -> {a.out}")
 
@@ -758,6 +759,9 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--n-iter", type=positive_int, default=None,
                    help="mini-batches (default: one pass)")
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--sampling", choices=SAMPLINGS, default="windows",
+                   help="windows: at random token positions (default); documents: each document "
+                   "of 5+ words from its start, in store order, as the official train_dict.py")
     p.add_argument("--device", default="cpu", type=device)
     p.add_argument("--out", required=True, type=out_file,
                    help="PATH.safetensors (meta goes to PATH.json)")

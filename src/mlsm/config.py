@@ -98,7 +98,11 @@ class OptimConfig:
     lr: float = ranged(1e-4, NON_NEGATIVE)
     """Peak learning rate (AdamW)."""
     weight_decay: float = ranged(0.01, NON_NEGATIVE)
-    """AdamW weight decay; not applied to biases and LayerNorm weights."""
+    """AdamW weight decay; not applied to biases and LayerNorm weights unless `decay_all`."""
+    decay_all: bool = False
+    """Apply the weight decay to every parameter, biases and normalisation weights included, as
+    the official MLSM `pretrainer.py` does (torch's AdamW over `model.parameters()`); false keeps
+    1-D tensors out of it, as BERT does. The hitchhiker recipes set it."""
     betas: list[float] = ranged([0.9, 0.999], (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
                                                "two numbers in [0, 1)"))
     """AdamW betas."""

@@ -38,3 +38,5 @@ ATOMS_PER_DIM = 4
 def default_k(d: int) -> int:
     """Number of dictionary atoms for a teacher of hidden size d."""
     return ATOMS_PER_DIM * d
+# how the states a dictionary is learned on are drawn (mlsm.teacher.states.collect_vectors)
+SAMPLINGS = ("windows", "documents")

@@ -444,6 +444,9 @@ def task_folder(spec: TaskSpec, data_dir: str | Path) -> Path:
     ``data_dir/<any>/<TASK>`` (so ``--data-dir ../shared/data`` finds ``glue/CoLA`` and
     ``scifact`` in one grid)."""
     root = Path(data_dir)
+    if root.is_file():  # e.g. dev-v1.1.json.gz itself: readers take the folder and pick its files
+        raise UserError(f"--data-dir {root} is a file; pass the folder that holds it "
+                        f"(--data-dir {root.parent})")
     for name in spec.folders:
         if (root / name).is_dir():
             return root / name

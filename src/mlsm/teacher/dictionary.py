@@ -45,6 +45,7 @@ from mlsm.progress import Progress
 from mlsm.teacher.active_set import WARM_MAX
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import encode_with_gram, objective, sparse_encode
+from mlsm.teacher.states import collect_vectors
 from mlsm.teacher.teacher import LAYER_SETTING, Teacher
 
 DICT_FORMAT = "mlsm-dictionary"
@@ -132,57 +133,6 @@ def check_vector_memory(n_vectors: int, d: int) -> None:
 
 
 # --------------------------------------------------------------------------- data
-
-
-def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, seed: int = 0,
-                    batch_size: int = 32) -> torch.Tensor:
-    """n ℓ2-normalised layer-l teacher states (n, d) of random windows of a token store.
-
-    Windows of up to max_len − 2 tokens start at uniformly drawn token positions and stop at
-    their document's end; the teacher sees them with its own special tokens, whose states (and
-    padding) are excluded. Uses only store.tokens, store.offsets and store.load_tokenizer().
-    """
-    if n < 1:
-        raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
-    from mlsm.data.corpus import (  # the tokenizers stack
-        check_token_ids,
-        require_same_tokenizer,
-        tokenizer_hash,
-    )
-
-    store_hash = tokenizer_hash(store.load_tokenizer())
-    require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
-    tokens, offsets = store.tokens, np.asarray(store.offsets)
-    check_token_ids(tokens, teacher.vocab_size, getattr(store, "path", "the store"),
-                    f"teacher {teacher.name or ''}".strip())
-    n_tokens = int(offsets[-1])
-    if n_tokens == 0:
-        raise UserError("the token store is empty; prepare it from a non-empty corpus")
-    rng = np.random.default_rng(seed)
-    width = max(1, max_len - 2)  # room for the teacher's [CLS] … [SEP]
-    out: list[torch.Tensor] = []
-    got, empty = 0, 0
-    bar = Progress(n, f"teacher layer {teacher.layer}", "vec")
-    while got < n:
-        starts = rng.integers(0, n_tokens, size=batch_size)
-        ends = np.minimum(starts + width, offsets[np.searchsorted(offsets, starts, side="right")])
-        seqs = [np.asarray(tokens[s:e]) for s, e in zip(starts, ends, strict=True)]
-        ids, mask, content = teacher.batch_from_ids(seqs)
-        h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
-        if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint "
-                            "(its weights may hold NaN/inf) or load it in float32")
-        norms = h.norm(dim=1, keepdim=True)
-        h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
-        empty = empty + 1 if h.shape[0] == 0 else 0
-        if empty >= 20:  # nothing but special/unknown tokens: the loop would never end
-            raise UserError("the token store yields no ordinary tokens for this teacher; check "
-                            "that it was prepared with the teacher's tokenizer")
-        out.append(h[: n - got].cpu())
-        got += out[-1].shape[0]
-        bar.update(out[-1].shape[0])
-    bar.close()
-    return torch.cat(out)
 
 
 # --------------------------------------------------------------------------- learning
@@ -410,11 +360,13 @@ def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float,
 def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = LAM,
                      n_vectors: int = 2_000_000, max_len: int = 128, batch_size: int = 512,
                      n_iter: int | None = None, forget: float = 1.0, eval_vectors: int = 20_000,
-                     seed: int = 0, out: str | Path | None = None) -> Dictionary:
+                     seed: int = 0, out: str | Path | None = None,
+                     sampling: str = "windows") -> Dictionary:
     """Collect n_vectors teacher states from a token store and learn a dictionary on them.
 
     k defaults to 4 × the teacher's hidden size. The final objective is the mean over up to
     eval_vectors of the collected vectors. When `out` is given the result is saved there.
+    `sampling`: how the states are drawn (`collect_vectors`).
     """
     if isinstance(store, str | Path):  # a path is opened (and checked) here
         from mlsm.data.corpus import TokenStore
@@ -429,18 +381,19 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     check_vector_memory(n_vectors, teacher.hidden_size)
     if out is None:
         return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
-                      eval_vectors, seed, None)
+                      eval_vectors, seed, None, sampling)
     check_dictionary_out(out)
     # one writer: two at once left the atoms of one beside the meta of the other
     with locking.hold(_paths(out)[0], "dictionary"):
         return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
-                      eval_vectors, seed, out)
+                      eval_vectors, seed, out, sampling)
 
 
 def _learn(store: Any, teacher: Teacher, k: int, lam: float, n_vectors: int, max_len: int,
            batch_size: int, n_iter: int | None, forget: float, eval_vectors: int, seed: int,
-           out: str | Path | None) -> Dictionary:
-    X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed).to(teacher.device)
+           out: str | Path | None, sampling: str = "windows") -> Dictionary:
+    X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed,
+                        sampling=sampling).to(teacher.device)
     start = time.perf_counter()
     D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
     seconds = time.perf_counter() - start
@@ -448,7 +401,8 @@ def _learn(store: Any, teacher: Teacher, k: int, lam: float, n_vectors: int, max
     sample = X[torch.randperm(X.shape[0], generator=eval_gen)[:eval_vectors]]
     meta = _meta(teacher, store, k=k, lam=lam, n=X.shape[0], max_len=max_len, batch_size=batch_size,
                  n_iter=n_iter or math.ceil(X.shape[0] / batch_size), seed=seed, seconds=seconds,
-                 objective=dictionary_objective(sample, D, lam), n_eval=sample.shape[0])
+                 objective=dictionary_objective(sample, D, lam), n_eval=sample.shape[0],
+                 sampling=sampling)
     result = Dictionary(D.cpu(), meta)
     if out is not None:
         save_dictionary(result, out)

@@ -195,10 +195,11 @@ def _require(value: str, key: str) -> str:
 
 def _optimizer(module: torch.nn.Module, cfg: RunConfig,
                device: torch.device | None = None) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as in BERT."""
+    """AdamW; no weight decay on biases and normalisation weights (1-D tensors), as in BERT,
+    unless `optim.decay_all` (the official MLSM code decays every parameter)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    decay = [p for p in params if p.ndim >= 2 or cfg.optim.decay_all]
+    no_decay = [p for p in params if p.ndim < 2 and not cfg.optim.decay_all]
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
