@@ -202,7 +202,9 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
     """The demo's first pair set is word-order pairs of held-out prose: the report's table and
     figure heading name it by its set, and nothing calls its accuracy BLiMP."""
     from mlsm.demo import PAIR_SET
+    from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
+    from mlsm.study.reuse import blimp_inputs
 
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
                       "blimp-folder", 8, 4, 2, 3)
@@ -214,6 +216,8 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
         row["sets"] = {PAIR_SET: {**row["sets"]["pairs"], "phenomena": {"shuffled_words": acc}},
                        "blimp-folder": {"overall": 0.55, "n_pairs": 670, "p_vs_chance": 0.01,
                                         "phenomena": {"anaphor_number_agreement": 0.55}}}
+        # as the BLiMP stage writes it: stamped with its inputs' fingerprint (else left out)
+        row["fingerprint"] = fingerprint_of(blimp_inputs(study, arm, 1.0))
         (study.root / "blimp" / f"{arm}@100pct.json").write_text(json.dumps(row))
     text = write_report(study).read_text()
     assert f"| model | {PAIR_SET} % | pairs |" in text

@@ -1,4 +1,6 @@
-"""The stages of a study, each skipped when its output is complete.
+"""The stages of a study, each skipped when its output is complete and its record's fingerprint
+equals the current one (`mlsm.study.reuse`): the orchestrator, the only module that imports the
+stages (`preparation`, `stages`), their executors and the report; the study folder is `folder`.
 
 store -> dictionaries (one per (teacher, layer, k, lam), shared by arms) -> pre-training per arm ->
 probes (latent arms, at the BLiMP readiness points) -> fine-tuning of readiness checkpoints ->
