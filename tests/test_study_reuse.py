@@ -199,3 +199,13 @@ def test_a_study_recorded_before_fingerprints_continues_without_retraining(
     assert final.read_bytes() == weights
     assert "fingerprint" in _status(out)["pretrain:mlm"]  # adopted, recorded from now on
     assert len(blimp_rows(Study(_spec(raw), **QUIET))) == 1  # the redone row is current
+
+    # a newer mlsm whose config has one more key (its default applies: config.yaml still
+    # matches) changes the config's fingerprint, not the run: it is adopted again, not refused
+    status = _status(out)
+    status["pretrain:mlm"]["inputs"]["settings"] = "0" * 16
+    status["pretrain:mlm"]["fingerprint"] = "1" * 16
+    (out / "status.json").write_text(json.dumps(status))
+    before = len(_rows(out))
+    _run(raw, ["store", "pretrain"])
+    assert _ran_since(out, before) == [] and _status(out)["pretrain:mlm"]["state"] == "done"

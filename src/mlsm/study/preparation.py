@@ -28,28 +28,31 @@ def started(study: Study, arm: str) -> bool:
 def pretrain_todo(study: Study, arm: str, cfg: Any = None) -> bool:
     """Whether the arm still needs pre-training; refuses in one line a run of other inputs.
 
-    The run folder's config.yaml must equal the arm's config (`check_same_config`, which names
-    the key), and the fingerprint of its inputs (config, store, dictionary) that the stage
-    recorded must equal the current one. A run recorded before mlsm kept fingerprints (no
-    fingerprint in status.json) is adopted when its config.yaml matches: its fingerprint is
-    recorded from then on. A run that is not finished gets a `started` record, so a resume
-    after its store or dictionary was rebuilt is refused too."""
+    The run folder's config.yaml must equal the arm's config (`check_same_config`: it names the
+    key, and a config key added to mlsm since the run takes its default, so an upgrade of mlsm
+    does not orphan a run), and the store and dictionary fingerprints the stage recorded must
+    equal the current ones. A run recorded before mlsm kept fingerprints (no fingerprint in
+    status.json) is adopted when its config.yaml matches: its fingerprint is recorded from then
+    on. A run that is not finished gets a `started` record, so a resume after its store or
+    dictionary was rebuilt in place is refused too."""
     check_same_config(study, arm, cfg or study.arm_config(arm))
     inputs, key = reuse.pretrain_inputs(study, arm), f"pretrain:{arm}"
     study.note_inputs(inputs)
     record = study.status().get(key, {})
-    if started(study, arm) and record.get("fingerprint") not in (None, fingerprint_of(inputs)):
-        changed = "; ".join(differences(record.get("inputs") or {}, inputs))
+    data = ("store", "dictionary")  # the config itself is compared key by key above
+    changed = differences({k: (record.get("inputs") or {}).get(k) for k in data},
+                          {k: inputs[k] for k in data}) if "inputs" in record else []
+    if changed and started(study, arm):
         raise UserError(f"arm {arm}: the run in {study.run_dir(arm)} was trained from other "
-                        f"inputs ({changed}); restore them, or rename the arm / delete that run "
-                        "to train anew (pre-training is never redone by itself)")
+                        f"inputs ({'; '.join(changed)}); restore them, or rename the arm / delete "
+                        "that run to train anew (pre-training is never redone by itself)")
+    fingerprint = fingerprint_of(inputs)
     if pretrain_done(study, arm):
-        if record.get("fingerprint") is None:  # adopted: recorded from now on, whatever runs it
-            study.set_status(key, {**record, "state": "done",
-                                   "fingerprint": fingerprint_of(inputs), "inputs": inputs})
+        if record.get("fingerprint") != fingerprint:  # adopted: recorded from now on
+            study.set_status(key, {**record, "state": "done", "fingerprint": fingerprint,
+                                   "inputs": inputs})
         return False
-    study.set_status(key, {"state": "started", "fingerprint": fingerprint_of(inputs),
-                           "inputs": inputs})
+    study.set_status(key, {"state": "started", "fingerprint": fingerprint, "inputs": inputs})
     return True
 
 
