@@ -91,10 +91,18 @@ def _blimp_row(arm: str, overall: float, top1: float) -> dict:
 def test_summary_skips_nan_rows_with_one_warning(tmp_path) -> None:
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None,
                       8, 4, 2, 3)
+    from mlsm.study.folder import fingerprint_of
+    from mlsm.study.reuse import blimp_inputs
+
     study = Study(spec, log=lambda s: None)
     (study.root / "blimp").mkdir()
-    (study.root / "blimp" / "mlm@100pct.json").write_text(json.dumps(_blimp_row("mlm", 0.71, 0.25)))
+    row = _blimp_row("mlm", 0.71, 0.25)
+    stale = {**row, "arm": "mlsm"}  # as the blimp stage writes it, of settings since edited
+    row["fingerprint"] = fingerprint_of(blimp_inputs(study, "mlm", 1.0))
+    (study.root / "blimp" / "mlm@100pct.json").write_text(json.dumps(row))
+    (study.root / "blimp" / "mlsm@50pct.json").write_text(json.dumps({**stale, "fingerprint": "0"}))
     nan_row = _blimp_row("mlsm", math.nan, math.nan)
+    nan_row["fingerprint"] = fingerprint_of(blimp_inputs(study, "mlsm", 1.0))
     (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(nan_row))
     rows = [{"model": "mlm@100%", "task": "sst2", "metric": "acc", "seed": s, "value": v}
             for s, v in enumerate([0.6, math.nan, 0.7])]
@@ -202,7 +210,9 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
     """The demo's first pair set is word-order pairs of held-out prose: the report's table and
     figure heading name it by its set, and nothing calls its accuracy BLiMP."""
     from mlsm.demo import PAIR_SET
+    from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
+    from mlsm.study.reuse import blimp_inputs
 
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
                       "blimp-folder", 8, 4, 2, 3)
@@ -214,6 +224,8 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
         row["sets"] = {PAIR_SET: {**row["sets"]["pairs"], "phenomena": {"shuffled_words": acc}},
                        "blimp-folder": {"overall": 0.55, "n_pairs": 670, "p_vs_chance": 0.01,
                                         "phenomena": {"anaphor_number_agreement": 0.55}}}
+        # as the BLiMP stage writes it: stamped with its inputs' fingerprint (else left out)
+        row["fingerprint"] = fingerprint_of(blimp_inputs(study, arm, 1.0))
         (study.root / "blimp" / f"{arm}@100pct.json").write_text(json.dumps(row))
     text = write_report(study).read_text()
     assert f"| model | {PAIR_SET} % | pairs |" in text

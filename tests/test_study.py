@@ -496,14 +496,19 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
         assert first(f"mlm-s{s}", "loss") == first(f"mlm_hi-s{s}", "loss")  # same init, batch
     assert first("mlm-s0", "batch_digest") != first("mlm-s1", "batch_digest")
     assert first("mlm-s0", "loss") != first("mlm-s1", "loss")
-    # readout rows, as the readout stage writes them (one file per model)
+    # readout rows, as the readout stage writes them (one file per model, each row stamped with
+    # the fingerprint of its inputs: the report leaves out rows of other inputs)
+    from mlsm.study.folder import fingerprint_of
+    from mlsm.study.reuse import readout_inputs
+
     values = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
     (out / "readouts").mkdir()
+    study = Study(load_study(path), log=lambda s: None)
     for run, v in values.items():
         (out / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
             {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
-             "metric": "top1",
-             "value": v, "control": 0.05}) + "\n")
+             "metric": "top1", "value": v, "control": 0.05,
+             "fingerprint": fingerprint_of(readout_inputs(study, run, 1.0))}) + "\n")
     run_study(load_study(path), stages=["report"], log=lambda s: None)
     report = (out / "report.md").read_text()
     p = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21], alternative="greater").pvalue

@@ -311,7 +311,13 @@ def test_clm_arms_are_scored_only_at_readiness_points_past_their_causal_phase(tm
     assert "causal mask" in study.unscored_reason("cm", 0.5)
     assert not stages.has_work(study, "blimp", "c") and stages.has_work(study, "blimp", "cm")
     stages.blimp_path(study, "cm", 1.0).parent.mkdir(parents=True)
-    stages.blimp_path(study, "cm", 1.0).write_text("{}")  # the one scored point is done
+    stages.blimp_path(study, "cm", 1.0).write_text("{}")
+    assert stages.has_work(study, "blimp", "cm")  # a file without its stage record is not done
+    from mlsm.study.folder import fingerprint_of
+    from mlsm.study.reuse import blimp_inputs
+
+    current = fingerprint_of(blimp_inputs(study, "cm", 1.0))  # the one scored point is done
+    study.set_status("blimp:cm@100%", {"state": "done", "fingerprint": current})
     assert not stages.has_work(study, "blimp", "cm")
 
 

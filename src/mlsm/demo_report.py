@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.fileio import atomic_write_text
-from mlsm.study.runner import Study
+from mlsm.study.folder import Study
+from mlsm.study.reuse import is_current
 from mlsm.study.spec import readiness_label
 
 
@@ -68,11 +69,13 @@ def summary_lines(study: Study) -> list[str]:
     unigram's, each pair set's accuracy, with two-sided binomial p-values (vs the unigram's rate,
     vs chance 50 %); per fine-tuned model its mean dev score; every stage's wall time. Rows
     whose score is NaN (an empty pair set, a diverged fine-tuning run) are left out, with one
-    warning that counts them."""
+    warning that counts them; so are BLiMP files made from other inputs or settings."""
     lines, skipped = [], []
     folder = study.root / "blimp"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         row = json.loads(path.read_text())
+        if not is_current(study, "blimp", row):  # made from other settings: the study's report
+            continue  # leaves it out too (a re-run of the blimp stage redoes it)
         name = f"{row['arm']}@{readiness_label(row['readiness'])}"
         sets = {k: v for k, v in row.get("sets", {}).items() if _finite(v.get("overall"))}
         skipped += [f"{name} {k}" for k in row.get("sets", {}) if k not in sets]

@@ -14,7 +14,6 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -27,17 +26,18 @@ from typing import Any
 
 from mlsm import locking
 from mlsm.config import config_to_dict, save_config
-from mlsm.errors import Incomplete, UserError
+from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.run_config import config_from_dict
-from mlsm.study.runner import LOCK_VARIABLE, Study, check_same_config, pretrain_arm, pretrain_done
+from mlsm.study.folder import LOCK_VARIABLE, Study, pretrain_done
+from mlsm.study.preparation import pretrain_arm, pretrain_todo
+from mlsm.study.reuse import pretrain_inputs
 from mlsm.study.spec import StudySpec
+from mlsm.study.stages import EVALUATIONS, driver_threads, has_work, run_arm_stage
 
 
 def run_pretraining(study: Study, arms: list[str]) -> set[str]:
     """Pre-train `arms` with the study's executor; returns the arms that failed."""
-    from mlsm.study.stages import driver_threads
-
     kind, jobs = study.spec.executor.kind, study.spec.executor.jobs
     if kind == "slurm":
         return _slurm(study, arms)
@@ -56,8 +56,7 @@ def run_pretraining(study: Study, arms: list[str]) -> set[str]:
 def _subprocess_arm(study: Study, arm: str) -> str | None:
     """One arm as a `mlsm pretrain` subprocess (its own torch thread pool)."""
     cfg = study.arm_config(arm)
-    check_same_config(study, arm, cfg)
-    if pretrain_done(study, arm):
+    if not pretrain_todo(study, arm, cfg):
         return "skipped"
     path = study.root / "configs" / f"{arm}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -201,8 +200,7 @@ def _slurm(study: Study, arms: list[str]) -> set[str]:
 
     # config checks and skips happen in the driver, before anything is queued
     def check(arm: str) -> str:
-        check_same_config(study, arm, study.arm_config(arm))
-        if not pretrain_done(study, arm):
+        if pretrain_todo(study, arm):
             todo.append(arm)
         return "skipped"
 
@@ -223,6 +221,7 @@ def _slurm(study: Study, arms: list[str]) -> set[str]:
 
 def _wait(job: Any, study: Study, arm: str) -> dict[str, Any]:
     result = await_job(job)  # raises submitit's FailedJobError with the job's traceback
+    study.note_inputs(pretrain_inputs(study, arm))
     if not pretrain_done(study, arm):
         raise RuntimeError(f"slurm job {job.job_id} ended before the last step of {arm}; "
                            f"run the same command to resume (log: {job.paths.stdout})")
@@ -284,12 +283,10 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     work inside them as here; an arm whose stage has nothing to do (its files exist, or the stage
     does not apply to it) gets none.
     """
-    from mlsm.study import stages as st
-
-    run_here = getattr(st, f"run_{stage}")
+    run_here = EVALUATIONS[stage]
     if study.in_job or not arms:
         return run_here(study, arms)
-    work = [a for a in arms if st.has_work(study, stage, a)]
+    work = [a for a in arms if has_work(study, stage, a)]
     if study.spec.executor.kind == "local" and (eval_jobs(study) <= 1 or len(work) <= 1):
         return run_here(study, arms)
     failed = run_here(study, [a for a in arms if a not in work])  # records their skips
@@ -364,7 +361,6 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     """What one evaluation job runs: that stage of that arm, in the same study folder, in this
     process (a job must not submit jobs of its own); raises when the stage failed, and returns
     "skipped" when it found its work done, else the seconds it took here."""
-    from mlsm.study.runner import run_study
     from mlsm.study.spec import study_from_dict
 
     start, cpu = time.time(), time.process_time()
@@ -372,8 +368,7 @@ def stage_job(spec: dict[str, Any], stage: str, arm: str) -> str | dict[str, flo
     threads = study.executor.threads or _job_cpus()  # else torch takes every core of the node
     study = dataclasses.replace(study, executor=dataclasses.replace(study.executor,
                                                                     threads=threads))
-    with contextlib.suppress(Incomplete):  # _outcome raises with the failures it recorded
-        run_study(study, stages=[stage], arms=[arm], in_job=True)
+    run_arm_stage(study, stage, arm)  # _outcome raises with the failures it recorded
     if _outcome(Study(study, log=lambda s: None), stage, arm) == "skipped":
         return "skipped"
     return {"seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu}

@@ -154,10 +154,13 @@ def preregistration_problems(root: Path, hyps: Sequence[Hypothesis]) -> list[str
 
 
 # --- rows -----------------------------------------------------------------------------------
-def study_rows(root: Path, warn: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def study_rows(root: Path, warn: Callable[[str], None] = print,
+               keep: Callable[[str, dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
     """Every results row of a study folder: fine-tuning rows (results.jsonl), readout rows
     (readouts/*.jsonl) and the BLiMP stage's scores as pairs / masked rows (only for a
-    (model, kind, task, metric) no readout row gives)."""
+    (model, kind, task, metric) no readout row gives). keep(kind, row), kind "readout" or
+    "blimp" (a BLiMP file): False leaves the row out (made from other inputs or settings)."""
+    keep = keep or (lambda kind, row: True)
     from mlsm.evaluate.stats import read_results
 
     rows: list[dict[str, Any]] = []
@@ -166,11 +169,13 @@ def study_rows(root: Path, warn: Callable[[str], None] = print) -> list[dict[str
         rows += read_results(results, warn=warn)
     folder = root / "readouts"
     for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows += [r for r in (json.loads(line) for line in path.read_text().splitlines()
+                             if line.strip()) if keep("readout", r)]
     have = {_key(r) for r in rows}
     folder = root / "blimp"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        rows += [r for r in _blimp_as_rows(json.loads(path.read_text())) if _key(r) not in have]
+        b = json.loads(path.read_text())
+        rows += [r for r in _blimp_as_rows(b) if _key(r) not in have] if keep("blimp", b) else []
     return rows
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.evaluate.readout_plots import finite, headline, write_plots
-from mlsm.study.runner import Study
+from mlsm.study.folder import Study
+from mlsm.study.reuse import current_rows
 
 
 def readout_rows(study: Study) -> list[dict[str, Any]]:
@@ -27,7 +28,7 @@ def readout_rows(study: Study) -> list[dict[str, Any]]:
                 raise UserError(f"{path}:{number} is not a readout row; delete {path} and run "
                                 "the study with --stages readout again")
             rows.append(row)
-    return rows
+    return current_rows(study, "readout", rows)
 
 
 def _cell(r: dict[str, Any]) -> str:

@@ -22,7 +22,8 @@ from mlsm.config import git_revision, machine_description
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.inputs import field_problem, is_number, read_json
-from mlsm.study.runner import Study, pretrain_done
+from mlsm.study import reuse
+from mlsm.study.folder import Study, pretrain_done
 from mlsm.study.spec import readiness_label
 
 
@@ -148,7 +149,21 @@ def blimp_rows(study: Study) -> list[dict[str, Any]]:
         wrong = _blimp_row_problem(row)
         if wrong:
             raise UserError(f"BLiMP result {path} is not one the study wrote ({wrong}); {fix}")
-    return rows
+    return reuse.current_rows(study, "blimp", rows)
+
+
+def supersede_stale_finetuning(study: Study) -> None:
+    """Move the fine-tuning rows of every arm whose stage record is not of the current settings
+    and checkpoints out of results.jsonl (to superseded/): the report compares what is left."""
+    from mlsm.evaluate.stats import read_results
+
+    if not study.results.is_file():
+        return
+    models = {str(r.get("model", "")) for r in read_results(study.results, warn=lambda m: None)}
+    for arm in study.spec.arms:
+        if any(m.startswith(f"{arm}@") for m in models) and not reuse.finetune_is_current(study,
+                                                                                         arm):
+            study.supersede_rows(arm)
 
 
 def _blimp_row_problem(row: dict[str, Any]) -> str | None:
@@ -414,7 +429,8 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
 
     hyps, seeded = study.spec.hypotheses, bool(study.spec.seeds)
     warn = lambda m: study.log(f"[study] warning: {m}")  # noqa: E731
-    rows = hy.study_rows(study.root, warn=warn) if hyps or seeded else []
+    keep = lambda kind, row: reuse.is_current(study, kind, row)  # noqa: E731
+    rows = hy.study_rows(study.root, warn=warn, keep=keep) if hyps or seeded else []
     results = hy.evaluate(hyps, rows, seeded)
     problems = (hy.preregistration_problems(study.root, hyps)
                 if hyps or (study.root / hy.RECORD).is_file() else [])
@@ -432,6 +448,7 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
 def write_report(study: Study) -> Path:
     """Write STUDY_OUT/report.md, its PNGs and summary.json; returns the report path."""
     root = study.root
+    supersede_stale_finetuning(study)
     compute, blimp, times = arm_compute(study), blimp_rows(study), _stage_times(study)
     blimp_pairs = blimp_comparisons(study, blimp)
     done = [a for a in study.spec.arms if pretrain_done(study, a)]

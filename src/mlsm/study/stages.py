@@ -14,8 +14,9 @@ from mlsm.errors import UserError
 from mlsm.evaluate.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json
-from mlsm.study.runner import Study
-from mlsm.study.spec import readiness_label
+from mlsm.study import reuse
+from mlsm.study.folder import Study, fingerprint_of, only_arms, pretrain_done
+from mlsm.study.spec import StudySpec, readiness_label
 
 _PROBE_FIELDS = {"better_than_unigram": "bool", "checkpoint": "text", "heldout_loss": "number",
                  "unigram_loss": "number", "input": "text?", "heldout_top1": "number?",
@@ -48,12 +49,15 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]
     if stage == "readout":
         return study.spec.readout is not None and not all(
-            readout_path(study, arm, f).is_file() for f in study.spec.readiness)
+            study.is_done(f"readout:{model_name(arm, f)}", reuse.readout_inputs(study, arm, f),
+                          [readout_path(study, arm, f)]) for f in study.spec.readiness)
     if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
-            (study.probe_dir(arm, f) / "probe.json").is_file() for f in scored)
-    return stage != "blimp" or (
-        bool(b.data) and not all(blimp_path(study, arm, f).is_file() for f in scored))
+            study.is_done(f"probe:{model_name(arm, f)}", reuse.probe_inputs(study, arm, f),
+                          [study.probe_dir(arm, f) / "probe.json"]) for f in scored)
+    return stage != "blimp" or (bool(b.data) and not all(
+        study.is_done(f"blimp:{model_name(arm, f)}", reuse.blimp_inputs(study, arm, f),
+                      [blimp_path(study, arm, f)]) for f in scored))
 
 
 def run_probe(study: Study, arms: list[str]) -> set[str]:
@@ -75,7 +79,8 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
     from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
     out = study.probe_dir(arm, frac)
-    if (out / "probe.json").is_file():
+    if study.reusable(f"probe:{model_name(arm, frac)}", reuse.probe_inputs(study, arm, frac),
+                      [out / "probe.json"], moved=[out]):
         return "skipped"
     p = study.spec.probe
     if p.recipe == "paper":
@@ -141,6 +146,9 @@ def _finetune(study: Study, arm: str) -> str | None:
     from mlsm.evaluate.protocol import preset_settings
 
     ft = study.spec.finetune
+    if study.reusable(f"finetune:{arm}", reuse.finetune_inputs(study, arm), [],
+                      supersede=lambda: study.supersede_rows(arm)):
+        return "skipped"
     if driver_threads(study):
         torch.set_num_threads(driver_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
@@ -197,7 +205,8 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     from mlsm.evaluate.unigram import UnigramControl
 
     path = blimp_path(study, arm, frac)
-    if path.is_file():
+    inputs = reuse.blimp_inputs(study, arm, frac)
+    if study.reusable(f"blimp:{model_name(arm, frac)}", inputs, [path]):
         return "skipped"
     b = study.spec.blimp
     probe: dict[str, Any] = {}
@@ -241,7 +250,8 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
-           "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None}
+           "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None,
+           "fingerprint": fingerprint_of(inputs)}  # the report reads only current rows
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
@@ -273,7 +283,8 @@ def _readout(study: Study, arm: str, frac: float) -> str | None:
     from mlsm.evaluate.readouts import readout
 
     path = readout_path(study, arm, frac)
-    if path.is_file():
+    inputs = reuse.readout_inputs(study, arm, frac)
+    if study.reusable(f"readout:{model_name(arm, frac)}", inputs, [path]):
         return "skipped"
     spec = study.spec.readout
     assert spec is not None
@@ -291,5 +302,19 @@ def _readout(study: Study, arm: str, frac: float) -> str | None:
     rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
                    scorer_path=scorer, log=study.log)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, "".join(json.dumps({**r, "arm": arm}) + "\n" for r in rows))
+    stamp = {"arm": arm, "fingerprint": fingerprint_of(inputs)}  # the report reads current rows
+    atomic_write_text(path, "".join(json.dumps({**r, **stamp}) + "\n" for r in rows))
     return None
+
+
+EVALUATIONS = {"probe": run_probe, "finetune": run_finetune, "blimp": run_blimp,
+               "readout": run_readout}
+"""Each evaluation stage's function: (study, arms whose pre-training is complete) -> failed arms."""
+
+
+def run_arm_stage(spec: StudySpec, stage: str, arm: str) -> set[str]:
+    """One evaluation stage of one arm (all of its seeds' runs in a seeded study) in this process:
+    what a slurm job of the study runs. Outcomes go to the study's records as the driver's do;
+    returns the runs that failed."""
+    study = Study(only_arms(spec, [arm]), log=print, in_job=True)
+    return EVALUATIONS[stage](study, [a for a in study.spec.arms if pretrain_done(study, a)])

@@ -1,0 +1,181 @@
+"""What decides each stage's result, as fingerprints (`mlsm.artifacts.fingerprint`): a stage is
+reused only when the fingerprint its record holds equals the one computed here now.
+
+Each stage's inputs are a flat dict of fingerprints: `settings` (the study file's settings of the
+stage, `settings_fingerprint`), `checkpoint` (`folder_fingerprint` of the model folder it read),
+`store` (the token store's own fingerprint, from its meta.json), `dictionary` (the dictionary's
+atom hash, `mlsm.teacher.targets.dictionary_hash`) and, for BLiMP and readouts of a latent arm,
+`probe` (the content digest of the probe's record). A difference names the input that changed.
+Rows a stage writes (BLiMP files, readout rows) carry their fingerprint, so the report keeps only
+rows whose fingerprint equals the current one (`is_current`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
+from mlsm.config import config_to_dict
+from mlsm.defaults import LAM, TEACHER_LAYER
+from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
+from mlsm.study.spec import readiness_label
+
+_MEMO: dict[tuple, str | None] = {}
+"""Fingerprints of files and folders by (path, size and mtime of each file): a checkpoint is
+hashed once per process, and again only when a file in it changed."""
+
+
+def _stat_key(path: Path) -> tuple:
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                  for f in files if f.is_file()))
+
+
+def checkpoint_fingerprint(folder: Path) -> str | None:
+    """`folder_fingerprint` of a model folder (None while it does not exist)."""
+    if not folder.exists():
+        return None
+    key = ("folder", *_stat_key(folder))
+    if key not in _MEMO:
+        _MEMO[key] = folder_fingerprint(folder)
+    return _MEMO[key]
+
+
+def store_fingerprint(study: Study) -> str | None:
+    """The token store's own fingerprint (its meta.json; None before the store exists)."""
+    meta = study.store / "meta.json"
+    if not meta.is_file():
+        return None
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("fingerprint")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+def dictionary_fingerprint(study: Study, arm: str) -> str | None:
+    """The hash of the arm's dictionary atoms (None: no dictionary, or not learned yet)."""
+    path = study.dictionary_path(arm)
+    if path is None or not path.is_file() or not path.with_suffix(".json").is_file():
+        return None
+    key = ("dictionary", *_stat_key(path), *_stat_key(path.with_suffix(".json")))
+    if key not in _MEMO:
+        from mlsm.teacher.dictionary import load_dictionary
+        from mlsm.teacher.targets import dictionary_hash
+
+        _MEMO[key] = dictionary_hash(load_dictionary(path))
+    return _MEMO[key]
+
+
+def _probe_record(study: Study, arm: str, frac: float) -> str | None:
+    info = study.probe_dir(arm, frac) / "probe.json"
+    return content_digest(info) if study.is_latent(arm) and info.is_file() else None
+
+
+def store_inputs(study: Study) -> dict[str, Any]:
+    return {"settings": settings_fingerprint(dataclasses.asdict(study.spec.corpus)),
+            "store": store_fingerprint(study)}
+
+
+def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
+    """What the dictionary stage's result depends on besides the store (its file's name holds
+    teacher, layer, k and lam; n_vectors, max_len and seed are only here)."""
+    d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
+    return {"teacher": ds.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
+            "k": d.get("k") or None, "lam": float(d.get("lam", LAM)), "n_vectors": ds.n_vectors,
+            "max_len": ds.max_len, "seed": ds.seed}
+
+
+def dictionary_inputs(study: Study, arm: str) -> dict[str, Any]:
+    return {"settings": settings_fingerprint(dictionary_settings(study, arm)),
+            "store": store_fingerprint(study)}
+
+
+def targets_inputs(study: Study, arm: str) -> dict[str, Any]:
+    cfg = study.arm_config(arm)
+    return {"settings": settings_fingerprint({"teacher": study.spec.dictionary.teacher,
+                                              "layer": cfg.objective.layer,
+                                              "max_len": cfg.data.max_len}),
+            "store": store_fingerprint(study), "dictionary": dictionary_fingerprint(study, arm)}
+
+
+def pretrain_inputs(study: Study, arm: str) -> dict[str, Any]:
+    """The arm's resolved run config (less what may change on a resume), store and dictionary."""
+    config = config_to_dict(study.arm_config(arm))
+    for group, key in _VOLATILE:
+        config.get(group, {}).pop(key, None)
+    return {"settings": settings_fingerprint(config), "store": store_fingerprint(study),
+            "dictionary": dictionary_fingerprint(study, arm)}
+
+
+def probe_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
+    return {"settings": settings_fingerprint(dataclasses.asdict(study.spec.probe)),
+            "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac))}
+
+
+def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
+    """The fine-tuning settings (and where they run: the device follows the executor) and every
+    readiness checkpoint the grid fine-tunes."""
+    ft = study.spec.finetune
+    return {"settings": settings_fingerprint({**dataclasses.asdict(ft),
+                                              "executor": study.spec.executor.kind}),
+            "checkpoint": settings_fingerprint({readiness_label(f): checkpoint_fingerprint(
+                study.checkpoint(arm, f)) for f in ft.readiness})}
+
+
+def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
+    """BLiMP settings (not its readiness list: that says which models, not how one is scored),
+    the probe settings (its held-out batches score every arm's masked tokens), the checkpoint,
+    the probe of a latent arm, and the store (the unigram control)."""
+    b = {k: v for k, v in dataclasses.asdict(study.spec.blimp).items() if k != "readiness"}
+    return {"settings": settings_fingerprint(b),
+            "probe_settings": settings_fingerprint(dataclasses.asdict(study.spec.probe)),
+            "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
+            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
+
+
+def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
+    r = study.spec.readout
+    return {"settings": settings_fingerprint(None if r is None else dataclasses.asdict(r)),
+            "heldout_store": study.spec.blimp.heldout_store,
+            "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
+            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
+
+
+def _frac_of(study: Study, arm: str, model: str) -> float | None:
+    fracs = set(study.spec.readiness) | set(study.spec.blimp.readiness)
+    return next((f for f in sorted(fracs) if f"{arm}@{readiness_label(f)}" == model), None)
+
+
+def is_current(study: Study, kind: str, row: dict[str, Any]) -> bool:
+    """Whether a BLiMP file's row (kind "blimp") or a readout row (kind "readout") was made from
+    the current inputs and settings of its stage: its fingerprint equals theirs now."""
+    arm = row.get("arm")
+    if arm not in study.spec.arms or "fingerprint" not in row:
+        return False
+    if kind == "blimp":
+        frac = row.get("readiness")
+        return isinstance(frac, float | int) and \
+            row["fingerprint"] == fingerprint_of(blimp_inputs(study, arm, float(frac)))
+    frac = _frac_of(study, arm, str(row.get("model")))
+    return frac is not None and \
+        row["fingerprint"] == fingerprint_of(readout_inputs(study, arm, frac))
+
+
+def finetune_is_current(study: Study, arm: str) -> bool:
+    """Whether the arm's fine-tuning record was made from the current settings and checkpoints."""
+    record = study.status().get(f"finetune:{arm}", {})
+    return record.get("fingerprint") == fingerprint_of(finetune_inputs(study, arm))
+
+
+def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows made from the current inputs and settings of their stage (`is_current`);
+    the others are left out of the report with one warning (a re-run of the stage redoes them)."""
+    kept = [r for r in rows if is_current(study, kind, r)]
+    if len(kept) < len(rows):
+        study.log(f"[study] warning: {len(rows) - len(kept)} {kind} row(s) were made from other "
+                  f"inputs or settings than the study's now and are left out of the report; run "
+                  f"the study with --stages {kind} to redo them")
+    return kept
