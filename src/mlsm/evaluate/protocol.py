@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mlsm.artifacts.fingerprint import require_same, settings_fingerprint
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import SELECTED_LR, append_results, best_lr, read_results
 
@@ -156,9 +157,13 @@ def validation_scores(rows: Sequence[dict[str, Any]]) -> dict[float, list[float]
 GRID_FIELDS = ("epochs", "batch_size", "max_len", "head", "max_steps")  # shared by a grid's runs
 
 
-def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str) -> None:
+def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str,
+                    recompute: bool = False) -> None:
     """Append to `results` the chosen lr's dev rows of the (model, task) grid that `cell`
-    describes (model, task, n_train, GRID_FIELDS; lr and seed: the lists run), unless there."""
+    describes (model, task, n_train, GRID_FIELDS, the grid's fingerprint; lr and seed: the lists
+    run), unless there. Each row records ``selected_on``, the fingerprint of what it was chosen
+    on (the grid rows' fingerprint, the lrs and the seeds): rows chosen on anything else are a
+    one-line refusal, or (recompute) superseded by the fresh choice."""
     lists = {k: {float(v) if k == "lr" else v for v in cell[k]} for k in ("lr", "seed")}
 
     def ours(r: dict[str, Any]) -> bool:
@@ -166,13 +171,25 @@ def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str
                     for k, v in cell.items() if k not in lists)
                 and float(r["lr"]) in lists["lr"] and r["seed"] in lists["seed"])
 
-    chosen = selected_rows([r for r in read_results(grid) if ours(r)], preset)
-    have = read_results(results) if results.exists() else []
-    keys = {(r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
-             *(r.get(k) for k in GRID_FIELDS)) for r in have}
-    append_results(results, [r for r in chosen if (
-        r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
-        *(r.get(k) for k in GRID_FIELDS)) not in keys])
+    basis = settings_fingerprint({"grid": cell.get("fingerprint"), "lrs": sorted(lists["lr"]),
+                                  "seeds": sorted(lists["seed"], key=repr)})
+    chosen = [{**r, "selected_on": basis}
+              for r in selected_rows([r for r in read_results(grid) if ours(r)], preset)]
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
+                *(r.get(k) for k in GRID_FIELDS))
+
+    held: dict[tuple[Any, ...], Any] = {}  # the last selection of each row, by key
+    for r in read_results(results) if results.exists() else []:
+        held[key(r)] = r.get("selected_on")
+    stale = [r for r in chosen if key(r) in held and held[key(r)] != basis]
+    if stale and not recompute:
+        require_same({"lr choice": held[key(stale[0])]}, {"lr choice": basis},
+                     f"{results}: the selected rows of {cell['model']} {cell['task']}",
+                     "pass --recompute (Python: recompute=True) to replace them, or write to a "
+                     "new --results file")
+    append_results(results, [r for r in chosen if held.get(key(r), "") != basis])
 
 
 def selected_rows(rows: Sequence[dict[str, Any]], preset: str) -> list[dict[str, Any]]:
