@@ -174,3 +174,30 @@ def test_two_concurrent_grids_append_a_cell_once(tmp_path, monkeypatch) -> None:
         t.join()
     assert not errors
     assert len(read_results(results)) == 1
+
+
+def test_the_lr_grid_file_is_reused_only_on_its_fingerprint(tmp_path, monkeypatch) -> None:
+    """--val-fraction: the grid file's cells follow the rule, and the selected rows record what
+    they were chosen on."""
+    model = _bert(tmp_path / "m")
+    data = _keyword_sst2(tmp_path / "data", n_train=32, n_dev=16)
+    results = tmp_path / "r.jsonl"
+    kwargs = {**BASE, "lrs": (1e-3, 2e-3), "val_fraction": 0.25, "data_dir": data,
+              "results": results}
+    finetune([f"a={model}"], ["sst2"], **kwargs)
+    chosen = read_results(results)
+    assert len(chosen) == 1 and chosen[0]["selected_on"]
+    calls = _trains(monkeypatch)
+    finetune([f"a={model}"], ["sst2"], **kwargs)  # the very same: nothing trained or added
+    assert not calls and read_results(results) == chosen
+    with pytest.raises(UserError, match=r"lr-grid.jsonl: cell a sst2 .*weight_decay: 0.01 -> 0.1"):
+        finetune([f"a={model}"], ["sst2"], **{**kwargs, "weight_decay": 0.1})
+    finetune([f"a={model}"], ["sst2"], **{**kwargs, "weight_decay": 0.1, "recompute": True})
+    after = read_results(results)
+    assert len(calls) == 2 and len(after) == 2 and after[1]["weight_decay"] == 0.1
+    assert after[1]["selected_on"] != after[0]["selected_on"]
+    # another lr list: the grid's old cells are reused, the choice over them is not
+    with pytest.raises(UserError, match=r"selected rows of a sst2 .*lr choice.*--recompute"):
+        finetune([f"a={model}"], ["sst2"], **{**kwargs, "weight_decay": 0.1,
+                                             "lrs": (1e-3, 2e-3, 5e-3)})
+    assert len(calls) == 3 and len(read_results(results)) == 2

@@ -1,7 +1,8 @@
 """`mlsm <verb>`: argument wiring only; every verb calls a library function.
 
 Arguments are validated here, at the edge, by argparse `type=` functions (`positive_int`,
-`float_list`, `out_dir`, ...): a bad value is one line naming the flag before any work starts.
+`fraction`, `out_dir`, ...; the fine-tuning flags are generated from `FinetuneConfig` by
+`mlsm.dataclass_flags`): a bad value is one line naming the flag before any work starts.
 `main` turns a `UserError` into one line (exit 2) and keeps real bugs loud: an unexpected
 exception prints its traceback plus one line asking to report it (exit 1). docs/reliability.md.
 """
@@ -86,14 +87,6 @@ def unit_interval(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
-
-
-def float_list(text: str) -> list[float]:
-    """Comma-separated positive numbers, e.g. 1e-5,2e-5."""
-    parts = [t.strip() for t in text.split(",") if t.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("needs at least one number, e.g. 2e-5 or 1e-5,3e-5")
-    return [positive_float(t) for t in parts]
 
 
 def out_dir(text: str) -> str:

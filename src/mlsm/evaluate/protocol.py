@@ -20,7 +20,6 @@ name. `compare`, `report` and a study read them like any other rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,6 @@ from mlsm.errors import UserError
 from mlsm.evaluate.stats import SELECTED_LR, append_results, best_lr, read_results
 
 VAL_SUFFIX = "_val"  # metric suffix of the carved validation split
-HEADS = ("cls", "mean")
 
 
 @dataclass(frozen=True)
@@ -216,13 +214,3 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
         return hidden.mean(1)
     mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
     return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-
-
-def check_protocol(max_steps: int, head: str, val_fraction: float) -> None:
-    """The protocol settings `finetune` adds, refused in one line before any work."""
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
-        raise UserError(f"--max-steps must be 0 (no cap) or a positive integer, got {max_steps}")
-    if head not in HEADS:
-        raise UserError(f"--head must be one of {', '.join(HEADS)}, got {head!r}")
-    if not (val_fraction == 0 or 0 < val_fraction < 1) or math.isnan(val_fraction):
-        raise UserError(f"--val-fraction must be 0 (none) or in (0, 1), got {val_fraction}")
