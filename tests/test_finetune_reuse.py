@@ -60,6 +60,15 @@ def test_every_setting_is_a_flag_with_its_default_and_a_study_key() -> None:
         ([0, 1], [1e-4, 3e-4], 0.1, True)
 
 
+def test_presets_are_values_of_the_config() -> None:
+    from mlsm.evaluate.protocol import PRESETS
+
+    for name, preset in PRESETS.items():
+        cfg = FinetuneConfig.build({"preset": name, "epochs": 7})  # ranges checked, given wins
+        assert cfg.epochs == 7 and cfg.preset == name
+        assert all(getattr(cfg, k) == v for k, v in preset.values.items() if k != "epochs")
+
+
 def test_flag_ranges_are_the_declared_ones() -> None:
     """A value outside a field's declared range is refused by the flag and by the dataclass."""
     @dataclasses.dataclass
@@ -156,8 +165,18 @@ def test_two_concurrent_grids_append_a_cell_once(tmp_path, monkeypatch) -> None:
     model = _bert(tmp_path / "m")
     data = _keyword_sst2(tmp_path / "data", n_train=32, n_dev=16)
     results = tmp_path / "r.jsonl"
-    barrier, real = threading.Barrier(2, timeout=60), ft.run_cell
-    monkeypatch.setattr(ft, "run_cell", lambda *a, **k: (real(*a, **k), barrier.wait())[0])
+    barrier, one = threading.Barrier(2, timeout=60), threading.Lock()
+    real_prepare, real_run = ft.prepare, ft.run_cell
+
+    def serial(fn):  # HF loading patches torch globally: not thread-safe, so one load at a time
+        def call(*a, **k):
+            with one:
+                return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(ft, "prepare", serial(real_prepare))
+    monkeypatch.setattr(ft, "run_cell", lambda *a, **k: (serial(real_run)(*a, **k),
+                                                         barrier.wait())[0])
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -126,7 +126,7 @@ class FinetuneConfig:
         if values.get("preset"):
             from mlsm.evaluate.protocol import get_preset
 
-            fixed = get_preset(values["preset"]).settings()
+            fixed = get_preset(values["preset"]).values
             values = {**{k: _plain(v) for k, v in fixed.items()}, **values}
         return build_dataclass(cls, values, where)
 

@@ -21,7 +21,7 @@ name. `compare`, `report` and a study read them like any other rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,39 +36,26 @@ VAL_SUFFIX = "_val"  # metric suffix of the carved validation split
 
 @dataclass(frozen=True)
 class Preset:
-    """A fine-tuning protocol: the `finetune` settings it fixes."""
+    """A fine-tuning protocol: the `FinetuneConfig` settings it fixes (each documented, typed and
+    range-checked there, so a preset declares values, not settings) and where it comes from."""
 
-    lrs: tuple[float, ...]
-    """Learning-rate grid; the best on validation is reported."""
-    seeds: int
-    """Seeds 0..N-1 per (model, task, lr)."""
-    epochs: int
-    """Passes over the training data (an upper bound when max_steps ends first)."""
-    max_steps: int
-    """Most optimizer steps per run (0 = no cap); with epochs, whichever ends first."""
-    batch_size: int
-    """Examples per optimizer step."""
-    warmup_ratio: float
-    """Fraction of the run's steps with linear warmup; linear decay to 0 after."""
-    head: str
-    """Sentence-task head: 'mean' (mean-pooled tokens -> linear) or 'cls' (first token -> dense
-    + tanh -> linear)."""
-    val_fraction: float
-    """Fraction of the training examples held out as validation to choose the lr on."""
+    values: dict[str, Any]
+    """FinetuneConfig field -> the value the protocol fixes."""
     source: str
     """Where the protocol comes from."""
 
     def settings(self) -> dict[str, Any]:
         """Keyword arguments of `finetune` (seeds as 0..N-1)."""
-        out = {k: v for k, v in asdict(self).items() if k != "source"}
-        out["seeds"], out["lrs"] = range(self.seeds), list(self.lrs)
+        out = dict(self.values)
+        if isinstance(out.get("seeds"), int):
+            out["seeds"] = range(out["seeds"])
         return out
 
 
 PRESETS: dict[str, Preset] = {
     "mlm-vs-clm-2025": Preset(
-        lrs=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4), seeds=5, epochs=1, max_steps=1000,
-        batch_size=32, warmup_ratio=0.1, head="mean", val_fraction=0.1,
+        {"lrs": [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4], "seeds": 5, "epochs": 1, "max_steps": 1000,
+         "batch_size": 32, "warmup_ratio": 0.1, "head": "mean", "val_fraction": 0.1},
         source="Gisserot-Boukhlef et al. 2025, 'Should We Still Pretrain Encoders with Masked "
                "Language Modeling?' (lr values ours)"),
 }

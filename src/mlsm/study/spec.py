@@ -341,19 +341,14 @@ def _check_tasks(tasks: list[str]) -> None:
         raise UserError(f"finetune.tasks lists {twice[0]} twice; give each task once")
 
 
-PRESET_KEYS = ("seeds", "lrs", "epochs", "max_steps", "batch_size", "warmup_ratio", "head",
-               "val_fraction")  # what finetune.preset fixes
-
-
 def _check_preset(ft: FinetuneSpec) -> None:
     """finetune.preset: a known name, and none of the keys it fixes set otherwise."""
     if not ft.preset:
         return
     from mlsm.evaluate.protocol import get_preset
 
-    get_preset(ft.preset)
     default = FinetuneSpec()
-    clash = [k for k in PRESET_KEYS if getattr(ft, k) != getattr(default, k)]
+    clash = [k for k in get_preset(ft.preset).values if getattr(ft, k) != getattr(default, k)]
     if clash:
         raise UserError(f"finetune.preset {ft.preset} fixes finetune.{clash[0]}; remove one of "
                         "the two")
