@@ -220,3 +220,17 @@ def test_the_lr_grid_file_is_reused_only_on_its_fingerprint(tmp_path, monkeypatc
         finetune([f"a={model}"], ["sst2"], **{**kwargs, "weight_decay": 0.1,
                                              "lrs": (1e-3, 2e-3, 5e-3)})
     assert len(calls) == 3 and len(read_results(results)) == 2
+
+
+def test_the_cli_refuses_in_one_line_and_recomputes_on_request(grid, capsys) -> None:
+    from mlsm.cli import main
+
+    argv = ["finetune", f"a={grid['model']}", "--tasks", "sst2", "--seeds", "1", "--lrs", "2e-3",
+            "--epochs", "1", "--batch-size", "16", "--max-len", "32", "--max-train-examples", "32",
+            "--data-dir", str(grid["data"]), "--results", str(grid["results"]), "--device", "cpu",
+            "--warmup-ratio", "0.5"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "warmup_ratio: 0.0 -> 0.5" in err and "--recompute" in err
+    assert main([*argv, "--recompute"]) == 0 and len(read_results(grid["results"])) == 2
+    assert main(argv) == 0 and len(read_results(grid["results"])) == 2  # reused now
