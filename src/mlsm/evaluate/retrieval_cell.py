@@ -202,7 +202,8 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
 
 def check_temperature(results: Path, specs: Sequence[TaskSpec], temperature: float) -> None:
     """Refuse to add fine-tuned retrieval cells at one temperature to a results file holding the
-    same tasks at another: the cell key has no temperature, so the grid would skip or pair them."""
+    same tasks at another: `compare`'s cell key has no temperature, so it would pair them (the
+    grid itself never reuses one: temperature is in the cell's fingerprint)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise UserError(f"--temperature must be a positive number, got {temperature}; "
                         f"the usual InfoNCE setting is {TEMPERATURE}")
