@@ -46,7 +46,8 @@ def make_model(args: argparse.Namespace, vocab: int, folder: Path) -> None:
 
 
 def time_mlsm(folder: Path, tok, feats: list[dict], args: argparse.Namespace) -> float:
-    from mlsm.evaluate.finetune import _load_backbone, build_head, train_cell
+    from mlsm.evaluate.cell import load_backbone as _load_backbone
+    from mlsm.evaluate.finetune import build_head, train_cell
     from mlsm.evaluate.tasks import get_task
 
     spec = get_task("squad")

@@ -1137,7 +1137,7 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         "finetune models=str": (lambda: finetune(str(fix["teacher_dir"]), ["rte"], **tiny),
                                 "must be a list"),
         "finetune epochs=True": (lambda: finetune([str(fix["teacher_dir"])], ["rte"], epochs=True,
-                                                  **tiny), "--epochs"),
+                                                  **tiny), "finetune.epochs must be an integer"),
         "score_pll None sentence": (lambda: pll(["the cat .", None]), "sentence 1"),
         "compare_runs list line": (
             lambda: compare_runs(_write(tmp / "c.jsonl", _rows("[1]\n"))), "c.jsonl:7"),

@@ -157,7 +157,8 @@ def test_cli_preset_with_overrides(tiny: Path, tmp_path: Path) -> None:
     (row,) = read_results(results)
     preset = PRESETS["mlm-vs-clm-2025"]
     assert (row["preset"], row["head"], row["epochs"], row["batch_size"], row["max_steps"]) == (
-        "mlm-vs-clm-2025", preset.head, preset.epochs, preset.batch_size, 2)
+        "mlm-vs-clm-2025", preset.values["head"], preset.values["epochs"],
+        preset.values["batch_size"], 2)
     assert row["n_train"] == 36 and row["chosen_lr"] in (1e-3, 2e-3)
     assert main(["finetune", str(tiny), "--tasks", "sst2", "--preset", "nope", "--results",
                  str(tmp_path / "x.jsonl")]) == 2

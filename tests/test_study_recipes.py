@@ -107,27 +107,31 @@ def test_bad_recipes_are_one_line(tmp_path) -> None:
 
 
 # finetune() parameters a study sets itself rather than through its `finetune:` spec
-STUDY_OWNED = {"models", "results", "device", "readiness", "report_to"}
+STUDY_OWNED = {"models", "tasks", "config", "results", "device", "readiness", "report_to",
+               "settings"}
 
 
 def test_every_finetune_setting_is_settable_in_a_study() -> None:
     from mlsm.evaluate.finetune import finetune
+    from mlsm.evaluate.finetune_config import FinetuneConfig
 
-    params = set(inspect.signature(finetune).parameters) - STUDY_OWNED
+    assert set(inspect.signature(finetune).parameters) <= STUDY_OWNED  # settings: the config's
     fields = {f.name for f in dataclasses.fields(FinetuneSpec)}
-    assert params <= fields, f"FinetuneSpec lacks {sorted(params - fields)}"
+    assert {f.name for f in dataclasses.fields(FinetuneConfig)} <= fields
+    assert issubclass(FinetuneSpec, FinetuneConfig)  # declared once, not copied
 
 
 def test_the_study_passes_every_finetune_setting_through(tmp_path, monkeypatch) -> None:
     """Each FinetuneSpec field, set to a value other than its default, reaches finetune()."""
     import mlsm.evaluate.finetune as ft_module
+    from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
     from mlsm.study import stages
 
     values = {"tasks": ["rte"], "data_dir": "/data", "readiness": [0.5], "seeds": 2,
               "lrs": [3e-5], "epochs": 4, "batch_size": 8, "max_len": 64,
               "max_train_examples": 100, "warmup_ratio": 0.2, "weight_decay": 0.1,
               "fixed_order": True, "clip": 0.0, "eval_test": True, "max_steps": 100,
-              "head": "mean", "val_fraction": 0.1, "temperature": 0.1}
+              "head": "mean", "val_fraction": 0.1, "temperature": 0.1, "recompute": True}
     defaults = FinetuneSpec()
     # `preset` stands for a set of these values (tests/test_protocol.py checks it reaches finetune)
     assert set(values) == {f.name for f in dataclasses.fields(FinetuneSpec)} - {"preset"}
@@ -135,10 +139,11 @@ def test_the_study_passes_every_finetune_setting_through(tmp_path, monkeypatch) 
     study = _study(tmp_path, {"mlm": {}})
     study.spec = dataclasses.replace(study.spec, finetune=FinetuneSpec(**values))
     seen: dict = {}
-    monkeypatch.setattr(ft_module, "finetune", lambda models, tasks, **kw: seen.update(
-        kw, models=models, tasks=tasks))
+    monkeypatch.setattr(ft_module, "finetune", lambda models, tasks, config, **kw: seen.update(
+        kw, models=models, tasks=tasks, config=config))
     stages._finetune(study, "mlm")
-    expect = {**values, "seeds": range(2), "data_dir": "/data"}
-    expect.pop("readiness")
-    assert {k: seen[k] for k in expect} == expect
+    cfg = config_of(seen["config"], {})
+    expect = {k: v for k, v in values.items() if k not in ("tasks", "readiness")}
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    assert type(cfg) is FinetuneConfig and seen["tasks"] == ["rte"]
     assert seen["models"] == [f"mlm@50%={study.checkpoint('mlm', 0.5)}"]

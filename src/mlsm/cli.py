@@ -1,7 +1,8 @@
 """`mlsm <verb>`: argument wiring only; every verb calls a library function.
 
 Arguments are validated here, at the edge, by argparse `type=` functions (`positive_int`,
-`float_list`, `out_dir`, ...): a bad value is one line naming the flag before any work starts.
+`fraction`, `out_dir`, ...; the fine-tuning flags are generated from `FinetuneConfig` by
+`mlsm.dataclass_flags`): a bad value is one line naming the flag before any work starts.
 `main` turns a `UserError` into one line (exit 2) and keeps real bugs loud: an unexpected
 exception prints its traceback plus one line asking to report it (exit 1). docs/reliability.md.
 """
@@ -20,7 +21,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from mlsm.config import INT_LIMIT
 from mlsm.defaults import ATOMS_PER_DIM, LAM, SAMPLINGS, TEACHER_LAYER, lam_range
@@ -95,14 +96,6 @@ def unit_interval(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
-
-
-def float_list(text: str) -> list[float]:
-    """Comma-separated positive numbers, e.g. 1e-5,2e-5."""
-    parts = [t.strip() for t in text.split(",") if t.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("needs at least one number, e.g. 2e-5 or 1e-5,3e-5")
-    return [positive_float(t) for t in parts]
 
 
 def out_dir(text: str) -> str:
@@ -200,34 +193,18 @@ def _pretrain(a: argparse.Namespace) -> None:
     print(f"run directory: {run}")
 
 
-_PROTOCOL_FLAGS = ("seeds", "lrs", "epochs", "batch_size", "warmup_ratio", "max_steps", "head",
-                   "val_fraction")  # left unset: the --preset's value, else finetune()'s default
-
-
 def _finetune(a: argparse.Namespace) -> None:
+    from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.finetune import finetune
+    from mlsm.evaluate.finetune_config import FinetuneConfig
     from mlsm.locking import hold
 
-    with hold(a.results, "results file"):  # two grids at once appended every cell twice
-        path = _finetune_grid(a, finetune)
+    with hold(a.results, "results file"):  # one grid per results file at a time
+        path = finetune(a.models, [t for t in a.tasks.split(",") if t], results=a.results,
+                        device=a.device, readiness=a.readiness,
+                        report_to=[t for t in a.report_to.split(",") if t],
+                        **flag_values(a, FinetuneConfig))
     print(f"results: {path}")
-
-
-def _finetune_grid(a: argparse.Namespace, finetune: Callable) -> Any:
-    from mlsm.evaluate.protocol import preset_settings
-
-    given = {k: getattr(a, k) for k in _PROTOCOL_FLAGS if getattr(a, k) is not None}
-    if "seeds" in given:
-        given["seeds"] = range(given["seeds"])
-    return finetune(
-        a.models, [t for t in a.tasks.split(",") if t],
-        **(preset_settings(a.preset, **given) if a.preset else given),
-        max_len=a.max_len, data_dir=a.data_dir, results=a.results,
-        max_train_examples=a.max_train_examples, device=a.device,
-        weight_decay=a.weight_decay, readiness=a.readiness,
-        fixed_order=a.fixed_order, clip=a.clip, eval_test=a.eval_test,
-        report_to=[t for t in a.report_to.split(",") if t], temperature=a.temperature,
-    )
 
 
 def _compare(a: argparse.Namespace) -> None:
@@ -524,6 +501,9 @@ def _add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
+    from mlsm.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.finetune_config import FinetuneConfig
+
     p = sub.add_parser("finetune",
                        help="fine-tune HF encoders on GLUE/WiC/CoNLL/SQuAD with paired seeds")
     p.add_argument("models", nargs="+", metavar="MODEL",
@@ -536,42 +516,10 @@ def _add_finetune(sub: argparse._SubParsersAction) -> Callable:
                    help="comma-separated: cola,sst2,mrpc,stsb,rte,qnli,mnli,qqp,wic,conll2003,"
                    "squad,squad_v2,scifact,scifact_zeroshot,beir:NAME[_zeroshot] (any BEIR "
                    "folder); wic_lemma: WiC with the lemma prefixed, ours")
-    p.add_argument("--preset", default=None, metavar="NAME",
-                   help="a named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md); the flags "
-                   "below that you set override its values")
-    p.add_argument("--seeds", type=positive_int, default=None,
-                   help="number of seeds, run as 0..N-1 (default 5)")
-    p.add_argument("--lrs", default=None, type=float_list,
-                   help="comma-separated learning rates (default 2e-5)")
-    p.add_argument("--epochs", type=positive_int, default=None, help="(default 3)")
-    p.add_argument("--max-steps", type=non_negative_int, default=None,
-                   help="most optimizer steps per run, whichever of it and --epochs ends first "
-                   "(default 0: no cap)")
-    p.add_argument("--batch-size", type=positive_int, default=None, help="(default 32)")
-    p.add_argument("--head", choices=["cls", "mean"], default=None,
-                   help="sentence-task head: cls = first token, dense, tanh, linear; mean = "
-                   "mean-pooled tokens, linear (default cls)")
-    p.add_argument("--val-fraction", type=fraction, default=None,
-                   help="hold out this fraction of each training set to pick the best of --lrs "
-                   "on; the grid goes to RESULTS.lr-grid.jsonl (default 0: no selection)")
-    p.add_argument("--max-len", type=positive_int, default=128)
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding CoLA/, SST-2/, ..., WiC/, conll2003/, squad_v1.1/ "
-                   "(default: HF datasets)")
     p.add_argument("--results", default="results.jsonl", type=out_file,
                    help="JSON-lines file to append to")
-    p.add_argument("--max-train-examples", type=positive_int, default=None,
-                   help="cap training sets (CPU runs)")
-    p.add_argument("--warmup-ratio", type=fraction, default=None, help="(default 0)")
-    p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
-    p.add_argument("--fixed-order", action="store_true",
-                   help="every seed trains on one data order (only the head differs)")
-    p.add_argument("--clip", type=non_negative_float, default=1.0,
-                   help="gradient-norm clipping, 0 = off (default 1.0)")
-    p.add_argument("--eval-test", action="store_true",
-                   help="also score labelled test splits (CoNLL-2003) as <metric>_test")
-    p.add_argument("--temperature", type=positive_float, default=0.05,
-                   help="InfoNCE temperature of retrieval tasks (default 0.05)")
+    # every fine-tuning setting: generated from FinetuneConfig (its docstrings, defaults, ranges)
+    add_dataclass_flags(p, FinetuneConfig)
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--report-to", default="", metavar="TRACKERS",
                    help="comma-separated trackers, one run per cell: tensorboard, wandb, mlflow, "

@@ -211,6 +211,7 @@ def demo_study(out: Path, corpus: str, pairs: Path, heldout: Path, glue: str | N
                   "heldout_batches": 8, "batch_size": 16},
         "finetune": {"tasks": ["sst2"] if glue is not None else [], "data_dir": glue or "",
                      "readiness": [1.0], "seeds": seeds, "lrs": [1e-4], "epochs": 2,
+                     "warmup_ratio": 0.1,  # the study default the demo was measured with
                      "max_len": 64, "max_train_examples": 1000},
         "blimp": {"data": blimp, "readiness": [1.0], "heldout_store": str(heldout),
                   "limits": [0] + [blimp_pairs] * (len(blimp) - 1)},

@@ -17,7 +17,7 @@ Any HF encoder folder works (``AutoModel`` + ``AutoTokenizer``). Our checkpoints
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import itertools
 import math
 import time
@@ -31,62 +31,30 @@ from torch import nn
 
 from mlsm import tracking
 from mlsm.errors import UserError
-from mlsm.evaluate import protocol, qa
-from mlsm.evaluate.retrieval import TEMPERATURE
+from mlsm.evaluate import cell_reuse, protocol, qa, retrieval_cell
+from mlsm.evaluate.cell import (
+    LOG_EVERY,
+    ModelRef,
+    linear_schedule,
+    load_backbone,
+    optimizer,
+    pick_device,
+    resolve_model,
+    stable_seed,
+    training_order,
+)
+from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
 from mlsm.evaluate.stats import append_results, check_model_name, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.hf import check_max_len
-from mlsm.inputs import check_apart, read_json, real_path
+from mlsm.inputs import check_apart
 from mlsm.progress import Progress
-from mlsm.runs import expand_models, resolve_checkpoint
+from mlsm.runs import expand_models
 
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A model folder and what ``checkpoint.json`` says about it (None when absent)."""
-
-    name: str
-    path: str
-    step: int | None = None
-    readiness: float | None = None
-    objective: str | None = None
-    run: str | None = None
-
-
-def resolve_model(spec: str | Path) -> ModelRef:
-    """``"path"`` or ``"name=path"`` -> ModelRef.
-
-    Default name: ``<run>@<step>`` if known, else the folder name.
-
-    ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
-    text = str(spec)
-    name, _, path = (("", "", text) if "=" not in text or Path(text).is_dir()
-                     else text.partition("="))
-    folder = resolve_checkpoint(path)
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: not an HF model folder (no config.json); "
-                        "pass a save_pretrained folder")
-    meta: dict[str, Any] = {}
-    if (folder / "checkpoint.json").exists():
-        meta = read_json(folder / "checkpoint.json", "checkpoint file",
-                         "restore it from a copy of the checkpoint",
-                         fields={"step": "int?", "readiness": "number?", "run": "text?",
-                                 "objective": "text?"})
-    step = meta.get("step")
-    run = meta.get("run")
-    # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
-    if not name:
-        name = (f"{Path(str(run)).name}@{step}" if run is not None and step is not None
-                else real_path(folder).name)
-    readiness = meta.get("readiness")
-    return ModelRef(name, str(folder), None if step is None else int(step),
-                    None if readiness is None else float(readiness), meta.get("objective"), run)
-
-
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from its parts, the same in every process (Python's hash() is salted)."""
-    digest = hashlib.sha256("|".join(map(str, parts)).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+# the names other modules and tests import from here (their home is mlsm.evaluate.cell)
+__all__ = ["FinetuneConfig", "ModelRef", "build_head", "finetune", "pick_device", "prepare",
+           "resolve_model", "run_cell", "train_cell", "training_order", "_load_backbone"]
+_load_backbone = load_backbone
 
 
 class TaskHead(nn.Module):
@@ -127,15 +95,6 @@ def build_head(spec: TaskSpec, d: int, seed: int, pooling: str = "cls") -> TaskH
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
                 module.bias.zero_()
     return head
-
-
-def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]:
-    """One permutation of range(n) per epoch, from (seed, task) only.
-
-    The same for every model.
-    """
-    gen = torch.Generator().manual_seed(stable_seed("order", seed, task))
-    return [torch.randperm(n, generator=gen).tolist() for _ in range(epochs)]
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -209,26 +168,6 @@ def _loss(spec: TaskSpec, logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
 
 
-def _optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    # No decay on biases and LayerNorm weights (1-D tensors), as in BERT fine-tuning.
-    decay = [p for p in params if p.ndim >= 2]
-    rest = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
-    try:  # the fused kernel, as the HF Trainer's default: a step ~6x faster on CPU than the
-        # per-tensor loop (4.3M parameters: 0.11 s vs 0.66 s; benchmarks/README.md)
-        return torch.optim.AdamW(groups, lr=lr, fused=True)
-    except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not take
-        return torch.optim.AdamW(groups, lr=lr)
-
-
-def linear_schedule(opt: torch.optim.Optimizer, total: int,
-                    warm: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``warm`` steps, then linear decay to 0 at step ``total``."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
-
-
 def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
                feats: list[dict[str, Any]], seed: int, cfg: dict[str, Any], device: torch.device,
                tracker: Any = None) -> int:
@@ -247,7 +186,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
     if cfg.get("max_steps"):  # a step cap: whichever of epochs and max_steps ends first
         total = min(total, cfg["max_steps"])
     warm = int(cfg["warmup_ratio"] * total)
-    opt = _optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
+    opt = optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, warm)
     backbone.train()
     head.train()
@@ -331,24 +270,9 @@ def score(spec: TaskSpec, preds: list[Any], examples: Sequence[Example]) -> dict
 # ----------------------------------------------------------------------------- the grid
 
 
-def pick_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["model"], row["task"], row["seed"], float(row["lr"]), row["epochs"],
-            row["batch_size"], row["max_len"], row["n_train"], row.get("head", "cls"),
-            row.get("max_steps", 0))
-
-
 def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | None,
                eval_test: bool = False) -> tuple[list[Example], dict[str, list[Example]]]:
     if spec.kind == "retrieval":  # BEIR data: training queries and test splits
-        from mlsm.evaluate import retrieval_cell
-
         return retrieval_cell.task_data(spec, data_dir, max_train)  # type: ignore[return-value]
     train = load_task(spec.name, spec.train_split, data_dir, max_train)
     evals = {suffix: load_task(spec.name, split, data_dir)
@@ -373,8 +297,6 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
             max_len: int) -> Prepared:
     """Tokenise the task's training and evaluation sets with the model's tokenizer."""
     if spec.kind == "retrieval":
-        from mlsm.evaluate import retrieval_cell
-
         return retrieval_cell.prepare(model, spec, train, evals, max_len)  # type: ignore
     tok = load_tokenizer(model.path, spec)
     prepared = Prepared(tok, encode(tok, spec, train, max_len),
@@ -387,28 +309,14 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
     return prepared
 
 
-def _load_backbone(path: str) -> nn.Module:
-    """``AutoModel`` in float32 (whatever dtype the folder was saved in). The load report is
-    silenced: a masked-LM folder's unused head and an mlsm checkpoint's absent pooler are expected,
-    and one report per (model, task, seed, lr) cell would drown the fine-tuning log."""
-    from transformers import AutoModel
-
-    from mlsm.hf import load_model, quiet
-
-    with quiet():
-        return load_model(AutoModel, path, dtype=torch.float32)
-
-
 def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],
              device: torch.device, tracker: Any = None) -> list[dict[str, Any]]:
     """One fine-tuning run (model, task, seed, lr) → one result row per metric (also sent to
     `tracker`, an `mlsm.tracking.Tracker`, as eval/<metric> at the last step)."""
     if spec.kind == "retrieval":  # a bi-encoder without a head: mlsm.evaluate.retrieval_cell
-        from mlsm.evaluate import retrieval_cell
-
         return retrieval_cell.run_cell(model, spec, data, seed, cfg, device, tracker)  # type: ignore
     start = time.time()
-    backbone = _load_backbone(model.path).to(device)
+    backbone = load_backbone(model.path).to(device)
     d = getattr(backbone.config, "hidden_size", None) or backbone.config.d_model
     head = build_head(spec, d, seed, cfg.get("head", "cls")).to(device)
     steps = train_cell(backbone, head, data.tokenizer, spec, data.train, seed, cfg, device, tracker)
@@ -435,9 +343,6 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: di
     return rows
 
 
-LOG_EVERY = 10  # training steps between tracker points of a fine-tuning cell
-
-
 def _cell_tracker(report_to: Sequence[str], results: Path, ref: ModelRef, spec: TaskSpec, seed: int,
                   cfg: dict[str, Any]) -> tracking.Tracker:
     """One tracker run per cell, named model-task-seed-lr; local files in RESULTS_DIR/tracking."""
@@ -447,36 +352,22 @@ def _cell_tracker(report_to: Sequence[str], results: Path, ref: ModelRef, spec: 
     return tracking.open_tracker(list(report_to), folder, config, name, "--report-to")
 
 
-def _check_grid(models: Sequence[str | Path], tasks: Sequence[str], seeds: Sequence[int],
-                lrs: Sequence[float], epochs: int, batch_size: int, max_len: int,
-                max_train_examples: int | None) -> None:
-    """Refuse a grid that would train nothing and still write its (untrained) scores as results:
-    a string where a list belongs, an empty axis, sizes that are not positive, bad lrs."""
+def _grid(models: Sequence[str | Path], tasks: Sequence[str],
+          readiness: str) -> tuple[list[ModelRef], list[TaskSpec]]:
+    """The models (each readiness checkpoint of a run with readiness="all") and the tasks of a
+    grid; one line for a string where a list belongs, an empty axis, two models of one name or a
+    task given twice."""
     for name, value in (("models", models), ("tasks", tasks)):
         if isinstance(value, str | Path):  # a string would be iterated letter by letter
             raise UserError(f"finetune(): {name} must be a list, got the string {str(value)!r}; "
                             f"write [{str(value)!r}]")
-    if not models or not tasks or not seeds or not lrs:
-        raise UserError("finetune needs at least one model, task, seed and learning rate")
-    sizes = {"--epochs": epochs, "--batch-size": batch_size, "--max-len": max_len}
-    if max_train_examples is not None:
-        sizes["--max-train-examples"] = max_train_examples
-    for flag, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{flag} must be a positive integer, got {value}; "
-                            "nothing was trained or written")
-    if not all(isinstance(lr, int | float) and math.isfinite(lr) and lr > 0 for lr in lrs):
-        raise UserError(f"--lrs must be positive learning rates, got {list(lrs)}; "
-                        "nothing was trained or written")
-
-
-def _grid(models: Sequence[str | Path], tasks: Sequence[str],
-          readiness: str) -> tuple[list[ModelRef], list[TaskSpec]]:
-    """The models (each readiness checkpoint of a run with readiness="all") and the tasks of a
-    grid; one line for two models of one name or a task given twice."""
+    if not models or not tasks:
+        raise UserError("finetune needs at least one model and one task")
     refs = [resolve_model(m) for m in expand_models(models, readiness)]
     if len({r.name for r in refs}) != len(refs):
         raise UserError("two models share a name; pass them as name=path to tell them apart")
+    for ref in refs:  # names become table cells (compare refuses some)
+        check_model_name(ref.name, "model name")
     specs = [get_task(t) for t in tasks]
     twice = sorted({s.name for s in specs if [x.name for x in specs].count(s.name) > 1})
     if twice:
@@ -484,105 +375,115 @@ def _grid(models: Sequence[str | Path], tasks: Sequence[str],
     return refs, specs
 
 
-def finetune(
-    models: Sequence[str | Path],
-    tasks: Sequence[str],
-    seeds: Sequence[int] = (0, 1, 2, 3, 4),
-    lrs: Sequence[float] = (2e-5,),
-    epochs: int = 3,
-    batch_size: int = 32,
-    max_len: int = 128,
-    data_dir: str | Path | None = None,
-    results: str | Path = "results.jsonl",
-    max_train_examples: int | None = None,
-    device: str | torch.device = "auto",
-    warmup_ratio: float = 0.0,
-    weight_decay: float = 0.01,
-    fixed_order: bool = False,
-    clip: float = 1.0,
-    eval_test: bool = False,
-    readiness: str = "final",
-    report_to: Sequence[str] = (),
-    max_steps: int = 0,
-    head: str = "cls",
-    val_fraction: float = 0.0,
-    preset: str = "",
-    temperature: float = TEMPERATURE,
-) -> Path:
-    """Fine-tune every model on every task for every seed and lr; append dev metrics to ``results``.
+def finetune(models: Sequence[str | Path], tasks: Sequence[str],
+             config: FinetuneConfig | None = None, *, results: str | Path = "results.jsonl",
+             device: str | torch.device = "auto", readiness: str = "final",
+             report_to: Sequence[str] = (), **settings: Any) -> Path:
+    """Fine-tune every model on every task for every seed and lr; append dev metrics to `results`.
 
     ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: `mlsm.runs`),
     optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
-    directory (named ``name@<step>``). ``data_dir``: folder holding the task
-    folders (``CoLA/``, ``SST-2/``, ``WiC/``, ``conll2003/``...); None loads HF ``datasets``.
-    Cells already in ``results`` (same model, task, seed, lr, epochs, batch, max_len, n_train)
-    are skipped, so an interrupted grid resumes. Returns the results path.
+    directory (named ``name@<step>``). The settings — seeds, lrs, epochs, batch_size, max_len,
+    data_dir, warmup_ratio, weight_decay, fixed_order, clip, eval_test, max_steps, head,
+    val_fraction, preset, temperature, max_train_examples, recompute — are the fields of
+    `FinetuneConfig` (docstrings and defaults there): pass a `config`, keywords, or both
+    (keywords win). ``report_to``: trackers, one run per cell; ``device``: auto, cpu, cuda...
 
-    Fidelity options (docs/fidelity.md): ``fixed_order`` (one data order for all seeds),
-    ``clip`` (gradient-norm clipping, 0 = off), ``eval_test`` (also score tasks with a labelled
-    test split, i.e. CoNLL-2003, as ``<metric>_test``); ``max_len`` up to the model's limit (512).
-
-    Protocol options (``max_steps``, ``head``, ``val_fraction``, ``preset``; a preset's settings:
-    ``**preset_settings(NAME)``): see `mlsm.evaluate.protocol` and docs/finetune.md.
-    ``temperature``: InfoNCE τ of retrieval tasks (`mlsm.evaluate.retrieval`, docs/finetune.md).
+    A cell already in `results` is reused only when its fingerprint (model folder content, task
+    data content, every setting that decides it: `mlsm.evaluate.cell_reuse`) equals the current
+    one, so an interrupted grid resumes; another fingerprint is one line before any training,
+    unless ``recompute=True``. Two grids on one results file append each cell once. Returns the
+    results path.
     """
-    if clip < 0:
-        raise UserError(f"clip={clip} must be >= 0 (0 disables gradient clipping)")
+    cfg = config_of(config, settings)
     tracking.require(list(report_to), "--report-to")  # before any model is loaded
-    _check_grid(models, tasks, seeds, lrs, epochs, batch_size, max_len, max_train_examples)
-    protocol.check_protocol(max_steps, head, val_fraction)
     refs, specs = _grid(models, tasks, readiness)
-    for ref in refs:  # names become table cells (compare refuses some)
-        check_model_name(ref.name, "model name")
+    data_dir = cfg.data_dir or None
     check_apart(results, "--results", {"--data-dir": data_dir,
                                        **{f"model {r.name}": r.path for r in refs}})
-    settings = {"epochs": epochs, "batch_size": batch_size, "max_len": max_len,
-                "warmup_ratio": warmup_ratio, "weight_decay": weight_decay,
-                "fixed_order": fixed_order, "clip": clip, "max_steps": max_steps, "head": head,
-                "temperature": temperature,
-                # zero-shot retrieval: corpus embeddings per checkpoint fingerprint
-                "retrieval_cache": str(Path(results).parent / "retrieval_cache")}
     path = Path(results)
     if any(s.kind == "retrieval" for s in specs):
-        from mlsm.evaluate.retrieval_cell import check_temperature
-
-        check_temperature(path, specs, temperature)
+        retrieval_cell.check_temperature(path, specs, cfg.temperature)
     task_data = protocol.with_validation(
-        lambda spec: _task_data(spec, data_dir, max_train_examples, eval_test), val_fraction,
-        lambda spec: stable_seed("validation", spec.name))
-    grid = protocol.grid_path(path) if val_fraction else path
-    _run_grid(refs, specs, seeds, lrs, settings, grid, pick_device(device), report_to, task_data,
-              None if not val_fraction else lambda cell: protocol.report_selected(
-                  grid, path, {**cell, "lr": lrs, "seed": seeds}, preset))
+        lambda spec: _task_data(spec, data_dir, cfg.max_train_examples, cfg.eval_test),
+        cfg.val_fraction, lambda spec: stable_seed("validation", spec.name))
+    grid = protocol.grid_path(path) if cfg.val_fraction else path
+    _run_grid(refs, specs, cfg, grid, pick_device(device), report_to, task_data,
+              None if not cfg.val_fraction else lambda cell: protocol.report_selected(
+                  grid, path, {**cell, "lr": cfg.lrs, "seed": cfg.seed_list()}, cfg.preset,
+                  cfg.recompute))
     return path
 
 
-def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], seeds: Sequence[int],
-              lrs: Sequence[float], settings: dict[str, Any], path: Path, dev: torch.device,
-              report_to: Sequence[str], task_data: Callable[[TaskSpec], Any],
+@dataclass
+class _TaskPlan:
+    """The cells of one task: the inputs of each model, and the cells to train."""
+
+    spec: TaskSpec
+    n_train: int
+    inputs: dict[str, cell_reuse.CellInputs]  # model name -> what decides its cells
+    todo: dict[str, list[tuple[float, int, str, Any]]]  # model -> (lr, seed, state, superseded)
+
+
+def _plan(spec: TaskSpec, refs: list[ModelRef], cfg: FinetuneConfig, models: dict[str, str],
+          stored: dict[tuple[Any, ...], list[dict[str, Any]]], task_data: Callable,
+          path: Path) -> _TaskPlan:
+    """Which cells of `spec` to train: new ones, and (recompute) those stored with another
+    fingerprint; one line for a stale cell without recompute."""
+    train, _ = task_data(spec)
+    data = cell_reuse.data_fingerprint(spec, cfg.data_dir or None)
+    settings = cfg.decisive(spec.kind, spec.kind != "retrieval" or bool(spec.train_split))
+    plan = _TaskPlan(spec, len(train), {}, {})
+    for ref in refs:
+        plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(models[ref.name], data, settings)
+        for lr, seed in itertools.product(cfg.lrs, cfg.seed_list()):
+            key = (ref.name, spec.name, seed, float(lr), cfg.epochs, cfg.batch_size, cfg.max_len,
+                   len(train))
+            where = f"{path}: cell {ref.name} {spec.name} seed {seed} lr {lr:g}"
+            state, old = cell_reuse.reuse(stored.get(key, []), inputs, cfg.recompute, where)
+            if state != "reuse":
+                plan.todo.setdefault(ref.name, []).append((float(lr), seed, state, old))
+    return plan
+
+
+def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], cfg: FinetuneConfig, path: Path,
+              dev: torch.device, report_to: Sequence[str], task_data: Callable[[TaskSpec], Any],
               finish: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Run every cell (task, model, lr, seed) not yet in the results file `path`, appending its
-    rows when it ends. settings: the cell config shared by all cells, besides lr; task_data:
-    spec -> (train examples, {split: eval examples}), read once per task; finish: called with
-    what the rows of each (model, task) share once all its cells are in `path`."""
-    done = {_cell_key(r) for r in read_results(path)} if path.exists() else set()
-    bar = Progress(len(refs) * len(specs) * len(seeds) * len(lrs), "finetune", "cell")
-    for spec in specs:
-        train, evals = task_data(spec)
+    """Run every cell (task, model, lr, seed) whose rows with the current fingerprint are not in
+    the results file `path`, appending its rows when it ends. Every task is planned (and a stale
+    cell refused) before anything trains. task_data: spec -> (train examples, {split: eval
+    examples}); finish: called with what the rows of each (model, task) share once all its
+    cells are in `path`."""
+    stored = cell_reuse.group_cells(read_results(path)) if path.exists() else {}
+    models = cell_reuse.model_fingerprints({r.name: r.path for r in refs})
+    plans = [_plan(spec, refs, cfg, models, stored, task_data, path) for spec in specs]
+    shared = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("seeds", "lrs", "preset", "recompute", "data_dir")}
+    # zero-shot retrieval: corpus embeddings per checkpoint fingerprint
+    shared["retrieval_cache"] = str(path.parent / "retrieval_cache")
+    bar = Progress(len(refs) * len(specs) * len(cfg.lrs) * len(cfg.seed_list()), "finetune",
+                   "cell")
+    for plan in plans:
+        spec = plan.spec
+        train, evals = task_data(spec) if plan.todo else ([], {})
         for ref in refs:
             data = None  # tokenised on first use: a finished model costs nothing on resume
-            for lr, seed in itertools.product(lrs, seeds):
-                cfg = {"lr": float(lr), **settings}
-                if (ref.name, spec.name, seed, float(lr), settings["epochs"],
-                        settings["batch_size"], settings["max_len"], len(train),
-                        settings["head"], settings["max_steps"]) not in done:
-                    bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
-                    data = data or prepare(ref, spec, train, evals, settings["max_len"])
-                    with _cell_tracker(report_to, path, ref, spec, seed, cfg) as tracker:
-                        rows = run_cell(ref, spec, data, seed, cfg, dev, tracker)
-                    append_results(path, rows)
+            inputs = plan.inputs[ref.name]
+            for lr, seed, state, old in plan.todo.get(ref.name, []):
+                bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
+                data = data or prepare(ref, spec, train, evals, cfg.max_len)
+                cell = {**shared, "lr": lr}
+                with _cell_tracker(report_to, path, ref, spec, seed, cell) as tracker:
+                    rows = run_cell(ref, spec, data, seed, cell, dev, tracker)
+                extra = {**inputs.record(), **({"supersedes": old} if state == "recompute" else {})}
+                rows = [{**r, **extra} for r in rows]
+                key = cell_reuse.cell_key(rows[0]) if rows else None
+                append_results(path, rows,
+                               unless=cell_reuse.stored_exactly(key, inputs.fingerprint()))
                 bar.update(1)
+            bar.update(len(cfg.lrs) * len(cfg.seed_list()) - len(plan.todo.get(ref.name, [])))
             if finish is not None:
-                finish({"model": ref.name, "task": spec.name, "n_train": len(train),
-                        **{k: settings[k] for k in protocol.GRID_FIELDS if k in settings}})
+                finish({"model": ref.name, "task": spec.name, "n_train": plan.n_train,
+                        "fingerprint": inputs.fingerprint(),
+                        **{k: shared[k] for k in protocol.GRID_FIELDS if k in shared}})
     bar.close()

@@ -20,56 +20,42 @@ name. `compare`, `report` and a study read them like any other rows.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mlsm.artifacts.fingerprint import require_same, settings_fingerprint
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import SELECTED_LR, append_results, best_lr, read_results
 
 VAL_SUFFIX = "_val"  # metric suffix of the carved validation split
-HEADS = ("cls", "mean")
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A fine-tuning protocol: the `finetune` settings it fixes."""
+    """A fine-tuning protocol: the `FinetuneConfig` settings it fixes (each documented, typed and
+    range-checked there, so a preset declares values, not settings) and where it comes from."""
 
-    lrs: tuple[float, ...]
-    """Learning-rate grid; the best on validation is reported."""
-    seeds: int
-    """Seeds 0..N-1 per (model, task, lr)."""
-    epochs: int
-    """Passes over the training data (an upper bound when max_steps ends first)."""
-    max_steps: int
-    """Most optimizer steps per run (0 = no cap); with epochs, whichever ends first."""
-    batch_size: int
-    """Examples per optimizer step."""
-    warmup_ratio: float
-    """Fraction of the run's steps with linear warmup; linear decay to 0 after."""
-    head: str
-    """Sentence-task head: 'mean' (mean-pooled tokens -> linear) or 'cls' (first token -> dense
-    + tanh -> linear)."""
-    val_fraction: float
-    """Fraction of the training examples held out as validation to choose the lr on."""
+    values: dict[str, Any]
+    """FinetuneConfig field -> the value the protocol fixes."""
     source: str
     """Where the protocol comes from."""
 
     def settings(self) -> dict[str, Any]:
         """Keyword arguments of `finetune` (seeds as 0..N-1)."""
-        out = {k: v for k, v in asdict(self).items() if k != "source"}
-        out["seeds"], out["lrs"] = range(self.seeds), list(self.lrs)
+        out = dict(self.values)
+        if isinstance(out.get("seeds"), int):
+            out["seeds"] = range(out["seeds"])
         return out
 
 
 PRESETS: dict[str, Preset] = {
     "mlm-vs-clm-2025": Preset(
-        lrs=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4), seeds=5, epochs=1, max_steps=1000,
-        batch_size=32, warmup_ratio=0.1, head="mean", val_fraction=0.1,
+        {"lrs": [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4], "seeds": 5, "epochs": 1, "max_steps": 1000,
+         "batch_size": 32, "warmup_ratio": 0.1, "head": "mean", "val_fraction": 0.1},
         source="Gisserot-Boukhlef et al. 2025, 'Should We Still Pretrain Encoders with Masked "
                "Language Modeling?' (lr values ours)"),
 }
@@ -156,9 +142,13 @@ def validation_scores(rows: Sequence[dict[str, Any]]) -> dict[float, list[float]
 GRID_FIELDS = ("epochs", "batch_size", "max_len", "head", "max_steps")  # shared by a grid's runs
 
 
-def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str) -> None:
+def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str,
+                    recompute: bool = False) -> None:
     """Append to `results` the chosen lr's dev rows of the (model, task) grid that `cell`
-    describes (model, task, n_train, GRID_FIELDS; lr and seed: the lists run), unless there."""
+    describes (model, task, n_train, GRID_FIELDS, the grid's fingerprint; lr and seed: the lists
+    run), unless there. Each row records ``selected_on``, the fingerprint of what it was chosen
+    on (the grid rows' fingerprint, the lrs and the seeds): rows chosen on anything else are a
+    one-line refusal, or (recompute) superseded by the fresh choice."""
     lists = {k: {float(v) if k == "lr" else v for v in cell[k]} for k in ("lr", "seed")}
 
     def ours(r: dict[str, Any]) -> bool:
@@ -166,13 +156,25 @@ def report_selected(grid: Path, results: Path, cell: dict[str, Any], preset: str
                     for k, v in cell.items() if k not in lists)
                 and float(r["lr"]) in lists["lr"] and r["seed"] in lists["seed"])
 
-    chosen = selected_rows([r for r in read_results(grid) if ours(r)], preset)
-    have = read_results(results) if results.exists() else []
-    keys = {(r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
-             *(r.get(k) for k in GRID_FIELDS)) for r in have}
-    append_results(results, [r for r in chosen if (
-        r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
-        *(r.get(k) for k in GRID_FIELDS)) not in keys])
+    basis = settings_fingerprint({"grid": cell.get("fingerprint"), "lrs": sorted(lists["lr"]),
+                                  "seeds": sorted(lists["seed"], key=repr)})
+    chosen = [{**r, "selected_on": basis}
+              for r in selected_rows([r for r in read_results(grid) if ours(r)], preset)]
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["model"], r["task"], r["seed"], r["metric"], r["lr"], r["n_train"],
+                *(r.get(k) for k in GRID_FIELDS))
+
+    held: dict[tuple[Any, ...], Any] = {}  # the last selection of each row, by key
+    for r in read_results(results) if results.exists() else []:
+        held[key(r)] = r.get("selected_on")
+    stale = [r for r in chosen if key(r) in held and held[key(r)] != basis]
+    if stale and not recompute:
+        require_same({"lr choice": held[key(stale[0])]}, {"lr choice": basis},
+                     f"{results}: the selected rows of {cell['model']} {cell['task']}",
+                     "pass --recompute (Python: recompute=True) to replace them, or write to a "
+                     "new --results file")
+    append_results(results, [r for r in chosen if held.get(key(r), "") != basis])
 
 
 def selected_rows(rows: Sequence[dict[str, Any]], preset: str) -> list[dict[str, Any]]:
@@ -199,13 +201,3 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
         return hidden.mean(1)
     mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
     return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-
-
-def check_protocol(max_steps: int, head: str, val_fraction: float) -> None:
-    """The protocol settings `finetune` adds, refused in one line before any work."""
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
-        raise UserError(f"--max-steps must be 0 (no cap) or a positive integer, got {max_steps}")
-    if head not in HEADS:
-        raise UserError(f"--head must be one of {', '.join(HEADS)}, got {head!r}")
-    if not (val_fraction == 0 or 0 < val_fraction < 1) or math.isnan(val_fraction):
-        raise UserError(f"--val-fraction must be 0 (none) or in (0, 1), got {val_fraction}")

@@ -7,9 +7,9 @@ training. Cells pair across models the way classification cells do: for seed s o
 positive chosen for each training query (when it has several) and the data order come from
 generators seeded by (s, t) only, and dropout from ``torch.manual_seed(s)``.
 
-`finetune.py` hands retrieval tasks to `task_data`, `prepare` and `run_cell` here; the rows
-written are ordinary result rows (metrics ``ndcg@10``, ``recall@100``, ``mrr@10``) that
-``compare``, ``report`` and studies read unchanged.
+`finetune.py` (above this module) hands retrieval tasks to `task_data`, `prepare` and `run_cell`
+here; the rows written are ordinary result rows (metrics ``ndcg@10``, ``recall@100``,
+``mrr@10``) that ``compare``, ``report`` and studies read unchanged.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 
 from mlsm.errors import UserError
 from mlsm.evaluate.beir import BeirSplit, load_beir_hf, read_beir
-from mlsm.evaluate.finetune import (
+from mlsm.evaluate.cell import (
     LOG_EVERY,
     ModelRef,
-    _load_backbone,
-    _optimizer,
     linear_schedule,
+    load_backbone,
+    optimizer,
     stable_seed,
     training_order,
 )
@@ -147,7 +147,7 @@ def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: s
     tau = float(cfg.get("temperature", TEMPERATURE))
     total = cfg["epochs"] * math.ceil(len(data.train) / bs)
     params = list(backbone.parameters())
-    opt = _optimizer(params, cfg["lr"], cfg["weight_decay"])
+    opt = optimizer(params, cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, int(cfg["warmup_ratio"] * total))
     backbone.train()
     step = 0
@@ -176,7 +176,7 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
     cell scores the checkpoint as loaded; its corpus embeddings are cached in
     ``cfg["retrieval_cache"]`` (keyed by the weights' fingerprint), fine-tuned ones are not."""
     start = time.time()
-    backbone = _load_backbone(model.path).to(device)
+    backbone = load_backbone(model.path).to(device)
     steps = train_bi_encoder(backbone, data, spec.name, seed, cfg, device, tracker) \
         if data.train else 0
     cache = None if data.train else cfg.get("retrieval_cache")
@@ -202,7 +202,8 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
 
 def check_temperature(results: Path, specs: Sequence[TaskSpec], temperature: float) -> None:
     """Refuse to add fine-tuned retrieval cells at one temperature to a results file holding the
-    same tasks at another: the cell key has no temperature, so the grid would skip or pair them."""
+    same tasks at another: `compare`'s cell key has no temperature, so it would pair them (the
+    grid itself never reuses one: temperature is in the cell's fingerprint)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise UserError(f"--temperature must be a positive number, got {temperature}; "
                         f"the usual InfoNCE setting is {TEMPERATURE}")

@@ -62,12 +62,15 @@ def dev_cells(scores: dict[str, dict[tuple[Any, ...], float]]
             for m, cells in scores.items()}
 
 
-def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
+def append_results(path: str | Path, rows: Iterable[dict[str, Any]],
+                   unless: Callable[[list[dict[str, Any]]], bool] | None = None) -> None:
     """Append rows as JSON lines in one locked ``write`` + fsync, so a crash or a concurrent
     writer never interleaves or half-writes a cell's lines (a torn tail line from a killed
     process is closed off with a newline first; ``read_results`` skips it). A row's checkpoint
     `path` and `run` inside the results file's folder are written relative to that folder, so a
-    study folder (or a published copy of its results) names no machine's absolute paths."""
+    study folder (or a published copy of its results) names no machine's absolute paths.
+    `unless(rows already in the file)`, asked under the lock: True writes nothing (two grids on
+    one file that both ran a cell append it once)."""
     path = Path(path)
     text = "".join(json.dumps(portable_row(r, path.parent), sort_keys=True) + "\n" for r in rows)
     if not text:
@@ -78,6 +81,8 @@ def append_results(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
+        if unless is not None and size and unless(read_results(path)):
+            return
         if size and os.pread(fd, 1, size - 1) != b"\n":
             text = "\n" + text
         os.write(fd, text.encode("utf-8"))

@@ -18,6 +18,7 @@ from mlsm.config import Check, build_dataclass, merge
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
 from mlsm.errors import UserError
+from mlsm.evaluate.finetune_config import FinetuneConfig
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
@@ -101,53 +102,14 @@ class ProbeSpec:
 
 
 @dataclass
-class FinetuneSpec:
+class FinetuneSpec(FinetuneConfig):
+    """A study's `finetune:` section: every `FinetuneConfig` setting (declared there once, with
+    the defaults of `mlsm finetune`), plus the keys only a study has."""
+
     tasks: list[str] = field(default_factory=list)
     """Task names (see `mlsm.evaluate.tasks`); empty = no fine-tuning."""
-    data_dir: str = ""
-    """Folder holding the task folders (GLUE layout); empty = HF `datasets`."""
     readiness: list[float] = field(default_factory=lambda: [1.0])
     """Fractions of pre-training whose checkpoints are fine-tuned (a subset of `readiness`)."""
-    seeds: int = 3
-    """Fine-tuning seeds per cell (paired across arms: same seed, same head init and order)."""
-    lrs: list[float] = field(default_factory=lambda: [1e-4])
-    """Fine-tuning learning rates (fixed a priori; never chosen on the dev sets)."""
-    epochs: int = 3
-    """Fine-tuning epochs."""
-    batch_size: int = 32
-    """Fine-tuning batch size."""
-    max_len: int = 128
-    """Fine-tuning sequence length."""
-    max_train_examples: int = 0
-    """Cap on training examples per task (0 = all)."""
-    warmup_ratio: float = 0.1
-    """Fraction of fine-tuning steps with linear warmup."""
-    weight_decay: float = 0.01
-    """AdamW weight decay when fine-tuning."""
-    fixed_order: bool = False
-    """Every seed trains on one data order, only the head differs (the official code's
-    shuffle_seed=42); false = one order per (seed, task). As `mlsm finetune --fixed-order`."""
-    clip: float = 1.0
-    """Gradient-norm clipping when fine-tuning, 0 = off (the official code clips nothing). As
-    `mlsm finetune --clip`."""
-    eval_test: bool = False
-    """Also score tasks with a labelled test split (CoNLL-2003) as <metric>_test; reported beside
-    the dev metrics, never in the paired statistics. As `mlsm finetune --eval-test`."""
-    temperature: float = 0.05
-    """InfoNCE temperature of retrieval tasks (scifact, beir:NAME); as `mlsm finetune
-    --temperature` (0.05 = sentence-transformers' scale 20, SimCSE's)."""
-    max_steps: int = 0
-    """Most optimizer steps per fine-tuning run, whichever of it and `epochs` ends first (0 = no
-    cap)."""
-    head: str = "cls"
-    """Sentence-task head: cls (first token, dense, tanh, linear) or mean (mean-pooled tokens,
-    linear)."""
-    val_fraction: float = 0.0
-    """Fraction of each training set held out to choose the best of `lrs` on (0 = every lr is
-    reported); the dev set is never used to choose."""
-    preset: str = ""
-    """A named fine-tuning protocol (e.g. mlm-vs-clm-2025, docs/finetune.md) that fixes seeds, lrs,
-    epochs, max_steps, batch_size, warmup_ratio, head and val_fraction; leave those keys out."""
 
 
 @dataclass
@@ -248,15 +210,7 @@ STUDY_CHECKS: dict[str, Check] = {
     "probe.inputs": (lambda v: bool(v) and len(set(v)) == len(v)
                      and set(v) <= {"probs", "logprobs", "logits"},
                      "distinct input kinds among probs, logprobs, logits"),
-    "finetune.readiness": _FRACTIONS, "finetune.seeds": _POS, "finetune.epochs": _POS,
-    "finetune.batch_size": _POS, "finetune.max_len": (lambda v: v >= 4, "at least 4"),
-    "finetune.max_train_examples": _NONNEG, "finetune.weight_decay": _NONNEG,
-    "finetune.clip": _NONNEG,
-    "finetune.lrs": (lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
-    "finetune.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "finetune.temperature": _POS,
-    "finetune.max_steps": _NONNEG, "finetune.head": (lambda v: v in ("cls", "mean"), "cls or mean"),
-    "finetune.val_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "finetune.readiness": _FRACTIONS,  # the other finetune keys: beside FinetuneConfig's fields
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
     "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
@@ -389,19 +343,14 @@ def _check_tasks(tasks: list[str]) -> None:
         raise UserError(f"finetune.tasks lists {twice[0]} twice; give each task once")
 
 
-PRESET_KEYS = ("seeds", "lrs", "epochs", "max_steps", "batch_size", "warmup_ratio", "head",
-               "val_fraction")  # what finetune.preset fixes
-
-
 def _check_preset(ft: FinetuneSpec) -> None:
     """finetune.preset: a known name, and none of the keys it fixes set otherwise."""
     if not ft.preset:
         return
     from mlsm.evaluate.protocol import get_preset
 
-    get_preset(ft.preset)
     default = FinetuneSpec()
-    clash = [k for k in PRESET_KEYS if getattr(ft, k) != getattr(default, k)]
+    clash = [k for k in get_preset(ft.preset).values if getattr(ft, k) != getattr(default, k)]
     if clash:
         raise UserError(f"finetune.preset {ft.preset} fixes finetune.{clash[0]}; remove one of "
                         "the two")

@@ -143,7 +143,6 @@ def _finetune(study: Study, arm: str) -> str | None:
     import torch
 
     from mlsm.evaluate.finetune import finetune
-    from mlsm.evaluate.protocol import preset_settings
 
     ft = study.spec.finetune
     if study.reusable(f"finetune:{arm}", reuse.finetune_inputs(study, arm), [],
@@ -153,15 +152,8 @@ def _finetune(study: Study, arm: str) -> str | None:
         torch.set_num_threads(driver_threads(study))
     models = [f"{model_name(arm, f)}={study.checkpoint(arm, f)}" for f in ft.readiness]
     before = _rows_of(study, arm)
-    protocol = preset_settings(ft.preset) if ft.preset else dict(
-        seeds=range(ft.seeds), lrs=ft.lrs, epochs=ft.epochs, batch_size=ft.batch_size,
-        warmup_ratio=ft.warmup_ratio, max_steps=ft.max_steps, head=ft.head,
-        val_fraction=ft.val_fraction)
-    finetune(models, ft.tasks, **protocol, max_len=ft.max_len, data_dir=ft.data_dir or None,
-             results=study.results, max_train_examples=ft.max_train_examples or None,
-             weight_decay=ft.weight_decay,
-             fixed_order=ft.fixed_order, clip=ft.clip, eval_test=ft.eval_test,
-             temperature=ft.temperature,
+    # ft is a FinetuneConfig (with the study's own keys): every setting reaches finetune()
+    finetune(models, ft.tasks, ft, results=study.results,
              device="cpu" if study.spec.executor.kind == "local" else "auto",
              report_to=study.arm_config(arm).train.report_to)  # base.train.report_to of the study
     return "skipped" if _rows_of(study, arm) == before else None  # every cell was there

@@ -1,0 +1,157 @@
+"""The settings of a fine-tuning grid, declared once.
+
+`FinetuneConfig` is the one declaration: the flags of `mlsm finetune` are generated from its fields
+(`mlsm.dataclass_flags`), `finetune(models, tasks, config, **settings)` takes it, and a study's
+`finetune:` section (`mlsm.study.spec.FinetuneSpec`) is a subclass that adds only the study's own
+keys. Each field's range sits beside it (`metadata["check"]`, read by `build_dataclass` and by the
+flag parser); `metadata["decides"] = True` marks the settings that change a cell's scores, which
+its fingerprint records (`mlsm.evaluate.cell_reuse`). Imports no torch: the CLI builds its parser
+from it before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlsm.config import INT_LIMIT, build_dataclass
+from mlsm.errors import UserError
+
+HEADS = ("cls", "mean")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
+
+
+def _seeds_ok(v: Any) -> bool:
+    if isinstance(v, list):
+        return bool(v) and all(_int(s) and s >= 0 for s in v) and len(set(v)) == len(v)
+    return _int(v) and v > 0
+
+
+def _seed_count(text: str) -> int:
+    value = int(text)  # ValueError: argparse's one line
+    if not 0 < value < INT_LIMIT:
+        raise ValueError(f"must be a positive number of seeds, got {text}")
+    return value
+
+
+def _decides(check: tuple[Any, str]) -> dict[str, Any]:
+    return {"check": check, "decides": True}
+
+
+_POSITIVE_INT = (lambda v: _int(v) and v > 0, "a positive integer")
+_NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
+_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+@dataclass
+class FinetuneConfig:
+    seeds: int | list[int] = field(default=5, metadata={
+        "check": (_seeds_ok, "positive (a number of seeds N, run as 0..N-1) or a list of "
+                             "distinct seeds 0 or more"),
+        "flag": _seed_count, "metavar": "N"})
+    """Seeds per (model, task, lr): N runs seeds 0..N-1, or the list of seeds. Paired across
+    models: for seed s the head init and data order are the same for every backbone."""
+    lrs: list[float] = field(default_factory=lambda: [2e-5], metadata={"check": (
+        lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
+        "metavar": "LR,LR"})
+    """Learning rates, comma-separated on the command line (a grid: every lr is run)."""
+    epochs: int = field(default=3, metadata=_decides(_POSITIVE_INT))
+    """Passes over the training set (an upper bound when max_steps ends first)."""
+    max_steps: int = field(default=0, metadata=_decides(_NON_NEGATIVE))
+    """Most optimizer steps per run, whichever of it and epochs ends first (0: no cap)."""
+    batch_size: int = field(default=32, metadata=_decides(_POSITIVE_INT))
+    """Training examples per optimizer step."""
+    head: str = field(default="cls", metadata=_decides((lambda v: v in HEADS, "cls or mean")))
+    """Sentence-task head: cls = first token, dense, tanh, linear; mean = mean-pooled tokens,
+    linear."""
+    val_fraction: float = field(default=0.0, metadata=_decides(_FRACTION))
+    """Hold out this fraction of each training set to pick the best of lrs on; the grid goes to
+    RESULTS.lr-grid.jsonl (0: every lr is reported; the dev set is never used to choose)."""
+    preset: str = field(default="", metadata={"metavar": "NAME"})
+    """A named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md): it fixes seeds, lrs, epochs,
+    max_steps, batch_size, warmup_ratio, head and val_fraction; settings you give override it."""
+    max_len: int = field(default=128, metadata=_decides((lambda v: v >= 4, "at least 4")))
+    """Sequence length in tokens (pairs truncated longest-first), up to the model's limit."""
+    max_train_examples: int | None = field(default=None, metadata=_decides((
+        lambda v: v is None or (_int(v) and v > 0), "a positive integer (null: all)")))
+    """Cap on training examples per task, a fixed subset for every model and seed (none: all);
+    evaluation sets are never capped."""
+    warmup_ratio: float = field(default=0.0, metadata=_decides(_FRACTION))
+    """Fraction of a run's steps with linear warmup; linear decay to 0 after."""
+    weight_decay: float = field(default=0.01, metadata=_decides(_NON_NEGATIVE))
+    """AdamW weight decay (not on biases and LayerNorm weights)."""
+    fixed_order: bool = field(default=False, metadata={"decides": True})
+    """Every seed trains on seed 0's data order, so seeds differ in the head only (the
+    Hitchhikers' Guide §4.2)."""
+    clip: float = field(default=1.0, metadata=_decides(_NON_NEGATIVE))
+    """Gradient-norm clipping, 0 = off."""
+    eval_test: bool = field(default=False, metadata={"decides": True})
+    """Also score labelled test splits (CoNLL-2003) as <metric>_test, beside the dev metrics and
+    never in the paired statistics."""
+    temperature: float = field(default=0.05, metadata=_decides((lambda v: v > 0, "positive")))
+    """InfoNCE temperature of fine-tuned retrieval tasks (0.05 = sentence-transformers' scale 20,
+    SimCSE's)."""
+    data_dir: str = ""
+    """Folder holding the task folders (CoLA/, SST-2/, ..., conll2003/, squad_v1.1/); empty: HF
+    datasets. Its files' content, not its path, goes into each cell's fingerprint."""
+    recompute: bool = False
+    """Train again the cells whose stored rows came from other inputs or settings (another
+    fingerprint, or none: rows written before fingerprints); the fresh rows are appended and
+    supersede the old ones, which compare and report then ignore. Without it such a cell is a
+    one-line refusal."""
+
+    def seed_list(self) -> list[int]:
+        """The seeds run: 0..N-1 for a number N, else the list given."""
+        return list(range(self.seeds)) if isinstance(self.seeds, int) else list(self.seeds)
+
+    def decisive(self, kind: str, trained: bool) -> dict[str, Any]:
+        """The settings that decide a cell's scores for a task of `kind` (`TaskSpec.kind`):
+        the fields marked `decides`, less those the task never reads (the head of a bi-encoder,
+        the temperature of a classifier, every training setting of a zero-shot cell)."""
+        if not trained:  # zero-shot retrieval scores the checkpoint as loaded
+            return {"max_len": self.max_len}
+        skip = {"head"} if kind == "retrieval" else {"temperature"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(FinetuneConfig)
+                if f.metadata.get("decides") and f.name not in skip}
+
+    @classmethod
+    def build(cls, values: dict[str, Any], where: str = "finetune") -> FinetuneConfig:
+        """A config from `values` (Python arguments, flags or a study section): sequences become
+        lists, paths text; a preset's values fill the settings not given; every range checked."""
+        values = {k: _plain(v) for k, v in values.items()}
+        if values.get("preset"):
+            from mlsm.evaluate.protocol import get_preset
+
+            fixed = get_preset(values["preset"]).values
+            values = {**{k: _plain(v) for k, v in fixed.items()}, **values}
+        return build_dataclass(cls, values, where)
+
+    def given(self) -> dict[str, Any]:
+        """The fields of FinetuneConfig that differ from their defaults."""
+        default = FinetuneConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(FinetuneConfig)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def _plain(value: Any) -> Any:
+    """Python arguments as a config holds them: tuples and ranges as lists, paths as text."""
+    if isinstance(value, tuple | range):
+        return list(value)
+    if value is not None and hasattr(value, "__fspath__"):
+        return str(value)
+    return value
+
+
+def config_of(config: FinetuneConfig | None, settings: dict[str, Any]) -> FinetuneConfig:
+    """`finetune()`'s settings: `config` (or the defaults) with `settings` on top, one line for
+    an unknown name. data_dir=None is the default (HF datasets)."""
+    if config is not None and not isinstance(config, FinetuneConfig):
+        raise UserError(f"finetune(): config must be a FinetuneConfig, got {type(config).__name__}")
+    if settings.get("data_dir", "") is None:
+        settings = {**settings, "data_dir": ""}
+    base = config.given() if config is not None else {}
+    return FinetuneConfig.build({**base, **settings})
