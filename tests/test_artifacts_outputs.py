@@ -210,6 +210,33 @@ def test_a_dictionary_pair_from_two_writes_is_refused_even_with_equal_settings(t
         dictionary.load_dictionary(path)
 
 
+def test_a_meta_of_an_older_writer_beside_newer_atoms_is_refused(tmp_path, monkeypatch):
+    """An older mlsm wrote the pair without a digest; a newer write killed before its meta
+    leaves a header with one and a .json without: a key only one side has differs too."""
+    from safetensors.torch import save_file
+
+    import mlsm.teacher.dictionary as dictionary
+
+    meta = {"format": dictionary.DICT_FORMAT, "lam": 0.05, "layer": 12, "d": 4, "k": 6}
+    text = json.dumps(meta, sort_keys=True)
+    path = tmp_path / "d.safetensors"
+    save_file({"atoms": torch.eye(4, 6)}, str(path), metadata={"meta": text})
+    path.with_suffix(".json").write_text(text)
+    assert dictionary.load_dictionary(path).k == 6
+    real = dictionary.atomic_write
+    monkeypatch.setattr(dictionary, "atomic_write", lambda target, write: (
+        _raise(KeyboardInterrupt()) if str(target).endswith(".json") else real(target, write)))
+    with pytest.raises(KeyboardInterrupt):
+        dictionary.save_dictionary(dictionary.Dictionary(torch.eye(4, 6), {"lam": 0.05,
+                                                                          "layer": 12}), path)
+    with pytest.raises(UserError, match="are of different dictionaries .*atoms_sha256"):
+        dictionary.load_dictionary(path)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 # --------------------------------------------------------------------------- JSON lines
 
 
