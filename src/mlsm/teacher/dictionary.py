@@ -555,9 +555,10 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
         raise UserError(f"dictionary {weights} holds {atoms.shape[1]} atoms but its meta "
                         f"{meta_path.name} says k = {meta['k']}: the two files are of different "
                         f"dictionaries; {fix}")
-    # the weights carry the meta they were written with (since format 1 of the header): the
-    # .json must be that meta, key for key (a key only one side has differs too)
-    keys = set(meta) | set(embedded) if embedded else set()
+    # the weights carry the meta they were written with: a value of the .json that differs
+    # from it, or an atoms digest the .json lacks (a .json of an older write), is another write;
+    # a key removed by hand is not (its reader says what is missing)
+    keys = (set(meta) & set(embedded)) | ({"atoms_sha256"} & set(embedded))
     differ = sorted(key for key in keys if meta.get(key) != embedded.get(key))
     if differ:  # a write killed between the two files, or two writers: not one dictionary
         raise UserError(f"dictionary {weights} and its meta {meta_path.name} are of different "
