@@ -350,7 +350,7 @@ def test_a_second_score_on_one_output_refuses(tmp_path, capsys, hold_lock, held)
     assert not paths["out"].exists() and paths["results"].read_text() == ""
 
 
-@pytest.mark.parametrize("verb", ["blimp", "rank", "train-tokenizer"])
+@pytest.mark.parametrize("verb", ["blimp", "rank", "train-tokenizer", "compare", "report"])
 def test_a_second_writer_of_a_folder_refuses(verb, tmp_path, capsys, hold_lock):
     _, _, run, _, _ = _verbs(capsys)[verb]
     out = tmp_path / "out"

@@ -223,16 +223,18 @@ def _finetune_grid(a: argparse.Namespace, finetune: Callable) -> Any:
 
 
 def _compare(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.stats import COMPARISON_KIND, compare_runs
 
-    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
-                       bootstrap=a.bootstrap, per_run=a.per_run).to_markdown())
+    with writing(a.out, COMPARISON_KIND, keep=[a.results]) if a.out else contextlib.nullcontext():
+        print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
+                           bootstrap=a.bootstrap, per_run=a.per_run).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.report import make_report
+    from mlsm.evaluate.report import REPORT_KIND, make_report
 
-    print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
+    with writing(a.out, REPORT_KIND, keep=[a.results]):  # one writer per report folder
+        print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
 
 
 def _probe(a: argparse.Namespace) -> None:
