@@ -171,6 +171,14 @@ def test_the_replacing_verb_really_replaces(tmp_path, capsys):
     assert json.loads((out / "tokenizer_config.json").read_text())  # not the "{}" marker
 
 
+def test_a_name_with_a_line_break_stays_on_the_one_line(tmp_path):
+    from mlsm.export import EXPORT_KIND
+
+    _write(tmp_path / "out" / "a\nb.txt", "mine\n")
+    message = _lib(guard_output, tmp_path / "out", EXPORT_KIND)
+    assert "\n" not in message and "'a\\nb.txt'" in message
+
+
 # --------------------------------------------------------------------------- dictionary files
 
 

@@ -73,15 +73,21 @@ def guard_output(out: str | os.PathLike, kind: OutputKind, rule: Rule = Rule.SAM
     ours = kind.ours(folder) if kind.ours is not None else not foreign
     if not ours:
         raise UserError(f"{flag} {folder} exists and is not {a_kind} (it holds "
-                        f"{', '.join(entries[:3])}); choose an empty or new folder (mlsm only "
+                        f"{_names(entries)}); choose an empty or new folder (mlsm only "
                         "replaces folders it wrote)")
     if foreign:
-        raise UserError(f"{flag} {folder} holds {', '.join(foreign[:3])}, not part of "
+        raise UserError(f"{flag} {folder} holds {_names(foreign)}, not part of "
                         f"{a_kind}; move {'it' if len(foreign) == 1 else 'them'} or choose "
                         f"another {flag} (nothing was written)")
     if rule is Rule.NEW:
         raise UserError(f"{flag} {folder} already holds {a_kind}; "
                         f"{fix_existing or f'choose another {flag}'}")
+
+
+def _names(names: list[str]) -> str:
+    """The first three names, each on the message's one line (a name may hold a line break)."""
+    return ", ".join(n if n.isprintable() else ascii(n) for n in names[:3]) + (
+        ", ..." if len(names) > 3 else "")
 
 
 def _entries(folder: Path, kind: OutputKind, keep: Iterable) -> list[str]:
