@@ -554,14 +554,14 @@ def _paths_blimp_out_holds_user_blimp_md(tmp, fix):
     notes = _write(tmp / "out" / "blimp.md", "my notes\n")
     data = _blimp_dir(tmp, GOOD_PAIR)
     return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(notes.parent)],
-            [notes.parent, data], "holds a blimp.md that mlsm did not write")
+            [notes.parent, data], "exists and is not a BLiMP report")
 
 
 def _paths_rank_out_holds_user_rank_csv(tmp, fix):
     mine = _write(tmp / "out" / "rank.csv", "mine\n")
     text = _write(tmp / "x.txt", "the cat sees a dog .\n")
     return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(mine.parent)],
-            [mine.parent], "holds rank.csv but no rank.md that mlsm wrote beside it")
+            [mine.parent], "exists and is not a rank report")
 
 
 def _paths_compare_out_holds_user_means_csv(tmp, fix):
@@ -571,7 +571,7 @@ def _paths_compare_out_holds_user_means_csv(tmp, fix):
     results = _write(tmp / "r.jsonl", rows)
     mine = _write(tmp / "out" / "means.csv", "mine\n")
     return (["compare", str(results), "--out", str(mine.parent)], [mine.parent, results],
-            "holds means.csv but no comparison.md that mlsm wrote beside it")
+            "exists and is not an mlsm comparison")
 
 
 def _results(tmp: Path, **row: object) -> Path:
@@ -726,20 +726,20 @@ def _paths_report_out_holds_users_report(tmp, fix):
     results = _write(tmp / "r.jsonl", _rows())
     mine = _write(tmp / "rep" / "report.md", "# My own report\n")
     return (["report", str(results), "--out", str(tmp / "rep")], [mine],
-            "report.md that mlsm did not write")
+            "exists and is not an mlsm report")
 
 
 def _paths_compare_out_user_folder(tmp, fix):
     results = _write(tmp / "r.jsonl", _rows())
     folder = _user_folder(tmp)
     return (["compare", str(results), "--out", str(folder)], [folder],
-            "which this command does not write")
+            "exists and is not an mlsm comparison")
 
 
 def _paths_train_tokenizer_out_user_folder(tmp, fix):
     folder = _user_folder(tmp)
     return (["train-tokenizer", str(fix["corpus_dir"] / "a.txt"), "--out", str(folder)], [folder],
-            "not a tokenizer file")
+            "exists and is not a tokenizer")
 
 
 def _paths_study_corrupt_status(tmp, fix):

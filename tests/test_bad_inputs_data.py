@@ -313,7 +313,7 @@ def _case_run_killed_before_first_log(tmp, fx):
     run = _run_copy(tmp, fx)
     (run / "metrics.jsonl").unlink()  # checkpoints, config.yaml and run.json still count
     return (["pretrain", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run],
-            "already holds a run", None)
+            "already holds an mlsm run", None)
 
 
 def _case_resume_other_seed(tmp, fx):

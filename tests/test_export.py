@@ -127,7 +127,7 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
     )
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="not an earlier mlsm export"):
+    with pytest.raises(UserError, match="is not an mlsm export"):
         export_checkpoint(ckpt, tmp_path / "foreign")
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
 

@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from mlsm.artifacts.outputs import guard_output, report_kind, writing, writing_file
 from mlsm.config import INT_LIMIT
 from mlsm.defaults import ATOMS_PER_DIM, LAM, SAMPLINGS, TEACHER_LAYER, lam_range
 from mlsm.errors import Incomplete, UserError
-from mlsm.inputs import check_apart, check_output_folder
+from mlsm.inputs import check_apart
 from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
 
 # --------------------------------------------------------------------------- argument types
@@ -208,16 +209,18 @@ def _finetune(a: argparse.Namespace) -> None:
 
 
 def _compare(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.stats import COMPARISON_KIND, compare_runs
 
-    print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
-                       bootstrap=a.bootstrap, per_run=a.per_run).to_markdown())
+    with writing(a.out, COMPARISON_KIND, keep=[a.results]) if a.out else contextlib.nullcontext():
+        print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
+                           bootstrap=a.bootstrap, per_run=a.per_run).to_markdown())
 
 
 def _report(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.report import make_report
+    from mlsm.evaluate.report import REPORT_KIND, make_report
 
-    print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
+    with writing(a.out, REPORT_KIND, keep=[a.results]):  # one writer per report folder
+        print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
 
 
 def _probe(a: argparse.Namespace) -> None:
@@ -245,12 +248,20 @@ def _demo(a: argparse.Namespace) -> None:
 
 
 def _blimp(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.blimp import BLIMP_HEADING, evaluate_blimp, write_blimp_report
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.blimp import BLIMP_HEADING
 
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
-    check_output_folder(a.out, "--out", {"blimp.md", "blimp.json"}.__contains__,
-                        {"blimp.md": BLIMP_HEADING})
+    kind = report_kind("BLiMP report", {"blimp.md", "blimp.json"}.__contains__,
+                       {"blimp.md": BLIMP_HEADING})
+    guard_output(a.out, kind)  # before the model loads
+    with writing(a.out, kind):  # one writer: a second `blimp --out` here refuses at once
+        _blimp_into(a)
+
+
+def _blimp_into(a: argparse.Namespace) -> None:
+    from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
+    from mlsm.evaluate.probe import load_scorer
+
     model, tokenizer = load_scorer(a.model, device=a.device)
     control = _unigram_control(a.model, a.unigram)
     result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
@@ -295,19 +306,28 @@ def _readout(a: argparse.Namespace) -> None:
                        max_train=a.max_train, pairs=pairs, pair_limit=a.pair_limit,
                        store=a.store, heldout_store=a.heldout_store,
                        masked_batches=a.masked_batches)
-    rows = readout(a.model, spec, name=a.name)
-    path = write_rows(rows, Path(a.out) / READOUTS_FILE)
-    plots = plot_rows(path)
+    path = Path(a.out) / READOUTS_FILE
+    with writing_file(path, "readouts file"):  # one writer: two runs at once doubled every row
+        rows = readout(a.model, spec, name=a.name)
+        write_rows(rows, path)
+        plots = plot_rows(path)
     print(f"{len(rows)} readout rows -> {path}" + (f"; plots of every row there: "
                                                      f"{', '.join(plots)}" if plots else ""))
 
 
 def _score(a: argparse.Namespace) -> None:
+    check_apart(a.out, "--out", {"INPUT": a.input, "MODEL": a.model, "--results": a.results})
+    # one writer per output: a second `score` on the same --out or --results refuses at once
+    with writing_file(a.out, "scores file"), (
+            writing_file(a.results, "results file") if a.results else contextlib.nullcontext()):
+        _score_into(a)
+
+
+def _score_into(a: argparse.Namespace) -> None:
     from mlsm.evaluate.probe import load_scorer
     from mlsm.evaluate.score import results_row, score_corpus, warn_truncated, write_scores
     from mlsm.evaluate.stats import append_results
 
-    check_apart(a.out, "--out", {"INPUT": a.input, "MODEL": a.model, "--results": a.results})
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = score_corpus(model, tokenizer, a.input, variant=a.variant, max_tokens=a.max_tokens,
                           text_field=a.text_field, limit=a.limit, token_budget=a.token_budget,
@@ -323,18 +343,20 @@ def _score(a: argparse.Namespace) -> None:
 
 
 def _rank(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.rank import (
-        RANK_HEADING,
-        layerwise_effective_rank,
-        load_encoder,
-        read_sentences,
-        write_rank_report,
-    )
+    from mlsm.evaluate.rank import RANK_HEADING, read_sentences
 
     check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})
-    check_output_folder(a.out, "--out", {"rank.md", "rank.csv", "rank.json", "rank.png"}
-                        .__contains__, {"rank.md": RANK_HEADING})
+    kind = report_kind("rank report", {"rank.md", "rank.csv", "rank.json", "rank.png"}
+                       .__contains__, {"rank.md": RANK_HEADING})
+    guard_output(a.out, kind)
     sentences = read_sentences(a.text, limit=a.max_sentences)  # bad text stops before the load
+    with writing(a.out, kind):  # one writer: a second `rank --out` here refuses at once
+        _rank_into(a, sentences)
+
+
+def _rank_into(a: argparse.Namespace, sentences: list[str]) -> None:
+    from mlsm.evaluate.rank import layerwise_effective_rank, load_encoder, write_rank_report
+
     model, tokenizer = load_encoder(a.model, device=a.device)
     table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,
                                      seed=a.seed, tau=a.tau, center=a.center,

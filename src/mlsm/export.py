@@ -24,6 +24,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.hf import first_line, load_config
@@ -84,7 +85,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     if left_out:  # a pickle or a .py found in a checkpoint is not published
         print(f"mlsm: note: left out of the export: {', '.join(left_out)} (only the files an "
               "HF model folder needs are shipped)", file=sys.stderr)
-    with building_dir(out, "export") as tmp:
+    with writing(out, EXPORT_KIND), building_dir(out, "export") as tmp:  # one writer
         for f in folder.iterdir():
             if shipped(f):
                 shutil.copy2(f, tmp / f.name)
@@ -121,16 +122,18 @@ def shipped(path: Path) -> bool:
     return path.is_file() and (path.name in SHIPPED or _SHARD.fullmatch(path.name) is not None)
 
 
+def _is_export(out: Path) -> bool:
+    try:
+        return read_json(out / "mlsm.json", "export marker", "").get("format") == EXPORT_FORMAT
+    except UserError:  # missing, torn or foreign: not an export of ours
+        return False
+
+
+EXPORT_KIND = OutputKind("mlsm export", ours=_is_export)
+
+
 def _check_out(out: Path) -> None:
-    if out.is_file() or (out.is_dir() and any(out.iterdir())):
-        marker = out / "mlsm.json"
-        try:
-            ours = read_json(marker, "export marker", "").get("format") == EXPORT_FORMAT
-        except UserError:  # missing, torn or foreign: not an export of ours
-            ours = False
-        if not ours:
-            raise UserError(f"--out {out} exists and is not an earlier mlsm export; "
-                            "choose an empty or new --out folder")
+    guard_output(out, EXPORT_KIND)  # an earlier export is replaced whole; nothing else is
 
 
 def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) -> Path | None:

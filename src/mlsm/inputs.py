@@ -209,34 +209,3 @@ def check_apart(out: str | os.PathLike, flag: str, inputs: Mapping[str, Any],
                    else "holds")
             raise UserError(f"{flag} {out} {how} the input {name} {value}; write the output "
                             "somewhere else (nothing was written)")
-
-
-def check_output_folder(out: str | os.PathLike, flag: str, writes: Callable[[str], bool],
-                        headings: Mapping[str, str],
-                        keep: Iterable[str | os.PathLike] = ()) -> None:
-    """Refuse an existing output folder that holds files this verb would not write (`writes`
-    says which names it writes; `keep`: inputs that may lie there, e.g. results.jsonl), a
-    Markdown file of one of its names that it did not write (its first line does not start with
-    the verb's heading in `headings`), or files of the verb's names without such a Markdown
-    file beside them (a user's own means.csv or rank.csv): nothing of the user's is overwritten.
-    The verbs write their Markdown file first, so an interrupted run still marks its folder."""
-    folder = Path(out)
-    if not folder.is_dir():
-        return
-    kept = {real_path(k) for k in keep if k}
-    files = [p for p in sorted(folder.iterdir())
-             if not p.name.startswith(".") and real_path(p) not in kept]
-    for path in files:
-        if not writes(path.name) or path.is_dir():
-            raise UserError(f"{flag} {folder} holds {path.name}, which this command does not "
-                            "write; choose an empty or new folder (nothing was written)")
-        heading = headings.get(path.name)
-        if heading is not None:
-            first = read_text(path, "file", "choose another folder").partition("\n")[0]
-            if not first.strip().startswith(heading):
-                raise UserError(f"{flag} {folder} holds a {path.name} that mlsm did not write; "
-                                "choose an empty or new folder (nothing was written)")
-    if files and not any(p.name in headings for p in files):
-        raise UserError(f"{flag} {folder} holds {files[0].name} but no {' or '.join(headings)} "
-                        "that mlsm wrote beside it, so it may be yours; choose an empty or new "
-                        "folder (nothing was written)")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from mlsm import locking
+from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.data.shards import Unit, default_num_proc, tokenise_units
 from mlsm.data.sources import (
     STORE_VERSION,
@@ -269,7 +269,7 @@ def prepare_corpus(
     require_mask_token(tok)
     tok_hash = tokenizer_hash(tok)
     fp = fingerprint(sources, tok_hash, text_field)
-    with locking.hold(out, "token store"):
+    with writing(out, STORE_KIND):
         existing = _existing_store(out, overwrite)
         if existing is not None and not overwrite:
             legacy = lambda: legacy_fingerprint(sources, tok_hash, text_field)  # noqa: E731
@@ -305,22 +305,16 @@ def _same_inputs(store: TokenStore, fp: str, legacy: Callable[[], str]) -> bool:
 _STORE_FILES = {"meta.json", "tokens.bin", "offsets.bin", "tokenizer"}
 
 
+STORE_KIND = OutputKind("token store", files=_STORE_FILES.__contains__,
+                        ours=lambda out: (out / "meta.json").is_file())
+
+
 def _guard_out(out: Path, sources: list[str]) -> None:
     """Refuse an --out that is a file, holds or is inside a source, or is a folder mlsm did not
-    write."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder path for the token store")
+    write as a token store."""
     check_apart_from_sources([out], sources, "--out", "write the token store to a folder outside "
                              "the sources")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    foreign = sorted(e.name for e in out.iterdir() if e.name not in _STORE_FILES)
-    if not (out / "meta.json").is_file():
-        raise UserError(f"--out {out} exists and is not a token store; choose another --out "
-                        "(mlsm only replaces folders it wrote)")
-    if foreign:
-        raise UserError(f"--out {out} holds files that are not part of a token store "
-                        f"({', '.join(foreign[:3])}); move them or choose another --out")
+    guard_output(out, STORE_KIND)
 
 
 def check_apart_from_sources(outs: list[Path], sources: list[str], name: str, fix: str,

@@ -19,6 +19,7 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
+from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.data.corpus import iter_documents
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
@@ -74,6 +75,14 @@ def train_tokenizer(
     sources = [sources] if isinstance(sources, str | Path) else list(sources)
     out = Path(out)
     _check_out(out, sources)
+    with writing(out, TOKENIZER_KIND):  # one writer: a second one refuses before training
+        return _train_and_save(sources, out, kind, vocab_size, lowercase, text_field,
+                               max_doc_bytes)
+
+
+def _train_and_save(sources: list, out: Path, kind: str, vocab_size: int, lowercase: bool,
+                    text_field: str, max_doc_bytes: int) -> PreTrainedTokenizerFast:
+    """`train_tokenizer` under `out`'s lock: train, then put the folder in place whole."""
     tok, trainer = _backend(kind, vocab_size, lowercase)
     seen = [0]
 
@@ -117,14 +126,12 @@ _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.txt", "added_tokens.json", "chat_template.jinja"}
 
 
+TOKENIZER_KIND = OutputKind("tokenizer", files=_TOKENIZER_FILES.__contains__,
+                            ours=lambda out: (out / "tokenizer_config.json").is_file())
+
+
 def _check_out(out: Path, sources: list) -> None:
     """Refuse an --out that is a file, lies inside or is a source, or holds files other than a
     tokenizer's (they would be replaced): before the minutes of training."""
     check_apart(out, "--out", {f"source {s}": s for s in sources}, contains=True)
-    if out.is_file():
-        raise UserError(f"--out {out} is an existing file; pass a folder")
-    other = sorted(p.name for p in out.iterdir() if p.name not in _TOKENIZER_FILES) \
-        if out.is_dir() else []
-    if other:
-        raise UserError(f"--out {out} holds {other[0]}, which is not a tokenizer file; choose an "
-                        "empty or new folder (mlsm replaces only a tokenizer folder)")
+    guard_output(out, TOKENIZER_KIND)

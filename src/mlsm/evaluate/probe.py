@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
+from mlsm.artifacts.outputs import OutputKind, writing
 from mlsm.config import merge, parse_overrides
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
@@ -56,6 +57,8 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
 PAPER_PROBE_STEPS = 10_000
 """Steps of the Hitchhikers' Guide's probe (§4.3, Fig. 6): a fixed length with readiness
 checkpoints, no plateau stop (`mlsm probe --recipe paper`)."""
+PROBE_KIND = OutputKind("mlsm probe run",
+                        ours=lambda out: (out / "probe.json").is_file() or is_run_dir(out))
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str = "plateau",
@@ -83,11 +86,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str 
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
         from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
-        if (out.is_dir() and any(out.iterdir()) and not (out / "probe.json").is_file()
-                and not is_run_dir(out)):  # only an earlier probe is replaced
-            raise UserError(f"--out {out} holds files that are not an mlsm probe run; choose "
-                            "another --out (mlsm never writes into a folder it did not create)")
-        train_probe_to_plateau(folder, out, max_steps=max_steps)
+        with writing(out, PROBE_KIND):  # only an earlier probe is replaced; one writer
+            train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out
     return pretrain(cfg, resume=resume)
 

@@ -259,18 +259,13 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
 def plot_rows(path: str | Path) -> list[str]:
     """Redraw readouts_steps.png / readouts_flops.png beside a readouts.jsonl from all its rows
-    (one line per run); a torn last line (a killed writer) is left out, as `read_results` does."""
-    import json
-
+    (one line per run); a line torn by a killed writer is left out (`read_jsonl`)."""
+    from mlsm.artifacts.jsonl import read_jsonl
     from mlsm.evaluate.readout_plots import write_plots
 
     path = Path(path)
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("kind"), str):
-            rows.append(row)
+    found = read_jsonl(path, "readouts file", "remove or fix that line (readouts files are JSON "
+                       "lines written by mlsm readout)")
+    rows = [row for _, row in found.rows if isinstance(row, dict) and isinstance(row.get("kind"),
+                                                                                str)]
     return [str(path.parent / name) for name in write_plots(rows, path.parent)]

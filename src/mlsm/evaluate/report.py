@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mlsm.artifacts.outputs import guard_output, report_kind
 from mlsm.errors import UserError
 from mlsm.evaluate.stats import (
     COMPARISON_FILES,
@@ -23,7 +24,6 @@ from mlsm.evaluate.stats import (
     compare_runs,
 )
 from mlsm.fileio import atomic_write, atomic_write_text
-from mlsm.inputs import check_output_folder
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -142,6 +142,9 @@ def _writes(name: str) -> bool:
             or (name.startswith("paired_") and name.endswith(".png")))
 
 
+REPORT_KIND = report_kind("mlsm report", _writes, {**COMPARISON_HEADINGS, "report.md": HEADING})
+
+
 def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | None = None,
                 per_run: bool = False) -> Path:
     """Write PNGs, the comparison tables (Markdown + CSV) and ``report.md`` embedding them.
@@ -150,8 +153,7 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     ``per_run``: pair one score per fine-tuning run, its metrics averaged (`compare_runs`), in
     the tables, the Wilcoxon figure and the scatters. Returns the path of ``report.md``.
     """
-    check_output_folder(out_dir, "--out", _writes, {**COMPARISON_HEADINGS, "report.md": HEADING},
-                        keep=[results_path])  # a user's own files there are never overwritten
+    guard_output(out_dir, REPORT_KIND, keep=[results_path])  # a user's files are never replaced
     cmp = compare_runs(results_path, per_run=per_run)
     check_baseline(cmp, baseline, results_path)
     out = Path(out_dir)

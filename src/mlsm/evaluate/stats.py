@@ -18,7 +18,6 @@ carries a star. The two-sided p is kept (``pvalues_two_sided.csv``) for readers 
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import re
@@ -31,20 +30,19 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
+from mlsm.artifacts.jsonl import append_jsonl, read_jsonl
+from mlsm.artifacts.outputs import guard_output, report_kind
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write, atomic_write_text, name_the_file
-from mlsm.inputs import check_output_folder, is_number
-
-try:  # POSIX advisory lock: several finetune processes may append to one results file
-    import fcntl
-except ImportError:  # Windows: appends of one write() call are still whole in practice
-    fcntl = None
+from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.inputs import is_number
 
 SIGNIFICANCE = 0.01  # the Hitchhikers' Guide marks p < 0.01
 # What Comparison.write puts into an output folder (and the first line of its Markdown).
 COMPARISON_FILES = {"comparison.md", "means.csv", "pvalues.csv", "pvalues_two_sided.csv",
                     "wins.csv", "mean_diff_ci.csv"}
 COMPARISON_HEADINGS = {"comparison.md": "# Fine-tuning comparison"}
+COMPARISON_KIND = report_kind("mlsm comparison", COMPARISON_FILES.__contains__,
+                              COMPARISON_HEADINGS)
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
 TEST_SUFFIX = "_test"  # the metric name of a score on a labelled test split (`--eval-test`)
 
@@ -64,33 +62,14 @@ def dev_cells(scores: dict[str, dict[tuple[Any, ...], float]]
 
 def append_results(path: str | Path, rows: Iterable[dict[str, Any]],
                    unless: Callable[[list[dict[str, Any]]], bool] | None = None) -> None:
-    """Append rows as JSON lines in one locked ``write`` + fsync, so a crash or a concurrent
-    writer never interleaves or half-writes a cell's lines (a torn tail line from a killed
-    process is closed off with a newline first; ``read_results`` skips it). A row's checkpoint
-    `path` and `run` inside the results file's folder are written relative to that folder, so a
-    study folder (or a published copy of its results) names no machine's absolute paths.
-    `unless(rows already in the file)`, asked under the lock: True writes nothing (two grids on
-    one file that both ran a cell append it once)."""
+    """Append rows as JSON lines (`append_jsonl`: one locked write + fsync, a torn tail closed
+    off first). A row's checkpoint `path` and `run` inside the results file's folder are written
+    relative to that folder, so a study folder (or a published copy of its results) names no
+    machine's absolute paths. `unless(rows already in the file)`, asked under the lock: True
+    writes nothing (two grids on one file that both ran a cell append it once)."""
     path = Path(path)
-    text = "".join(json.dumps(portable_row(r, path.parent), sort_keys=True) + "\n" for r in rows)
-    if not text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        if unless is not None and size and unless(read_results(path)):
-            return
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            text = "\n" + text
-        os.write(fd, text.encode("utf-8"))
-        os.fsync(fd)
-    except OSError as exc:  # disk full: the rows of earlier cells stay, this cell is redone
-        raise name_the_file(exc, path) from exc
-    finally:
-        os.close(fd)  # closing releases the lock
+    append_jsonl(path, [portable_row(r, path.parent) for r in rows],
+                 unless=None if unless is None else lambda: unless(read_results(path)))
 
 
 def portable_row(row: dict[str, Any], folder: Path) -> dict[str, Any]:
@@ -118,31 +97,11 @@ def read_results(path: str | Path,
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no results file; run `mlsm finetune ... --results {path}` first")
-    rows, torn, bad = [], [], None
-    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
-        line = _decode_line(path, number, raw)
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if line.lstrip().startswith("{") and exc.msg != "Extra data":
-                torn.append(number)
-            elif bad is None:
-                bad = (number, exc)
-            continue
-        rows.append(_result_row(path, number, row))
-    if (torn or bad) and not rows:
-        raise UserError(f"{path} is not a results file (no line is a JSON result row); pass the "
-                        "results.jsonl written by `mlsm finetune`, or a new file")
-    if bad:
-        number, exc = bad
-        raise UserError(f"{path}:{number} is not JSON ({exc.msg}, column {exc.colno}); remove or "
-                        "fix that line (results files are JSON lines written by mlsm finetune)")
-    if torn and warn is not None:
-        warn(f"{path}: skipped line {', '.join(map(str, torn))}, torn by a killed writer (a "
-             "resumed fine-tuning grid redoes its cell)")
-    return rows
+    fix = "remove or fix that line (results files are JSON lines written by mlsm finetune)"
+    tell = None if warn is None else (
+        lambda m: warn(f"{m} (a resumed fine-tuning grid redoes its cell)"))
+    found = read_jsonl(path, "results file", fix, warn=tell)
+    return [_result_row(path, number, row) for number, row in found.rows]
 
 
 def _result_row(path: Path, number: int, row: Any) -> dict[str, Any]:
@@ -182,15 +141,6 @@ def check_model_name(name: str, what: str) -> None:
                         "results tables cannot hold; name it with NAME=PATH (nothing was written)")
 _NUMERIC_FIELDS = tuple(k for k in CELL_FIELDS if k not in ("task", "metric"))
 SCORE_LIMIT = 1e6  # |value| of a score (fractions, or percentages): beyond it, not a score
-
-
-def _decode_line(path: Path, number: int, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}:{number} is not UTF-8 text (byte {exc.start + 1} of the line); "
-                        "remove or fix that line (results files are JSON lines written by "
-                        "mlsm finetune)") from None
 
 
 def read_scores(path: str | Path) -> list[dict[str, Any]]:
@@ -539,8 +489,7 @@ def compare_runs(results_path: str | Path, out_dir: str | Path | None = None, *,
     With ``out_dir``, also writes ``comparison.md`` and the CSVs there.
     """
     if out_dir is not None:  # a user's own files there are never overwritten
-        check_output_folder(out_dir, "--out", COMPARISON_FILES.__contains__, COMPARISON_HEADINGS,
-                            keep=[results_path])
+        guard_output(out_dir, COMPARISON_KIND, keep=[results_path])
     rows = read_scores(results_path)
     if not rows:
         raise UserError(f"{results_path}: no result rows; run `mlsm finetune` first")

@@ -20,6 +20,7 @@ The x_i are ℓ2-normalised layer-l teacher states of non-special tokens of a to
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from threadpoolctl import ThreadpoolController
 
 from mlsm import locking
+from mlsm.artifacts.outputs import guard_output_file
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k, lam_range
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
@@ -436,43 +438,43 @@ def check_dictionary_out(path: str | Path) -> None:
     given = Path(path)
     if given.exists() and not given.is_file() and not given.is_dir():
         # /dev/null, a FIFO: the .safetensors/.json suffixes would add two files beside it
-        raise UserError(f"--out {path} is a device or special file, not a file path; pass a path "
-                        "such as dict.safetensors")
+        guard_output_file(given, "mlsm dictionary", lambda _: False, example="dict.safetensors")
     weights, meta_path = _paths(path)
-    for file in (weights, meta_path):
-        if file.is_dir():
-            raise UserError(f"--out {path}: {file} is a folder; pass a file path such as "
-                            "dict.safetensors")
-    if weights.exists():
-        try:
-            with safe_open(str(weights), "pt") as fh:
-                ours = set(fh.keys()) == {"atoms"} and "meta" in (fh.metadata() or {})
-        except Exception:  # safetensors raises its own error types for a non-safetensors file
-            ours = False
-        if not ours:
-            raise UserError(f"--out {path}: {weights} exists and is not an mlsm dictionary; "
-                            "choose another --out")
-    if meta_path.exists():
-        try:
-            ours = json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-            ours = False
-        if not ours:
-            raise UserError(f"--out {path}: {meta_path} exists and is not an mlsm dictionary's "
-                            "meta; choose another --out")
+    guard_output_file(weights, "mlsm dictionary", _ours_weights, example="dict.safetensors")
+    guard_output_file(meta_path, "mlsm dictionary's meta", _ours_meta, example="dict.safetensors")
+
+
+def _ours_weights(weights: Path) -> bool:
+    try:
+        with safe_open(str(weights), "pt") as fh:
+            return set(fh.keys()) == {"atoms"} and "meta" in (fh.metadata() or {})
+    except Exception:  # safetensors raises its own error types for a non-safetensors file
+        return False
+
+
+def _ours_meta(meta_path: Path) -> bool:
+    try:
+        return json.loads(meta_path.read_text(encoding="utf-8")).get("format") == DICT_FORMAT
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
+        return False
 
 
 def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     """Write atoms to PATH.safetensors and meta to PATH.json, each atomically; returns the
     former."""
-    check_dictionary_out(path)
+    check_dictionary_out(path)  # before the lock: a device path cannot hold a lock file beside it
     weights, meta_path = _paths(path)
-    meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k}
-    text = json.dumps(meta, indent=2, sort_keys=True)
     atoms = dictionary.atoms.detach().cpu().float().contiguous()
+    # the atoms' digest in both metas: a .json beside the weights of another write (a kill
+    # between the two renames) never agrees with them, even when every setting is the same
+    meta = {"format": DICT_FORMAT, **dictionary.meta, "d": dictionary.d, "k": dictionary.k,
+            "atoms_sha256": hashlib.sha256(atoms.numpy().tobytes()).hexdigest()}
+    text = json.dumps(meta, indent=2, sort_keys=True)
     try:
-        atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
-        atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
+        with locking.hold(weights, "dictionary"):  # one writer for the pair (re-entrant)
+            check_dictionary_out(path)
+            atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
+            atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
     except (OSError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc)).splitlines()[0]
         raise UserError(f"could not write dictionary {weights} ({reason}); free "
@@ -505,7 +507,11 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
         raise UserError(f"dictionary {weights} holds {atoms.shape[1]} atoms but its meta "
                         f"{meta_path.name} says k = {meta['k']}: the two files are of different "
                         f"dictionaries; {fix}")
-    differ = sorted(key for key in set(meta) & set(embedded) if meta[key] != embedded[key])
+    # the weights carry the meta they were written with: a value of the .json that differs
+    # from it, or an atoms digest the .json lacks (a .json of an older write), is another write;
+    # a key removed by hand is not (its reader says what is missing)
+    keys = (set(meta) & set(embedded)) | ({"atoms_sha256"} & set(embedded))
+    differ = sorted(key for key in keys if meta.get(key) != embedded.get(key))
     if differ:  # a write killed between the two files, or two writers: not one dictionary
         raise UserError(f"dictionary {weights} and its meta {meta_path.name} are of different "
                         f"dictionaries ({', '.join(differ[:3])} differ from the meta the weights "

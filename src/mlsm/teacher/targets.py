@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mlsm import locking
+from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
 from mlsm.inputs import field_problem, real_path
@@ -150,19 +150,13 @@ def _read_json_or_none(path: Path) -> dict[str, Any] | None:
         return None
 
 
+TARGETS_KIND = OutputKind("target store", files=_FILES.__contains__,
+                          ours=lambda out: (out / "build.json").exists())
+
+
 def check_targets_out(out: str | Path) -> None:
     """Refuse an --out that is a file or a folder that is not (the start of) a target store."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder path for the target store")
-    names = {e.name for e in out.iterdir()} if out.is_dir() else set()
-    foreign = sorted(names - _FILES)
-    if names and "build.json" not in names:
-        raise UserError(f"--out {out} exists and is not a target store; choose another --out (mlsm "
-                        "only writes into folders it created)")
-    if foreign:
-        raise UserError(f"--out {out} holds files that are not part of a target store "
-                        f"({', '.join(foreign[:3])}); move them or choose another --out")
+    guard_output(out, TARGETS_KIND)
 
 
 def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nnz: int | None,
@@ -341,7 +335,7 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     lam = float(lam or dictionary.lam)
     spec = _spec(store, dictionary, teacher, max_len, nnz, lam, source.n_sequences)
     out = Path(out)
-    with locking.hold(out, "target store"):
+    with writing(out, TARGETS_KIND):
         try:
             return _build(out, spec, source, teacher, dictionary, lam, batch_size)
         except OSError as exc:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from mlsm import locking, tracking
+from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
 from mlsm.config import config_to_dict, git_revision, save_config
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
@@ -280,15 +281,9 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
 
 def _check_run_dir(run_dir: Path, resume: str | None) -> None:
     """Any content of train.out counts: only an mlsm run is continued, and only with --resume."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"train.out={run_dir} is a file; pass a folder path for the run directory")
-    has_content = run_dir.is_dir() and any(run_dir.iterdir())
-    if has_content and not _is_run_dir(run_dir):
-        raise UserError(f"train.out={run_dir} holds files that are not an mlsm run; choose another "
-                        "train.out (mlsm never writes into a folder it did not create)")
-    if has_content and not resume:
-        raise UserError(f"run directory {run_dir} already holds a run; pass --resume auto to "
-                        "continue it or choose another train.out")
+    guard_output(run_dir, OutputKind("mlsm run", ours=_is_run_dir),
+                 Rule.SAME_KIND if resume else Rule.NEW, flag="train.out",
+                 fix_existing="pass --resume auto to continue it or choose another train.out")
 
 
 def _is_run_dir(run_dir: Path) -> bool:
