@@ -21,6 +21,7 @@ from typing import Any
 
 from mlsm import locking
 from mlsm.artifacts.fingerprint import settings_fingerprint
+from mlsm.artifacts.jsonl import append_jsonl
 from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
@@ -307,8 +308,7 @@ class Study:
                "git_revision": git_revision(), **(extra or {})}
         if error:
             row["error"] = error
-        with (self.root / "stages.jsonl").open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        append_jsonl(self.root / "stages.jsonl", [row])
 
 
 def _cpu_now() -> tuple[float, float]:

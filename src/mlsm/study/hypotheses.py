@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.errors import UserError
 from mlsm.evaluate.paired import TESTS, holm, mean_ci, min_detectable_effect, paired_p
 from mlsm.fileio import atomic_write_text
@@ -169,8 +170,9 @@ def study_rows(root: Path, warn: Callable[[str], None] = print,
         rows += read_results(results, warn=warn)
     folder = root / "readouts"
     for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        rows += [r for r in (json.loads(line) for line in path.read_text().splitlines()
-                             if line.strip()) if keep("readout", r)]
+        found = read_jsonl(path, "readout file", f"delete {path} and run the study with "
+                           "--stages readout again", warn=warn)
+        rows += [r for _, r in found.rows if keep("readout", r)]
     have = {_key(r) for r in rows}
     folder = root / "blimp"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:

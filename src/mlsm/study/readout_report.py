@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
+from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.errors import UserError
 from mlsm.evaluate.readout_plots import finite, headline, write_plots
 from mlsm.study.folder import Study
@@ -18,15 +18,10 @@ def readout_rows(study: Study) -> list[dict[str, Any]]:
     folder = study.root / "readouts"
     rows = []
     for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{number} is not JSON; delete {path} and run the study "
-                                "with --stages readout to take that readout again") from None
+        fix = f"delete {path} and run the study with --stages readout to take that readout again"
+        for number, row in read_jsonl(path, "readout file", fix).rows:
             if not isinstance(row, dict) or not isinstance(row.get("arm"), str):
-                raise UserError(f"{path}:{number} is not a readout row; delete {path} and run "
-                                "the study with --stages readout again")
+                raise UserError(f"{path}:{number} is not a readout row; {fix}")
             rows.append(row)
     return current_rows(study, "readout", rows)
 

@@ -18,6 +18,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.config import git_revision, machine_description
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
@@ -115,28 +116,18 @@ def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
 
 
 def _jsonl(study: Study, path: Path, fields: dict[str, str]) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file the study appends to. A line torn by a killed writer (the
-    start of a JSON object, broken off) is skipped with a warning, as `read_results` skips one;
-    any other line that is not JSON, or not an object with `fields` ({key: "number" | "text",
-    "?" = may be missing or null}), is a one-line error naming the file and line."""
-    rows = []
-    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if not line.lstrip().startswith("{") or exc.msg == "Extra data":
-                raise UserError(f"{path}:{number} is not JSON ({exc.msg}, column {exc.colno}); "
-                                "remove or fix that line") from None
-            study.log(f"[study] warning: {path}: skipped line {number}, torn by a killed writer")
-            continue
-        wrong = field_problem(rows[-1], fields)
+    """The rows of a JSON-lines file the study appends to (`read_jsonl`: a line torn by a killed
+    writer is skipped with a warning; any other line that is not JSON is a one-line error); a row
+    that is not an object with `fields` ({key: "number" | "text", "?" = may be missing or null})
+    is a one-line error naming the file and line."""
+    found = read_jsonl(path, "study log", "remove or fix that line",
+                       warn=lambda text: study.log(f"[study] warning: {text}"))
+    for number, row in found.rows:
+        wrong = field_problem(row, fields)
         if wrong:
             raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); remove or "
                             "fix that line")
-    return rows
+    return [row for _, row in found.rows]
 
 
 def blimp_rows(study: Study) -> list[dict[str, Any]]:
