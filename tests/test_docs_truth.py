@@ -1,0 +1,253 @@
+"""What README.md and docs/*.md tell a user stays what the code does.
+
+Every `mlsm VERB --flag` written in the pages is an option of that verb's argparse parser (the
+parser `mlsm.cli.build_parser` builds, not a subprocess per flag); every `group.key` a page names
+is a field of the config dataclasses; every ```python block compiles, and each name it imports from
+mlsm, and each dotted `mlsm.x.y` name any page writes, resolves (module imported, attribute read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from mlsm.cli import build_parser
+from mlsm.config import _GROUPS, _registry
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+FENCE = re.compile(r"^[ \t]*```([a-z]*)[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
+INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+# a command: `mlsm VERB ...` or `python -m mlsm VERB ...`, up to a shell separator or a comment
+COMMAND = re.compile(r"(?:^|[\s(`$])(?:-m\s+)?mlsm\s+([a-z][a-z-]*)((?:[^|;&#`\n]|\\\n)*)")
+# `group.key` not followed by `(` (a method call, e.g. `objective.loss(...)`) nor a file suffix
+FILE_SUFFIX = r"\.(?:py|md|ya?ml|json|jsonl|safetensors|bin|png|pt|txt|csv)\b"
+GROUP_KEY = re.compile(r"(?<![\w./-])(data|model|optim|train|objective)\.([a-z_][a-z0-9_]*)\b"
+                       r"(?![(.\w])")
+DOTTED = re.compile(r"(?<![\w./])mlsm(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+
+
+def _code_spans(text: str) -> list[str]:
+    """Fenced bodies (shell-like ones) and inline code spans: where commands are written."""
+    spans = [body for lang, body in _blocks(text) if lang in ("", "bash", "sh", "console")]
+    prose = FENCE.sub("", text)
+    return spans + INLINE.findall(prose)
+
+
+def _code_text(text: str) -> str:
+    """Every fenced block and inline code span of a page, one after another."""
+    return "\n".join([*(body for _, body in _blocks(text)), *INLINE.findall(FENCE.sub("", text))])
+
+
+@cache
+def _verbs() -> dict[str, argparse.ArgumentParser]:
+    parser, _ = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _commands(page: Path) -> list[tuple[str, list[str]]]:
+    """(verb, flags) of every `mlsm VERB ...` command written in a page."""
+    found = []
+    for span in _code_spans(page.read_text()):
+        for m in COMMAND.finditer(span):
+            words = m.group(2).replace("\\\n", " ")
+            flags = [w.split("=")[0] for w in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*(?:=\S*)?",
+                                                          words)]
+            found.append((m.group(1), flags))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_written_command_is_a_verb_with_those_options(page: Path) -> None:
+    verbs = _verbs()
+    wrong = []
+    for verb, flags in _commands(page):
+        if verb not in verbs:
+            if flags and verb not in ("demo",):  # prose like "mlsm is ..." carries no flags
+                wrong.append(f"no verb `mlsm {verb}`")
+            continue
+        options = {s for a in verbs[verb]._actions for s in a.option_strings}
+        wrong += [f"`mlsm {verb} {f}`: no such option" for f in flags if f not in options]
+    assert not wrong, f"{_rel(page)}: " + "; ".join(sorted(set(wrong)))
+
+
+def _config_fields() -> dict[str, set[str]]:
+    fields = {g: {f.name for f in dataclasses.fields(c)} for g, c in _GROUPS.items()}
+    fields["objective"] = {"name"}.union(*({f.name for f in dataclasses.fields(c)}
+                                           for c in _registry().values()))
+    return fields
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_config_key_named_exists(page: Path) -> None:
+    if page.name == "configuration.md":
+        return  # generated from the dataclasses themselves (tests/test_docs.py)
+    fields = _config_fields()
+    text = page.read_text()
+    code = re.sub(r"[\w.-]+" + FILE_SUFFIX, "", _code_text(text))
+    wrong = sorted({f"{g}.{k}" for g, k in GROUP_KEY.findall(code) if k not in fields[g]})
+    assert not wrong, f"{_rel(page)} names config keys that do not exist: {wrong}"
+
+
+def _resolve(dotted: str) -> bool:
+    """True when `dotted` is a module, or an attribute chain under the longest importable one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _python_blocks(page: Path) -> list[str]:
+    return [body for lang, body in _blocks(page.read_text()) if lang == "python"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_python_snippets_compile_and_their_mlsm_names_resolve(page: Path) -> None:
+    wrong = []
+    for i, body in enumerate(_python_blocks(page)):
+        try:
+            compile(body, f"{_rel(page)}[python block {i}]", "exec")
+        except SyntaxError as exc:
+            wrong.append(f"block {i} does not compile: {exc}")
+        for m in re.finditer(r"^\s*from\s+(mlsm[\w.]*)\s+import\s+\(?([^)\n]+)\)?", body, re.M):
+            names = m.group(2).split("#")[0].split(",")
+            for name in (n.split(" as ")[0].strip() for n in names):
+                if name and not _resolve(f"{m.group(1)}.{name}"):
+                    wrong.append(f"block {i}: `from {m.group(1)} import {name}` fails")
+        for m in re.finditer(r"^\s*import\s+(mlsm[\w.]*)", body, re.M):
+            if not _resolve(m.group(1)):
+                wrong.append(f"block {i}: `import {m.group(1)}` fails")
+    assert not wrong, f"{_rel(page)}: " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_dotted_mlsm_name_resolves(page: Path) -> None:
+    text = page.read_text()
+    code = re.sub(r"[\w.-]+" + FILE_SUFFIX, "", _code_text(page.read_text()))
+    names = {n.rstrip(".") for n in DOTTED.findall(code)}
+    wrong = sorted(n for n in names if not _resolve(n))
+    assert not wrong, f"{_rel(page)} names what mlsm does not have: {wrong}"
+
+
+def test_the_checks_read_something() -> None:
+    # a regex that silently matches nothing would pass every test above
+    assert sum(len(_commands(p)) for p in PAGES) > 50
+    assert sum(len(_python_blocks(p)) for p in PAGES) >= 5
+
+
+CASES_QUOTED = re.compile(r"`(test_\w+)(?:\[[^`]*\])?`(?:,\s*|\s*\()(\d+) cases")
+
+
+def _cases(test_name: str) -> int | None:
+    """How many cases pytest makes of a parametrised test in tests/ (product of its marks)."""
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        if f"def {test_name}(" in path.read_text():
+            fn = getattr(importlib.import_module(f"tests.{path.stem}"), test_name)
+            n = 1
+            for mark in getattr(fn, "pytestmark", []):
+                if mark.name == "parametrize":
+                    n *= len(list(mark.args[1]))
+            return n
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_quoted_case_counts_are_the_tests_own(page: Path) -> None:
+    text = " ".join(page.read_text().split())  # a quote may break across lines
+    wrong = [f"`{name}` ({quoted} cases): the test has {_cases(name)}"
+             for name, quoted in CASES_QUOTED.findall(text) if _cases(name) != int(quoted)]
+    assert not wrong, f"{_rel(page)}: " + "; ".join(wrong)
+
+
+def test_readme_lists_every_objective() -> None:
+    from mlsm.config import user_objectives
+
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines()
+                if x.startswith("| `mlsm pretrain`"))
+    listed = re.findall(r"`([a-z_]+)`", line.split("objective:")[1])
+    assert sorted(listed) == sorted(user_objectives()), "README's pretrain row: objectives"
+
+
+def test_dictionary_options_table_matches_function_and_verb() -> None:
+    import inspect
+
+    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.teacher import load_teacher
+
+    params = {*inspect.signature(learn_dictionary).parameters,
+              *inspect.signature(load_teacher).parameters}  # layer, device: the teacher's
+    flags = {s for a in _verbs()["dictionary"]._actions for s in a.option_strings}
+    text = (ROOT / "docs" / "dictionary.md").read_text()
+    rows = [r.split("|")[1:3] for r in text.split("## Options")[1].split("##")[0].splitlines()
+            if r.startswith("| `") or r.startswith("| (")]
+    assert len(rows) >= 10
+    for names, flag_cell in rows:
+        for name in re.findall(r"`(\w+)`", names):
+            assert name in params, f"dictionary.md: `{name}` is not a parameter"
+        for flag in re.findall(r"--[a-z-]+", flag_cell):
+            assert flag in flags, f"dictionary.md: `mlsm dictionary {flag}` does not exist"
+        if "Python only" in flag_cell:  # then there must be no such flag
+            name = names.strip().strip("`")
+            assert f"--{name.replace('_', '-')}" not in flags, f"dictionary.md: {name} has a flag"
+
+
+def _named_in(text: str) -> set[str]:
+    """Words inside code spans and fenced blocks, and YAML keys (`key:`) of a page."""
+    return set(re.findall(r"\w+", _code_text(text)))
+
+
+def test_study_page_names_every_study_key() -> None:
+    import typing
+
+    from mlsm.study import spec
+
+    named = _named_in((ROOT / "docs" / "study.md").read_text())
+    hints = typing.get_type_hints(spec.StudySpec)
+    missing = []
+    for f in dataclasses.fields(spec.StudySpec):
+        missing += [f.name] if f.name not in named else []
+        for group in (hints[f.name], *typing.get_args(hints[f.name])):
+            if dataclasses.is_dataclass(group):
+                missing += [f"{f.name}.{g.name}" for g in dataclasses.fields(group)
+                            if g.name not in named]
+    assert not missing, f"docs/study.md never names these study keys: {missing}"
+
+
+def test_conventions_lists_every_token_store_meta_field() -> None:
+    import ast
+
+    source = (ROOT / "src" / "mlsm" / "data" / "corpus.py").read_text()
+    fill = next(n for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.FunctionDef) and n.name == "_fill_store")
+    meta = next(n.value for n in ast.walk(fill) if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", "") == "meta")
+    written = {k.value for k in meta.keys}  # type: ignore[union-attr]
+    text = " ".join((ROOT / "docs" / "CONVENTIONS.md").read_text().split())
+    listed = set(re.search(r"`meta.json`.*?\): ([^.]+)\.", text).group(1).replace(" ", "").split(","))
+    assert listed == written, f"CONVENTIONS.md meta.json: lists {sorted(listed - written)} " \
+        f"that are not written, omits {sorted(written - listed)}"
