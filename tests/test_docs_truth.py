@@ -251,3 +251,12 @@ def test_conventions_lists_every_token_store_meta_field() -> None:
     listed = set(re.search(r"`meta.json`.*?\): ([^.]+)\.", text).group(1).replace(" ", "").split(","))
     assert listed == written, f"CONVENTIONS.md meta.json: lists {sorted(listed - written)} " \
         f"that are not written, omits {sorted(written - listed)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_checkpoint_folders_are_named_as_the_loop_names_them(page: Path) -> None:
+    loop = (ROOT / "src" / "mlsm" / "train" / "loop.py").read_text()
+    width = int(re.search(r'"checkpoints" / f"step-\{step:0(\d)d\}"', loop).group(1))
+    wrong = [m for m in re.findall(r"checkpoints/step-(\d+)\b", page.read_text())
+             if len(m) != width]
+    assert not wrong, f"{_rel(page)}: checkpoints/step-N folders have {width} digits: {wrong}"
