@@ -260,3 +260,36 @@ def test_checkpoint_folders_are_named_as_the_loop_names_them(page: Path) -> None
     wrong = [m for m in re.findall(r"checkpoints/step-(\d+)\b", page.read_text())
              if len(m) != width]
     assert not wrong, f"{_rel(page)}: checkpoints/step-N folders have {width} digits: {wrong}"
+
+
+# A measured number carries where, when and on what code it was measured (docs/CONVENTIONS.md):
+# the machine as `mlsm.config.machine_description()` prints it (arch, CPU, "N CPUs", memory, GPU),
+# a date and a commit, in its section (under one heading) or in the page's footer (after the
+# last `---`).
+MEASURED = re.compile(r"\b(?:[Mm]easured\b(?! (?:exactly|per|against|by|as|ratios|SD))|took \S*\d)")
+WITH_UNIT = re.compile(r"\d[\d,.]*\s?(?:s|ms|min|h|GiB|MiB|GB|MB|tokens/s|it/s)(?![\w/])")
+MACHINE = re.compile(r"(?:x86_64|aarch64|arm64)\b[^;]*?\d+ CPUs?\b")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"\bcommits? `?[0-9a-f]{7,40}\b|\bat `[0-9a-f]{7,40}`")
+LEAD_OWNS = {"architecture.md"}  # redrawn by the lead; its footer is listed in the report
+
+
+def _has_provenance(text: str) -> bool:
+    return all(r.search(text) for r in (MACHINE, DATE, COMMIT))
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", FENCE.sub("", text))]
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in LEAD_OWNS], ids=_rel)
+def test_measured_numbers_carry_machine_date_and_commit(page: Path) -> None:
+    text = page.read_text()
+    footer = text.rsplit("\n---\n", 1)[1] if "\n---\n" in text else ""
+    footer_ok = _has_provenance(" ".join(footer.split()))
+    bare = [p[:80] for section in re.split(r"^#+ ", text, flags=re.M)
+            if not _has_provenance(" ".join(section.split()))  # a section may carry it once
+            for p in _paragraphs(section) if MEASURED.search(p) and WITH_UNIT.search(p)]
+    assert footer_ok or not bare, (
+        f"{_rel(page)}: measured numbers without machine, date and commit (add the footer "
+        f"`Measured on MACHINE; YYYY-MM-DD; commit SHA`): {bare}")
