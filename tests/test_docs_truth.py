@@ -147,7 +147,6 @@ def test_python_snippets_compile_and_their_mlsm_names_resolve(page: Path) -> Non
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_every_dotted_mlsm_name_resolves(page: Path) -> None:
-    text = page.read_text()
     code = re.sub(r"[\w.-]+" + FILE_SUFFIX, "", _code_text(page.read_text()))
     names = {n.rstrip(".") for n in DOTTED.findall(code)}
     wrong = sorted(n for n in names if not _resolve(n))
@@ -248,7 +247,8 @@ def test_conventions_lists_every_token_store_meta_field() -> None:
                 and getattr(n.targets[0], "id", "") == "meta")
     written = {k.value for k in meta.keys}  # type: ignore[union-attr]
     text = " ".join((ROOT / "docs" / "CONVENTIONS.md").read_text().split())
-    listed = set(re.search(r"`meta.json`.*?\): ([^.]+)\.", text).group(1).replace(" ", "").split(","))
+    listed = set(re.search(r"`meta.json`.*?\): ([^.]+)\.", text).group(1).replace(" ", "")
+                 .split(","))
     assert listed == written, f"CONVENTIONS.md meta.json: lists {sorted(listed - written)} " \
         f"that are not written, omits {sorted(written - listed)}"
 
@@ -293,3 +293,22 @@ def test_measured_numbers_carry_machine_date_and_commit(page: Path) -> None:
     assert footer_ok or not bare, (
         f"{_rel(page)}: measured numbers without machine, date and commit (add the footer "
         f"`Measured on MACHINE; YYYY-MM-DD; commit SHA`): {bare}")
+
+
+def test_study_reference_is_current() -> None:
+    from mlsm.study.reference import study_reference
+
+    written = (ROOT / "docs" / "study-reference.md").read_text()
+    assert written.strip() == study_reference().strip(), \
+        "regenerate with: python -m mlsm.study.reference > docs/study-reference.md"
+
+
+def test_every_study_field_has_a_docstring() -> None:
+    from mlsm.config import field_docs
+    from mlsm.study.reference import GROUPS
+    from mlsm.study.spec import StudySpec
+
+    for cls in (StudySpec, *(c for _, _, c in GROUPS)):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__}: {missing}"
