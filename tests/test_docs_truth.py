@@ -27,7 +27,7 @@ INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 # a command: `mlsm VERB ...` or `python -m mlsm VERB ...`, up to a shell separator or a comment
 COMMAND = re.compile(r"(?:^|[\s(`$])(?:-m\s+)?mlsm\s+([a-z][a-z-]*)((?:[^|;&#`\n]|\\\n)*)")
 # `group.key` not followed by `(` (a method call, e.g. `objective.loss(...)`) nor a file suffix
-FILE_SUFFIX = r"\.(?:py|md|ya?ml|json|jsonl|safetensors|bin|png|pt|txt|csv)\b"
+FILE_SUFFIX = r"\.(?:py|md|ya?ml|json|jsonl|safetensors|bin|png|pt|txt|csv|tsv|gz)\b"
 GROUP_KEY = re.compile(r"(?<![\w./-])(data|model|optim|train|objective)\.([a-z_][a-z0-9_]*)\b"
                        r"(?![(.\w])")
 DOTTED = re.compile(r"(?<![\w./])mlsm(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
