@@ -312,3 +312,25 @@ def test_every_study_field_has_a_docstring() -> None:
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__}: {missing}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", page.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_relative_links_and_their_anchors_resolve(page: Path) -> None:
+    wrong = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            wrong.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            wrong.append(target)
+    assert not wrong, f"{_rel(page)}: links that go nowhere: {wrong}"
