@@ -410,3 +410,26 @@ def test_extending_task_example_reads_its_files(tmp_path: Path,
     assert [(e.text, e.text_pair, e.label) for e in examples] == [
         ("is it?", "It is.", 1), ("is it not?", "It is.", 0)]
     assert spec.metric([1, 1], [1, 0]) == {"acc": 0.5}
+
+
+def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: Path,
+                                                   dictionary_path: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlsm.config import load_config
+    from mlsm.evaluate.probe import run_probe
+    from mlsm.train.loop import pretrain
+
+    from .conftest import tiny_overrides
+
+    monkeypatch.chdir(tmp_path)  # the page names runs/tiny-mlsm
+    overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
+                 "objective.dictionary": str(dictionary_path), "train.steps": 4,
+                 "train.readiness": "[1.0]", "data.max_len": 32}
+    pretrain(load_config(None, tiny_overrides(store_dir, Path("runs/tiny-mlsm"), **overrides)))
+    run_probe("runs/tiny-mlsm", steps=3)  # a few loop steps: the page needs a probe, not a good one
+    scope: dict = {}
+    exec(compile(_python_blocks(ROOT / "docs" / "python-api.md")[0], "python-api.md", "exec"),
+         scope)
+    assert scope["codes"].shape == (scope["hidden"].shape[1], scope["entry"]["k"])
+    assert scope["logits"].shape == (1, len(scope["tok"]))
+    assert len(scope["plls"]) == 2 and all(p < 0 for p in scope["plls"])
