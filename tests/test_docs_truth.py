@@ -433,3 +433,14 @@ def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: P
     assert scope["codes"].shape == (scope["hidden"].shape[1], scope["entry"]["k"])
     assert scope["logits"].shape == (1, len(scope["tok"]))
     assert len(scope["plls"]) == 2 and all(p < 0 for p in scope["plls"])
+
+
+def test_power_table_is_what_detectable_dz_computes() -> None:
+    from mlsm.evaluate.paired import detectable_dz
+
+    text = (ROOT / "docs" / "how-much-pretraining.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    assert len(rows) == 4
+    for n, at_alpha, at_holm in rows:
+        assert f"{detectable_dz(int(n), 0.05, 'greater'):.2f}" == at_alpha, n
+        assert f"{detectable_dz(int(n), 0.05 / 3, 'greater'):.2f}" == at_holm, n
