@@ -9,6 +9,7 @@ mlsm, and each dotted `mlsm.x.y` name any page writes, resolves (module imported
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import json
@@ -444,3 +445,38 @@ def test_power_table_is_what_detectable_dz_computes() -> None:
     for n, at_alpha, at_holm in rows:
         assert f"{detectable_dz(int(n), 0.05, 'greater'):.2f}" == at_alpha, n
         assert f"{detectable_dz(int(n), 0.05 / 3, 'greater'):.2f}" == at_holm, n
+
+
+def _imported_callables(tree: ast.AST) -> dict[str, object]:
+    """name -> object of every `from mlsm... import name` in a snippet that resolves."""
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlsm"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if hasattr(module, alias.name):
+                    found[alias.asname or alias.name] = getattr(module, alias.name)
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_python_snippets_call_mlsm_with_its_keywords(page: Path) -> None:
+    import inspect
+
+    wrong = []
+    for i, body in enumerate(_python_blocks(page)):
+        tree = ast.parse(body)
+        names = _imported_callables(tree)
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            fn = names.get(call.func.id) if isinstance(call.func, ast.Name) else None
+            if fn is None or not callable(fn):
+                continue
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            wrong += [f"block {i}: {call.func.id}({k.arg}=...) has no such parameter"
+                      for k in call.keywords if k.arg and k.arg not in params]
+    assert not wrong, f"{_rel(page)}: " + "; ".join(wrong)
