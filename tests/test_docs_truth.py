@@ -2,8 +2,13 @@
 
 Every `mlsm VERB --flag` written in the pages is an option of that verb's argparse parser (the
 parser `mlsm.cli.build_parser` builds, not a subprocess per flag); every `group.key` a page names
-is a field of the config dataclasses; every ```python block compiles, and each name it imports from
-mlsm, and each dotted `mlsm.x.y` name any page writes, resolves (module imported, attribute read).
+is a field of the config dataclasses; every ```python block compiles, each name it imports from
+mlsm and each dotted `mlsm.x.y` name any page writes resolves (module imported, attribute read),
+and its keyword arguments are parameters of the mlsm function it calls. Counts and tables quoted
+from the code (test case counts, checkpoint folder names, study keys, token-store meta fields,
+dictionary options, the power table) are checked against it; measured numbers carry machine, date
+and commit; relative links resolve; docs/study-reference.md regenerates identically; the worked
+examples of docs/extending.md and docs/python-api.md run.
 """
 
 from __future__ import annotations
