@@ -162,6 +162,7 @@ class StudySpec:
     notes: str = ""
     """Free text copied into the report: why each hyper-parameter was fixed as it is."""
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    """The pre-training text, tokenised once into STUDY_OUT/store (group `corpus`)."""
     base: dict[str, Any] = field(default_factory=dict)
     """Run config shared by every arm (data, model, optim, train groups; see
     docs/configuration.md)."""
@@ -180,10 +181,16 @@ class StudySpec:
     recorded in STUDY_OUT/preregistration.json before any evaluation row exists, evaluated by the
     report over the seeds with Holm's correction; everything else is labelled exploratory."""
     dictionary: DictionarySpec = field(default_factory=DictionarySpec)
+    """How the dictionaries of latent arms are learned (group `dictionary`; each arm's layer, k
+    and λ are in its own `dictionary`)."""
     probe: ProbeSpec = field(default_factory=ProbeSpec)
+    """Training of the k -> |V| probe that lets a latent arm be scored by PLL (group `probe`)."""
     finetune: FinetuneSpec = field(default_factory=FinetuneSpec)
+    """Paired fine-tuning of the readiness checkpoints (group `finetune`; no tasks = none)."""
     blimp: BlimpSpec = field(default_factory=BlimpSpec)
+    """Minimal-pair scoring by PLL beside a unigram control (group `blimp`; no data = none)."""
     executor: ExecutorSpec = field(default_factory=ExecutorSpec)
+    """Where the stages run: this machine (`local`) or a Slurm cluster (group `executor`)."""
     readout: ReadoutSpec | None = None
     """Readouts (docs/readouts.md) of every readiness checkpoint; none (no `readout` group) = no
     readout stage."""
