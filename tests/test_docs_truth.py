@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from mlsm.cli import build_parser
-from mlsm.config import _GROUPS, _registry
+from mlsm.config import GROUPS
+from mlsm.objectives import INTERNAL, OBJECTIVES
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -97,9 +98,10 @@ def test_every_written_command_is_a_verb_with_those_options(page: Path) -> None:
 
 
 def _config_fields() -> dict[str, set[str]]:
-    fields = {g: {f.name for f in dataclasses.fields(c)} for g, c in _GROUPS.items()}
+    fields = {g: {f.name for f in dataclasses.fields(c)} for g, c in GROUPS.items()}
+    configs = [cls.Config for cls in {**OBJECTIVES, **INTERNAL}.values()]
     fields["objective"] = {"name"}.union(*({f.name for f in dataclasses.fields(c)}
-                                           for c in _registry().values()))
+                                           for c in configs))
     return fields
 
 
@@ -194,7 +196,7 @@ def test_quoted_case_counts_are_the_tests_own(page: Path) -> None:
 
 
 def test_readme_lists_every_objective() -> None:
-    from mlsm.config import user_objectives
+    from mlsm.objectives import user_objectives
 
     line = next(x for x in (ROOT / "README.md").read_text().splitlines()
                 if x.startswith("| `mlsm pretrain`"))
@@ -421,8 +423,8 @@ def test_extending_task_example_reads_its_files(tmp_path: Path,
 def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: Path,
                                                    dictionary_path: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlsm.config import load_config
     from mlsm.evaluate.probe import run_probe
+    from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
     from .conftest import tiny_overrides
