@@ -30,13 +30,14 @@ import torch
 from torch import nn
 
 from mlsm import tracking
+from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.errors import UserError
 from mlsm.evaluate import protocol, qa
 from mlsm.evaluate.retrieval import TEMPERATURE
 from mlsm.evaluate.stats import append_results, check_model_name, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.hf import check_max_len
-from mlsm.inputs import check_apart, read_json, real_path
+from mlsm.inputs import check_apart, real_path
 from mlsm.progress import Progress
 from mlsm.runs import expand_models, resolve_checkpoint
 
@@ -68,10 +69,7 @@ def resolve_model(spec: str | Path) -> ModelRef:
                         "pass a save_pretrained folder")
     meta: dict[str, Any] = {}
     if (folder / "checkpoint.json").exists():
-        meta = read_json(folder / "checkpoint.json", "checkpoint file",
-                         "restore it from a copy of the checkpoint",
-                         fields={"step": "int?", "readiness": "number?", "run": "text?",
-                                 "objective": "text?"})
+        meta = Checkpoint.at(folder).info  # the one reader of checkpoint.json
     step = meta.get("step")
     run = meta.get("run")
     # our runs store the run directory as "run": name checkpoints <run dir name>@<step>

@@ -9,6 +9,9 @@ serve mlsm itself: `probe` (the probe fitted on a frozen MLSM model by `mlsm pro
 
 from __future__ import annotations
 
+from typing import Any
+
+from mlsm.artifacts.checkpoint import register_legacy_facts
 from mlsm.config import register_objective
 from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, TrainModule, forward_step
@@ -44,6 +47,22 @@ def objective_class(name: object) -> type[Objective] | None:
     return {**OBJECTIVES, **INTERNAL}.get(name) if isinstance(name, str) else None
 
 
+def checkpoint_facts(name: object, objective: dict[str, Any], step: object,
+                     total: object) -> dict[str, Any]:
+    """What a checkpoint of objective `name` records for its readers (`mlsm.artifacts.checkpoint`):
+    its latent head's name and why it cannot be scored by PLL at `step` of `total` (or None).
+    Written at save time; registered below as the fallback for checkpoints that predate that."""
+    cls = objective_class(name) or Objective
+    if isinstance(step, int) and isinstance(total, int):
+        refusal = cls.pll_refusal_at(objective, step, total)
+    else:  # the step's fraction is unknown: the class alone
+        refusal = None if cls.scored_by_pll else cls.pll_refusal
+    return {"latent_head": cls.latent_head, "pll_refusal": refusal or None}
+
+
+register_legacy_facts(checkpoint_facts)
+
+
 def build_objective(spec: object, ctx: Context) -> Objective:
     """Instantiate the objective of `spec`: its typed Config, or a dict {name: ..., options}."""
     from mlsm.config import resolve_objective
@@ -56,4 +75,4 @@ def build_objective(spec: object, ctx: Context) -> Objective:
 
 
 __all__ = ["INTERNAL", "OBJECTIVES", "Context", "Objective", "ObjectiveOutput", "TrainModule",
-           "build_objective", "forward_step", "objective_class"]
+           "build_objective", "checkpoint_facts", "forward_step", "objective_class"]
