@@ -142,8 +142,8 @@ class RunDir:
                       "mlsm), so they cannot be checked; resuming as before")
             return
         require_same(recorded, current, f"the run in {self.path}",
-                     "the token store, dictionary or target store was rebuilt in place since it "
-                     "started; restore those inputs, or start a new run with another train.out")
+                     "an input was rebuilt in place since the run started; restore it, or start a "
+                     "new run with another train.out")
 
     def check_metrics(self) -> None:
         """Refuse, before anything is written, a metrics.jsonl line a resume would silently drop

@@ -18,8 +18,9 @@ from transformers import AutoModel
 from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
+from mlsm.evaluate import probe_fit
 from mlsm.evaluate.pll import load_masked_lm
-from mlsm.evaluate.probe_fit import probe_config, train_probe_to_plateau
+from mlsm.evaluate.probe_fit import probe_config
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
@@ -59,7 +60,7 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str 
                 and not is_run_dir(out)):  # only an earlier probe is replaced
             raise UserError(f"--out {out} holds files that are not an mlsm probe run; choose "
                             "another --out (mlsm never writes into a folder it did not create)")
-        train_probe_to_plateau(folder, out, max_steps=max_steps)
+        probe_fit.train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out
     return pretrain(cfg, resume=resume)
 

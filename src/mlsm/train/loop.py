@@ -295,8 +295,9 @@ def _check_same_run(run_dir: Path, cfg: RunConfig, picked: Any) -> None:
 
 def input_fingerprints(cfg: RunConfig) -> dict[str, str]:
     """Content fingerprints of what the run reads, by the key naming it: the token store's own
-    (`meta.json` fingerprint and size), the dictionary's atoms (`dictionary_hash`) and the target
-    store's files. Equal after a copy or a move; different after a rebuild with other content."""
+    (`meta.json` fingerprint and size), the dictionary's atoms (`dictionary_hash`) and the files
+    of the target store, teacher, probed checkpoint and initial weights. Equal after a copy or a
+    move; different after a rebuild with other content."""
     store = TokenStore.open(cfg.data.store)
     found = {"data.store": f"{store.meta.get('fingerprint')}/{store.n_tokens}"}
     dictionary = getattr(cfg.objective, "dictionary", None)
@@ -305,9 +306,13 @@ def input_fingerprints(cfg: RunConfig) -> dict[str, str]:
         from mlsm.teacher.targets import dictionary_hash
 
         found["objective.dictionary"] = dictionary_hash(load_dictionary(dictionary))
-    targets = getattr(cfg.objective, "targets", None)
-    if isinstance(targets, str) and targets:
-        found["objective.targets"] = folder_fingerprint(targets)
+    folders = {"objective.targets": getattr(cfg.objective, "targets", None),
+               "objective.teacher": getattr(cfg.objective, "teacher", None),
+               "objective.checkpoint": getattr(cfg.objective, "checkpoint", None),
+               "model.init_from": cfg.model.init_from}
+    for key, folder in folders.items():  # a hub id or an unset option has no files here
+        if isinstance(folder, str) and folder and Path(folder).is_dir():
+            found[key] = folder_fingerprint(folder)
     return found
 
 
