@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
-from mlsm.hf import first_line, load_config
+from mlsm.hf import load_config
 from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
 from mlsm.models.heads import read_latent_head
@@ -156,30 +156,22 @@ def _find_probe(ck: Checkpoint, probe: str | Path | None) -> Path | None:
     if probe is None:
         done = list_checkpoints(ck.probe_run)
         return done[-1][1] if done else None
-    candidate = resolve_checkpoint(probe)
-    if "probe.weight" not in _heads(candidate) or not _same_latent_head(folder, candidate):
-        raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head "
+    candidate = open_checkpoint(probe)
+    if not (candidate.folder / "heads.safetensors").is_file():
+        raise UserError(f"{candidate.folder} has no heads.safetensors; pass the checkpoint of an "
+                        "mlsm run or of its probe run")
+    if "probe.weight" not in candidate.head_tensors or not _same_latent_head(ck, candidate):
+        raise UserError(f"--probe {candidate.folder} is not a probe of {folder} (its latent head "
                         "differs); pass the probe run's checkpoints/step-* folder for this "
                         "checkpoint")
-    return candidate
+    return candidate.folder
 
 
-def _same_latent_head(folder: Path, probe: Path) -> bool:
-    """Whether the probe checkpoint read exactly the latent head of `folder` (whatever its name
+def _same_latent_head(ck: Checkpoint, probe: Checkpoint) -> bool:
+    """Whether the probe checkpoint read exactly the latent head of `ck` (whatever its name
     and form there: the naive recipe's is the last k rows of a wider map)."""
-    ours, theirs = read_latent_head(folder)[0].state_dict(), read_latent_head(probe)[0].state_dict()
+    ours, theirs = read_latent_head(ck)[0].state_dict(), read_latent_head(probe)[0].state_dict()
     return ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
-
-
-def _heads(folder: Path) -> dict[str, torch.Tensor]:
-    path = folder / "heads.safetensors"
-    if not path.is_file():
-        raise UserError(f"{folder} has no heads.safetensors; pass the checkpoint of an mlsm run "
-                        "or of its probe run")
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"{path} is damaged ({first_line(exc)}); {_FIX_CKPT}") from None
 
 
 def _add_missing_base_weights(folder: Path) -> list[str]:
