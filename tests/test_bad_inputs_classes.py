@@ -399,7 +399,7 @@ def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
         found[name] = ckpt.list_checkpoints(root / name)[-1][1]
     assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
     with pytest.MonkeyPatch.context() as legacy:
-        legacy.setattr("mlsm.evaluate.probe.check_scored_by_pll", lambda folder: None)
+        legacy.setattr("mlsm.evaluate.probe_fit.check_scored_by_pll", lambda folder: None)
         assert main(["probe", str(found["mae_mlsm"]), "--max-steps", "1", "--out",
                      str(root / "probe")]) == 0
     probe = ckpt.list_checkpoints(root / "probe")[-1][1]

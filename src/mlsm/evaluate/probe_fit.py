@@ -31,6 +31,7 @@ from mlsm.evaluate.unigram import unigram_log_probs
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
+from mlsm.models.heads import check_scored_by_pll
 from mlsm.objectives.base import Context, TrainModule
 from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
 from mlsm.progress import Progress
@@ -46,7 +47,7 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     if not ck.is_checkpoint:
         raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
                         "pass a checkpoints/step-* folder of an mlsm run")
-    ck.require_pll()  # MAE: its latent head reads the decoder, not these states
+    check_scored_by_pll(ck)  # MAE: its latent head reads the decoder, not these states
     wrong = field_problem(ck.info, {"config.model": "object", "config.data": "object",
                                     "config.train.steps": "number"})
     if wrong:
