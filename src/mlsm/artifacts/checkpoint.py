@@ -32,7 +32,7 @@ from typing import Any
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
-from mlsm.inputs import read_json
+from mlsm.inputs import field_problem, read_json
 
 COMPLETE = "checkpoint.json"
 EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
@@ -239,12 +239,14 @@ class Checkpoint:
     @classmethod
     def _export(cls, folder: Path) -> Checkpoint:
         info = read_json(folder / EXPORT_MARKER, "export marker",
-                         "restore it from a copy of the export, or export the checkpoint again",
-                         fields={"step": "int?", "readiness": "number?"})
+                         "restore it from a copy of the export, or export the checkpoint again")
         objective_cfg = _mapping(info.get("objective_config"))
         name = "probe" if info.get("probe") else info.get("objective")
-        step, readiness = info.get("step"), info.get("readiness")
-        fraction = isinstance(readiness, (int, float)) and 0 < readiness <= 1
+        # step and readiness are figures of the card: of the wrong type, they are left out
+        step = info.get("step") if field_problem(info, {"step": "int?"}) is None else None
+        readiness = (info.get("readiness") if field_problem(info, {"readiness": "number?"}) is None
+                     else None)
+        fraction = readiness is not None and 0 < readiness <= 1
         total = round(step / readiness) if isinstance(step, int) and fraction else None
         # the heads shipped decide the latent head's name (a probe's, when it ships one); the
         # export's own objective decides its PLL refusal, even when it ships a probe
