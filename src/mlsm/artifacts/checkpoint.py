@@ -200,12 +200,33 @@ class Checkpoint:
     """The objective's name ("probe" for a probe checkpoint or an export shipping a probe)."""
     config: dict[str, Any] = field(repr=False)
     """The run's resolved config as saved ({} for an HF folder or an export)."""
-    latent_head: str
-    """heads.json name of the latent head (the objective declares it)."""
-    pll_refusal: str | None
-    """Why this folder cannot be scored word by word through its encoder, or None."""
-    facts_from: str
-    """"written" (recorded at save time), "legacy" (the objectives' fallback) or "default"."""
+    facts_of: tuple[Any, Any, dict[str, Any], Any] = field(default=(None, None, {}, None),
+                                                          repr=False)
+    """(objective naming the latent head, objective deciding the PLL refusal, its config, the
+    run's total steps): what the legacy fallback needs, for a marker without the facts."""
+
+    @cached_property
+    def _head(self) -> tuple[str, str]:
+        head_of, _, objective_cfg, total = self.facts_of
+        head, _, source = _facts(self.info, head_of, objective_cfg, self.step, total)
+        return head, source
+
+    @property
+    def latent_head(self) -> str:
+        """heads.json name of the latent head (the objective declares it)."""
+        return self._head[0]
+
+    @cached_property
+    def pll_refusal(self) -> str | None:
+        """Why this folder cannot be scored word by word through its encoder, or None."""
+        _, refusal_of, objective_cfg, total = self.facts_of
+        return _facts(self.info, refusal_of, objective_cfg, self.step, total)[1]
+
+    @property
+    def facts_from(self) -> str:
+        """"written" (recorded at save time), "legacy" (the objectives' fallback) or
+        "default"."""
+        return self._head[1]
 
     @classmethod
     def open(cls, spec: str | os.PathLike) -> Checkpoint:
@@ -221,7 +242,7 @@ class Checkpoint:
             return cls._checkpoint(folder)
         if (folder / EXPORT_MARKER).is_file():
             return cls._export(folder)
-        return cls(folder, "hf", {}, None, None, None, {}, DEFAULT_LATENT_HEAD, None, "default")
+        return cls(folder, "hf", {}, None, None, None, {})
 
     @classmethod
     def _checkpoint(cls, folder: Path) -> Checkpoint:
@@ -232,9 +253,9 @@ class Checkpoint:
         objective_cfg = _mapping(config.get("objective"))
         name = info.get("objective") or objective_cfg.get("name")
         total = _mapping(config.get("train")).get("steps")
-        head, refusal, source = _facts(info, name, objective_cfg, info.get("step"), total)
-        return cls(folder, "checkpoint", info, info.get("step"), info.get("readiness"),
-                   name if isinstance(name, str) else None, config, head, refusal, source)
+        name = name if isinstance(name, str) else None
+        return cls(folder, "checkpoint", info, info.get("step"), info.get("readiness"), name,
+                   config, (name, name, objective_cfg, total))
 
     @classmethod
     def _export(cls, folder: Path) -> Checkpoint:
@@ -250,10 +271,9 @@ class Checkpoint:
         total = round(step / readiness) if isinstance(step, int) and fraction else None
         # the heads shipped decide the latent head's name (a probe's, when it ships one); the
         # export's own objective decides its PLL refusal, even when it ships a probe
-        head, _, source = _facts(info, name, objective_cfg, step, total)
-        _, refusal, _ = _facts(info, info.get("objective"), objective_cfg, step, total)
         return cls(folder, "export", info, step, readiness,
-                   name if isinstance(name, str) else None, {}, head, refusal, source)
+                   name if isinstance(name, str) else None, {},
+                   (name, info.get("objective"), objective_cfg, total))
 
     # ------------------------------------------------------------------ what readers ask
 
