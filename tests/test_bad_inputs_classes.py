@@ -399,7 +399,7 @@ def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
         found[name] = ckpt.list_checkpoints(root / name)[-1][1]
     assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
     with pytest.MonkeyPatch.context() as legacy:
-        legacy.setattr("mlsm.evaluate.probe.check_scored_by_pll", lambda folder: None)
+        legacy.setattr("mlsm.evaluate.probe_fit.check_scored_by_pll", lambda folder: None)
         assert main(["probe", str(found["mae_mlsm"]), "--max-steps", "1", "--out",
                      str(root / "probe")]) == 0
     probe = ckpt.list_checkpoints(root / "probe")[-1][1]
@@ -458,13 +458,18 @@ def test_a_probe_naming_itself_as_its_probed_checkpoint_does_not_recurse(
         unscored_ckpts: dict[str, Path], tmp_path: Path) -> None:
     """A hand-edited probe checkpoint.json whose objective.checkpoint is its own folder: the PLL
     check answers (mlsm never probes a probe) instead of recursing until Python gives up; the
-    untouched probe of the MAE-MLSM checkpoint is still refused."""
+    untouched probe of the MAE-MLSM checkpoint is still refused, and so is the edited one while
+    it carries the refusal written at save time."""
     from mlsm.models.heads import pll_refusal
 
     probe = _copy(unscored_ckpts["probe of mae_mlsm"], tmp_path / "probe")
     assert "MAE decoder" in pll_refusal(probe)
     info = json.loads((probe / "checkpoint.json").read_text())
     info["config"]["objective"]["checkpoint"] = str(probe)
+    _write(probe / "checkpoint.json", json.dumps(info))
+    assert "MAE decoder" in pll_refusal(probe)  # the refusal written at save time stands
+    for key in ("latent_head", "pll_refusal"):  # as a checkpoint older than those facts
+        del info[key]
     _write(probe / "checkpoint.json", json.dumps(info))
     assert pll_refusal(probe) is None
 

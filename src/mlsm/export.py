@@ -21,16 +21,17 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
-from mlsm.hf import first_line, load_config
-from mlsm.inputs import check_apart, read_json
+from mlsm.hf import load_config
+from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
-from mlsm.models.heads import latent_head_name, read_latent_head
+from mlsm.models.heads import read_latent_head
 
 EXPORT_FORMAT = "mlsm-export"
 FORMATS = ("hf", st.FORMAT)  # --format: the Hub folder; + the sentence-transformers modules
@@ -47,15 +48,23 @@ _READS = {"step": "int", "readiness": "number", "tokens": "int", "objective": "t
           **{f"config.objective.{k}": "text?" for k in _OPTIONS}}
 
 
+def open_checkpoint(spec: str | Path, fields: dict[str, str] | None = None) -> Checkpoint:
+    """The checkpoint a user named (a checkpoint, or a run: RUN, RUN@50%, RUN@step-N), whose
+    checkpoint.json has the `fields` the export reads."""
+    ck = Checkpoint.open(spec)
+    if not ck.is_checkpoint:
+        raise UserError(f"{ck.folder} is not an mlsm checkpoint (no checkpoint.json); pass a run "
+                        "directory or a <run>/checkpoints/step-* folder")
+    wrong = field_problem(ck.info, fields or {})
+    if wrong:
+        raise UserError(f"checkpoint file {ck.folder / COMPLETE} is not one mlsm wrote ({wrong}); "
+                        f"{_FIX_CKPT}")
+    return ck
+
+
 def resolve_checkpoint(spec: str | Path) -> Path:
     """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
-    from mlsm.runs import resolve_checkpoint as resolve_spec
-
-    folder = resolve_spec(spec)
-    if not (folder / "checkpoint.json").is_file():
-        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); pass a run "
-                        "directory or a <run>/checkpoints/step-* folder")
-    return folder
+    return open_checkpoint(spec).folder
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
@@ -71,16 +80,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     if normalize and format != st.FORMAT:
         raise UserError("--normalize applies to --format sentence-transformers; add that flag "
                         "or drop --normalize")
-    folder = resolve_checkpoint(checkpoint)
+    ck = open_checkpoint(checkpoint, _READS)
+    folder, info = ck.folder, ck.info
     out = Path(out)
     check_apart(out, "--out", {"checkpoint": folder, "--probe": probe, "--results": results},
                 contains=True)
     _check_out(out)
-    info = read_json(folder / "checkpoint.json", "checkpoint file", _FIX_CKPT, fields=_READS)
-    probe_folder = _find_probe(folder, info, probe)
-    heads_from = probe_folder or folder
-    if (heads_from / "heads.json").is_file():  # the card lists its heads
-        read_json(heads_from / "heads.json", "heads file", _FIX_CKPT)
+    probe_folder = _find_probe(ck, probe)
+    heads_from = Checkpoint.at(probe_folder) if probe_folder else ck
+    _ = heads_from.heads_meta  # the card lists its heads: a torn heads.json is one line here
     left_out = sorted(f.name for f in folder.iterdir() if not shipped(f) and f.name not in _OWN)
     if left_out:  # a pickle or a .py found in a checkpoint is not published
         print(f"mlsm: note: left out of the export: {', '.join(left_out)} (only the files an "
@@ -90,10 +98,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
             if shipped(f):
                 shutil.copy2(f, tmp / f.name)
         for name in ("heads.safetensors", "heads.json"):
-            if (heads_from / name).is_file():
-                shutil.copy2(heads_from / name, tmp / name)
+            if (heads_from.folder / name).is_file():
+                shutil.copy2(heads_from.folder / name, tmp / name)
         pooler = _add_missing_base_weights(tmp)
         provenance = _provenance(info, folder, probe_folder, pooler)
+        # the facts readers need, as the checkpoints recorded them: no reader imports objectives
+        provenance.update(latent_head=heads_from.latent_head, pll_refusal=ck.pll_refusal)
         if format == st.FORMAT:
             provenance["sentence_transformers"] = st.write_modules(
                 tmp, hidden_size=int(load_config(str(tmp)).hidden_size),  # any family's name
@@ -136,45 +146,35 @@ def _check_out(out: Path) -> None:
     guard_output(out, EXPORT_KIND)  # an earlier export is replaced whole; nothing else is
 
 
-def _find_probe(folder: Path, info: dict[str, Any], probe: str | Path | None) -> Path | None:
+def _find_probe(ck: Checkpoint, probe: str | Path | None) -> Path | None:
     """The probe checkpoint to ship: --probe, else the newest `mlsm probe` wrote for `folder`."""
-    heads = folder / "heads.json"
-    names = read_json(heads, "heads file", _FIX_CKPT) if heads.is_file() else {}
-    if latent_head_name(folder) not in names:
+    folder, names = ck.folder, ck.heads_meta or {}
+    if ck.latent_head not in names:
         if probe:
             raise UserError(f"--probe given but {folder} has no MLSM latent head; drop --probe "
-                            f"for a {info.get('objective')} checkpoint")
+                            f"for a {ck.objective} checkpoint")
         return None
     if "probe" in names:
         return None  # the checkpoint is a probe checkpoint: its heads already hold the probe
     if probe is None:
-        run = folder.parent.parent / f"probe-{folder.name}" / "checkpoints"
-        done = sorted(run.glob("step-*/checkpoint.json")) if run.is_dir() else []
-        return done[-1].parent if done else None
-    candidate = resolve_checkpoint(probe)
-    if "probe.weight" not in _heads(candidate) or not _same_latent_head(folder, candidate):
-        raise UserError(f"--probe {candidate} is not a probe of {folder} (its latent head "
+        done = list_checkpoints(ck.probe_run)
+        return done[-1][1] if done else None
+    candidate = open_checkpoint(probe)
+    if not (candidate.folder / "heads.safetensors").is_file():
+        raise UserError(f"{candidate.folder} has no heads.safetensors; pass the checkpoint of an "
+                        "mlsm run or of its probe run")
+    if "probe.weight" not in candidate.head_tensors or not _same_latent_head(ck, candidate):
+        raise UserError(f"--probe {candidate.folder} is not a probe of {folder} (its latent head "
                         "differs); pass the probe run's checkpoints/step-* folder for this "
                         "checkpoint")
-    return candidate
+    return candidate.folder
 
 
-def _same_latent_head(folder: Path, probe: Path) -> bool:
-    """Whether the probe checkpoint read exactly the latent head of `folder` (whatever its name
+def _same_latent_head(ck: Checkpoint, probe: Checkpoint) -> bool:
+    """Whether the probe checkpoint read exactly the latent head of `ck` (whatever its name
     and form there: the naive recipe's is the last k rows of a wider map)."""
-    ours, theirs = read_latent_head(folder)[0].state_dict(), read_latent_head(probe)[0].state_dict()
+    ours, theirs = read_latent_head(ck)[0].state_dict(), read_latent_head(probe)[0].state_dict()
     return ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
-
-
-def _heads(folder: Path) -> dict[str, torch.Tensor]:
-    path = folder / "heads.safetensors"
-    if not path.is_file():
-        raise UserError(f"{folder} has no heads.safetensors; pass the checkpoint of an mlsm run "
-                        "or of its probe run")
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"{path} is damaged ({first_line(exc)}); {_FIX_CKPT}") from None
 
 
 def _add_missing_base_weights(folder: Path) -> list[str]:
@@ -217,12 +217,10 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
     objective = dict(cfg.get("objective", {}))
     source = objective
     if (objective.get("name") == "probe"
-            and (Path(objective.get("checkpoint", "")) / "checkpoint.json").is_file()):
-        source = read_json(Path(objective["checkpoint"]) / "checkpoint.json",
-                           "checkpoint file of the probed model", _FIX_CKPT,
-                           fields={"config.objective": "object",
-                                   **{f"config.objective.{k}": "text?" for k in _OPTIONS},
-                                   "config.objective.layer": "int?"})["config"]["objective"]
+            and (Path(objective.get("checkpoint", "")) / COMPLETE).is_file()):
+        source = open_checkpoint(objective["checkpoint"], {
+            "config.objective": "object", **{f"config.objective.{k}": "text?" for k in _OPTIONS},
+            "config.objective.layer": "int?"}).section("objective")
     run_json = Path(info.get("run", "")) / "run.json"
     config = read_json(folder / "config.json", "model config", _FIX_CKPT,
                        fields={"architectures": "list?"})
@@ -448,7 +446,7 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
                  "they are not part of the",
                  "transformers model. With mlsm installed:", "", "```python"]
-        if latent_head_name(folder) in heads:  # whatever its name and form (mlsm_naive's)
+        if Checkpoint.at(folder).latent_head in heads:  # whatever its name and form (naive)
             code += ["from mlsm.models.heads import read_latent_head",
                      'latent, _ = read_latent_head("LOCAL_FOLDER")'
                      "  # (N, d) -> (N, k) latent logits"]

@@ -4,4 +4,10 @@ writes it, reads it, verifies it and guards it, plus the fingerprints every reus
 It stands above the file helpers (`mlsm.fileio`, `mlsm.inputs`, `mlsm.locking`) and below the
 models, teacher, objectives and everything that trains or evaluates: a reader of a checkpoint or a
 run folder never needs to import an objective to understand it.
+
+- `fingerprint`: content fingerprints and the one rule of reuse (`require_same`).
+- `checkpoint`: a checkpoint folder (`Checkpoint.open(SPEC)`: FOLDER, RUN, RUN@50%, RUN@step-N or
+  any HF folder), its atomic write, verification, listing and removal.
+- `rundir`: a run directory (`RunDir`): run.json, config.yaml, metrics.jsonl, pruning, the same-run
+  check and the input fingerprints a resume compares.
 """

@@ -42,11 +42,12 @@ def is_torn(line: str, exc: json.JSONDecodeError) -> bool:
 
 
 def read_jsonl(path: str | os.PathLike, what: str, fix: str,
-               warn: Callable[[str], None] | None = None) -> JsonLines:
+               warn: Callable[[str], None] | None = None, torn_only_ok: bool = False) -> JsonLines:
     """The complete lines of the JSON-lines file `path` (missing: none). Torn lines are skipped
     and named to `warn`; a line that is not UTF-8 or not JSON (and not torn) is a UserError
     "PATH:LINE is not JSON (...); FIX", and so is a file none of whose lines parse ("PATH is not
-    a WHAT"), so mlsm never appends to someone else's file."""
+    a WHAT"), so mlsm never appends to someone else's file; `torn_only_ok`: a file of torn lines
+    alone is ours (a run killed while logging its first line)."""
     path = Path(path)
     found, bad = JsonLines(), None
     data = path.read_bytes() if path.is_file() else b""
@@ -67,7 +68,7 @@ def read_jsonl(path: str | os.PathLike, what: str, fix: str,
                 bad = (number, exc)
         except RecursionError:  # "[[[[...": not a row mlsm wrote
             bad = bad or (number, json.JSONDecodeError("nested too deeply", line, 0))
-    if (found.torn or bad) and not found.rows:
+    if (found.torn and not torn_only_ok or bad) and not found.rows:
         raise UserError(f"{path} is not {article(what)} {what} (no line is a JSON row); pass "
                         "one that mlsm wrote, or a new file")
     if bad:

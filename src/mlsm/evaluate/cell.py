@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.errors import UserError
-from mlsm.inputs import read_json, real_path
+from mlsm.inputs import real_path
 from mlsm.runs import resolve_checkpoint
 
 LOG_EVERY = 10  # training steps between tracker points of a fine-tuning cell
@@ -48,10 +49,7 @@ def resolve_model(spec: str | Path) -> ModelRef:
                         "pass a save_pretrained folder")
     meta: dict[str, Any] = {}
     if (folder / "checkpoint.json").exists():
-        meta = read_json(folder / "checkpoint.json", "checkpoint file",
-                         "restore it from a copy of the checkpoint",
-                         fields={"step": "int?", "readiness": "number?", "run": "text?",
-                                 "objective": "text?"})
+        meta = Checkpoint.at(folder).info  # the one reader of checkpoint.json
     step = meta.get("step")
     run = meta.get("run")
     # our runs store the run directory as "run": name checkpoints <run dir name>@<step>

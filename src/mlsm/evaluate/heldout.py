@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlsm.inputs import read_json
+from mlsm.errors import UserError
 
 
 def binomial_p(k: int, n: int, p: float) -> float:
@@ -108,17 +108,19 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
 def heldout_source(checkpoint: Path, n_batches: int, batch_size: int,
                    store: str | None = None) -> tuple[Any, list[int], Any]:
     """(BatchSource with the run's data config, held-out steps, the run's training TokenStore)."""
+    from mlsm.artifacts.checkpoint import Checkpoint
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.evaluate.probe_fit import heldout_steps
     from mlsm.run_config import config_from_dict
 
-    info = read_json(Path(checkpoint) / "checkpoint.json", "checkpoint file",
-                     "restore it from a copy of the checkpoint", fields={"config": "object"})
-    cfg = config_from_dict(info["config"])
+    ck = Checkpoint.at(checkpoint)
+    if not isinstance(ck.info.get("config"), dict):
+        raise UserError(f"checkpoint file {ck.folder / 'checkpoint.json'} has no config; restore "
+                        "it from a copy of the checkpoint")
+    cfg = config_from_dict(ck.config)
     train = TokenStore.open(cfg.data.store)
     source_store = TokenStore.open(store) if store else train
     source = BatchSource(source_store, cfg.data, source_store.load_tokenizer())
-    steps = list(range(n_batches)) if store else heldout_steps(Path(checkpoint), batch_size,
-                                                               n_batches)
+    steps = list(range(n_batches)) if store else heldout_steps(ck, batch_size, n_batches)
     return source, steps, train

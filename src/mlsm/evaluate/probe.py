@@ -15,44 +15,19 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
+from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.artifacts.outputs import OutputKind, writing
-from mlsm.config import merge, parse_overrides
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
+from mlsm.evaluate import probe_fit
 from mlsm.evaluate.pll import load_masked_lm
+from mlsm.evaluate.probe_fit import probe_config
 from mlsm.hf import load_model, load_tokenizer, quiet
-from mlsm.inputs import check_apart, read_json
-from mlsm.models.backbone import read_heads
-from mlsm.models.heads import check_scored_by_pll, latent_head_name, read_latent_head
+from mlsm.inputs import check_apart, field_problem
+from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
-from mlsm.run_config import config_from_dict
-from mlsm.runs import is_run_dir, probe_run_of, resolve_checkpoint
+from mlsm.runs import is_run_dir, resolve_checkpoint
 from mlsm.train.loop import pretrain
-
-
-def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
-                 overrides: list[str] | None = None) -> Any:
-    """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder, or a run directory /
-    ``RUN@50%`` / ``RUN@step-N``: `mlsm.runs`)."""
-    folder = resolve_checkpoint(checkpoint)
-    info_path = folder / "checkpoint.json"
-    if not info_path.is_file():
-        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
-                        "pass a checkpoints/step-* folder of an mlsm run")
-    check_scored_by_pll(folder)  # MAE: its latent head reads the decoder, not these states
-    raw = dict(read_json(info_path, "checkpoint file", "pass another checkpoints/step-* folder",
-                         fields={"config.model": "object", "config.data": "object",
-                                 "config.train.steps": "number"})["config"])
-    default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
-    raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
-    raw["model"] = {**raw["model"], "init_from": str(folder)}
-    raw["train"] = {**raw["train"], "steps": steps or default_steps,
-                    "out": out or str(probe_run_of(folder)), "save_every": 0,
-                    "readiness": [0.1, 0.25, 0.5, 1.0]}
-    if store:
-        raw["data"] = {**raw["data"], "store": store}
-    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
-
 
 PAPER_PROBE_STEPS = 10_000
 """Steps of the Hitchhikers' Guide's probe (§4.3, Fig. 6): a fixed length with readiness
@@ -84,10 +59,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str 
     # named by the flags of `mlsm probe` (the probe run's own check names config keys)
     check_apart(out, "--out", {"CHECKPOINT": folder, "--store": cfg.data.store})
     if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
-        from mlsm.evaluate.probe_fit import train_probe_to_plateau
-
         with writing(out, PROBE_KIND):  # only an earlier probe is replaced; one writer
-            train_probe_to_plateau(folder, out, max_steps=max_steps)
+            probe_fit.train_probe_to_plateau(folder, out, max_steps=max_steps)
         return out
     return pretrain(cfg, resume=resume)
 
@@ -110,18 +83,20 @@ class ProbeScorer(torch.nn.Module):
     """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))),
     f = softmax (default), log_softmax or identity as heads.json says."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path | Checkpoint):
         super().__init__()
-        folder = Path(folder)
-        meta = read_json(folder / "heads.json", "heads file", _FIX_HEADS, fields={
-            "probe": "object", "probe.in": "int", "probe.out": "int", "probe.input": "text?"})
-        state = read_heads(folder)
+        ck = folder if isinstance(folder, Checkpoint) else Checkpoint.at(folder)
+        wrong = field_problem(ck.heads_meta or {}, {"probe": "object", "probe.in": "int",
+                                                    "probe.out": "int", "probe.input": "text?"})
+        if wrong or ck.heads_meta is None:
+            raise UserError(f"heads file {ck.folder / 'heads.json'} is not one mlsm wrote "
+                            f"({wrong or 'missing'}); {_FIX_HEADS}")
+        probe, state = ck.heads_meta["probe"], ck.head_tensors
         with quiet():  # our own export: the encoder without a pooler, which we never use
-            self.backbone = load_model(AutoModel, folder)
-        self.latent, _ = read_latent_head(folder)
-        # probes saved before the option read softmax(z)
-        self.input = meta["probe"].get("input", "probs")
-        self.probe = torch.nn.Linear(meta["probe"]["in"], meta["probe"]["out"])
+            self.backbone = load_model(AutoModel, ck.folder)
+        self.latent, _ = read_latent_head(ck)
+        self.input = probe.get("input", "probs")  # probes saved before the option read softmax(z)
+        self.probe = torch.nn.Linear(probe["in"], probe["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items()
                                     if k.startswith("probe.")})
         self.eval()
@@ -133,24 +108,7 @@ class ProbeScorer(torch.nn.Module):
         return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 
-def _exports_vocab_head(folder: Path) -> bool:
-    """Whether the folder's HF model was saved with its (trained) vocabulary head: MTL, MLM and KD
-    checkpoints save the *ForMaskedLM class, a pure MLSM checkpoint only the encoder (*Model)."""
-    config = folder / "config.json"
-    if not config.is_file():
-        return False
-    archs = read_json(config, "model config", "restore the model folder's config.json",
-                      fields={"architectures": "list?"}).get("architectures") or []
-    return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
-
-
 _FIX_HEADS = "restore it from a copy of the checkpoint, or use another checkpoint"
-
-
-def _heads_names(folder: Path) -> dict[str, Any] | None:
-    """The heads.json of a checkpoint folder (None without one); not an object is one line."""
-    path = folder / "heads.json"
-    return read_json(path, "heads file", _FIX_HEADS) if path.is_file() else None
 
 
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
@@ -161,20 +119,20 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     ``path`` may name a run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the
     final checkpoint of its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A
     checkpoint whose objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
+    Each file of the folder is read once.
     """
-    folder = resolve_checkpoint(path)
-    check_scored_by_pll(folder)
-    heads = _heads_names(folder)
-    latent_only = heads is not None and "probe" not in heads and not _exports_vocab_head(folder)
-    if latent_only and is_run_dir(probe_run_of(folder)):
-        folder = resolve_checkpoint(probe_run_of(folder))
-        heads = _heads_names(folder)
+    ck = Checkpoint.open(path)
+    ck.require_pll()
+    heads = ck.heads_meta
+    latent_only = heads is not None and "probe" not in heads and not ck.exports_vocab_head
+    if latent_only and is_run_dir(ck.probe_run):
+        ck = Checkpoint.open(ck.probe_run)
+        heads = ck.heads_meta
     if heads is not None and "probe" in heads:
-        scorer = ProbeScorer(folder)
-        return (scorer.to(device) if device else scorer), load_tokenizer(folder)
-    if (heads is not None and latent_head_name(folder) in heads
-            and not _exports_vocab_head(folder)):
-        raise UserError(f"{folder} is an MLSM model without a vocabulary and "
-                        f"{probe_run_of(folder)} has no probe; "
+        scorer = ProbeScorer(ck)
+        return (scorer.to(device) if device else scorer), load_tokenizer(ck.folder)
+    if heads is not None and ck.latent_head in heads and not ck.exports_vocab_head:
+        raise UserError(f"{ck.folder} is an MLSM model without a vocabulary and "
+                        f"{ck.probe_run} has no probe; "
                         f"train its probe first: mlsm probe {path}")
-    return load_masked_lm(str(folder), device)
+    return load_masked_lm(str(ck.folder), device)

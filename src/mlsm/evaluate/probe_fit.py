@@ -22,27 +22,57 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
+from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.evaluate.unigram import unigram_log_probs
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import read_json
+from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
+from mlsm.models.heads import check_scored_by_pll
 from mlsm.objectives.base import Context, TrainModule
 from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
 from mlsm.progress import Progress
+from mlsm.run_config import config_from_dict
 from mlsm.train import checkpoint as ckpt
 
 
-def heldout_steps(checkpoint: Path, batch_size: int, n: int) -> list[int]:
+def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
+                 overrides: list[str] | None = None) -> Any:
+    """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder, or a run directory /
+    ``RUN@50%`` / ``RUN@step-N``: `mlsm.runs`)."""
+    ck = Checkpoint.open(checkpoint)
+    folder = ck.folder
+    if not ck.is_checkpoint:
+        raise UserError(f"{folder} is not an mlsm checkpoint (no checkpoint.json); "
+                        "pass a checkpoints/step-* folder of an mlsm run")
+    check_scored_by_pll(ck)  # MAE: its latent head reads the decoder, not these states
+    wrong = field_problem(ck.info, {"config.model": "object", "config.data": "object",
+                                    "config.train.steps": "number"})
+    if wrong:
+        raise UserError(f"checkpoint file {folder / COMPLETE} is not one mlsm wrote ({wrong}); "
+                        "pass another checkpoints/step-* folder")
+    raw = dict(ck.config)
+    default_steps = max(1, round(0.1 * float(raw["train"]["steps"])))
+    raw["objective"] = {"name": "probe", "checkpoint": str(folder)}
+    raw["model"] = {**raw["model"], "init_from": str(folder)}
+    raw["train"] = {**raw["train"], "steps": steps or default_steps,
+                    "out": out or str(ck.probe_run), "save_every": 0,
+                    "readiness": [0.1, 0.25, 0.5, 1.0]}
+    if store:
+        raw["data"] = {**raw["data"], "store": store}
+    return config_from_dict(merge(raw, parse_overrides(overrides or [])))
+
+
+def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> list[int]:
     """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
     the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
-    info = read_json(checkpoint / "checkpoint.json", "checkpoint file",
-                     "pass an intact checkpoints/step-* folder")
-    cfg = info.get("config", {}).get("train") if isinstance(info.get("config"), dict) else None
-    if not isinstance(cfg, dict) or "steps" not in cfg or "batch_size" not in cfg:
-        raise UserError(f"{checkpoint / 'checkpoint.json'} has no train config; pass an intact "
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.at(checkpoint)
+    cfg = ck.section("train")
+    if not ck.is_checkpoint or "steps" not in cfg or "batch_size" not in cfg:
+        raise UserError(f"{ck.folder / COMPLETE} has no train config; pass an intact "
                         "checkpoints/step-* folder")
     # ceil(samples seen / batch_size)
     first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
@@ -144,8 +174,6 @@ class _Candidate:
 
 def _setup(checkpoint: Path, kind: str, batch_size: int | None,
            threads: int | None) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
-    from mlsm.evaluate.probe import probe_config
-
     cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}"])
     if batch_size:
         cfg.train.batch_size = batch_size

@@ -63,20 +63,19 @@ class ReadoutSpec:
 
 def checkpoint_facts(folder: Path) -> dict[str, Any]:
     """step, readiness and training FLOPs of an mlsm checkpoint (None for an HF folder)."""
-    from mlsm.inputs import read_json
+    from mlsm.artifacts.checkpoint import Checkpoint
 
-    path = folder / "checkpoint.json"
+    ck = Checkpoint.at(folder)
     facts: dict[str, Any] = {"step": None, "readiness": None, "train_flops": None}
-    if not path.is_file():
+    if not ck.is_checkpoint:
         return facts
-    info = read_json(path, "checkpoint file", "restore it from a copy of the checkpoint")
-    facts["step"], facts["readiness"] = info.get("step"), info.get("readiness")
+    facts["step"], facts["readiness"] = ck.step, ck.readiness
     try:
         from mlsm.flops import flops_for_run
         from mlsm.run_config import config_from_dict
         from mlsm.throughput import flops_row_of
 
-        cfg = config_from_dict(info["config"])
+        cfg = config_from_dict(ck.config)
         row = flops_row_of(flops_for_run(cfg), cfg.objective.name)
         if row is not None and facts["step"] is not None:
             facts["train_flops"] = float(row.total) * int(facts["step"])
@@ -86,17 +85,14 @@ def checkpoint_facts(folder: Path) -> dict[str, Any]:
 
 
 def train_store(folder: Path, spec: ReadoutSpec) -> str:
+    from mlsm.artifacts.checkpoint import Checkpoint
     from mlsm.errors import UserError
-    from mlsm.inputs import read_json
 
     if spec.store:
         return spec.store
-    path = folder / "checkpoint.json"
-    if path.is_file():
-        store = read_json(path, "checkpoint file", "pass --store").get("config", {}) \
-            .get("data", {}).get("store")
-        if store and Path(store).is_dir():
-            return str(store)
+    store = Checkpoint.at(folder).store
+    if store and Path(store).is_dir():
+        return store
     raise UserError(f"{folder}: no pre-training token store to count the unigram control on; "
                     "pass --store STORE (a token store made with the model's tokenizer)")
 
@@ -231,13 +227,14 @@ def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
 def _heldout(folder: Path, spec: ReadoutSpec) -> tuple[Any, list[int]]:
     """The held-out batches: the run's data config on a held-out store (or on the chunks after
     the run); an HF folder needs a held-out store and reads it with the default masking."""
+    from mlsm.artifacts.checkpoint import Checkpoint
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.errors import UserError
     from mlsm.evaluate.heldout import heldout_source
     from mlsm.run_config import config_from_dict
 
-    if (folder / "checkpoint.json").is_file():
+    if Checkpoint.at(folder).is_checkpoint:
         source, steps, _ = heldout_source(folder, spec.masked_batches, spec.batch_size,
                                           spec.heldout_store or None)
         return source, steps

@@ -262,8 +262,8 @@ class MLSMTrainer(Trainer):
         ckpt.load_weights(Path(resume_from_checkpoint), self.accelerator.unwrap_model(self.model))
 
     def checkpoint_info(self) -> dict[str, Any]:
-        """checkpoint.json: what mlsm's verbs read (step, readiness, objective, config) plus the
-        Trainer's arguments."""
+        """checkpoint.json: what mlsm's verbs read (step, readiness, objective, config, latent head,
+        PLL refusal) plus the Trainer's arguments."""
         args, step = self.args, self.state.global_step
         total = max(self.state.max_steps or args.max_steps, step, 1)
         world = max(args.world_size, 1)
@@ -281,8 +281,10 @@ class MLSMTrainer(Trainer):
             train=TrainConfig(steps=total, batch_size=batch,
                               micro_batch_size=args.per_device_train_batch_size,
                               out=str(args.output_dir), seed=args.seed, readiness=[1.0]))
-        return {"step": step, "readiness": step / total, "objective": self.objective_config.name,
-                "run": str(args.output_dir), "tokens": step * batch * self.data.max_len,
-                "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
-                "lr_scheduler": str(args.lr_scheduler_type),
-                "training_args": json.loads(args.to_json_string())}
+        # with the facts readers need (latent head, PLL refusal), as mlsm's own loop writes them
+        return ckpt.with_facts({
+            "step": step, "readiness": step / total, "objective": self.objective_config.name,
+            "run": str(args.output_dir), "tokens": step * batch * self.data.max_len,
+            "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
+            "lr_scheduler": str(args.lr_scheduler_type),
+            "training_args": json.loads(args.to_json_string())})

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.errors import UserError
-from mlsm.hf import first_line, read_json
+from mlsm.hf import first_line
 
 # model_type -> how that family's AutoModelForMaskedLM maps hidden states (N, d) to logits (N, V).
 # One line per family; the functions call the HF modules themselves, so the weights (and any
@@ -61,79 +60,39 @@ class LatentHead(nn.Module):
         return self.proj(self.norm(self.act(self.dense(h))))
 
 
-def read_heads(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `folder/heads.safetensors`; a missing or damaged file is one line."""
-    path = Path(folder) / "heads.safetensors"
-    try:
-        return load_file(path)
-    except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{path} is missing or damaged ({first_line(exc)}); restore it from a "
-                        "copy or use another checkpoint of the run") from None
+def read_heads(folder: Path | Checkpoint) -> dict[str, torch.Tensor]:
+    """The tensors of `folder/heads.safetensors` (loaded once per `Checkpoint`); a missing or
+    damaged file is one line."""
+    return _opened(folder).head_tensors
+
+
+def _opened(folder: Path | str | Checkpoint) -> Checkpoint:
+    return folder if isinstance(folder, Checkpoint) else Checkpoint.at(folder)
 
 
 def checkpoint_objective(folder: Path) -> str | None:
     """The name of the objective that trained `folder`: the one checkpoint.json names (a
     checkpoint) or mlsm.json (an `mlsm export` folder; "probe" when it ships the probe's heads);
     None for a folder naming none (an HF folder that is not ours)."""
-    folder = Path(folder)
-    name = None
-    if (folder / "checkpoint.json").is_file():
-        info = read_json(folder / "checkpoint.json")
-        name = info.get("objective") if isinstance(info, dict) else None
-    elif (folder / "mlsm.json").is_file():
-        info = read_json(folder / "mlsm.json")
-        if isinstance(info, dict):
-            name = "probe" if info.get("probe") else info.get("objective")
-    return name if isinstance(name, str) else None
+    return _opened(folder).objective
 
 
 def latent_head_name(folder: Path) -> str:
-    """The heads.json name of the latent head in `folder`, as the objective that trained it
-    (`checkpoint_objective`) declares (`Objective.latent_head`); a folder naming none has the
-    default name."""
-    from mlsm.objectives import objective_class
-    from mlsm.objectives.base import Objective
-
-    return (objective_class(checkpoint_objective(folder)) or Objective).latent_head
+    """The heads.json name of the latent head in `folder`, as the checkpoint records it (the
+    objective that trained it declares it: `Objective.latent_head`)."""
+    return _opened(folder).latent_head
 
 
 def pll_refusal(folder: Path) -> str | None:
-    """Why `folder` cannot be scored word by word through its encoder (the objective that wrote
-    it declares so for that step: `Objective.pll_refusal_at`), or None. A folder whose objective
-    is unknown (an HF folder that is not ours) can be."""
-    from mlsm.objectives import objective_class
-
-    folder = Path(folder)
-    if (folder / "checkpoint.json").is_file():
-        info = _mapping(read_json(folder / "checkpoint.json"))
-        cfg = _mapping(info.get("config"))
-        objective, total = cfg.get("objective"), _mapping(cfg.get("train")).get("steps")
-    elif (folder / "mlsm.json").is_file():  # an export: its own objective, even with a probe,
-        info = _mapping(read_json(folder / "mlsm.json"))  # and the step's fraction of the run
-        objective, readiness = info.get("objective_config"), info.get("readiness")
-        step = info.get("step")
-        fraction = isinstance(readiness, (int, float)) and 0 < readiness <= 1
-        total = round(step / readiness) if isinstance(step, int) and fraction else None
-    else:
-        return None
-    cls, step = objective_class(info.get("objective")), info.get("step")
-    if cls is None or not isinstance(step, int) or not isinstance(total, int):
-        return None if cls is None or cls.scored_by_pll else cls.pll_refusal  # the class alone
-    return cls.pll_refusal_at(_mapping(objective), step, total)
-
-
-def _mapping(value: Any) -> dict[str, Any]:
-    """`value` if it is a JSON object, else {} (a hand-edited field of the wrong type)."""
-    return value if isinstance(value, dict) else {}
+    """Why `folder` cannot be scored word by word through its encoder (recorded at save time from
+    `Objective.pll_refusal_at`), or None; an HF folder that is not ours can be."""
+    return _opened(folder).pll_refusal
 
 
 def check_scored_by_pll(folder: Path) -> None:
     """Refuse, in one line, a checkpoint that cannot be scored word by word through its encoder
-    (`pll_refusal`: MAE-LM, MAE-MLSM, CLM, CLM -> MLM before its MLM phase, a probe of one)."""
-    reason = pll_refusal(folder)
-    if reason:
-        raise UserError(f"{folder} is a {checkpoint_objective(folder)} checkpoint: {reason}; "
-                        f"evaluate it by fine-tuning: mlsm finetune {folder} --tasks TASKS")
+    (MAE-LM, MAE-MLSM, CLM, CLM -> MLM before its MLM phase, a probe of one)."""
+    _opened(folder).require_pll()
 
 
 def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:
@@ -143,7 +102,7 @@ def _last_k(weights: dict[str, torch.Tensor], d: int, k: int) -> nn.Linear:
     return head
 
 
-def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
+def read_latent_head(folder: Path | Checkpoint) -> tuple[nn.Module, dict[str, Any]]:
     """The latent head saved in a checkpoint folder, (N, d) -> (N, k) latent logits, and its
     heads.json entry (the one loader: the probe objective and `ProbeScorer` both use it).
 
@@ -153,10 +112,9 @@ def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     only the last k outputs are latent logits, so that block is returned as a d -> k `Linear`
     whose entry still says "last k" (of k: all of it), as a probe checkpoint saves it.
     """
-    folder = Path(folder)
-    name = latent_head_name(folder)
+    opened = _opened(folder)
+    folder, name, heads = opened.folder, opened.latent_head, opened.heads_meta
     meta_path = folder / "heads.json"
-    heads = read_json(meta_path) if meta_path.is_file() else None
     latent = heads.get(name) if isinstance(heads, dict) else None
     if not isinstance(latent, dict):
         raise UserError(f"{folder} has no latent head (no {name!r} in heads.json); "
@@ -171,7 +129,7 @@ def read_latent_head(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
                                                  and latent.get("latent") != "last k"):
         raise UserError(f"{meta_path} describes the latent head {name!r} as {kind}, which mlsm "
                         "cannot rebuild; pass a checkpoint written by this version of mlsm")
-    weights = {k.removeprefix(f"{name}."): v for k, v in read_heads(folder).items()
+    weights = {k.removeprefix(f"{name}."): v for k, v in opened.head_tensors.items()
                if k.startswith(f"{name}.")}
     try:
         d, k = int(latent["d"]), int(latent["k"])

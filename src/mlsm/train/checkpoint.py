@@ -1,44 +1,39 @@
-"""Checkpoints: an HF model folder (+ tokenizer, + our heads) and the state needed to resume.
+"""Saving a training module into a checkpoint folder, and restoring it from one.
 
-Layout of checkpoints/<name>/:
-  config.json, model.safetensors     HF weights (AutoModelForMaskedLM for MLM-family runs,
-                                     AutoModel backbone otherwise)
-  tokenizer files                    so the folder is self-contained for fine-tuning
-  heads.safetensors, heads.json      objective heads (latent head, MAE decoder) and how to
-                                     rebuild them
-  training_state.pt                  optimizer state, RNG states (torch.load(weights_only=True))
-  checkpoint.json                    step, readiness, objective, run; written last = complete marker
-
-A checkpoint is written into a temporary sibling folder, fsynced, then renamed into place, so a
-crash or a failed write never leaves a folder that looks complete and never touches older ones.
+The folder itself (layout, the atomic write, the completion marker, verification, listing and
+pruning, the facts readers need) belongs to `mlsm.artifacts.checkpoint`; this module adds only what
+needs the model: writing the HF folder and heads of a `TrainModule`, recording the facts its
+objective declares, and loading weights back.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
+from mlsm.artifacts.checkpoint import (
+    COMPLETE,
+    DamagedCheckpoint,
+    list_checkpoints,
+    read_training_state,
+    remove_checkpoint,
+    writing,
+)
+from mlsm.artifacts.checkpoint import verify as read_checkpoint
 from mlsm.errors import UserError
-from mlsm.fileio import building_dir
-from mlsm.hf import first_line, quiet
+from mlsm.hf import quiet
 from mlsm.models.backbone import load_student_weights
+from mlsm.objectives import checkpoint_facts
 from mlsm.objectives.base import TrainModule
 
-COMPLETE = "checkpoint.json"
-
-
-class DamagedCheckpoint(Exception):
-    """A checkpoint folder whose files are missing, torn or truncated (the reason is the
-    message)."""
+__all__ = ["COMPLETE", "DamagedCheckpoint", "list_checkpoints", "load_training_state",
+           "load_weights", "read_checkpoint", "read_training_state", "remove_checkpoint",
+           "save_checkpoint", "save_model_folder", "with_facts"]
 
 
 def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
@@ -56,6 +51,16 @@ def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
         (folder / "heads.json").write_text(json.dumps(module.objective.head_meta(), indent=2))
 
 
+def with_facts(info: dict[str, Any]) -> dict[str, Any]:
+    """checkpoint.json `info` plus the facts readers need (latent head name, PLL refusal), as the
+    objective it names declares them for its step, so no reader imports the objectives."""
+    config = info.get("config") if isinstance(info.get("config"), dict) else {}
+    objective = config.get("objective") if isinstance(config.get("objective"), dict) else {}
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    name = info.get("objective") or objective.get("name")
+    return {**info, **checkpoint_facts(name, objective, info.get("step"), train.get("steps"))}
+
+
 def save_checkpoint(
     folder: Path,
     module: TrainModule,
@@ -63,102 +68,12 @@ def save_checkpoint(
     training_state: dict[str, Any],
     info: dict[str, Any],
 ) -> Path:
-    """Atomically write a complete checkpoint to `folder` (replacing an older one of that name).
-
-    A failed write (disk full: OSError from Python, RuntimeError from torch.save,
-    SafetensorError from safetensors) is one line; older checkpoints are never touched."""
-    try:
-        with building_dir(folder, "tmp") as tmp:
-            save_model_folder(module, tokenizer, tmp)
-            torch.save(training_state, tmp / "training_state.pt")
-            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
-        raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
-                        "are intact — free space and rerun with --resume auto") from None
+    """Atomically write a complete checkpoint to `folder` (replacing an older one of that name);
+    a failed write is one line and older checkpoints are never touched."""
+    with writing(folder, with_facts(info)) as tmp:
+        save_model_folder(module, tokenizer, tmp)
+        torch.save(training_state, tmp / "training_state.pt")
     return folder
-
-
-def remove_checkpoint(folder: Path) -> None:
-    """Delete a checkpoint so that a crash midway never leaves a folder that looks complete:
-    rename it out of the step-* namespace first (atomic), then delete."""
-    trash = folder.with_name(f".{folder.name}.del-{os.getpid()}")
-    folder.rename(trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def remove_stale(run_dir: Path) -> None:
-    """Remove temporary folders a killed process left in checkpoints/ (names start with '.')."""
-    root = Path(run_dir) / "checkpoints"
-    for folder in root.glob(".*") if root.is_dir() else []:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Checkpoints with a completion marker, oldest first, as (step, folder). The step is read
-    from the name, so a torn marker still lists its folder (`verify` then reports it)."""
-    root = Path(run_dir) / "checkpoints"
-    found = []
-    for folder in root.glob("step-*") if root.is_dir() else []:
-        if (folder / COMPLETE).is_file() and folder.name[5:].isdigit():
-            found.append((int(folder.name[5:]), folder))
-    return sorted(found)
-
-
-def _check_safetensors(path: Path) -> None:
-    """Raise DamagedCheckpoint unless `path` is a whole safetensors file (header + every tensor)."""
-    if not path.is_file():
-        raise DamagedCheckpoint(f"{path.name} is missing")
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n)) if 8 + n <= size else None
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                  default=0)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
-        raise DamagedCheckpoint(f"{path.name} has no valid header") from None
-    if 8 + n + end != size:
-        raise DamagedCheckpoint(f"{path.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
-
-
-def read_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checkpoint.json, training state) of a checkpoint after checking every file is whole.
-
-    Raises DamagedCheckpoint for torn/truncated/missing files, UserError for a training state
-    that is not a safe (weights-only) checkpoint."""
-    try:
-        info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {first_line(exc)}") from None
-    if (not isinstance(info, dict) or not isinstance(info.get("step"), int)
-            or not isinstance(info.get("config"), dict)):
-        raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
-    _check_safetensors(folder / "model.safetensors")
-    if (folder / "heads.json").is_file():
-        _check_safetensors(folder / "heads.safetensors")
-    state = read_training_state(folder)
-    if not isinstance(state, dict) or "optimizer" not in state or state.get("step") != info["step"]:
-        raise DamagedCheckpoint("training_state.pt does not hold this checkpoint's "
-                                "step and optimizer")
-    return info, state
-
-
-def read_training_state(folder: Path) -> Any:
-    path = folder / "training_state.pt"
-    if not path.is_file():
-        raise DamagedCheckpoint("training_state.pt is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower():
-            raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond "
-                            "tensors, which mlsm never runs); delete that checkpoint folder and "
-                            "resume from another") from None
-        raise DamagedCheckpoint(f"training_state.pt is unreadable: {first_line(exc)}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        why = first_line(exc)
-        raise DamagedCheckpoint(f"training_state.pt is truncated or unreadable: {why}") from None
 
 
 def load_weights(folder: Path, module: TrainModule) -> None:

@@ -9,10 +9,8 @@ global batch.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,14 +20,14 @@ import numpy as np
 import torch
 
 from mlsm import locking, tracking
-from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
-from mlsm.config import config_to_dict, git_revision, save_config
+from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.artifacts.rundir import RunDir
+from mlsm.config import config_to_dict, git_revision
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
-from mlsm.inputs import check_apart, field_problem
+from mlsm.inputs import check_apart
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
@@ -58,8 +56,8 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
     run_dir = Path(cfg.train.out)
     # One process per run directory; under DDP rank 0 holds the lock for the whole group.
     with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
-        _check_run_dir(run_dir, resume)  # before minutes of loading
-        if resume and cfg.train.report_to:  # every rank stops alike, as for _check_run_dir
+        RunDir(run_dir).check_folder(resume)  # before minutes of loading
+        if resume and cfg.train.report_to:  # every rank stops alike, as for check_folder
             tracking.read_state(run_dir)  # a torn tracking.json: one line, before any work
         return _pretrain(cfg, resume, dist_info, run_dir)
 
@@ -97,7 +95,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     scaler = dev.grad_scaler(cfg.train.precision, device)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    start = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler)
+    start, inputs = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler)
     if cfg.train.compile:
         dev.compile_student(module)
     model = _wrap_ddp(module, dist_info, device)
@@ -141,12 +139,12 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                               flops)
                 tracker.log({k: v for k, v in record.items() if k != "batch_digest"}, done)
             if done in save_steps:
-                _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler), save_steps,
-                            dist_info)
+                _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler), dist_info,
+                            inputs)
             if stopper.requested(dist_info, device):
                 if done not in save_steps:
                     _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler),
-                                save_steps, dist_info)
+                                dist_info, inputs)
                 print(f"stopped by signal after step {done}; continue with --resume auto",
                       flush=True)
                 break
@@ -242,24 +240,22 @@ def _save_steps(cfg: RunConfig) -> set[int]:
     return steps | {total}
 
 
-RUN_MARKER = "run.json"
-# What makes two configs the same run: everything that changes the weights. Device, threads,
-# precision, micro-batching, logging and checkpoint cadence may change on resume.
-_SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None,
-             "train": ("steps", "batch_size", "seed")}
-
-
 def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainModule,
                optimizer: torch.optim.Optimizer, info: DistInfo,
-               scaler: torch.amp.GradScaler | None = None) -> int:
-    """Create or re-open the run directory; on resume restore state and return the next step.
+               scaler: torch.amp.GradScaler | None = None) -> tuple[int, dict[str, str]]:
+    """Create or re-open the run directory; on resume restore state. Returns the next step and
+    the fingerprints of the run's inputs (each checkpoint records them).
 
-    Nothing in run_dir is written before the resume is validated (same run, intact checkpoint)."""
-    _check_run_dir(run_dir, resume)
-    picked = _pick_checkpoint(run_dir, resume, info) if resume else None
-    _check_same_run(run_dir, cfg, picked)
+    Nothing in run_dir is written before the resume is validated (same run, same inputs, intact
+    checkpoint)."""
+    run = RunDir(run_dir)
+    run.check_folder(resume)
+    picked = run.pick(resume, announce=info.is_main) if resume else None
+    run.check_same_run(_plain(cfg), picked, _resolved)
+    inputs = input_fingerprints(cfg)
     if resume:
-        _check_metrics(run_dir / "metrics.jsonl")
+        run.check_inputs(inputs, picked, announce=info.is_main)
+        run.check_metrics()
     step = 0
     if picked is not None:
         folder, _, state = picked
@@ -275,87 +271,15 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
         step = int(state["step"])
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
-        _write_run_files(run_dir, cfg, info, step)
-    return step
+        segment = {"git_revision": git_revision(), "world_size": info.world,
+                   "threads": torch.get_num_threads()}
+        run.start(config_to_dict(cfg), step, segment, inputs)
+    return step, inputs
 
 
-def _check_run_dir(run_dir: Path, resume: str | None) -> None:
-    """Any content of train.out counts: only an mlsm run is continued, and only with --resume."""
-    guard_output(run_dir, OutputKind("mlsm run", ours=_is_run_dir),
-                 Rule.SAME_KIND if resume else Rule.NEW, flag="train.out",
-                 fix_existing="pass --resume auto to continue it or choose another train.out")
-
-
-def _is_run_dir(run_dir: Path) -> bool:
-    try:
-        marker = json.loads((run_dir / RUN_MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(marker, dict) and "started" in marker
-
-
-def _pick_checkpoint(run_dir: Path, resume: str, info: DistInfo) -> tuple[Path, dict, dict] | None:
-    """(folder, checkpoint.json, training state) to resume from: the named folder, or for "auto"
-    the newest intact checkpoint (damaged newer ones are skipped with one line on stderr)."""
-    if resume != "auto":
-        folder = Path(resume)
-        if not (folder / ckpt.COMPLETE).is_file():
-            raise UserError(f"{folder} is not a complete checkpoint; pass --resume auto or a "
-                            "checkpoints/step-* folder")
-        try:
-            return (folder, *ckpt.read_checkpoint(folder))
-        except ckpt.DamagedCheckpoint as exc:
-            raise UserError(f"checkpoint {folder} is damaged ({exc}); pass --resume auto to use "
-                            "the newest intact one") from None
-    found = ckpt.list_checkpoints(run_dir)
-    damaged = []
-    for _, folder in reversed(found):
-        try:
-            picked = (folder, *ckpt.read_checkpoint(folder))
-        except ckpt.DamagedCheckpoint as exc:
-            damaged.append(f"{folder.name}: {exc}")
-            continue
-        if damaged and info.is_main:
-            print(f"mlsm: resuming from {folder.name}, the newest intact checkpoint; "
-                  f"skipped damaged {'; '.join(damaged)}", file=sys.stderr, flush=True)
-        return picked
-    if damaged:
-        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'} "
-                        f"({'; '.join(damaged)}); choose another train.out or delete the "
-                        "damaged folders")
-    return None
-
-
-def _same_run_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Dotted keys of `_SAME_RUN` on which configs a and b differ."""
-    diff = []
-    for group, keys in _SAME_RUN.items():
-        ga, gb = (g if isinstance(g, dict) else {} for g in (a.get(group), b.get(group)))
-        for key in keys or sorted(set(ga) | set(gb)):
-            if json.dumps(ga.get(key), sort_keys=True) != json.dumps(gb.get(key), sort_keys=True):
-                diff.append(f"{group}.{key}")
-    return diff
-
-
-def _check_same_run(run_dir: Path, cfg: RunConfig, picked: tuple[Path, dict, dict] | None) -> None:
-    """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
-    import yaml
-
-    now = json.loads(json.dumps(config_to_dict(cfg)))  # resolved: every objective option
-    refs = []
-    if (run_dir / "config.yaml").is_file():
-        # a damaged config.yaml is rewritten below; the checkpoint's copy still decides
-        with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):
-            refs.append((run_dir / "config.yaml",
-                         yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))))
-    if picked is not None:
-        refs.append((picked[0] / ckpt.COMPLETE, picked[1]["config"]))
-    for where, old in refs:
-        diff = _same_run_diff(now, _resolved(old)) if isinstance(old, dict) else []
-        if diff:
-            raise UserError(f"this config differs from the run in {run_dir} ({where.name}) in "
-                            f"{', '.join(diff[:4])}; use the run's own config to resume it, or "
-                            "choose another train.out for a new run")
+def _plain(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as JSON data (tuples as lists), as a checkpoint saves it."""
+    return json.loads(json.dumps(config_to_dict(cfg)))
 
 
 def _resolved(old: dict[str, Any]) -> dict[str, Any]:
@@ -367,63 +291,32 @@ def _resolved(old: dict[str, Any]) -> dict[str, Any]:
         return old
 
 
-def _write_run_files(run_dir: Path, cfg: RunConfig, info: DistInfo, step: int) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        segment = {"git_revision": git_revision(),
-                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "world_size": info.world, "threads": torch.get_num_threads()}
-        if not _is_run_dir(run_dir):  # the marker first: a folder with any of our files is a run
-            marker = {"format": "mlsm-run", **segment}
-        else:  # a resume, maybe by other code or on another machine: its provenance too
-            marker = json.loads((run_dir / RUN_MARKER).read_text(encoding="utf-8"))
-            earlier = marker.get("resumed")
-            marker["resumed"] = [*(earlier if isinstance(earlier, list) else []),
-                                 {"from_step": step, **segment}]
-        atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker, indent=2))
-        ckpt.remove_stale(run_dir)
-        save_config(cfg, run_dir / "config.yaml")
-        _truncate_metrics(run_dir / "metrics.jsonl", step)
-    except OSError as exc:
-        raise UserError(f"cannot write to run directory {run_dir} ({exc.strerror or exc}); "
-                        "check space and permissions, then rerun") from None
+def _check_same_run(run_dir: Path, cfg: RunConfig, picked: Any) -> None:
+    """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
+    RunDir(run_dir).check_same_run(_plain(cfg), picked, _resolved)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep one line per step up to the step we resume from (later lines will be logged again;
-    a step logged twice by an earlier crash keeps its last line)."""
-    if path.exists():
-        kept = {}
-        for ln in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            s = _logged_step(ln)
-            if s <= step:
-                kept[s] = ln
-        atomic_write_text(path, "".join(kept[s] + "\n" for s in sorted(kept)))
+def input_fingerprints(cfg: RunConfig) -> dict[str, str]:
+    """Content fingerprints of what the run reads, by the key naming it: the token store's own
+    (`meta.json` fingerprint and size), the dictionary's atoms (`dictionary_hash`) and the files
+    of the target store, teacher, probed checkpoint and initial weights. Equal after a copy or a
+    move; different after a rebuild with other content."""
+    store = TokenStore.open(cfg.data.store)
+    found = {"data.store": f"{store.meta.get('fingerprint')}/{store.n_tokens}"}
+    dictionary = getattr(cfg.objective, "dictionary", None)
+    if isinstance(dictionary, str) and dictionary:
+        from mlsm.teacher.dictionary import load_dictionary
+        from mlsm.teacher.targets import dictionary_hash
 
-
-def _check_metrics(path: Path) -> None:
-    """Refuse, before anything is written, a metrics.jsonl line a resume would silently drop
-    that is not a line torn by a crash (the start of a JSON object, broken off): a row without an
-    integer step, or other text. The resume rewrites the file with the rows up to its step."""
-    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            wrong = field_problem(json.loads(line), {"step": "int"})
-        except json.JSONDecodeError as exc:
-            torn = line.lstrip().startswith("{") and exc.msg != "Extra data"
-            wrong = None if torn or not line.strip() else f"not JSON: {exc.msg}"
-        if wrong:
-            raise UserError(f"{path}:{number} is not a row mlsm logged ({wrong}); fix or remove "
-                            "that line, then resume (the resume would drop it)")
-
-
-def _logged_step(line: str) -> float:
-    """Step of a metrics line; a line torn by a crash counts as after every checkpoint."""
-    try:
-        step = json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
-    return step if isinstance(step, int) else math.inf
+        found["objective.dictionary"] = dictionary_hash(load_dictionary(dictionary))
+    folders = {"objective.targets": getattr(cfg.objective, "targets", None),
+               "objective.teacher": getattr(cfg.objective, "teacher", None),
+               "objective.checkpoint": getattr(cfg.objective, "checkpoint", None),
+               "model.init_from": cfg.model.init_from}
+    for key, folder in folders.items():  # a hub id or an unset option has no files here
+        if isinstance(folder, str) and folder and Path(folder).is_dir():
+            found[key] = folder_fingerprint(folder)
+    return found
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -433,29 +326,20 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 def _checkpoint(run_dir: Path, step: int, cfg: RunConfig, module: TrainModule, tokenizer: Any,
                 optimizers: tuple[torch.optim.Optimizer, torch.amp.GradScaler],
-                save_steps: set[int], info: DistInfo) -> None:
+                info: DistInfo, inputs: dict[str, str]) -> None:
     if info.is_main:
         optimizer, scaler = optimizers
         state = {"step": step, "optimizer": optimizer.state_dict()}
         if scaler.is_enabled():
             state["scaler"] = scaler.state_dict()
-        readiness = step / cfg.train.steps
-        meta = {"step": step, "readiness": readiness, "objective": cfg.objective.name,
-                "run": str(run_dir),
-                "tokens": step * cfg.train.batch_size * cfg.data.max_len,
-                "config": config_to_dict(cfg)}
-        folder = run_dir / "checkpoints" / f"step-{step:07d}"
-        ckpt.save_checkpoint(folder, module, tokenizer, state, meta)
-        _prune(run_dir, cfg)
+        meta = {"step": step, "readiness": step / cfg.train.steps, "objective": cfg.objective.name,
+                "run": str(run_dir), "tokens": step * cfg.train.batch_size * cfg.data.max_len,
+                "config": config_to_dict(cfg), "inputs": inputs}
+        run = RunDir(run_dir)
+        ckpt.save_checkpoint(run.checkpoint_folder(step), module, tokenizer, state, meta)
+        keep = readiness_steps(cfg.train.readiness, cfg.train.steps) | {cfg.train.steps}
+        run.prune(keep, cfg.train.keep_last)
     barrier(info)
-
-
-def _prune(run_dir: Path, cfg: RunConfig) -> None:
-    """Keep readiness checkpoints and the last `keep_last` periodic ones."""
-    keep = readiness_steps(cfg.train.readiness, cfg.train.steps) | {cfg.train.steps}
-    periodic = [(s, f) for s, f in ckpt.list_checkpoints(run_dir) if s not in keep]
-    for _, folder in periodic[: max(0, len(periodic) - cfg.train.keep_last)]:
-        ckpt.remove_checkpoint(folder)
 
 
 def _open_tracker(cfg: RunConfig, run_dir: Path, info: DistInfo,
@@ -481,10 +365,5 @@ def _log(run_dir: Path, step: int, loss: float, lr: float, grad_norm: Any, tps: 
     record.update({k: (v / n).item() for k, v in totals.items()
                    if k not in ("loss_sum", "n_targets", "batch_digest")})
     record.update(extra or {})
-    try:
-        with open(run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-    except OSError as exc:
-        raise UserError(f"cannot append to {run_dir / 'metrics.jsonl'} ({exc.strerror or exc}); "
-                        "free space and rerun with --resume auto") from None
+    RunDir(run_dir).log(record)
     return record

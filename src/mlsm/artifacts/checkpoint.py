@@ -1,0 +1,479 @@
+"""Checkpoints: the one module that writes, verifies and reads a checkpoint folder, and resolves the
+names users give one (``FOLDER``, ``RUN``, ``RUN@50%``, ``RUN@step-N``).
+
+Layout of <run>/checkpoints/step-NNNNNNN/:
+  config.json, model.safetensors     HF weights (what `from_pretrained` loads)
+  tokenizer files                    so the folder is self-contained for fine-tuning
+  heads.safetensors, heads.json      objective heads (latent head, MAE decoder, probe)
+  training_state.pt                  optimizer state (torch.load(weights_only=True))
+  checkpoint.json                    step, readiness, objective, run config and the facts readers
+                                     need (latent_head, pll_refusal); written last = complete
+
+The facts are written at save time by the trainer, which knows its objective, so that no reader
+imports the objectives to understand a folder. Checkpoints written before they were recorded fall
+back once to `legacy_facts`, a function the objectives register here when they are imported (this
+layer never imports them); without it a reader gets the defaults (latent head "latent", no PLL
+refusal) and `facts_from` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.errors import UserError
+from mlsm.fileio import building_dir
+from mlsm.inputs import field_problem, read_json
+
+COMPLETE = "checkpoint.json"
+EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
+DEFAULT_LATENT_HEAD = "latent"
+_FIX = "restore it from a copy of the checkpoint, or pass another intact checkpoints/step-* folder"
+
+# name, objective config, step, total steps -> {"latent_head": str, "pll_refusal": str | None}
+FactsFn = Callable[[Any, dict[str, Any], Any, Any], dict[str, Any]]
+_legacy_facts: list[FactsFn] = []
+
+
+def register_legacy_facts(fn: FactsFn) -> None:
+    """Called by `mlsm.objectives` at import: how to learn the facts of a checkpoint that does not
+    record them (written before they were). The arrow points down: this layer only calls it."""
+    _legacy_facts[:] = [fn]
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint folder whose files are missing, torn or truncated (the reason is the
+    message)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@contextmanager
+def writing(folder: Path, info: dict[str, Any]) -> Iterator[Path]:
+    """Yield a fresh temporary folder to write a checkpoint's files into; when the block ends,
+    `info` is written as checkpoint.json (last: the completion marker) and the folder replaces
+    `folder` atomically. A failed write (disk full: OSError from Python, RuntimeError from
+    torch.save, SafetensorError) is one line; older checkpoints are never touched."""
+    from safetensors import SafetensorError
+
+    try:
+        with building_dir(folder, "tmp") as tmp:
+            yield tmp
+            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
+        raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
+                        "are intact — free space and rerun with --resume auto") from None
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a checkpoint so that a crash midway never leaves a folder that looks complete:
+    rename it out of the step-* namespace first (atomic), then delete."""
+    trash = folder.with_name(f".{folder.name}.del-{os.getpid()}")
+    folder.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Checkpoints with a completion marker, oldest first, as (step, folder). The step is read
+    from the name, so a torn marker still lists its folder (`verify` then reports it)."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for folder in root.glob("step-*") if root.is_dir() else []:
+        if (folder / COMPLETE).is_file() and folder.name[5:].isdigit():
+            found.append((int(folder.name[5:]), folder))
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- verifying
+
+
+def _check_safetensors(path: Path) -> None:
+    """Raise DamagedCheckpoint unless `path` is a whole safetensors file (header + every tensor)."""
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{path.name} is missing")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n)) if 8 + n <= size else None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise DamagedCheckpoint(f"{path.name} has no valid header") from None
+    if 8 + n + end != size:
+        raise DamagedCheckpoint(f"{path.name} is truncated ({size:,} of {8 + n + end:,} bytes)")
+
+
+def verify(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint.json, training state) of a checkpoint after checking every file is whole.
+
+    Raises DamagedCheckpoint for torn/truncated/missing files, UserError for a training state
+    that is not a safe (weights-only) checkpoint."""
+    try:
+        info = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DamagedCheckpoint(f"{COMPLETE} is unreadable: {_one_line(exc)}") from None
+    if (not isinstance(info, dict) or not isinstance(info.get("step"), int)
+            or not isinstance(info.get("config"), dict)):
+        raise DamagedCheckpoint(f"{COMPLETE} lacks step or config")
+    _check_safetensors(folder / "model.safetensors")
+    if (folder / "heads.json").is_file():
+        _check_safetensors(folder / "heads.safetensors")
+    state = read_training_state(folder)
+    if not isinstance(state, dict) or "optimizer" not in state or state.get("step") != info["step"]:
+        raise DamagedCheckpoint("training_state.pt does not hold this checkpoint's "
+                                "step and optimizer")
+    return info, state
+
+
+def read_training_state(folder: Path) -> Any:
+    """training_state.pt, loaded weights-only (a pickle asking for more is one line)."""
+    import pickle
+
+    import torch
+
+    path = folder / "training_state.pt"
+    if not path.is_file():
+        raise DamagedCheckpoint("training_state.pt is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise UserError(f"{path} is not a safe checkpoint (it asks to unpickle objects beyond "
+                            "tensors, which mlsm never runs); delete that checkpoint folder and "
+                            "resume from another") from None
+        raise DamagedCheckpoint(f"training_state.pt is unreadable: {_one_line(exc)}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise DamagedCheckpoint("training_state.pt is truncated or unreadable: "
+                                f"{_one_line(exc)}") from None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else {} (a hand-edited field of the wrong type)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _facts(info: dict[str, Any], objective: Any, objective_cfg: dict[str, Any], step: Any,
+           total: Any) -> tuple[str, str | None, str]:
+    """(latent head, PLL refusal, where they came from): as written, else the legacy fallback,
+    else the defaults."""
+    if isinstance(info.get("latent_head"), str) and "pll_refusal" in info:
+        refusal = info["pll_refusal"]
+        return info["latent_head"], refusal if isinstance(refusal, str) else None, "written"
+    if _legacy_facts and isinstance(objective, str):
+        facts = _legacy_facts[0](objective, objective_cfg, step, total)
+        return facts["latent_head"], facts["pll_refusal"], "legacy"
+    return DEFAULT_LATENT_HEAD, None, "default"
+
+
+@dataclass
+class Checkpoint:
+    """A model folder and what mlsm knows of it. kind: "checkpoint" (checkpoint.json), "export"
+    (`mlsm export`, mlsm.json) or "hf" (any other model folder: every fact None or default)."""
+
+    folder: Path
+    kind: str
+    info: dict[str, Any] = field(repr=False)
+    """The marker file as written (checkpoint.json or mlsm.json; {} for an HF folder)."""
+    step: int | None
+    readiness: float | None
+    objective: str | None
+    """The objective's name ("probe" for a probe checkpoint or an export shipping a probe)."""
+    config: dict[str, Any] = field(repr=False)
+    """The run's resolved config as saved ({} for an HF folder or an export)."""
+    facts_of: tuple[Any, Any, dict[str, Any], Any] = field(default=(None, None, {}, None),
+                                                          repr=False)
+    """(objective naming the latent head, objective deciding the PLL refusal, its config, the
+    run's total steps): what the legacy fallback needs, for a marker without the facts."""
+
+    @cached_property
+    def _head(self) -> tuple[str, str]:
+        head_of, _, objective_cfg, total = self.facts_of
+        head, _, source = _facts(self.info, head_of, objective_cfg, self.step, total)
+        return head, source
+
+    @property
+    def latent_head(self) -> str:
+        """heads.json name of the latent head (the objective declares it)."""
+        return self._head[0]
+
+    @cached_property
+    def pll_refusal(self) -> str | None:
+        """Why this folder cannot be scored word by word through its encoder, or None."""
+        _, refusal_of, objective_cfg, total = self.facts_of
+        return _facts(self.info, refusal_of, objective_cfg, self.step, total)[1]
+
+    @property
+    def facts_from(self) -> str:
+        """"written" (recorded at save time), "legacy" (the objectives' fallback) or
+        "default"."""
+        return self._head[1]
+
+    @classmethod
+    def open(cls, spec: str | os.PathLike) -> Checkpoint:
+        """The checkpoint a spec names: FOLDER, RUN (its final checkpoint), RUN@50%, RUN@step-N,
+        or any HF model folder (or hub id, which has no facts)."""
+        return cls.at(resolve_checkpoint(spec))
+
+    @classmethod
+    def at(cls, folder: str | os.PathLike) -> Checkpoint:
+        """The facts of one folder (no spec resolution)."""
+        folder = Path(folder)
+        if (folder / COMPLETE).is_file():
+            return cls._checkpoint(folder)
+        if (folder / EXPORT_MARKER).is_file():
+            return cls._export(folder)
+        return cls(folder, "hf", {}, None, None, None, {})
+
+    @classmethod
+    def _checkpoint(cls, folder: Path) -> Checkpoint:
+        info = read_json(folder / COMPLETE, "checkpoint file", _FIX,
+                         fields={"step": "int?", "readiness": "number?", "objective": "text?",
+                                 "run": "text?", "latent_head": "text?", "pll_refusal": "text?"})
+        config = _mapping(info.get("config"))
+        objective_cfg = _mapping(config.get("objective"))
+        name = info.get("objective") or objective_cfg.get("name")
+        total = _mapping(config.get("train")).get("steps")
+        name = name if isinstance(name, str) else None
+        return cls(folder, "checkpoint", info, info.get("step"), info.get("readiness"), name,
+                   config, (name, name, objective_cfg, total))
+
+    @classmethod
+    def _export(cls, folder: Path) -> Checkpoint:
+        info = read_json(folder / EXPORT_MARKER, "export marker",
+                         "restore it from a copy of the export, or export the checkpoint again")
+        objective_cfg = _mapping(info.get("objective_config"))
+        name = "probe" if info.get("probe") else info.get("objective")
+        # step and readiness are figures of the card: of the wrong type, they are left out
+        step = info.get("step") if field_problem(info, {"step": "int?"}) is None else None
+        readiness = (info.get("readiness") if field_problem(info, {"readiness": "number?"}) is None
+                     else None)
+        fraction = readiness is not None and 0 < readiness <= 1
+        total = round(step / readiness) if isinstance(step, int) and fraction else None
+        # the heads shipped decide the latent head's name (a probe's, when it ships one); the
+        # export's own objective decides its PLL refusal, even when it ships a probe
+        return cls(folder, "export", info, step, readiness,
+                   name if isinstance(name, str) else None, {},
+                   (name, info.get("objective"), objective_cfg, total))
+
+    # ------------------------------------------------------------------ what readers ask
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.kind == "checkpoint"
+
+    @property
+    def tokens(self) -> int | None:
+        return self.info.get("tokens")
+
+    @property
+    def run(self) -> str | None:
+        """The run directory that wrote it (as recorded)."""
+        run = self.info.get("run")
+        return run if isinstance(run, str) else None
+
+    def section(self, name: str) -> dict[str, Any]:
+        """One group of the run config ("data", "train", "objective", ...); {} when absent."""
+        return _mapping(self.config.get(name))
+
+    @property
+    def store(self) -> str:
+        """The token store the run trained on ("" when none is recorded)."""
+        store = self.section("data").get("store")
+        return store if isinstance(store, str) else ""
+
+    @property
+    def probe_run(self) -> Path:
+        """Where `mlsm probe` puts this checkpoint's probe run: ``<run>/probe-<name>``."""
+        return probe_run_of(self.folder)
+
+    @cached_property
+    def heads_meta(self) -> dict[str, Any] | None:
+        """heads.json (None without one); read once."""
+        path = self.folder / "heads.json"
+        return read_json(path, "heads file", _FIX) if path.is_file() else None
+
+    @cached_property
+    def head_tensors(self) -> dict[str, Any]:
+        """heads.safetensors, loaded once; a missing or damaged file is one line."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.folder / "heads.safetensors"
+        try:
+            return load_file(path)
+        except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+            raise UserError(f"{path} is missing or damaged ({_one_line(exc)}); restore it from a "
+                            "copy or use another checkpoint of the run") from None
+
+    @cached_property
+    def exports_vocab_head(self) -> bool:
+        """Whether the HF model was saved with its vocabulary head (*ForMaskedLM): MTL, MLM and
+        KD checkpoints; a pure MLSM checkpoint saves only the encoder."""
+        path = self.folder / "config.json"
+        if not path.is_file():
+            return False
+        archs = read_json(path, "model config", "restore the model folder's config.json",
+                          fields={"architectures": "list?"}).get("architectures") or []
+        return any(str(a).endswith(("ForMaskedLM", "ForPreTraining")) for a in archs)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """The folder's content fingerprint (`mlsm.artifacts.fingerprint.folder_fingerprint`)."""
+        return folder_fingerprint(self.folder)
+
+    def require_pll(self) -> None:
+        """Refuse, in one line, a folder that cannot be scored word by word through its encoder
+        (MAE-LM, MAE-MLSM, CLM, CLM -> MLM before its MLM phase, a probe of one)."""
+        if self.pll_refusal:
+            raise UserError(f"{self.folder} is a {self.objective} checkpoint: {self.pll_refusal}; "
+                            f"evaluate it by fine-tuning: mlsm finetune {self.folder} "
+                            "--tasks TASKS")
+
+
+def probe_run_of(checkpoint: str | os.PathLike) -> Path:
+    """Where `mlsm probe CHECKPOINT` puts its run by default: ``<run>/probe-<checkpoint name>``."""
+    folder = Path(checkpoint)
+    return folder.parent.parent / f"probe-{folder.name}"
+
+
+# ----------------------------------------------------------------------------- run specs
+
+_SUFFIX = re.compile(r"(?:(?P<pct>\d+(?:\.\d+)?)%|step-(?P<step>\d+))")
+SYNTAX = "RUN, RUN@<percent>% (e.g. @50%) or RUN@step-<N> (e.g. @step-100)"
+
+
+def readiness_step(fraction: float, total_steps: int) -> int:
+    """The step at which a run of `total_steps` keeps its readiness-`fraction` checkpoint (the one
+    rounding the training loop, `RUN@50%`, `--readiness all` and studies share)."""
+    return max(1, round(fraction * total_steps))
+
+
+def readiness_steps(fractions: list[float] | tuple[float, ...], total_steps: int) -> set[int]:
+    """The steps of every readiness checkpoint of a run."""
+    return {readiness_step(f, total_steps) for f in fractions}
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """One complete checkpoint of a run."""
+
+    step: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run directory: its complete checkpoints (oldest first), planned steps and readiness
+    list."""
+
+    path: Path
+    checkpoints: tuple[RunCheckpoint, ...]
+    total_steps: int
+    readiness: tuple[float, ...]
+
+    def at_step(self, step: int) -> RunCheckpoint | None:
+        return next((c for c in self.checkpoints if c.step == step), None)
+
+    def readiness_step(self, fraction: float) -> int:
+        """The step the training loop saves for readiness ``fraction``."""
+        return readiness_step(fraction, self.total_steps)
+
+    def describe(self) -> str:
+        """``step-20 (10%), step-200 (100%)``: what exists, for error messages."""
+        return ", ".join(f"step-{c.step} ({100 * c.step / self.total_steps:g}%)"
+                         for c in self.checkpoints) or "none"
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """True for a directory with a ``checkpoints/`` folder (what `pretrain` writes)."""
+    return (Path(path) / "checkpoints").is_dir()
+
+
+# what open_run reads of each checkpoint.json (a hand-edited one is named, not a traceback)
+_MARKER_FIELDS = {"step": "int", "readiness": "number?", "config.train.steps": "int?",
+                  "config.train.readiness": "numbers?"}
+_FIX_MARKER = "restore it from a copy, or delete that checkpoint folder to use the others"
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    """Read a run directory's complete checkpoints; UserError when it has none."""
+    root = Path(path)
+    found, total, readiness = [], 0, (1.0,)
+    for folder in sorted((root / "checkpoints").glob("step-*")):
+        marker = folder / COMPLETE
+        if not marker.is_file():
+            continue  # being written, or killed while writing: not a checkpoint
+        info = read_json(marker, "checkpoint file", _FIX_MARKER, fields=_MARKER_FIELDS)
+        found.append(RunCheckpoint(info["step"], folder))
+        train = (info.get("config") or {}).get("train") or {}
+        if not train.get("steps") and not info.get("readiness"):
+            raise UserError(f"checkpoint file {marker} names neither config.train.steps nor "
+                            f"readiness, so the run's length is unknown; {_FIX_MARKER}")
+        total = int(train.get("steps") or round(info["step"] / info["readiness"]))
+        readiness = tuple(float(r) for r in train.get("readiness") or readiness)
+    if not found:
+        raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
+                        "yet; train it (mlsm pretrain) or pass a checkpoint folder")
+    return Run(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
+
+
+def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
+    """``"runs/x@50%"`` -> (Path("runs/x"), "50%"); a spec that exists as a path has no suffix."""
+    text = str(spec)
+    if "@" not in text or Path(text).exists():
+        return Path(text), ""
+    base, _, suffix = text.rpartition("@")
+    return Path(base), suffix
+
+
+def _final(run: Run) -> RunCheckpoint:
+    last = run.checkpoints[-1]
+    if last.step < run.total_steps:
+        raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
+                        f"step-{last.step} of {run.total_steps} steps); pass "
+                        f"{run.path}@step-{last.step} to use it, or finish "
+                        "it with mlsm pretrain --resume auto")
+    return last
+
+
+def resolve_checkpoint(spec: str | os.PathLike) -> Path:
+    """The checkpoint folder a spec names (see the module doc); other paths come back unchanged."""
+    base, suffix = split_spec(spec)
+    if not suffix:
+        return _final(open_run(base)).path if is_run_dir(base) else base
+    if not is_run_dir(base):
+        raise UserError(f"{spec}: {base} is not a run directory (no checkpoints/ folder); "
+                        f"the @ suffix selects a checkpoint of a run: {SYNTAX}")
+    match = _SUFFIX.fullmatch(suffix)
+    if match is None:
+        raise UserError(f"{spec}: unknown suffix @{suffix}; use {SYNTAX}")
+    run = open_run(base)
+    if match["step"] is not None:
+        step, what = int(match["step"]), f"step {int(match['step'])}"
+    else:
+        step = run.readiness_step(float(match["pct"]) / 100)
+        what = f"{match['pct']}% readiness (step {step})"
+    found = run.at_step(step)
+    if found is None:
+        raise UserError(f"{spec}: the run has no checkpoint at {what}; it has {run.describe()}")
+    return found.path

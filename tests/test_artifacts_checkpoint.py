@@ -1,0 +1,166 @@
+"""The artifacts layer's checkpoint and run folder (mlsm.artifacts.checkpoint, .rundir).
+
+- `Checkpoint.open` reads every spec form (FOLDER, RUN, RUN@50%, RUN@step-N, an HF folder);
+- the facts readers need (latent head, PLL refusal) are written at save time and read back by a
+  process that never imports the objectives; a checkpoint written before they were falls back once;
+- `--resume` refuses a token store or dictionary rebuilt in place with other content, and a run
+  written before fingerprints were recorded resumes with one note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
+from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.errors import UserError
+from mlsm.run_config import load_config
+from mlsm.train.loop import pretrain
+
+from .conftest import make_text, tiny_overrides
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _run(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
+    return pretrain(load_config(None, tiny_overrides(store, out, **extra)), resume=resume)
+
+
+@pytest.fixture(scope="module")
+def mlm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step MLM run: readiness checkpoints at steps 1, 2 and 4."""
+    return _run(store_dir, tmp_path_factory.mktemp("art") / "mlm", **{"train.steps": 4})
+
+
+@pytest.fixture(scope="module")
+def clm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step CLM run: an objective that refuses PLL scoring."""
+    return _run(store_dir, tmp_path_factory.mktemp("art") / "clm",
+                **{"train.steps": 2, "objective.name": "clm", "train.readiness": "[1.0]"})
+
+
+def test_open_reads_every_spec_form(mlm_run: Path, tmp_path: Path) -> None:
+    final = Checkpoint.open(mlm_run)
+    assert (final.kind, final.step, final.readiness, final.objective) == ("checkpoint", 4, 1.0,
+                                                                          "mlm")
+    assert final.folder == mlm_run / "checkpoints" / "step-0000004"
+    assert final.config["train"]["steps"] == 4 and final.store == final.config["data"]["store"]
+    assert (final.latent_head, final.pll_refusal, final.facts_from) == ("latent", None, "written")
+    assert final.tokens == 4 * final.config["train"]["batch_size"] * final.config["data"]["max_len"]
+    assert final.fingerprint == folder_fingerprint(final.folder)
+    assert final.probe_run == mlm_run / "probe-step-0000004"
+    assert Checkpoint.open(f"{mlm_run}@50%").step == 2
+    assert Checkpoint.open(f"{mlm_run}@step-1").step == 1
+    assert Checkpoint.open(final.folder).info == final.info
+    # an HF folder (no checkpoint.json): no facts, the defaults, and the same weights' fingerprint
+    hf = tmp_path / "hf"
+    shutil.copytree(final.folder, hf, ignore=shutil.ignore_patterns(COMPLETE))
+    plain = Checkpoint.open(hf)
+    assert (plain.kind, plain.step, plain.objective, plain.config) == ("hf", None, None, {})
+    assert plain.fingerprint != final.fingerprint  # checkpoint.json is one of its files
+    with pytest.raises(UserError, match="no checkpoint at step 3"):
+        Checkpoint.open(f"{mlm_run}@step-3")
+
+
+_READ_ALONE = """
+import json, sys
+from mlsm.artifacts.checkpoint import Checkpoint
+ck = Checkpoint.open(sys.argv[1])
+print(json.dumps({"head": ck.latent_head, "refusal": ck.pll_refusal, "from": ck.facts_from,
+                  "loaded": sorted(m for m in sys.modules if m.startswith(("mlsm.objectives",
+                                                                            "mlsm.config")))}))
+"""
+
+
+def _read_alone(spec: str | Path) -> dict:
+    """Open a checkpoint in a fresh process that imports only the artifacts layer."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", _READ_ALONE, str(spec)], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def test_facts_are_written_at_save_time_and_read_without_objectives(clm_run: Path) -> None:
+    from mlsm.objectives import objective_class
+
+    ck = Checkpoint.open(clm_run)
+    declared = objective_class("clm").pll_refusal_at(ck.config["objective"], 2, 2)
+    assert declared and ck.info["pll_refusal"] == declared  # in checkpoint.json itself
+    alone = _read_alone(clm_run)
+    assert alone == {"head": "latent", "refusal": declared, "from": "written", "loaded": []}
+
+
+def test_a_checkpoint_without_the_facts_falls_back_once(clm_run: Path, tmp_path: Path) -> None:
+    from mlsm.evaluate.probe import load_scorer
+    from mlsm.objectives import objective_class
+
+    old = tmp_path / "old"
+    shutil.copytree(Checkpoint.open(clm_run).folder, old)
+    info = json.loads((old / COMPLETE).read_text())
+    for key in ("latent_head", "pll_refusal"):
+        del info[key]
+    (old / COMPLETE).write_text(json.dumps(info))
+    ck = Checkpoint.open(old)
+    declared = objective_class("clm").pll_refusal_at(ck.config["objective"], 2, 2)
+    assert (ck.facts_from, ck.pll_refusal, ck.latent_head) == ("legacy", declared, "latent")
+    with pytest.raises(UserError, match="is a clm checkpoint: it learnt under a causal mask"):
+        load_scorer(old)  # still refused, as before the facts were written
+    # a process that never imported the objectives cannot know them: it says so
+    assert _read_alone(old)["from"] == "default"
+
+
+def _store(corpus: Path, tokenizer_dir: Path, out: Path, seed: int,
+           overwrite: bool = False) -> Path:
+    from mlsm.data.corpus import prepare_corpus
+
+    corpus.mkdir(exist_ok=True)
+    (corpus / "a.txt").write_text("\n\n".join(make_text(30, seed=seed)) + "\n")
+    prepare_corpus(str(corpus), str(tokenizer_dir), out, overwrite=overwrite)
+    return out
+
+
+def test_resume_refuses_a_store_rebuilt_in_place(tokenizer_dir: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    store = _store(tmp_path / "corpus", tokenizer_dir, tmp_path / "store", seed=11)
+    run = _run(store, tmp_path / "run", **{"train.steps": 2, "train.readiness": "[1.0]"})
+    _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})  # same: ok
+    _store(tmp_path / "corpus", tokenizer_dir, store, seed=12, overwrite=True)  # other text
+    with pytest.raises(UserError, match=r"data\.store: .*another train\.out"):
+        _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
+    # a run written before fingerprints were recorded resumes as before, with one note
+    for path in (run / "run.json", Checkpoint.open(run).folder / COMPLETE):
+        data = json.loads(path.read_text())
+        del data["inputs"]
+        path.write_text(json.dumps(data))
+    capsys.readouterr()
+    _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
+    assert "records no fingerprints of its inputs" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_dictionary_relearned_in_place(mlm_run: Path, store_dir: Path,
+                                                        tmp_path: Path) -> None:
+    from mlsm.teacher.dictionary import Dictionary, save_dictionary
+
+    def dictionary(seed: int) -> None:
+        atoms = torch.randn(32, 16, generator=torch.Generator().manual_seed(seed))  # (d, k)
+        save_dictionary(Dictionary(atoms / atoms.norm(dim=0), {"layer": 1, "lam": 0.05}),
+                        tmp_path / "dict.safetensors")
+
+    dictionary(0)
+    extra = {"train.steps": 2, "train.readiness": "[1.0]", "objective.name": "mlsm",
+             "objective.teacher": str(Checkpoint.open(mlm_run).folder),
+             "objective.dictionary": str(tmp_path / "dict.safetensors")}
+    run = _run(store_dir, tmp_path / "run", **extra)
+    assert Checkpoint.open(run).latent_head == "latent"
+    dictionary(1)  # re-learned: other atoms at the same path
+    with pytest.raises(UserError, match=r"objective\.dictionary: .*another train\.out"):
+        _run(store_dir, run, resume="auto", **extra)
