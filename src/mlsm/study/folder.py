@@ -22,6 +22,7 @@ from typing import Any
 from mlsm import locking
 from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl
+from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.defaults import LAM, TEACHER_LAYER
 from mlsm.errors import UserError
@@ -84,7 +85,7 @@ class Study:
 
     def checkpoint(self, arm: str, frac: float) -> Path:
         step = readiness_step(frac, self.steps(arm))
-        return self.run_dir(arm) / "checkpoints" / f"step-{step:07d}"
+        return RunDir(self.run_dir(arm)).checkpoint_folder(step)
 
     def probe_dir(self, arm: str, frac: float) -> Path:
         return self.run_dir(arm) / f"probe-{readiness_label(frac).rstrip('%')}"
