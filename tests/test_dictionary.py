@@ -295,3 +295,26 @@ def test_documents_sampling_reads_the_store_in_order_as_the_official_script(tiny
     assert not torch.equal(X, ref[:n])  # shuffled, as the official script permutes them
     with pytest.raises(UserError, match="lower --n-vectors or use --sampling windows"):
         collect_vectors(teacher, store, ref.shape[0] + 1, max_len=16, sampling="documents")
+
+
+def test_a_config_and_keywords_learn_the_same_and_every_setting_reaches_the_learner(tiny):
+    """learn_dictionary(store, teacher, DictionaryConfig(...)) is the keyword call; every setting
+    is used: the meta records them, and forget changes the atoms."""
+    from mlsm.dictionary_config import DictionaryConfig
+
+    teacher = load_teacher(tiny / "teacher", layer=2)
+    store = TokenStore.open(tiny / "store")
+    settings = {"k": 10, "lam": 0.1, "n_vectors": 240, "max_len": 12, "batch_size": 40,
+                "n_iter": 9, "forget": 2.0, "eval_vectors": 50, "seed": 3, "sampling": "windows"}
+    by_config = learn_dictionary(store, teacher, DictionaryConfig(**settings))
+    by_keywords = learn_dictionary(store, teacher, **settings)
+    torch.testing.assert_close(by_config.atoms, by_keywords.atoms)
+    meta = by_config.meta
+    assert {key: meta[key] for key in ("k", "lam", "max_len", "batch_size", "n_iter", "seed",
+                                       "sampling")} == {
+        key: settings[key] for key in ("k", "lam", "max_len", "batch_size", "n_iter", "seed",
+                                       "sampling")}
+    assert (meta["n"], meta["n_eval"]) == (240, 50)
+    # keywords override the config's
+    less = learn_dictionary(store, teacher, DictionaryConfig(**settings), forget=1.0)
+    assert not torch.equal(less.atoms, by_config.atoms)

@@ -207,10 +207,12 @@ def test_readme_lists_every_objective() -> None:
 def test_dictionary_options_table_matches_function_and_verb() -> None:
     import inspect
 
+    from mlsm.dictionary_config import DictionaryConfig
     from mlsm.teacher.dictionary import learn_dictionary
     from mlsm.teacher.teacher import load_teacher
 
-    params = {*inspect.signature(learn_dictionary).parameters,
+    params = {*inspect.signature(learn_dictionary).parameters,  # store, teacher, config, out
+              *(f.name for f in dataclasses.fields(DictionaryConfig)),  # its **settings
               *inspect.signature(load_teacher).parameters}  # layer, device: the teacher's
     flags = {s for a in _verbs()["dictionary"]._actions for s in a.option_strings}
     text = (ROOT / "docs" / "dictionary.md").read_text()

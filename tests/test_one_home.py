@@ -127,14 +127,17 @@ def test_dictionary_defaults_have_one_home() -> None:
 
     from mlsm import defaults
     from mlsm.cli import build_parser
-    from mlsm.teacher.dictionary import Dictionary, learn_atoms, learn_dictionary
+    from mlsm.dataclass_flags import flag_values
+    from mlsm.dictionary_config import DictionaryConfig
+    from mlsm.teacher.dictionary import Dictionary, learn_atoms
 
     parser, _ = build_parser()
     args = parser.parse_args(["dictionary", "--store", "S", "--out", str(Path("d.safetensors"))])
-    assert (args.layer, args.lam, args.k) == (defaults.TEACHER_LAYER, defaults.LAM, None)
+    settings = DictionaryConfig.build(flag_values(args, DictionaryConfig))  # flags not given
+    assert (args.layer, settings.lam, settings.k) == (defaults.TEACHER_LAYER, defaults.LAM, None)
     assert inspect.signature(load_teacher).parameters["layer"].default == defaults.TEACHER_LAYER
-    for fn in (learn_atoms, learn_dictionary):
-        assert inspect.signature(fn).parameters["lam"].default == defaults.LAM
+    assert inspect.signature(learn_atoms).parameters["lam"].default == defaults.LAM
+    assert DictionaryConfig().lam == defaults.LAM  # learn_dictionary's settings
     assert Dictionary(torch.zeros(4, 16), {"lam": 0.1}).layer == defaults.TEACHER_LAYER
     assert defaults.default_k(768) == 3072
 

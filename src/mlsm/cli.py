@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from mlsm.artifacts.outputs import guard_output, report_kind, writing, writing_file
 from mlsm.config import INT_LIMIT
-from mlsm.defaults import ATOMS_PER_DIM, LAM, SAMPLINGS, TEACHER_LAYER, lam_range
+from mlsm.defaults import TEACHER_LAYER, lam_range
 from mlsm.errors import Incomplete, UserError
 from mlsm.inputs import check_apart
 from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
@@ -368,6 +368,8 @@ def _rank_into(a: argparse.Namespace, sentences: list[str]) -> None:
 
 def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import TokenStore
+    from mlsm.dataclass_flags import flag_values
+    from mlsm.dictionary_config import DictionaryConfig
     from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
     from mlsm.teacher.teacher import load_teacher
 
@@ -375,9 +377,7 @@ def _dictionary(a: argparse.Namespace) -> None:
     check_dictionary_out(a.out)  # before minutes of work
     d = learn_dictionary(TokenStore.open(a.store),
                          load_teacher(a.teacher, a.layer, device=a.device),
-                         k=a.k, lam=a.lam, n_vectors=a.n_vectors, max_len=a.max_len,
-                         batch_size=a.batch_size, n_iter=a.n_iter, seed=a.seed, out=a.out,
-                         sampling=a.sampling)
+                         out=a.out, **flag_values(a, DictionaryConfig))
     print(f"dictionary d={d.d} k={d.k} objective "
           f"{d.meta.get('objective', float('nan')):.5f} -> {a.out}")
 
@@ -709,6 +709,9 @@ def _add_rank(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
+    from mlsm.dataclass_flags import add_dataclass_flags
+    from mlsm.dictionary_config import DictionaryConfig
+
     p = sub.add_parser("dictionary",
                        help="learn the MLSM dictionary on teacher states of a token store")
     p.add_argument("--store", required=True,
@@ -718,20 +721,8 @@ def _add_dictionary(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--layer", type=non_negative_int, default=TEACHER_LAYER,
                    help=f"teacher layer, HF hidden_states numbering (0 = embeddings; "
                    f"default {TEACHER_LAYER})")
-    p.add_argument("--k", type=positive_int, default=None,
-                   help=f"number of atoms (default: {ATOMS_PER_DIM} x hidden size)")
-    p.add_argument("--lam", type=lam_value, default=LAM,
-                   help=f"lambda of the l1 penalty (default {LAM})")
-    p.add_argument("--n-vectors", type=positive_int, default=2_000_000,
-                   help="teacher states to collect")
-    p.add_argument("--max-len", type=positive_int, default=128)
-    p.add_argument("--batch-size", type=positive_int, default=512)
-    p.add_argument("--n-iter", type=positive_int, default=None,
-                   help="mini-batches (default: one pass)")
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--sampling", choices=SAMPLINGS, default="windows",
-                   help="windows: at random token positions (default); documents: each document "
-                   "of 5+ words from its start, in store order, as the official train_dict.py")
+    # every learning setting: generated from DictionaryConfig (its docstrings, defaults, ranges)
+    add_dataclass_flags(p, DictionaryConfig)
     p.add_argument("--device", default="cpu", type=device)
     p.add_argument("--out", required=True, type=out_file,
                    help="PATH.safetensors (meta goes to PATH.json)")

@@ -24,7 +24,7 @@ from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision, merge
-from mlsm.defaults import LAM, TEACHER_LAYER
+from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
@@ -67,8 +67,9 @@ class Study:
         if not d:
             return None
         teacher = (self.spec.dictionary.teacher or "minilm").rstrip("/").replace("/", "_")
-        layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", LAM)
-        name = f"{teacher}_l{layer}_k{d.get('k', 0)}_lam{lam:g}"
+        group = self.spec.dictionary  # the arm's k and lam, else the study's (arm_dictionary)
+        layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", group.lam)
+        name = f"{teacher}_l{layer}_k{d.get('k', group.k or 0)}_lam{lam:g}"
         return self.root / "dictionaries" / f"{name}.safetensors"
 
     def targets_path(self, arm: str) -> Path | None:

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import differences
-from mlsm.defaults import LAM, TEACHER_LAYER, default_k
+from mlsm.defaults import TEACHER_LAYER, default_k
 from mlsm.errors import UserError
 from mlsm.run_config import config_from_dict
 from mlsm.study import reuse
 from mlsm.study.folder import Study, check_same_config, fingerprint_of, pretrain_done
-from mlsm.study.spec import arm_base, check_arm_dictionary
+from mlsm.study.spec import arm_base, arm_dictionary, check_arm_dictionary
 
 
 def started(study: Study, arm: str) -> bool:
@@ -100,11 +100,10 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
         return "skipped"
     d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
     teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)))
-    check_arm_dictionary(arm, d, ds.n_vectors, default_k(teacher.hidden_size))
+    check_arm_dictionary(arm, d, ds.n_vectors, ds.k or default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
-    learn_dictionary(TokenStore.open(study.store), teacher, k=d.get("k") or None,
-                     lam=float(d.get("lam", LAM)),
-                     n_vectors=ds.n_vectors, max_len=ds.max_len, seed=ds.seed, out=path)
+    learn_dictionary(TokenStore.open(study.store), teacher, arm_dictionary(study.spec, arm),
+                     out=path)
     return None
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
 from mlsm.config import config_to_dict
-from mlsm.defaults import LAM, TEACHER_LAYER
+from mlsm.defaults import TEACHER_LAYER
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
-from mlsm.study.spec import readiness_label
+from mlsm.study.spec import arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
 """Fingerprints of files and folders by (path, size and mtime of each file): a checkpoint is
@@ -82,10 +82,14 @@ def store_inputs(study: Study) -> dict[str, Any]:
 def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
     """What the dictionary stage's result depends on besides the store (its file's name holds
     teacher, layer, k and lam; n_vectors, max_len and seed are only here)."""
-    d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
-    return {"teacher": ds.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
-            "k": d.get("k") or None, "lam": float(d.get("lam", LAM)), "n_vectors": ds.n_vectors,
-            "max_len": ds.max_len, "seed": ds.seed}
+    d, c = study.spec.arms[arm].dictionary, arm_dictionary(study.spec, arm)
+    # the settings a study could set before all of DictionaryConfig was its group, always; the
+    # others only when not at their default, so the fingerprints of older studies stay the same
+    later = {key: value for key, value in c.given().items()
+             if key not in ("k", "lam", "n_vectors", "max_len", "seed")}
+    return {"teacher": study.spec.dictionary.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
+            "k": c.k, "lam": float(c.lam), "n_vectors": c.n_vectors, "max_len": c.max_len,
+            "seed": c.seed, **later}
 
 
 def dictionary_inputs(study: Study, arm: str) -> dict[str, Any]:

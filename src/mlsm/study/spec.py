@@ -17,6 +17,7 @@ from typing import Any, Literal
 from mlsm.config import Check, build_dataclass, merge
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
+from mlsm.dictionary_config import DictionaryConfig, dictionary_config, same_field
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune_config import FinetuneConfig
 from mlsm.evaluate.readouts import ReadoutSpec
@@ -37,16 +38,16 @@ class CorpusSpec:
 
 
 @dataclass
-class DictionarySpec:
-    teacher: str = ""
-    """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
-    n_vectors: int = 200_000
+class DictionarySpec(DictionaryConfig):
+    """A study's `dictionary:` group: every `DictionaryConfig` setting (declared there once, as
+    `mlsm dictionary` takes it; k and lam here are the defaults of arms whose own `dictionary`
+    gives none), a smaller n_vectors default, and the teacher."""
+
+    n_vectors: int = same_field("n_vectors", 200_000)
     """Teacher states the dictionary is learned on (the official `train_dict.py` collects 1,000,000;
     see the study notes)."""
-    max_len: int = 128
-    """Sequence length when collecting teacher states."""
-    seed: int = 0
-    """Seed of the state sample and of the atom initialisation."""
+    teacher: str = ""
+    """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
 
 
 @dataclass
@@ -210,7 +211,6 @@ STUDY_CHECKS: dict[str, Check] = {
     "study.readiness": _FRACTIONS,
     "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
                     "distinct whole numbers 0 or more"),
-    "dictionary.n_vectors": _POS, "dictionary.max_len": (lambda v: v >= 4, "at least 4"),
     "probe.steps": _POS, "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
     "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
     "probe.heldout_batches": _POS, "probe.batch_size": _POS,
@@ -285,7 +285,8 @@ def _validate(spec: StudySpec) -> None:
                             "valid keys: layer, k, lam, targets")
         if not isinstance(arm.dictionary.get("targets", False), bool):
             raise UserError(f"arms.{name}.dictionary.targets must be true or false")
-        check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors)
+        check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors,
+                             (spec.dictionary.k or 0) if arm.dictionary else 0)
     for key, fracs in (("finetune.readiness", spec.finetune.readiness),
                        ("blimp.readiness", spec.blimp.readiness)):
         extra = [f for f in fracs if f not in spec.readiness]
@@ -426,3 +427,11 @@ def relative_to(spec: StudySpec, folder: Path) -> StudySpec:
 def readiness_label(frac: float) -> str:
     """0.25 -> '25%' (how arms@readiness are named in results and plots)."""
     return f"{100 * frac:g}%"
+
+
+def arm_dictionary(spec: StudySpec, arm: str) -> DictionaryConfig:
+    """The settings the arm's dictionary is learned with: the study's `dictionary` group, with
+    the arm's own `dictionary.k` / `dictionary.lam` on top where it gives them."""
+    d = spec.arms[arm].dictionary
+    own = {key: d[key] for key in ("k", "lam") if d.get(key)}
+    return dictionary_config(spec.dictionary, own, f"arms.{arm}.dictionary")

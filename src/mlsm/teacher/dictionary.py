@@ -19,6 +19,7 @@ The x_i are ℓ2-normalised layer-l teacher states of non-special tokens of a to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -38,6 +39,7 @@ from threadpoolctl import ThreadpoolController
 from mlsm import locking
 from mlsm.artifacts.outputs import guard_output_file
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k, lam_range
+from mlsm.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
@@ -104,18 +106,13 @@ def _check_options(k: int, lam: float) -> None:
         raise UserError(f"lambda must be {lam_text}, got {lam}; use e.g. --lam {LAM}")
 
 
-def _check_sizes(k: int, n_vectors: int, max_len: int, batch_size: int, n_iter: int | None) -> None:
-    """Refuse sizes that would learn nonsense (more atoms than vectors) or fail after the slow
-    collection of teacher states, before that collection starts."""
-    if n_vectors < k:
-        raise UserError(f"--n-vectors {n_vectors} is fewer than the {k} atoms to learn (--k); "
+def _check_sizes(c: DictionaryConfig) -> None:
+    """Refuse more atoms than vectors (it would learn nonsense) before the slow collection of
+    teacher states starts; each setting's own range is checked beside its field."""
+    if c.k is not None and c.n_vectors < c.k:
+        raise UserError(f"--n-vectors {c.n_vectors} is fewer than the {c.k} atoms to learn (--k); "
                         "collect at least k vectors (a dictionary is usually learned on >= 100 x "
                         "k), or lower --k")
-    if batch_size < 1 or (n_iter is not None and n_iter < 1):
-        raise UserError(f"--batch-size and --n-iter must be positive (got {batch_size}, {n_iter})")
-    if max_len < 3:
-        raise UserError(f"--max-len {max_len} leaves no room for tokens next to the teacher's two "
-                        "special tokens; use >= 3")
 
 
 def check_vector_memory(n_vectors: int, d: int) -> None:
@@ -359,17 +356,17 @@ def dictionary_objective(X: torch.Tensor, D: torch.Tensor, lam: float,
     return total / max(1, X.shape[0])
 
 
-def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam: float = LAM,
-                     n_vectors: int = 2_000_000, max_len: int = 128, batch_size: int = 512,
-                     n_iter: int | None = None, forget: float = 1.0, eval_vectors: int = 20_000,
-                     seed: int = 0, out: str | Path | None = None,
-                     sampling: str = "windows") -> Dictionary:
-    """Collect n_vectors teacher states from a token store and learn a dictionary on them.
+def learn_dictionary(store: Any, teacher: Teacher, config: DictionaryConfig | None = None, *,
+                     out: str | Path | None = None, **settings: Any) -> Dictionary:
+    """Collect `n_vectors` teacher states from a token store and learn a dictionary on them.
 
-    k defaults to 4 × the teacher's hidden size. The final objective is the mean over up to
-    eval_vectors of the collected vectors. When `out` is given the result is saved there.
-    `sampling`: how the states are drawn (`collect_vectors`).
+    The settings are `config`'s (a `DictionaryConfig`, default: its defaults) with the keyword
+    `settings` on top (k, lam, n_vectors, max_len, batch_size, n_iter, forget, eval_vectors,
+    seed, sampling: each documented beside its field there). k defaults to 4 × the teacher's
+    hidden size; the final objective is the mean over up to eval_vectors of the collected
+    vectors. When `out` is given the result is saved there.
     """
+    c = dictionary_config(config, settings)
     if isinstance(store, str | Path):  # a path is opened (and checked) here
         from mlsm.data.corpus import TokenStore
 
@@ -377,34 +374,31 @@ def learn_dictionary(store: Any, teacher: Teacher, *, k: int | None = None, lam:
     if not isinstance(teacher, Teacher):
         raise UserError(f"learn_dictionary() takes a Teacher, got a {type(teacher).__name__}; "
                         "load one with mlsm.load_teacher(PATH, layer)")
-    k = default_k(teacher.hidden_size) if k is None else k
-    _check_options(k, lam)
-    _check_sizes(k, n_vectors, max_len, batch_size, n_iter)
-    check_vector_memory(n_vectors, teacher.hidden_size)
+    c = dataclasses.replace(c, k=default_k(teacher.hidden_size) if c.k is None else c.k)
+    _check_sizes(c)
+    check_vector_memory(c.n_vectors, teacher.hidden_size)
     if out is None:
-        return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
-                      eval_vectors, seed, None, sampling)
+        return _learn(store, teacher, c, None)
     check_dictionary_out(out)
     # one writer: two at once left the atoms of one beside the meta of the other
     with locking.hold(_paths(out)[0], "dictionary"):
-        return _learn(store, teacher, k, lam, n_vectors, max_len, batch_size, n_iter, forget,
-                      eval_vectors, seed, out, sampling)
+        return _learn(store, teacher, c, out)
 
 
-def _learn(store: Any, teacher: Teacher, k: int, lam: float, n_vectors: int, max_len: int,
-           batch_size: int, n_iter: int | None, forget: float, eval_vectors: int, seed: int,
-           out: str | Path | None, sampling: str = "windows") -> Dictionary:
-    X = collect_vectors(teacher, store, n_vectors, max_len=max_len, seed=seed,
-                        sampling=sampling).to(teacher.device)
+def _learn(store: Any, teacher: Teacher, c: DictionaryConfig,
+           out: str | Path | None) -> Dictionary:
+    X = collect_vectors(teacher, store, c.n_vectors, max_len=c.max_len, seed=c.seed,
+                        sampling=c.sampling).to(teacher.device)
     start = time.perf_counter()
-    D = learn_atoms(X, k, lam, n_iter=n_iter, batch_size=batch_size, forget=forget, seed=seed)
+    D = learn_atoms(X, c.k, c.lam, n_iter=c.n_iter, batch_size=c.batch_size, forget=c.forget,
+                    seed=c.seed)
     seconds = time.perf_counter() - start
-    eval_gen = torch.Generator().manual_seed(seed + 1)
-    sample = X[torch.randperm(X.shape[0], generator=eval_gen)[:eval_vectors]]
-    meta = _meta(teacher, store, k=k, lam=lam, n=X.shape[0], max_len=max_len, batch_size=batch_size,
-                 n_iter=n_iter or math.ceil(X.shape[0] / batch_size), seed=seed, seconds=seconds,
-                 objective=dictionary_objective(sample, D, lam), n_eval=sample.shape[0],
-                 sampling=sampling)
+    eval_gen = torch.Generator().manual_seed(c.seed + 1)
+    sample = X[torch.randperm(X.shape[0], generator=eval_gen)[:c.eval_vectors]]
+    meta = _meta(teacher, store, k=c.k, lam=c.lam, n=X.shape[0], max_len=c.max_len,
+                 batch_size=c.batch_size, n_iter=c.n_iter or math.ceil(X.shape[0] / c.batch_size),
+                 seed=c.seed, seconds=seconds, objective=dictionary_objective(sample, D, c.lam),
+                 n_eval=sample.shape[0], sampling=c.sampling)
     result = Dictionary(D.cpu(), meta)
     if out is not None:
         save_dictionary(result, out)

@@ -1,0 +1,95 @@
+"""The settings of dictionary learning, declared once.
+
+`DictionaryConfig` is the one declaration: the flags of `mlsm dictionary` are generated from its
+fields (`mlsm.dataclass_flags`), `learn_dictionary(store, teacher, config, **settings)` takes it,
+and a study's `dictionary:` group (`mlsm.study.spec.DictionarySpec`) is a subclass that adds the
+study's teacher and its own smaller `n_vectors` default. Each field's range sits beside it
+(`metadata["check"]`, read by `build_dataclass` and by the flag parser). The teacher and its layer
+are not here: they are `load_teacher`'s, and `learn_dictionary` takes the loaded teacher.
+
+Imports no torch (it sits below `mlsm.teacher`, whose package imports torch): the CLI builds its
+parser from it before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlsm.config import INT_LIMIT, build_dataclass, ranged
+from mlsm.defaults import LAM, SAMPLINGS, lam_range
+from mlsm.errors import UserError
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
+
+
+_POSITIVE_INT = (lambda v: _whole(v) and v > 0, "a positive whole number")
+_OPTIONAL_POSITIVE = (lambda v: v is None or (_whole(v) and v > 0),
+                      "a positive whole number (null: the default)")
+
+
+@dataclass
+class DictionaryConfig:
+    """How a dictionary is learned from a teacher's states (Berend 2023; docs/dictionary.md)."""
+
+    k: int | None = field(default=None, metadata={"check": _OPTIONAL_POSITIVE, "metavar": "K"})
+    """Number of atoms (none: 4 × the teacher's hidden size, 1536 for MiniLM)."""
+    lam: float = ranged(LAM, lam_range())
+    """λ of the ℓ1 penalty; larger = sparser codes (Berend 2023 uses 0.05)."""
+    n_vectors: int = ranged(2_000_000, _POSITIVE_INT)
+    """Teacher states collected from the store (paper scale); memory n × d × 4 bytes."""
+    max_len: int = ranged(128, (lambda v: _whole(v) and v >= 3,
+                                "at least 3 (the teacher's two special tokens and one more)"))
+    """Window length given to the teacher, special tokens included."""
+    batch_size: int = ranged(512, _POSITIVE_INT)
+    """Mini-batch of the online learner (vectors per update)."""
+    n_iter: int | None = field(default=None, metadata={"check": _OPTIONAL_POSITIVE,
+                                                       "metavar": "N"})
+    """Number of mini-batches (none: one pass over the collected states)."""
+    forget: float = ranged(1.0, (lambda v: v >= 0, "0 or more"))
+    """ρ of the forgetting factor β_t = (1 − 1/t)^ρ (Mairal et al. 2009 §3.4); larger forgets
+    the codes of early dictionaries faster."""
+    eval_vectors: int = ranged(20_000, _POSITIVE_INT)
+    """Collected states on which the final objective in the meta is computed."""
+    seed: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    """Seed of the state sample, the atom initialisation and the mini-batch order."""
+    sampling: str = field(default="windows", metadata={
+        "check": (lambda v: v in SAMPLINGS, " or ".join(SAMPLINGS)),
+        "metavar": "{" + ",".join(SAMPLINGS) + "}"})
+    """windows: states at random token positions; documents: each document of 5+ words from
+    its start, in store order, as the official train_dict.py."""
+
+    @classmethod
+    def build(cls, values: dict[str, Any], where: str = "dictionary") -> Any:
+        """A config of `cls` from `values` (Python arguments, flags or a study group), every
+        name and range checked in one line each."""
+        return build_dataclass(cls, values, where)
+
+    def given(self) -> dict[str, Any]:
+        """The DictionaryConfig fields that differ from DictionaryConfig's defaults."""
+        default = DictionaryConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DictionaryConfig)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def same_field(name: str, default: Any) -> Any:
+    """DictionaryConfig's field `name` with another default, for a subclass that keeps its own
+    (a study's smaller n_vectors): the same range, metavar and docstring's meaning."""
+    (f,) = [f for f in dataclasses.fields(DictionaryConfig) if f.name == name]
+    return field(default=default, metadata=f.metadata)
+
+
+def dictionary_config(config: DictionaryConfig | None, settings: dict[str, Any],
+                      where: str = "learn_dictionary()") -> DictionaryConfig:
+    """`learn_dictionary()`'s settings: `config`'s (or the defaults) with `settings` on top, as a
+    plain DictionaryConfig (a study's subclass is narrowed to the shared fields)."""
+    if config is not None and not isinstance(config, DictionaryConfig):
+        raise UserError(f"{where}: config must be a DictionaryConfig, got "
+                        f"{type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(DictionaryConfig)}
+    base = {} if config is None else {n: getattr(config, n) for n in names}
+    return DictionaryConfig.build({**base, **settings}, where)
+
