@@ -56,7 +56,13 @@ def test_study_with_qa_and_retrieval_cells(corpus_dir, tokenizer_dir, teacher_di
     got = {(r["model"], r["task"]): set() for r in rows}
     for r in rows:
         got[(r["model"], r["task"])].add(r["metric"])
-        assert r["fingerprint"] and 0 <= r["value"] <= 100, r
+        assert 0 <= r["value"] <= 100, r
+    # each row names what made it: the model's files, the task's data, the settings
+    fps = {(r["model"], r["task"]): r["fingerprint"] for r in rows}
+    assert all(set(fp) == {"model", "data", "settings"} for fp in fps.values()), fps
+    for task in TASKS:
+        a, b = fps[("mlm@100%", task)], fps[("mlsm@100%", task)]
+        assert a["data"] == b["data"] and a["model"] != b["model"], task
     assert got == {(f"{arm}@100%", task): METRICS[task]
                    for arm in ("mlm", "mlsm") for task in TASKS}
     # the fine-tuned cells trained the bi-encoder (16 training queries): its ranking moved
