@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from mlsm.cli import main
 from mlsm.evaluate.stats import read_results
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study
@@ -80,7 +81,7 @@ def test_study_with_qa_and_retrieval_cells(corpus_dir, tokenizer_dir, teacher_di
     # (the report is rendered again on every run, from the rows as they are)
     results, stages = (out / "results.jsonl").read_bytes(), _stages(out)
     status = _states(path)
-    run_study(load_study(path), log=lambda s: None)
+    assert main(["study", str(path)]) == 0  # what a user runs: exit 0, nothing Incomplete
     assert (out / "results.jsonl").read_bytes() == results
     assert _stages(out)[:len(stages)] == stages
     assert [r["stage"] for r in _stages(out)[len(stages):]] == ["report"]
