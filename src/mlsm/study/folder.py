@@ -385,7 +385,7 @@ OUTPUTS = ("store", "dictionaries", "targets", "runs", "configs", "logs", "slurm
            "comparison", "results.jsonl", "report.md", "summary.json", "status.json",
            "stages.jsonl", "study.json", "errors.log", "pretraining.png", "readiness.png",
            "wilcoxon.png", "blimp_flops.png", ".status.json.lock", RECORD, "readouts",
-           "readouts_steps.png", "readouts_flops.png", "superseded")
+           "readouts_steps.png", "readouts_flops.png", "superseded", "retrieval_cache")
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
 _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
                    "wilcoxon.png", "blimp_flops.png", "comparison", "readouts_steps.png",
