@@ -2,9 +2,13 @@
 
 Each case is one class of hostile input (file content, values, consistency between inputs,
 paths and state) tried on one verb; every one ran into a traceback, a silent acceptance or a
-lost file before the input helpers of `mlsm.inputs` were used at the edges. The CLI cases assert
-what the data table asserts: exit 2, one line on stderr naming the problem, no traceback, and
-the user's files byte-for-byte intact. The API cases assert a one-line `UserError`.
+lost file before the input helpers of `mlsm.inputs` were used at the edges. The fifth class,
+reuse, is a finished output met again after one of its inputs or settings changed under the
+same name (a finetune cell, a resumed run, a dictionary pair, a target store): a stale result
+returned with exit 0 before fingerprints were compared. The CLI cases assert what the data table
+asserts: exit 2, one line on stderr naming the problem (a needle, or a tuple of needles that
+must all be there), no traceback, and the user's files byte-for-byte intact. The API cases
+assert a one-line `UserError`.
 """
 
 from __future__ import annotations
@@ -1153,6 +1157,26 @@ def _reuse_pretrain_resume_after_dictionary_relearned(tmp, fix):
     assert main([*_dictionary(fix, tmp / "d"), "--seed", "1"]) == 0
     return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
             ("(objective.dictionary: '", "rebuilt in place"))
+
+
+def _reuse_targets_teacher_retrained_in_place(tmp, fix):
+    """A finished target store, then its teacher folder re-trained in place (`rm -rf`, pre-train
+    again with another seed, copy to the same path), then the same `mlsm targets`: the teacher's
+    name, tokenizer and layer are the same, its weights and so its codes are not."""
+    run = _run_args(fix["store_dir"], tmp / "run", **{"train.steps": 1})
+
+    def train_teacher(*extra: str) -> None:
+        shutil.rmtree(tmp / "run", ignore_errors=True)
+        shutil.rmtree(tmp / "teacher", ignore_errors=True)
+        assert main(["pretrain", *run, *extra]) == 0
+        _copy(ckpt.list_checkpoints(tmp / "run")[-1][1], tmp / "teacher")
+
+    train_teacher()
+    args = _targets(fix, tmp / "t", **{"--teacher": str(tmp / "teacher")})
+    assert main(args) == 0
+    train_teacher("train.seed=1")
+    return args, [tmp / "t"], ("built with other settings or inputs (teacher_weights)",
+                               "choose another --out")
 
 
 def _pair_of_two_learnings(tmp: Path, fix: dict) -> Path:
