@@ -2,9 +2,13 @@
 
 Each case is one class of hostile input (file content, values, consistency between inputs,
 paths and state) tried on one verb; every one ran into a traceback, a silent acceptance or a
-lost file before the input helpers of `mlsm.inputs` were used at the edges. The CLI cases assert
-what the data table asserts: exit 2, one line on stderr naming the problem, no traceback, and
-the user's files byte-for-byte intact. The API cases assert a one-line `UserError`.
+lost file before the input helpers of `mlsm.inputs` were used at the edges. The fifth class,
+reuse, is a finished output met again after one of its inputs or settings changed under the
+same name (a finetune cell, a resumed run, a dictionary pair, a target store): a stale result
+returned with exit 0 before fingerprints were compared. The CLI cases assert what the data table
+asserts: exit 2, one line on stderr naming the problem (a needle, or a tuple of needles that
+must all be there), no traceback, and the user's files byte-for-byte intact. The API cases
+assert a one-line `UserError`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from mlsm.train import checkpoint as ckpt
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     ENV,
     _one_line_error,
+    _prepare,
     _run_args,
     _tree,
     _user_folder,
@@ -1082,12 +1087,127 @@ def _consistency_finetune_squad_answer_not_at_its_offset(tmp, fix):
     return (["finetune", str(fix["teacher_dir"]), "--tasks", "squad", "--data-dir",
              str(tmp / "data"), "--results", str(results)], [folder, results], "question q1")
 
+# --------------------------------------------------------------------------- reuse
+# A reuse that would return a stale result, as a user meets it: a finished output, then one of
+# its inputs or settings changed under the same name. Each is refused in one line naming what
+# differs, before anything is trained, and the finished output is left as it was.
+
+
+def _finished(tmp: Path, fix: dict, model: Path | None = None) -> tuple[list[str], Path]:
+    """A finished 1-seed, 2-step `finetune` cell on the toy RTE; (its argv, its results file)."""
+    args = [*_finetune(fix, tmp, _glue(tmp), model=model), "--max-steps", "2"]
+    assert main(args) == 0
+    return args, tmp / "res.jsonl"
+
+
+def _reuse_finetune_other_weight_decay(tmp, fix):
+    args, results = _finished(tmp, fix)
+    return ([*args, "--weight-decay", "0.1"], [results, tmp / "glue"],
+            "(weight_decay: 0.01 -> 0.1); pass --recompute")
+
+
+def _reuse_finetune_other_warmup_ratio(tmp, fix):
+    args, results = _finished(tmp, fix)
+    return ([*args, "--warmup-ratio", "0.5"], [results],
+            "(warmup_ratio: 0.0 -> 0.5); pass --recompute")
+
+
+def _reuse_finetune_other_clip(tmp, fix):
+    args, results = _finished(tmp, fix)
+    return [*args, "--clip", "0"], [results], "(clip: 1.0 -> 0.0); pass --recompute"
+
+
+def _reuse_finetune_model_retrained_in_place(tmp, fix):
+    """`rm -rf run` and pre-train again with another seed: same folder name, other weights."""
+    run = [*_run_args(fix["store_dir"], tmp / "run", **{"train.steps": 1})]
+    assert main(["pretrain", *run]) == 0
+    model = ckpt.list_checkpoints(tmp / "run")[-1][1]
+    args, results = _finished(tmp, fix, model=model)
+    shutil.rmtree(tmp / "run")
+    assert main(["pretrain", *run, "train.seed=1"]) == 0
+    return args, [results], ("(model files: '", "pass --recompute")
+
+
+def _reuse_finetune_task_data_label_flipped(tmp, fix):
+    args, results = _finished(tmp, fix)
+    train = tmp / "glue" / "RTE" / "train.tsv"
+    train.write_text(train.read_text().replace("entailment\n", "not_entailment\n", 1))
+    return args, [results], ("(task data: '", "pass --recompute")
+
+
+def _reuse_pretrain_resume_after_store_rebuilt(tmp, fix):
+    """`mlsm prepare OTHER --out STORE --overwrite` under a run, then `pretrain --resume auto`."""
+    corpus = fix["corpus_dir"]
+    assert main(_prepare(fix, corpus / "a.txt", out=tmp / "store")) == 0
+    args = _run_args(tmp / "store", tmp / "run", **{"train.steps": 2})
+    assert main(["pretrain", *args]) == 0
+    assert main(_prepare(fix, corpus / "b.jsonl.gz", out=tmp / "store")) == 0
+    return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
+            ("(data.store: '", "rebuilt in place"))
+
+
+def _reuse_pretrain_resume_after_dictionary_relearned(tmp, fix):
+    """An MLSM run, then `mlsm dictionary --out D` again (another seed) under it, then
+    `pretrain --resume auto`: the path is the same, the atoms are not."""
+    assert main(_dictionary(fix, tmp / "d")) == 0
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(tmp / "d.safetensors"),
+             "objective.teacher": str(fix["teacher_dir"]), "train.steps": 1}
+    args = _run_args(fix["store_dir"], tmp / "run", **extra)
+    assert main(["pretrain", *args]) == 0
+    assert main([*_dictionary(fix, tmp / "d"), "--seed", "1"]) == 0
+    return (["pretrain", "--resume", "auto", *args], [tmp / "run"],
+            ("(objective.dictionary: '", "rebuilt in place"))
+
+
+def _reuse_targets_teacher_retrained_in_place(tmp, fix):
+    """A finished target store, then its teacher folder re-trained in place (`rm -rf`, pre-train
+    again with another seed, copy to the same path), then the same `mlsm targets`: the teacher's
+    name, tokenizer and layer are the same, its weights and so its codes are not."""
+    run = _run_args(fix["store_dir"], tmp / "run", **{"train.steps": 1})
+
+    def train_teacher(*extra: str) -> None:
+        shutil.rmtree(tmp / "run", ignore_errors=True)
+        shutil.rmtree(tmp / "teacher", ignore_errors=True)
+        assert main(["pretrain", *run, *extra]) == 0
+        _copy(ckpt.list_checkpoints(tmp / "run")[-1][1], tmp / "teacher")
+
+    train_teacher()
+    args = _targets(fix, tmp / "t", **{"--teacher": str(tmp / "teacher")})
+    assert main(args) == 0
+    train_teacher("train.seed=1")
+    return args, [tmp / "t"], ("built with other settings or inputs (teacher_weights)",
+                               "choose another --out")
+
+
+def _pair_of_two_learnings(tmp: Path, fix: dict) -> Path:
+    """D.safetensors of one `mlsm dictionary` and D.json of another with the same settings but
+    another seed (two writers on one --out, or a kill between the two renames)."""
+    assert main(_dictionary(fix, tmp / "d")) == 0
+    assert main([*_dictionary(fix, tmp / "other"), "--seed", "1"]) == 0
+    shutil.copy(tmp / "other.json", tmp / "d.json")
+    return tmp / "d.safetensors"
+
+
+def _reuse_targets_dictionary_pair_of_two_learnings(tmp, fix):
+    weights = _pair_of_two_learnings(tmp, fix)
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights, tmp / "d.json"],
+            "are of different dictionaries")
+
+
+def _reuse_pretrain_dictionary_pair_of_two_learnings(tmp, fix):
+    weights = _pair_of_two_learnings(tmp, fix)
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(weights),
+             "objective.teacher": str(fix["teacher_dir"]), "train.steps": 1}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)],
+            [weights, tmp / "d.json"], "are of different dictionaries")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
-         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_"))}
+         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_"))}
 
 
 def test_every_class_is_tried_on_several_verbs() -> None:
-    for kind in ("content", "values", "consistency", "paths"):
+    for kind in ("content", "values", "consistency", "paths", "reuse"):
         verbs = {name.split("_")[1] for name in CASES if name.startswith(kind)}
         assert len(verbs) >= 3, (kind, verbs)
 
@@ -1099,7 +1219,8 @@ def test_hostile_input_is_one_line_and_nothing_is_lost(name: str, fx: dict,  # n
     before = {str(p): _tree(p) for p in protect}
     capsys.readouterr()
     line = _one_line_error(main(args), capsys.readouterr().err)
-    assert needle in line, line
+    for part in (needle,) if isinstance(needle, str) else needle:  # a tuple: each must be there
+        assert part in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"
 
 

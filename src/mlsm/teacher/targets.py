@@ -169,7 +169,9 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
         "store_fingerprint": store.meta.get("fingerprint"), "store_n_tokens": store.n_tokens,
         "tokenizer_hash": tokenizer_hash(teacher.tokenizer),
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
-        "teacher": teacher.name, "layer": teacher.layer, "lam": lam, "k": dictionary.k,
+        # the weights, not the name: codes of a teacher re-trained in place are not these
+        "teacher": teacher.name, "teacher_weights": teacher.weights_fingerprint(),
+        "layer": teacher.layer, "lam": lam, "k": dictionary.k,
         "max_len": max_len, "nnz": nnz, "n_chunks": n_chunks,
         "index_dtype": "int16" if dictionary.k <= np.iinfo(np.int16).max else "int32",
     }
@@ -248,7 +250,7 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
     old = _read_json_or_none(build)
     if old is not None and old != expected:
         diff = [k for k in spec if old.get(k) != expected[k]]
-        raise UserError(f"{out} holds a target store built with other settings "
+        raise UserError(f"{out} holds a target store built with other settings or inputs "
                         f"({', '.join(diff)}); choose another --out")
     if old is None:  # new, or torn: only our files are there, so start over
         for name in ("meta.json", "progress.json"):

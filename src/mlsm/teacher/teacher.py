@@ -10,6 +10,7 @@ embedding output, i = output of block i.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,6 +100,15 @@ class Teacher:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def weights_fingerprint(self) -> str:
+        """Digest of the weights its states depend on (embeddings and blocks 1..layer, as kept):
+        a teacher re-trained in place under the same path is another teacher; a copy is not."""
+        digest = hashlib.sha256()
+        for key, tensor in sorted(self.model.state_dict().items()):
+            digest.update(key.encode())
+            digest.update(tensor.detach().cpu().float().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def to(self, device: str | torch.device) -> Teacher:
         self.model.to(device)
