@@ -100,6 +100,26 @@ def test_build_resumes_after_a_kill(
         build_target_store(store_dir, dictionary_path, teacher, 32, out, nnz=16)
 
 
+def test_a_build_begun_before_teacher_weights_were_recorded_continues_and_records_them(
+    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path, capsys
+) -> None:
+    """An interrupted build of an older mlsm (build.json without `teacher_weights`) resumes, as
+    an older run does, with a note; its teacher is checked from then on."""
+    out = tmp_path / "t"
+    shutil.copytree(target_dir, out)
+    (out / "meta.json").unlink()
+    (out / "progress.json").write_text(json.dumps({"done": 16, "truncated": 0}))
+    build = json.loads((out / "build.json").read_text())
+    recorded = build.pop("teacher_weights")
+    (out / "build.json").write_text(json.dumps(build))
+    teacher, seen = _counting_teacher(teacher_dir)
+    build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+    assert "continuing without checking them" in capsys.readouterr().err
+    assert json.loads((out / "build.json").read_text())["teacher_weights"] == recorded
+    assert sum(seen) == TargetStore.open(out).meta["n_chunks"] - 16
+    _assert_same_store(out, target_dir)
+
+
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_resume_recomputes_what_a_damaged_file_lost(
     store_dir, teacher_dir, dictionary_path, target_dir, tmp_path, damage

@@ -248,6 +248,13 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     build, expected = out / "build.json", json.loads(json.dumps(spec))
     old = _read_json_or_none(build)
+    if old is not None and "teacher_weights" not in old:  # a build begun before weights were
+        # recorded: its teacher cannot be checked; it continues (as an older run resumes), and
+        # the weights are recorded from now on
+        print(f"mlsm: note: {out} was begun before target stores recorded their teacher's "
+              "weights; continuing without checking them", file=sys.stderr)
+        old = {**old, "teacher_weights": expected["teacher_weights"]}
+        atomic_write_json(build, old)
     if old is not None and old != expected:
         diff = [k for k in spec if old.get(k) != expected[k]]
         raise UserError(f"{out} holds a target store built with other settings or inputs "
