@@ -165,11 +165,37 @@ def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize("loop", [["--steps", "2"], ["--recipe", "paper"], ["optim.lr=1e-3"]])
 def test_plateau_flags_with_the_training_loop_are_one_line(mlsm_ckpt: Path, tmp_path: Path,
-                                                           loop: list[str], capsys) -> None:
+                                                           loop: list[str], capsys,
+                                                           monkeypatch) -> None:
+    import mlsm.evaluate.probe as probe
     from mlsm.cli import main
 
+    ran: list = []  # a loop that would run is recorded, not trained (10,000 steps for paper)
+    monkeypatch.setattr(probe, "pretrain", lambda cfg, resume=None: ran.append(cfg) or Path())
     out = tmp_path / "p"
     assert main(["probe", str(mlsm_ckpt), "--out", str(out), "--max-steps", "5", *loop]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--max-steps" in err and "drop" in err
-    assert not out.exists()
+    assert not out.exists() and not ran
+
+
+def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
+    """Two real fits of a few steps, each setting visible in what probe.json records: the lr and
+    batch size; a candidate per input kind; curves at multiples of eval_every up to max_steps;
+    after select_steps only the winner trains; patience and min_delta stop it; heldout_batches
+    sets how many targets it is scored on."""
+    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+
+    # min_delta 0.99 is never reached: every candidate stops after `patience` = 1 evaluation
+    a = train_probe_to_plateau(mlsm_ckpt, tmp_path / "a", lr=0.05, inputs=("logits", "probs"),
+                               select_steps=2, max_steps=6, eval_every=2, patience=1,
+                               min_delta=0.99, heldout_batches=1, batch_size=4)
+    assert (a["lr"], a["batch_size"], sorted(a["candidates"])) == (0.05, 4, ["logits", "probs"])
+    assert [[p["step"] for p in c["curve"]] for c in a["candidates"].values()] == [[2], [2]]
+    b = train_probe_to_plateau(mlsm_ckpt, tmp_path / "b", ProbeFitConfig(
+        inputs=["logits", "probs"], select_steps=1, max_steps=3, eval_every=2, patience=5,
+        min_delta=0.0, heldout_batches=2, batch_size=4))
+    winner, loser = b["candidates"][b["input"]], b["candidates"][
+        next(k for k in b["candidates"] if k != b["input"])]
+    assert [p["step"] for p in winner["curve"]] == [2, 3] and loser["curve"] == []
+    assert b["n_heldout_targets"] > a["n_heldout_targets"]  # 2 held-out batches, not 1
