@@ -40,3 +40,5 @@ def default_k(d: int) -> int:
     return ATOMS_PER_DIM * d
 # how the states a dictionary is learned on are drawn (mlsm.teacher.states.collect_vectors)
 SAMPLINGS = ("windows", "documents")
+# what the k -> |V| probe reads of the latent head (mlsm.objectives.probe.probe_input)
+PROBE_INPUTS = ("probs", "logprobs", "logits")

@@ -9,6 +9,7 @@ batches, readiness checkpoints, resume and DDP as any run.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from mlsm.errors import UserError
 from mlsm.evaluate import probe_fit
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.evaluate.probe_fit import probe_config
+from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
@@ -37,9 +39,9 @@ PROBE_KIND = OutputKind("mlsm probe run",
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str = "plateau",
-              **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides, max_steps); returns the probe run
-    directory.
+              config: ProbeFitConfig | None = None, **kw: Any) -> Path:
+    """Train the probe (kw: store, steps, out, overrides, and any `ProbeFitConfig` field such as
+    max_steps, on top of `config`); returns the probe run directory.
 
     recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
     held-out loss plateau (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps`
@@ -51,18 +53,26 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str 
         raise UserError(f"probe recipe {recipe!r} is not one of plateau, paper")
     if recipe == "paper" and not kw.get("steps"):
         kw["steps"] = PAPER_PROBE_STEPS
-    max_steps = kw.pop("max_steps", None) or 2000
+    names = {f.name for f in dataclasses.fields(ProbeFitConfig)}
+    settings = {k: kw.pop(k) for k in list(kw) if k in names and kw[k] is not None}
+    fit = probe_fit_config(config, settings, "run_probe()")  # one line for a bad setting
+    loop = bool(kw.get("steps") or kw.get("overrides") or kw.get("store") or resume)
+    if loop and (settings or config is not None):  # the loop's settings are its run config's
+        given = ", ".join("--" + k.replace("_", "-") for k in settings) or "config"
+        raise UserError(f"{given}: settings of the plateau probe, which --steps, --recipe paper, "
+                        "--store, --resume and overrides replace by the training loop; drop "
+                        f"{given}, or set the loop's own keys as overrides (e.g. optim.lr=1e-3)")
     folder = resolve_checkpoint(checkpoint)
     cfg = probe_config(folder, **kw)  # one line for a folder that is not an MLSM checkpoint
     check_probe_store(folder, cfg.data.store, given=bool(kw.get("store")))
     out = Path(cfg.train.out)  # --out, else <run>/probe-step-N
     # named by the flags of `mlsm probe` (the probe run's own check names config keys)
     check_apart(out, "--out", {"CHECKPOINT": folder, "--store": cfg.data.store})
-    if not (kw.get("steps") or kw.get("overrides") or kw.get("store") or resume):
-        with writing(out, PROBE_KIND):  # only an earlier probe is replaced; one writer
-            probe_fit.train_probe_to_plateau(folder, out, max_steps=max_steps)
-        return out
-    return pretrain(cfg, resume=resume)
+    if loop:
+        return pretrain(cfg, resume=resume)
+    with writing(out, PROBE_KIND):  # only an earlier probe is replaced; one writer
+        probe_fit.train_probe_to_plateau(folder, out, **dataclasses.asdict(fit))
+    return out
 
 
 def check_probe_store(folder: Path, store: str, given: bool) -> None:

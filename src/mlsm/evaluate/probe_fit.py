@@ -27,13 +27,14 @@ from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
+from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
 from mlsm.evaluate.unigram import unigram_log_probs
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import check_scored_by_pll
 from mlsm.objectives.base import Context, TrainModule
-from mlsm.objectives.probe import PROBE_INPUTS, Probe, ProbeConfig, probe_input
+from mlsm.objectives.probe import Probe, ProbeConfig, probe_input
 from mlsm.progress import Progress
 from mlsm.run_config import config_from_dict
 from mlsm.train import checkpoint as ckpt
@@ -191,36 +192,37 @@ def _setup(checkpoint: Path, kind: str, batch_size: int | None,
     return cfg, TrainModule(student, objective), tokenizer, source, store
 
 
-def train_probe_to_plateau(checkpoint: str | Path, out: str | Path, *,
-                           inputs: tuple[str, ...] = PROBE_INPUTS, lr: float = 0.2,
-                           select_steps: int = 100, max_steps: int = 2000, eval_every: int = 50,
-                           patience: int = 3, min_delta: float = 0.005, heldout_batches: int = 4,
-                           batch_size: int | None = None,
-                           threads: int | None = None) -> dict[str, Any]:
+def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
+                           config: ProbeFitConfig | None = None, *, threads: int | None = None,
+                           **settings: Any) -> dict[str, Any]:
     """Train the probe of an MLSM checkpoint to a held-out plateau; write OUT/probe.json and a
     checkpoint folder that `load_scorer` reads.
 
-    One probe per input kind in `inputs` is trained on the same batches for `select_steps`; the one
-    with the lowest held-out loss then continues alone until its plateau (or max_steps).
+    `config` (default: `ProbeFitConfig()`) with `settings` (any of its fields as keywords, e.g.
+    max_steps=300) on top. One probe per input kind in `inputs` is trained on the same batches for
+    `select_steps`; the one with the lowest held-out loss then continues alone until its plateau
+    (or max_steps).
     """
+    fit = probe_fit_config(config, settings)
     checkpoint, out = Path(checkpoint), Path(out)
-    select_steps = min(select_steps, max_steps)  # a short budget still compares the input kinds
-    cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], batch_size, threads)
+    inputs, lr, min_delta = fit.inputs, fit.lr, fit.min_delta
+    select_steps = min(fit.select_steps, fit.max_steps)  # a short budget still compares input kinds
+    cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], fit.batch_size, threads)
     probe = module.objective.heads["probe"]
     features, G = _Features(module), cfg.train.batch_size
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:  # (z (N, k), labels (N,))
         return features(source.micro_batches(step, G, G, 0, 1)[0])
 
-    held = [batch(s) for s in heldout_steps(checkpoint, G, heldout_batches)]
+    held = [batch(s) for s in heldout_steps(checkpoint, G, fit.heldout_batches)]
     unigram = unigram_log_probs(store, probe.out_features)
     first = batch(0)  # the standardisation and step 1
     cands = [_Candidate(kind, probe, unigram, lr, first[0]) for kind in inputs]
     start = cands[0].evaluate(held)  # W = 0: the unigram distribution itself (loss, top-1)
     for c in cands:
         c.start_from(*start)
-    _train(cands, held, first, batch, max_steps=max_steps, select_steps=select_steps,
-           eval_every=eval_every, patience=patience, min_delta=min_delta)
+    _train(cands, held, first, batch, max_steps=fit.max_steps, select_steps=select_steps,
+           eval_every=fit.eval_every, patience=fit.patience, min_delta=min_delta)
     best = min(cands, key=lambda c: c.best)
     if not math.isfinite(best.best):
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "

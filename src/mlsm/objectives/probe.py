@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlsm.data.batches import Batch
+from mlsm.defaults import PROBE_INPUTS
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import checkpoint_objective, pll_refusal, read_latent_head
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
-
-PROBE_INPUTS = ("probs", "logprobs", "logits")
 
 
 @dataclass

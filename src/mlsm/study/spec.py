@@ -20,6 +20,8 @@ from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
 from mlsm.dictionary_config import DictionaryConfig, dictionary_config, same_field
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune_config import FinetuneConfig
+from mlsm.evaluate.probe_fit_config import ProbeFitConfig
+from mlsm.evaluate.probe_fit_config import same_field as probe_field
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
@@ -72,34 +74,20 @@ class ArmSpec:
 
 
 @dataclass
-class ProbeSpec:
+class ProbeSpec(ProbeFitConfig):
+    """A study's `probe:` group: every `ProbeFitConfig` setting (declared there once, as `mlsm
+    probe` takes it), the study's own batch size, and the keys of the paper recipe."""
+
+    batch_size: int = probe_field("batch_size", 16)
+    """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
     recipe: Literal["plateau", "paper"] = "plateau"
     """`plateau` (ours: the probe trained to a held-out loss plateau, at most max_steps, with the
-    keys below) or `paper` (the Hitchhikers' Guide's probe, §4.3: `steps` steps through the
+    keys above) or `paper` (the Hitchhikers' Guide's probe, §4.3: `steps` steps through the
     training loop with the pre-training run's optimiser and batches, readiness checkpoints, no
-    plateau stop; of the keys below only heldout_batches and batch_size are read, for the held-out
-    score written beside it)."""
+    plateau stop; of the keys above only heldout_batches, batch_size and min_delta are read, for
+    the held-out score written beside it)."""
     steps: int = 10_000
     """recipe paper: probe steps (the Hitchhikers' Guide trains 10,000)."""
-    lr: float = 0.2
-    """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
-    roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
-    inputs: list[str] = field(default_factory=lambda: ["probs", "logprobs", "logits"])
-    """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""
-    select_steps: int = 100
-    """Steps every input kind trains before the best is kept."""
-    max_steps: int = 2000
-    """Upper bound on probe steps; training stops earlier at a held-out loss plateau."""
-    eval_every: int = 50
-    """Held-out loss is measured every N steps."""
-    patience: int = 3
-    """Stop after this many evaluations without a relative improvement of `min_delta`."""
-    min_delta: float = 0.005
-    """Relative held-out loss improvement that counts as progress."""
-    heldout_batches: int = 4
-    """Batches of held-out chunks (steps beyond the pre-training run) for the plateau test."""
-    batch_size: int = 16
-    """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
 
 
 @dataclass
@@ -211,12 +199,7 @@ STUDY_CHECKS: dict[str, Check] = {
     "study.readiness": _FRACTIONS,
     "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
                     "distinct whole numbers 0 or more"),
-    "probe.steps": _POS, "probe.lr": _POS, "probe.select_steps": _NONNEG, "probe.max_steps": _POS,
-    "probe.eval_every": _POS, "probe.patience": _POS, "probe.min_delta": _NONNEG,
-    "probe.heldout_batches": _POS, "probe.batch_size": _POS,
-    "probe.inputs": (lambda v: bool(v) and len(set(v)) == len(v)
-                     and set(v) <= {"probs", "logprobs", "logits"},
-                     "distinct input kinds among probs, logprobs, logits"),
+    "probe.steps": _POS,  # the other probe keys: beside ProbeFitConfig's fields
     "finetune.readiness": _FRACTIONS,  # the other finetune keys: beside FinetuneConfig's fields
     "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
     "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),

@@ -86,11 +86,7 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
     if p.recipe == "paper":
         _paper_probe(study, arm, frac, out)
         return None
-    train_probe_to_plateau(study.checkpoint(arm, frac), out, inputs=tuple(p.inputs), lr=p.lr,
-                           select_steps=p.select_steps, max_steps=p.max_steps,
-                           eval_every=p.eval_every, patience=p.patience, min_delta=p.min_delta,
-                           heldout_batches=p.heldout_batches, batch_size=p.batch_size or None,
-                           threads=driver_threads(study))
+    train_probe_to_plateau(study.checkpoint(arm, frac), out, p, threads=driver_threads(study))
     return None
 
 

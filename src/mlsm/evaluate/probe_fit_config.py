@@ -1,0 +1,93 @@
+"""The settings of the plateau probe fit, declared once.
+
+`ProbeFitConfig` is the one declaration: the flags of `mlsm probe` are generated from its fields
+(`mlsm.dataclass_flags`), `train_probe_to_plateau(checkpoint, out, config, **settings)` takes it,
+and a study's `probe:` group (`mlsm.study.spec.ProbeSpec`) is a subclass that adds the paper
+recipe's keys and its own batch size. Each field's range sits beside it (`metadata["check"]`, read
+by `build_dataclass` and by the flag parser). Named apart from the probe *objective*'s
+`mlsm.objectives.probe.ProbeConfig` (the objective group of a probe run), which the fit also uses.
+
+Imports no torch (`mlsm.evaluate.probe_fit` does): the CLI builds its parser from it before
+anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlsm.config import INT_LIMIT, build_dataclass, ranged
+from mlsm.defaults import PROBE_INPUTS
+from mlsm.errors import UserError
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
+
+
+_POSITIVE_INT = (lambda v: _whole(v) and v > 0, "a positive whole number")
+_INPUTS = (lambda v: bool(v) and len(set(v)) == len(v) and set(v) <= set(PROBE_INPUTS),
+           "distinct input kinds among " + ", ".join(PROBE_INPUTS))
+
+
+@dataclass
+class ProbeFitConfig:
+    """How the k -> |V| probe is trained to a held-out loss plateau (docs/study.md, "The probe")."""
+
+    lr: float = ranged(0.2, (lambda v: v > 0, "positive"))
+    """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
+    roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
+    inputs: list[str] = field(default_factory=lambda: list(PROBE_INPUTS), metadata={
+        "check": _INPUTS, "metavar": "KIND,KIND"})
+    """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""
+    select_steps: int = ranged(100, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    """Steps every input kind trains before the best is kept."""
+    max_steps: int = ranged(2000, _POSITIVE_INT)
+    """Upper bound on probe steps; training stops earlier at a held-out loss plateau."""
+    eval_every: int = ranged(50, _POSITIVE_INT)
+    """Held-out loss is measured every N steps."""
+    patience: int = ranged(3, _POSITIVE_INT)
+    """Stop after this many evaluations without a relative improvement of `min_delta`."""
+    min_delta: float = ranged(0.005, (lambda v: v >= 0, "0 or more"))
+    """Relative held-out loss improvement that counts as progress."""
+    heldout_batches: int = ranged(4, _POSITIVE_INT)
+    """Batches of held-out chunks (steps beyond the pre-training run) for the plateau test."""
+    batch_size: int | None = field(default=None, metadata={
+        "check": (lambda v: v is None or (_whole(v) and v > 0),
+                  "a positive whole number (null: the pre-training run's)"),
+        "metavar": "N"})
+    """Probe batch size in sequences (none: the pre-training run's; the k x |V| probe costs ~6 x
+    an MLM head per target)."""
+
+    @classmethod
+    def build(cls, values: dict[str, Any], where: str = "probe") -> Any:
+        """A config of `cls` from `values` (Python arguments, flags or a study group): a tuple of
+        inputs becomes a list; every name and range checked in one line each."""
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        return build_dataclass(cls, values, where)
+
+    def given(self) -> dict[str, Any]:
+        """The ProbeFitConfig fields that differ from ProbeFitConfig's defaults."""
+        default = ProbeFitConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ProbeFitConfig)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def same_field(name: str, default: Any) -> Any:
+    """ProbeFitConfig's field `name` with another default, for a subclass that keeps its own (a
+    study's batch size of 16): the same range, metavar and docstring's meaning."""
+    (f,) = [f for f in dataclasses.fields(ProbeFitConfig) if f.name == name]
+    return field(default=default, metadata=f.metadata)
+
+
+def probe_fit_config(config: ProbeFitConfig | None, settings: dict[str, Any],
+                     where: str = "train_probe_to_plateau()") -> ProbeFitConfig:
+    """`train_probe_to_plateau()`'s settings: `config`'s (or the defaults) with `settings` on top,
+    as a plain ProbeFitConfig (a study's subclass is narrowed to the shared fields)."""
+    if config is not None and not isinstance(config, ProbeFitConfig):
+        raise UserError(f"{where}: config must be a ProbeFitConfig, got "
+                        f"{type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(ProbeFitConfig)}
+    base = {} if config is None else {n: getattr(config, n) for n in names}
+    return ProbeFitConfig.build({**base, **settings}, where)
