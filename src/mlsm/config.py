@@ -43,6 +43,21 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACK
 INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
 
 
+def changed_fields(obj: Any, cls: type) -> dict[str, Any]:
+    """The fields of dataclass `cls` on which `obj` (a `cls` or a subclass) differs from `cls`'s
+    defaults: what a user set, for merging onto another config or a stable fingerprint."""
+    default = cls()
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)
+            if getattr(obj, f.name) != getattr(default, f.name)}
+
+
+def field_with_default(cls: type, name: str, default: Any) -> Any:
+    """`cls`'s field `name` with another default, for a subclass that keeps its own (a study's
+    smaller sample): the same range and metavar."""
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    return field(default=default, metadata=f.metadata)
+
+
 def ranged(default: Any, check: Check) -> Any:
     """A dataclass field with its range beside it: `build_dataclass` (and `check_fields`) refuse a
     value for which `check[0]` is false, in one line saying it must be `check[1]`. A list or dict

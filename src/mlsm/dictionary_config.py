@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlsm.config import INT_LIMIT, build_dataclass, ranged
+from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
 from mlsm.defaults import LAM, SAMPLINGS, lam_range
 from mlsm.errors import UserError
 
@@ -70,16 +70,8 @@ class DictionaryConfig:
 
     def given(self) -> dict[str, Any]:
         """The DictionaryConfig fields that differ from DictionaryConfig's defaults."""
-        default = DictionaryConfig()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DictionaryConfig)
-                if getattr(self, f.name) != getattr(default, f.name)}
+        return changed_fields(self, DictionaryConfig)
 
-
-def same_field(name: str, default: Any) -> Any:
-    """DictionaryConfig's field `name` with another default, for a subclass that keeps its own
-    (a study's smaller n_vectors): the same range, metavar and docstring's meaning."""
-    (f,) = [f for f in dataclasses.fields(DictionaryConfig) if f.name == name]
-    return field(default=default, metadata=f.metadata)
 
 
 def dictionary_config(config: DictionaryConfig | None, settings: dict[str, Any],

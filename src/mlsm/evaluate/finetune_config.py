@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlsm.config import INT_LIMIT, build_dataclass
+from mlsm.config import INT_LIMIT, build_dataclass, changed_fields
 from mlsm.errors import UserError
 
 HEADS = ("cls", "mean")
@@ -132,9 +132,7 @@ class FinetuneConfig:
 
     def given(self) -> dict[str, Any]:
         """The fields of FinetuneConfig that differ from their defaults."""
-        default = FinetuneConfig()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(FinetuneConfig)
-                if getattr(self, f.name) != getattr(default, f.name)}
+        return changed_fields(self, FinetuneConfig)
 
 
 def _plain(value: Any) -> Any:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlsm.config import INT_LIMIT, build_dataclass, ranged
+from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
 from mlsm.defaults import PROBE_INPUTS
 from mlsm.errors import UserError
 
@@ -69,16 +69,8 @@ class ProbeFitConfig:
 
     def given(self) -> dict[str, Any]:
         """The ProbeFitConfig fields that differ from ProbeFitConfig's defaults."""
-        default = ProbeFitConfig()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ProbeFitConfig)
-                if getattr(self, f.name) != getattr(default, f.name)}
+        return changed_fields(self, ProbeFitConfig)
 
-
-def same_field(name: str, default: Any) -> Any:
-    """ProbeFitConfig's field `name` with another default, for a subclass that keeps its own (a
-    study's batch size of 16): the same range, metavar and docstring's meaning."""
-    (f,) = [f for f in dataclasses.fields(ProbeFitConfig) if f.name == name]
-    return field(default=default, metadata=f.metadata)
 
 
 def probe_fit_config(config: ProbeFitConfig | None, settings: dict[str, Any],

@@ -14,14 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mlsm.config import Check, build_dataclass, merge
+from mlsm.config import Check, build_dataclass, field_with_default, merge
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
-from mlsm.dictionary_config import DictionaryConfig, dictionary_config, same_field
+from mlsm.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune_config import FinetuneConfig
 from mlsm.evaluate.probe_fit_config import ProbeFitConfig
-from mlsm.evaluate.probe_fit_config import same_field as probe_field
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
@@ -45,7 +44,7 @@ class DictionarySpec(DictionaryConfig):
     `mlsm dictionary` takes it; k and lam here are the defaults of arms whose own `dictionary`
     gives none), a smaller n_vectors default, and the teacher."""
 
-    n_vectors: int = same_field("n_vectors", 200_000)
+    n_vectors: int = field_with_default(DictionaryConfig, "n_vectors", 200_000)
     """Teacher states the dictionary is learned on (the official `train_dict.py` collects 1,000,000;
     see the study notes)."""
     teacher: str = ""
@@ -78,7 +77,7 @@ class ProbeSpec(ProbeFitConfig):
     """A study's `probe:` group: every `ProbeFitConfig` setting (declared there once, as `mlsm
     probe` takes it), the study's own batch size, and the keys of the paper recipe."""
 
-    batch_size: int = probe_field("batch_size", 16)
+    batch_size: int = field_with_default(ProbeFitConfig, "batch_size", 16)
     """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
     recipe: Literal["plateau", "paper"] = "plateau"
     """`plateau` (ours: the probe trained to a held-out loss plateau, at most max_steps, with the
