@@ -334,6 +334,26 @@ def _values_probe_max_steps_zero(tmp, fix):
     return ["probe", str(fix["mlsm_ckpt"]), "--max-steps", "0"], [fix["mlsm_ckpt"]], "--max-steps"
 
 
+def _values_dictionary_sampling_unknown(tmp, fix):
+    return ([*_dictionary(fix, tmp / "d.safetensors"), "--sampling", "lines"],
+            [fix["store_dir"]], "windows or documents")
+
+
+def _values_dictionary_forget_negative(tmp, fix):
+    return ([*_dictionary(fix, tmp / "d.safetensors"), "--forget", "-1"], [fix["store_dir"]],
+            "--forget")
+
+
+def _values_probe_unknown_input(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--inputs", "embeddings"], [fix["mlsm_ckpt"]],
+            "--inputs")
+
+
+def _consistency_probe_plateau_flag_with_paper_recipe(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--recipe", "paper", "--patience", "2"],
+            [fix["mlsm_ckpt"]], "--patience")
+
+
 def _values_demo_steps_zero(tmp, fix):
     return ["demo", "--out", str(tmp / "demo"), "--steps", "0"], [tmp / "demo"], "--steps"
 
