@@ -28,7 +28,7 @@ from mlsm.config import INT_LIMIT
 from mlsm.defaults import TEACHER_LAYER, lam_range
 from mlsm.errors import Incomplete, UserError
 from mlsm.inputs import check_apart
-from mlsm.limits import MAX_DOC_BYTES, MAX_SENTENCE_CHARS
+from mlsm.limits import MAX_DOC_BYTES
 
 # --------------------------------------------------------------------------- argument types
 
@@ -261,15 +261,15 @@ def _blimp(a: argparse.Namespace) -> None:
 
 
 def _blimp_into(a: argparse.Namespace) -> None:
+    from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
+    from mlsm.evaluate.blimp_config import BlimpConfig, blimp_config
     from mlsm.evaluate.probe import load_scorer
 
+    config = blimp_config(None, flag_values(a, BlimpConfig), "mlsm blimp")
     model, tokenizer = load_scorer(a.model, device=a.device)
     control = _unigram_control(a.model, a.unigram)
-    result = evaluate_blimp(model, tokenizer, a.data, phenomena=a.phenomena,
-                            limit_per_phenomenon=a.limit, variant=a.variant,
-                            token_budget=a.token_budget, progress=None, control=control,
-                            max_sentence_chars=a.max_sentence_chars)
+    result = evaluate_blimp(model, tokenizer, a.data, config, progress=None, control=control)
     paths = write_blimp_report(result, a.out)
     unigram = (f"; unigram control {100 * result['control']['overall']:.1f}%" if control
                else "; no unigram control" + ("" if a.unigram == "none" else
@@ -295,19 +295,18 @@ def _unigram_control(model: str, store: str) -> object | None:
 
 
 def _readout(a: argparse.Namespace) -> None:
+    from mlsm.config import build_dataclass
+    from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, plot_rows, readout, write_rows
 
-    kinds = [k for k in a.kinds.split(",") if k]
+    given = flag_values(a, ReadoutSpec)
     data = Path(a.data) if a.data else None
-    glue = a.glue or (str(data / "glue") if data and (data / "glue").is_dir() else "")
-    pairs = list(a.pairs or [])
-    if not pairs and data and (data / "blimp").is_dir():
-        pairs = [str(data / "blimp")]
-    check_apart(a.out, "--out", {"MODEL": a.model, "--data": a.data or "", "--store": a.store})
-    spec = ReadoutSpec(kinds=kinds, glue=glue, tasks=[t for t in a.tasks.split(",") if t],
-                       max_train=a.max_train, pairs=pairs, pair_limit=a.pair_limit,
-                       store=a.store, heldout_store=a.heldout_store,
-                       masked_batches=a.masked_batches)
+    for key, sub in (("glue", "glue"), ("pairs", "blimp")):  # DATA/glue, DATA/blimp when there
+        if key not in given and data and (data / sub).is_dir():
+            given[key] = str(data / sub) if key == "glue" else [str(data / sub)]
+    check_apart(a.out, "--out", {"MODEL": a.model, "--data": a.data or "",
+                                 "--store": given.get("store", "")})
+    spec = build_dataclass(ReadoutSpec, given, "mlsm readout")
     path = Path(a.out) / READOUTS_FILE
     with writing_file(path, "readouts file"):  # one writer: two runs at once doubled every row
         rows = readout(a.model, spec, name=a.name)
@@ -617,6 +616,9 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
+    from mlsm.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.blimp_config import BlimpConfig
+
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
     p.add_argument("model",
                    help="HF masked-LM folder or a run (RUN, RUN@50%%, RUN@step-N): MLM, KD and MTL "
@@ -625,19 +627,12 @@ def _add_blimp(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--data", default="../shared/data/blimp",
                    help="folder of <UID>.jsonl(.gz), one such file, or HF 'blimp'")
     p.add_argument("--out", required=True, type=out_dir, help="folder for blimp.json and blimp.md")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N pairs per phenomenon")
-    p.add_argument("--phenomena", nargs="+", default=None, metavar="UID", help="only these UIDs")
-    p.add_argument("--variant", choices=["original", "within_word_l2r"], default="original",
-                   help="PLL variant (within_word_l2r: Kauf & Ivanova 2023)")
-    p.add_argument("--token-budget", type=positive_int, default=8192,
-                   help="padded tokens per forward pass")
-    p.add_argument("--max-sentence-chars", type=positive_int, default=MAX_SENTENCE_CHARS,
-                   help="refuse a longer sentence before tokenising it "
-                   f"(default {MAX_SENTENCE_CHARS:,})")
     p.add_argument("--device", default=None, type=device, help="cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--unigram", default="auto", metavar="STORE",
                    help="token store whose add-one unigram scores the same pairs as a control; "
                    "auto (default): the model's pre-training store; none: no control")
+    # how pairs are scored: generated from BlimpConfig (docstrings, defaults, ranges)
+    add_dataclass_flags(p.add_argument_group("scoring"), BlimpConfig)
     return _blimp
 
 
@@ -668,33 +663,21 @@ def _add_score(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _add_readout(sub: argparse._SubParsersAction) -> Callable:
+    from mlsm.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.readouts import ReadoutSpec
+
     p = sub.add_parser("readout", help="cheap readouts of a checkpoint: linear probes, minimal "
                        "pairs vs a unigram control, held-out masked tokens (docs/readouts.md)")
     p.add_argument("model", help="checkpoint folder, run (RUN, RUN@50%%, RUN@step-N) or HF "
                    "encoder folder")
     p.add_argument("--out", required=True, type=out_dir,
                    help="folder whose readouts.jsonl the rows are appended to")
-    p.add_argument("--kinds", default="probe,pairs,masked",
-                   help="comma-separated: probe, pairs, masked (default: all three)")
     p.add_argument("--data", default="../shared/data",
-                   help="folder holding glue/ and blimp/ (default ../shared/data)")
-    p.add_argument("--glue", default="", help="GLUE folder (default: DATA/glue)")
-    p.add_argument("--tasks", default="cola,sst2,mrpc,stsb,rte,qnli",
-                   help="tasks to probe (those without train and dev files are left out)")
-    p.add_argument("--max-train", type=non_negative_int, default=0,
-                   help="cap on training examples per task (default 0 = the full set)")
-    p.add_argument("--pairs", nargs="+", default=None, metavar="SET",
-                   help="minimal-pair sets in BLiMP's format (default: DATA/blimp)")
-    p.add_argument("--pair-limit", type=non_negative_int, default=100,
-                   help="first N pairs per phenomenon (0 = all; default 100)")
-    p.add_argument("--store", default="",
-                   help="token store for the unigram control (default: the pre-training store)")
-    p.add_argument("--heldout-store", default="",
-                   help="token store of held-out documents for masked tokens (default: the "
-                   "chunks after the run's last batch)")
-    p.add_argument("--masked-batches", type=positive_int, default=8,
-                   help="held-out batches of 16 sequences (default 8)")
+                   help="folder holding glue/ and blimp/, the defaults of --glue and --pairs "
+                   "(default ../shared/data)")
     p.add_argument("--name", default="", help="model name in the rows (default: MODEL)")
+    # what is read and how: generated from ReadoutSpec (docstrings, defaults, ranges)
+    add_dataclass_flags(p.add_argument_group("readouts"), ReadoutSpec)
     return _readout
 
 

@@ -253,11 +253,9 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     raise UserError(f"{where} must be of type {getattr(origin, '__name__', origin)}, got {value!r}")
 
 
-def build_dataclass(cls: type, values: dict[str, Any], where: str,
-                    checks: dict[str, Check] | None = None) -> Any:
+def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     """Instantiate `cls` from a dict, rejecting unknown keys with the list of valid ones, wrong
-    types, and values outside a field's range: the one declared beside the field (`ranged`).
-    `checks` ("where.key" -> Check) serves classes whose fields do not declare their ranges yet."""
+    types, and values outside a field's range: the one declared beside the field (`ranged`)."""
     if not isinstance(values, dict):
         raise UserError(f"{where} must be a mapping of keys to values (e.g. "
                         f"{where}.KEY=VALUE), got {values!r}")
@@ -272,7 +270,7 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str,
     kwargs = {k: _check_type(f"{where}.{k}", v, hints[k]) for k, v in values.items()}
     declared = {f.name: field_check(f) for f in dataclasses.fields(cls)}
     for key, value in kwargs.items():
-        _check_range(f"{where}.{key}", value, declared[key] or (checks or {}).get(f"{where}.{key}"))
+        _check_range(f"{where}.{key}", value, declared[key])
     return cls(**kwargs)
 
 

@@ -3,7 +3,9 @@
 `add_dataclass_flags(parser, cls)` adds one `--name-with-dashes` flag per field: its type from the
 annotation, its range from the `metadata={"check": (predicate, "what it must be")}` declared beside
 the field (the one `mlsm.config.build_dataclass` checks), its help from the field's docstring and
-default. `flag_values(args, cls)` reads back the flags the user gave. litgpt and jsonargparse build
+default; `metadata["aliases"]` adds older spellings of the flag, `metadata["nargs"] = "+"` takes a
+list as separate words instead of comma-separated text, a Literal type lists its choices.
+`flag_values(args, cls)` reads back the flags the user gave. litgpt and jsonargparse build
 whole CLIs from dataclasses the same way; this is the small part mlsm needs, over argparse.
 """
 
@@ -26,6 +28,14 @@ def _parse_scalar(kind: Any) -> Any:
     inner = [a for a in typing.get_args(kind) if a is not type(None)]
     if origin in (types.UnionType, typing.Union) and len(inner) == 1:  # X | None: parse X
         return _parse_scalar(inner[0])
+    if origin is typing.Literal:
+        choices = [str(c) for c in typing.get_args(kind)]
+
+        def choice(text: str) -> str:
+            if text not in choices:
+                raise ValueError(f"choose from {', '.join(choices)}, got {text!r}")
+            return text
+        return choice
     if origin is list:
         (item,) = typing.get_args(kind) or (str,)
         one = _parse_scalar(item)
@@ -52,8 +62,11 @@ def _parse_scalar(kind: Any) -> Any:
 def _flag_type(f: dataclasses.Field, hint: Any) -> Any:
     """argparse `type=` of a field: parse (metadata "flag", else by its type), then the range
     declared beside it (metadata "check"); a bad value is argparse's one line naming the flag."""
-    parse = f.metadata.get("flag") or _parse_scalar(hint)
     check = f.metadata.get("check")
+    if f.metadata.get("nargs"):  # one value per word (e.g. --phenomena A B): parse each item;
+        (hint,) = typing.get_args(hint) or (str,)  # the list's range is checked when it is built
+        check = None
+    parse = f.metadata.get("flag") or _parse_scalar(hint)
 
     def convert(text: str) -> Any:
         try:
@@ -77,15 +90,19 @@ def add_dataclass_flags(parser: Any, cls: type) -> None:
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
             else f.default
-        shown = (",".join(map(str, default)) if isinstance(default, list)
+        shown = ((",".join(map(str, default)) or "none") if isinstance(default, list)
                  else repr(default) if isinstance(default, str) else str(default))
         text = f"{docs.get(f.name, '')} (default {shown})".replace("%", "%%")
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if hints[f.name] is bool and "flag" not in f.metadata:
-            parser.add_argument(flag, action="store_true", default=None, help=text)
+            parser.add_argument(*flags, action="store_true", default=None, help=text)
         else:
-            parser.add_argument(flag, type=_flag_type(f, hints[f.name]), default=None,
-                                metavar=f.metadata.get("metavar"), help=text)
+            choices = typing.get_args(hints[f.name]) \
+                if typing.get_origin(hints[f.name]) is typing.Literal else ()
+            metavar = f.metadata.get("metavar") or ("{" + ",".join(choices) + "}" if choices
+                                                    else None)
+            parser.add_argument(*flags, type=_flag_type(f, hints[f.name]), default=None,
+                                nargs=f.metadata.get("nargs"), metavar=metavar, help=text)
 
 
 def flag_values(args: Any, cls: type) -> dict[str, Any]:

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
-from mlsm.evaluate.pll import Variant, score_pll
+from mlsm.evaluate.blimp_config import BlimpConfig, blimp_config
+from mlsm.evaluate.pll import score_pll
 from mlsm.evaluate.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
-from mlsm.limits import MAX_SENTENCE_CHARS
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -248,18 +248,19 @@ def evaluate_blimp(
     model: Any,
     tokenizer: Any,
     data: str | os.PathLike,
-    phenomena: Sequence[str] | None = None,
-    limit_per_phenomenon: int | None = None,
+    config: BlimpConfig | None = None,
     *,
-    variant: Variant = "original",
-    token_budget: int = 8192,
     device: str | None = None,
     keep_scores: bool = False,
     progress: bool | None = None,
     control: UnigramControl | None = None,
-    max_sentence_chars: int = MAX_SENTENCE_CHARS,
+    **settings: Any,
 ) -> dict[str, Any]:
     """BLiMP accuracy of a masked LM (or any `MaskedScorer`) by PLL.
+
+    The settings — phenomena, limit_per_phenomenon, variant, token_budget, max_sentence_chars —
+    are the fields of `BlimpConfig` (docstrings, defaults and ranges there): pass a `config`,
+    keywords, or both (keywords win; None = not given).
 
     Returns {"overall", "n_pairs", "n_phenomena", "fields": {field: {"accuracy", "n",
     "phenomena"}}, "terms": {linguistics_term: same}, "phenomena": {UID: {"field", "term",
@@ -268,14 +269,15 @@ def evaluate_blimp(
     `phenomenon_tests`. With a `control`, every phenomenon also has "control_accuracy", "control"
     holds its overall score and source, and the tests pair the model with it by phenomenon.
     """
-    grouped = load_blimp(data, phenomena, limit_per_phenomenon)
+    cfg = blimp_config(config, settings)
+    grouped = load_blimp(data, cfg.phenomena or None, cfg.limit_per_phenomenon or None)
     pairs = [p for group in grouped.values() for p in group]
     # One call for all sentences: the best length bucketing, and repeated sentences scored once.
     scores = score_pll(model, tokenizer, [p.good for p in pairs] + [p.bad for p in pairs],
-                       variant=variant, token_budget=token_budget, device=device, progress=progress,
-                       max_chars=max_sentence_chars)
+                       variant=cfg.variant, token_budget=cfg.token_budget, device=device,
+                       progress=progress, max_chars=cfg.max_sentence_chars)
     good, bad = scores[: len(pairs)], scores[len(pairs) :]
-    result = {"variant": variant, "data": str(data), **_summarise(grouped, good, bad)}
+    result = {"variant": cfg.variant, "data": str(data), **_summarise(grouped, good, bad)}
     model_acc = {u: r["accuracy"] for u, r in result["phenomena"].items()}
     control_acc = None
     if control is not None:

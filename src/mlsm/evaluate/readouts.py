@@ -26,26 +26,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlsm.config import INT_LIMIT, check_fields, ranged
+
 KINDS = ("probe", "pairs", "masked")
 READOUTS_FILE = "readouts.jsonl"
 PROBE_TASKS = ("cola", "sst2", "mrpc", "stsb", "rte", "qnli")
 
 
+def _whole(least: int, what: str) -> Any:
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and least <= v < INT_LIMIT,
+            what)
+
+
 @dataclass
 class ReadoutSpec:
-    kinds: list[str] = field(default_factory=lambda: list(KINDS))
+    """Which readouts `mlsm readout` (its flags come from these fields), `readout()` and a study's
+    `readout:` group take, and how; each range sits beside its field."""
+
+    kinds: list[str] = field(default_factory=lambda: list(KINDS), metadata={
+        "check": (lambda v: bool(v) and set(v) <= set(KINDS),
+                  "readout kinds among " + ", ".join(KINDS)), "metavar": "KIND,KIND"})
     """Readouts to take: probe (linear probes), pairs (minimal pairs), masked (held-out tokens)."""
     glue: str = ""
-    """Folder of GLUE task folders (e.g. ../shared/data/glue); empty = no linear probes."""
-    tasks: list[str] = field(default_factory=lambda: list(PROBE_TASKS))
+    """Folder of GLUE task folders (e.g. ../shared/data/glue); empty = no linear probes (`mlsm
+    readout`: DATA/glue when it exists)."""
+    tasks: list[str] = field(default_factory=lambda: list(PROBE_TASKS),
+                             metadata={"metavar": "TASK,TASK"})
     """Tasks probed (those without train and dev files under `glue` are left out)."""
-    max_train: int = 0
+    max_train: int = ranged(0, _whole(0, "0 or more"))
     """Cap on training examples per task (0 = the full training set; a cap is for tests)."""
-    max_len: int = 128
+    max_len: int = ranged(128, _whole(8, "at least 8"))
     """Tokens per sentence when encoding for the probes (longer ones are cut)."""
-    pairs: list[str] = field(default_factory=list)
-    """Minimal-pair sets in BLiMP's format (folders or files), each scored by PLL."""
-    pair_limit: int = 100
+    pairs: list[str] = field(default_factory=list, metadata={"nargs": "+", "metavar": "SET"})
+    """Minimal-pair sets in BLiMP's format (folders or files), each scored by PLL (`mlsm readout`:
+    DATA/blimp when it exists)."""
+    pair_limit: int = ranged(100, _whole(0, "0 or more"))
     """First N pairs of each phenomenon (0 = all; 100 gives BLiMP's 6,700 pairs)."""
     store: str = ""
     """Token store whose counts make the unigram control; empty = the model's pre-training
@@ -53,11 +68,11 @@ class ReadoutSpec:
     heldout_store: str = ""
     """Token store of held-out documents for `masked`; empty = the chunks after the run's last
     batch (held out only within its first epoch)."""
-    masked_batches: int = 8
+    masked_batches: int = ranged(8, _whole(1, "a positive whole number"))
     """Held-out batches for the masked-token loss and top-1."""
-    pppl_batches: int = 1
+    pppl_batches: int = ranged(1, _whole(0, "0 or more"))
     """Held-out batches whose every token is masked in turn for PPPL (0 = no PPPL)."""
-    batch_size: int = 16
+    batch_size: int = ranged(16, _whole(1, "a positive whole number"))
     """Sequences per held-out batch."""
 
 
@@ -106,9 +121,7 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
     from mlsm.errors import UserError
     from mlsm.runs import resolve_checkpoint
 
-    unknown = sorted(set(spec.kinds) - set(KINDS))
-    if unknown:
-        raise UserError(f"unknown readout kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
+    check_fields(spec, "readout")  # a spec built in Python has not met its ranges yet
     if spec.glue and "probe" in spec.kinds and not Path(spec.glue).is_dir():
         raise UserError(f"GLUE folder {spec.glue} not found; point --glue (or readout.glue) at "
                         "the folder holding CoLA/, SST-2/, ... (e.g. ../shared/data/glue)")

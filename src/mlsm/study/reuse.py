@@ -130,11 +130,11 @@ def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
 
 
 def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
-    """BLiMP settings (not its readiness list: that says which models, not how one is scored),
-    the probe settings (its held-out batches score every arm's masked tokens), the checkpoint,
-    the probe of a latent arm, and the store (the unigram control)."""
-    b = {k: v for k, v in dataclasses.asdict(study.spec.blimp).items() if k != "readiness"}
-    return {"settings": settings_fingerprint(b),
+    """The BLiMP settings that can change a score (`decisive()`: not the readiness list, which
+    says which models, nor batching or refusal limits), the probe settings (its held-out batches
+    score every arm's masked tokens), the checkpoint, the probe of a latent arm, and the store
+    (the unigram control)."""
+    return {"settings": settings_fingerprint(study.spec.blimp.decisive()),
             "probe_settings": settings_fingerprint(dataclasses.asdict(study.spec.probe)),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}

@@ -14,17 +14,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mlsm.config import Check, build_dataclass, field_with_default, merge
+from mlsm.config import NON_NEGATIVE, POSITIVE, build_dataclass, field_with_default, merge, ranged
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
 from mlsm.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.errors import UserError
+from mlsm.evaluate.blimp_config import BlimpConfig
 from mlsm.evaluate.finetune_config import FinetuneConfig
 from mlsm.evaluate.probe_fit_config import ProbeFitConfig
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
 from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
+
+_FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
+              "distinct fractions in (0, 1]")
 
 
 @dataclass
@@ -85,7 +89,7 @@ class ProbeSpec(ProbeFitConfig):
     training loop with the pre-training run's optimiser and batches, readiness checkpoints, no
     plateau stop; of the keys above only heldout_batches, batch_size and min_delta are read, for
     the held-out score written beside it)."""
-    steps: int = 10_000
+    steps: int = ranged(10_000, POSITIVE)
     """recipe paper: probe steps (the Hitchhikers' Guide trains 10,000)."""
 
 
@@ -96,23 +100,24 @@ class FinetuneSpec(FinetuneConfig):
 
     tasks: list[str] = field(default_factory=list)
     """Task names (see `mlsm.evaluate.tasks`); empty = no fine-tuning."""
-    readiness: list[float] = field(default_factory=lambda: [1.0])
+    readiness: list[float] = ranged([1.0], _FRACTIONS)
     """Fractions of pre-training whose checkpoints are fine-tuned (a subset of `readiness`)."""
 
 
 @dataclass
-class BlimpSpec:
+class BlimpSpec(BlimpConfig):
+    """A study's `blimp:` group: every `BlimpConfig` setting (declared there once, as `mlsm blimp`
+    takes it; `phenomena` applies to the first set), plus which pair sets and checkpoints."""
+
     data: list[str] = field(default_factory=list)
     """Pair sets in BLiMP's format, each scored by PLL on its own: a folder, a file or an HF name
     (nyu-mll/blimp). Empty = no BLiMP stage. The first set is the headline score."""
-    readiness: list[float] = field(default_factory=lambda: [1.0])
-    """Fractions of pre-training whose checkpoints are scored (latent arms through their probe)."""
-    limit_per_phenomenon: int = 0
-    """First N pairs of each phenomenon (0 = all 1000)."""
-    limits: list[int] = field(default_factory=list)
+    readiness: list[float] = field(default_factory=lambda: [1.0],
+                                   metadata={"check": _FRACTIONS, "decides": False})
+    """Fractions of pre-training whose checkpoints are scored (latent arms through their probe;
+    which models, not how one is scored, so not in a BLiMP file's fingerprint)."""
+    limits: list[int] = ranged([], (lambda v: all(n >= 0 for n in v), "numbers 0 or more"))
     """Optional per-set limits, one per entry of `data` (0 = limit_per_phenomenon)."""
-    phenomena: list[str] = field(default_factory=list)
-    """UIDs of the first set to score; empty = all (67 for BLiMP)."""
     heldout_store: str = ""
     """Token store of held-out documents for the masked-token score reported beside each pair
     score; empty = the chunks after the run's last batch (held out only within its first epoch)."""
@@ -122,14 +127,14 @@ class BlimpSpec:
 class ExecutorSpec:
     kind: str = "local"
     """`local` (in this process, or `jobs` subprocesses) or `slurm` (submitit)."""
-    jobs: int = 1
+    jobs: int = ranged(1, POSITIVE)
     """local: arms run at once, each stage of each arm a subprocess with `threads` threads; keep
     jobs x threads at or below the cores."""
-    eval_jobs: int = 0
+    eval_jobs: int = ranged(0, NON_NEGATIVE)
     """local: arms whose evaluation stage (probe, finetune, blimp) runs at once, each a subprocess
     with `threads` threads; 0 = jobs. 1 runs them in the driver one after the other with jobs x
     threads threads, which is faster on a few cores (no subprocess start-up; the demo does it)."""
-    threads: int = 0
+    threads: int = ranged(0, NON_NEGATIVE)
     """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
     base train.threads. A local evaluation stage with work for one arm only runs in the driver
     with jobs x threads."""
@@ -154,12 +159,13 @@ class StudySpec:
     base: dict[str, Any] = field(default_factory=dict)
     """Run config shared by every arm (data, model, optim, train groups; see
     docs/configuration.md)."""
-    readiness: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])
+    readiness: list[float] = ranged([0.25, 0.5, 1.0], _FRACTIONS)
     """Fractions of pre-training kept as checkpoints for evaluation."""
     arms: dict[str, ArmSpec] = field(default_factory=dict)
     """Arm name -> objective and overrides. With `seeds`, the loaded study holds one entry per
     (arm, seed) run, named ARM-s<seed> (see `seeded_runs`)."""
-    seeds: list[int] = field(default_factory=list)
+    seeds: list[int] = ranged([], (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
+                                   "distinct whole numbers 0 or more"))
     """Pre-training seeds: each arm is trained once per seed as run ARM-s<seed> (runs/ARM-s<seed>,
     models ARM-s<seed>@P%), the seed setting data.seed (data order, masking) and train.seed (model
     init, dropout), the same for every arm, so arms pair by seed. Dictionaries are learned once
@@ -188,28 +194,6 @@ class StudySpec:
         return Path(self.out)
 
 
-_POS = (lambda v: v > 0, "positive")
-_NONNEG = (lambda v: v >= 0, "0 or more")
-_FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
-              "distinct fractions in (0, 1]")
-# Ranges of the study's own keys ("group.key"), passed to build_dataclass (a run config's ranges
-# are declared beside its fields; these may move beside the study's fields the same way).
-STUDY_CHECKS: dict[str, Check] = {
-    "study.readiness": _FRACTIONS,
-    "study.seeds": (lambda v: len(set(v)) == len(v) and all(s >= 0 for s in v),
-                    "distinct whole numbers 0 or more"),
-    "probe.steps": _POS,  # the other probe keys: beside ProbeFitConfig's fields
-    "finetune.readiness": _FRACTIONS,  # the other finetune keys: beside FinetuneConfig's fields
-    "blimp.readiness": _FRACTIONS, "blimp.limit_per_phenomenon": _NONNEG,
-    "blimp.limits": (lambda v: all(n >= 0 for n in v), "numbers 0 or more"),
-    "executor.jobs": _POS, "executor.eval_jobs": _NONNEG, "executor.threads": _NONNEG,
-    "readout.kinds": (lambda v: set(v) <= {"probe", "pairs", "masked"},
-                      "readout kinds among probe, pairs, masked"),
-    "readout.max_train": _NONNEG, "readout.pair_limit": _NONNEG, "readout.masked_batches": _POS,
-    "readout.pppl_batches": _NONNEG, "readout.batch_size": _POS,
-    "readout.max_len": (lambda v: v >= 8, "at least 8"),
-}
-
 _NESTED = {"corpus": CorpusSpec, "dictionary": DictionarySpec, "probe": ProbeSpec,
            "finetune": FinetuneSpec, "blimp": BlimpSpec, "executor": ExecutorSpec}
 
@@ -221,7 +205,7 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping with keys such as base, arms, finetune")
     raw = dict(raw)
-    groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k, STUDY_CHECKS)
+    groups = {k: build_dataclass(cls, raw.pop(k, None) or {}, k)
               for k, cls in _NESTED.items()}
     arms_raw = raw.pop("arms", None) or {}
     if not isinstance(arms_raw, dict) or not arms_raw:
@@ -232,9 +216,9 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
             for n, a in arms.items()}
     readout = raw.pop("readout", None)
     if readout is not None:
-        readout = build_dataclass(ReadoutSpec, readout, "readout", STUDY_CHECKS)
+        readout = build_dataclass(ReadoutSpec, readout, "readout")
     hypotheses = raw.pop("hypotheses", None)
-    spec = build_dataclass(StudySpec, raw, "study", STUDY_CHECKS)
+    spec = build_dataclass(StudySpec, raw, "study")
     spec = dataclasses.replace(spec, arms=seeded_runs(arms, spec.seeds), **groups, readout=readout,
                                hypotheses=parse_hypotheses(hypotheses, list(arms), spec.readiness))
     _validate(spec)

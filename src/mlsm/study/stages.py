@@ -218,10 +218,11 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     sets = {}
     control = UnigramControl.from_store(study.store)  # scores the same pairs (issue #32)
     for i, data in enumerate(b.data):
-        limit = (b.limits[i] if b.limits else 0) or b.limit_per_phenomenon or None
-        phenomena = b.phenomena or None if i == 0 else None
-        result = evaluate_blimp(model, tokenizer, data, phenomena=phenomena,
-                                limit_per_phenomenon=limit, progress=None, control=control)
+        # b's settings, with each set's own limit; `phenomena` names UIDs of the first set only
+        result = evaluate_blimp(model, tokenizer, data, b, progress=None, control=control,
+                                limit_per_phenomenon=(b.limits[i] if b.limits else 0)
+                                or b.limit_per_phenomenon,
+                                phenomena=b.phenomena if i == 0 else [])
         correct = sum(int(v["correct"]) for v in result["phenomena"].values())
         sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
                                          "correct": correct,
