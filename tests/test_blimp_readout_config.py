@@ -183,7 +183,7 @@ def test_the_fingerprint_holds_what_decides_a_score(tmp_path: Path) -> None:
 # One range per former STUDY_CHECKS entry (commit 24c5b73), with a value outside it: each is now
 # declared beside its field and refused through the study file in one line.
 FORMER_STUDY_TABLE = [
-    ("study", "readiness", [0.5, 0.5]), ("study", "seeds", [1, 1]), ("probe", "steps", 0),
+    ("study", "readiness", [0.5, 0.5]), ("study", "seeds", [1, 1]), ("probe", "steps", -1),
     ("finetune", "readiness", [1.5]), ("blimp", "readiness", [0.0]),
     ("blimp", "limit_per_phenomenon", -1), ("blimp", "limits", [-1]),
     ("executor", "jobs", 0), ("executor", "eval_jobs", -1), ("executor", "threads", -1),

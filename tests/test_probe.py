@@ -180,7 +180,7 @@ def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
     the training loop with readiness checkpoints (the plateau probe stays the default)."""
     import mlsm.evaluate.probe as probe_module
     import mlsm.evaluate.probe_fit as fit_module
-    from mlsm.evaluate.probe import PAPER_PROBE_STEPS
+    from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS
 
     mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
     seen: dict = {}

@@ -182,8 +182,8 @@ def test_plateau_flags_with_the_training_loop_are_one_line(mlsm_ckpt: Path, tmp_
 def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
     """Two real fits of a few steps, each setting visible in what probe.json records: the lr and
     batch size; a candidate per input kind; curves at multiples of eval_every up to max_steps;
-    after select_steps only the winner trains; patience and min_delta stop it; heldout_batches
-    sets how many targets it is scored on."""
+    after select_steps only the winner trains; patience and min_delta stop it (min_delta also on
+    its own); heldout_batches sets how many targets it is scored on."""
     from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
     # min_delta 0.99 is never reached: every candidate stops after `patience` = 1 evaluation
@@ -192,6 +192,17 @@ def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
                                min_delta=0.99, heldout_batches=1, batch_size=4)
     assert (a["lr"], a["batch_size"], sorted(a["candidates"])) == (0.05, 4, ["logits", "probs"])
     assert [[p["step"] for p in c["curve"]] for c in a["candidates"].values()] == [[2], [2]]
+    # min_delta alone: the held-out loss falls by ~0.1-2 % per evaluation here, so with min_delta
+    # 0 every fall counts and the probe trains to max_steps; with 0.5 none does and it stops
+    # after `patience` = 2 evaluations
+    def steps(min_delta: float) -> list[int]:
+        r = train_probe_to_plateau(mlsm_ckpt, tmp_path / f"md{min_delta}", lr=0.05,
+                                   inputs=("probs",), select_steps=0, max_steps=16, eval_every=4,
+                                   patience=2, min_delta=min_delta, heldout_batches=1,
+                                   batch_size=4)
+        return [p["step"] for p in r["candidates"]["probs"]["curve"]]
+
+    assert (steps(0.0), steps(0.5)) == ([4, 8, 12, 16], [4, 8])
     b = train_probe_to_plateau(mlsm_ckpt, tmp_path / "b", ProbeFitConfig(
         inputs=["logits", "probs"], select_steps=1, max_steps=3, eval_every=2, patience=5,
         min_delta=0.0, heldout_batches=2, batch_size=4))
@@ -199,3 +210,35 @@ def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
         next(k for k in b["candidates"] if k != b["input"])]
     assert [p["step"] for p in winner["curve"]] == [2, 3] and loser["curve"] == []
     assert b["n_heldout_targets"] > a["n_heldout_targets"]  # 2 held-out batches, not 1
+
+
+# ------------------------------------------------------------------------ which probe: ProbeRecipe
+
+
+def test_the_recipe_is_declared_once_for_flags_function_and_study(tmp_path: Path) -> None:
+    from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS, ProbeRecipe
+    from mlsm.study.spec import ProbeSpec
+
+    assert flag_values(_parse([]), ProbeRecipe) == {}
+    assert flag_values(_parse(["--recipe", "paper", "--steps", "7"]), ProbeRecipe) == {
+        "recipe": "paper", "steps": 7}
+    assert issubclass(ProbeSpec, ProbeRecipe)
+    # 0 steps = the recipe's: the plateau fit, or the paper's 10,000 through the loop
+    assert ProbeRecipe().loop_steps() == 0
+    assert ProbeRecipe(recipe="paper").loop_steps() == PAPER_PROBE_STEPS == 10_000
+    assert ProbeRecipe(recipe="paper", steps=30).loop_steps() == 30
+    assert _study(tmp_path, {"recipe": "paper", "steps": 0}).probe.loop_steps() == 10_000
+
+
+def test_a_bad_recipe_is_one_line_from_flag_function_and_study(tmp_path: Path, capsys) -> None:
+    from mlsm.evaluate.probe import run_probe
+
+    with pytest.raises(SystemExit):
+        _parse(["--recipe", "fig6"])
+    assert "--recipe" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"^run_probe\(\)\.recipe must be"):
+        run_probe(tmp_path, recipe="fig6")
+    with pytest.raises(UserError, match=r"^run_probe\(\)\.steps must be a whole number 0 or more"):
+        run_probe(tmp_path, steps=-1)
+    with pytest.raises(UserError, match=r"^probe\.recipe must be"):
+        _study(tmp_path, {"recipe": "fig6"})

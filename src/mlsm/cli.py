@@ -226,10 +226,11 @@ def _report(a: argparse.Namespace) -> None:
 def _probe(a: argparse.Namespace) -> None:
     from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.probe import run_probe
-    from mlsm.evaluate.probe_fit_config import ProbeFitConfig
+    from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
-    run = run_probe(a.checkpoint, store=a.store, steps=a.steps, out=a.out, overrides=a.overrides,
-                    resume=a.resume, recipe=a.recipe, **flag_values(a, ProbeFitConfig))
+    run = run_probe(a.checkpoint, store=a.store, out=a.out, overrides=a.overrides,
+                    resume=a.resume, **flag_values(a, ProbeRecipe),
+                    **flag_values(a, ProbeFitConfig))
     info = run / "probe.json"
     if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
         import json
@@ -582,7 +583,7 @@ def _add_report(sub: argparse._SubParsersAction) -> Callable:
 
 def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     from mlsm.dataclass_flags import add_dataclass_flags
-    from mlsm.evaluate.probe_fit_config import ProbeFitConfig
+    from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
     p = sub.add_parser("probe",
                        help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
@@ -594,13 +595,6 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--store", default="",
                    help="token store prepared with the checkpoint's tokenizer (default: the one "
                    "the model was pre-trained on)")
-    p.add_argument("--recipe", choices=["plateau", "paper"], default="plateau",
-                   help="plateau (ours, default): train to a held-out loss plateau of at most "
-                   "--max-steps; paper: the Hitchhikers' Guide's probe, 10,000 steps (or --steps) "
-                   "through the training loop with readiness checkpoints, no plateau stop")
-    p.add_argument("--steps", type=non_negative_int, default=0,
-                   help="fixed probe steps through the training loop (default: train to a "
-                   "held-out plateau; with --recipe paper 10000)")
     p.add_argument("--out", default="", type=out_dir,
                    help="run directory (default: <run>/probe-<checkpoint>)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
@@ -608,7 +602,9 @@ def _add_probe(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("overrides", nargs="*",
                    help="group.key=value overrides of the probe run, anywhere on the command line "
                    "(before or after the options), e.g. optim.lr=1e-3 train.batch_size=16")
-    # the plateau probe's settings: generated from ProbeFitConfig (docstrings, defaults, ranges)
+    # which probe, and the plateau probe's settings: generated from ProbeRecipe and
+    # ProbeFitConfig (docstrings, defaults, ranges)
+    add_dataclass_flags(p.add_argument_group("recipe"), ProbeRecipe)
     add_dataclass_flags(p.add_argument_group(
         "plateau probe (the default recipe; refused with --steps, --recipe paper, --store, "
         "--resume or overrides)"), ProbeFitConfig)

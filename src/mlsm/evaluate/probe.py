@@ -18,12 +18,13 @@ from transformers import AutoModel
 
 from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.artifacts.outputs import OutputKind, writing
+from mlsm.config import build_dataclass
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate import probe_fit
 from mlsm.evaluate.pll import load_masked_lm
 from mlsm.evaluate.probe_fit import probe_config
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
@@ -31,28 +32,25 @@ from mlsm.objectives.probe import probe_input
 from mlsm.runs import is_run_dir, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
-PAPER_PROBE_STEPS = 10_000
-"""Steps of the Hitchhikers' Guide's probe (§4.3, Fig. 6): a fixed length with readiness
-checkpoints, no plateau stop (`mlsm probe --recipe paper`)."""
 PROBE_KIND = OutputKind("mlsm probe run",
                         ours=lambda out: (out / "probe.json").is_file() or is_run_dir(out))
 
 
-def run_probe(checkpoint: str | Path, *, resume: str | None = None, recipe: str = "plateau",
+def run_probe(checkpoint: str | Path, *, resume: str | None = None,
               config: ProbeFitConfig | None = None, **kw: Any) -> Path:
-    """Train the probe (kw: store, steps, out, overrides, and any `ProbeFitConfig` field such as
-    max_steps, on top of `config`); returns the probe run directory.
+    """Train the probe (kw: store, out, overrides, the `ProbeRecipe` fields recipe and steps, and
+    any `ProbeFitConfig` field such as max_steps, on top of `config`); returns the probe run
+    directory.
 
     recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
     held-out loss plateau (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps`
     (or overrides): that many steps through the pre-training loop. recipe "paper": the
-    Hitchhikers' Guide's probe, PAPER_PROBE_STEPS steps (unless `steps` says otherwise) through the
-    loop, readiness checkpoints at 10/25/50/100 %, no plateau stop.
+    Hitchhikers' Guide's probe, 10,000 steps (`PAPER_PROBE_STEPS`, unless `steps` says otherwise)
+    through the loop, readiness checkpoints at 10/25/50/100 %, no plateau stop.
     """
-    if recipe not in ("plateau", "paper"):
-        raise UserError(f"probe recipe {recipe!r} is not one of plateau, paper")
-    if recipe == "paper" and not kw.get("steps"):
-        kw["steps"] = PAPER_PROBE_STEPS
+    chosen = {f.name: kw.pop(f.name) for f in dataclasses.fields(ProbeRecipe)
+              if kw.get(f.name) is not None}
+    kw["steps"] = build_dataclass(ProbeRecipe, chosen, "run_probe()").loop_steps()
     names = {f.name for f in dataclasses.fields(ProbeFitConfig)}
     settings = {k: kw.pop(k) for k in list(kw) if k in names and kw[k] is not None}
     fit = probe_fit_config(config, settings, "run_probe()")  # one line for a bad setting

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
 from mlsm.defaults import PROBE_INPUTS
@@ -29,6 +29,32 @@ def _whole(v: Any) -> bool:
 _POSITIVE_INT = (lambda v: _whole(v) and v > 0, "a positive whole number")
 _INPUTS = (lambda v: bool(v) and len(set(v)) == len(v) and set(v) <= set(PROBE_INPUTS),
            "distinct input kinds among " + ", ".join(PROBE_INPUTS))
+
+
+PAPER_PROBE_STEPS = 10_000
+"""Steps of the Hitchhikers' Guide's probe (§4.3, Fig. 6): a fixed length with readiness
+checkpoints, no plateau stop (`mlsm probe --recipe paper`)."""
+
+
+@dataclass
+class ProbeRecipe:
+    """Which probe is trained: ours, fitted to a held-out plateau, or a fixed number of steps
+    through the training loop (the paper's). `mlsm probe`'s --recipe and --steps, `run_probe()`'s
+    keywords and a study's `probe.recipe` / `probe.steps` come from these fields."""
+
+    recipe: Literal["plateau", "paper"] = "plateau"
+    """plateau (ours): trained to a held-out loss plateau, at most max_steps, with the
+    `ProbeFitConfig` settings; paper: the Hitchhikers' Guide's probe (§4.3), `steps` steps through
+    the training loop with readiness checkpoints at 10/25/50/100 % and no plateau stop."""
+    steps: int = field(default=0, metadata={
+        "check": (lambda v: _whole(v) and v >= 0, "a whole number 0 or more (0 = the recipe's)"),
+        "metavar": "N"})
+    """Fixed probe steps through the training loop; 0 = the recipe's (plateau: to a held-out
+    plateau, no fixed length; paper: 10,000, the Hitchhikers' Guide's)."""
+
+    def loop_steps(self) -> int:
+        """Steps through the training loop: `steps`, or the paper's 10,000; 0 = the plateau fit."""
+        return self.steps or (PAPER_PROBE_STEPS if self.recipe == "paper" else 0)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from mlsm.config import NON_NEGATIVE, POSITIVE, build_dataclass, field_with_default, merge, ranged
 from mlsm.config import read_yaml as read_recipe
@@ -21,7 +21,7 @@ from mlsm.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.errors import UserError
 from mlsm.evaluate.blimp_config import BlimpConfig
 from mlsm.evaluate.finetune_config import FinetuneConfig
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig
+from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS, ProbeFitConfig, ProbeRecipe
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
@@ -77,20 +77,18 @@ class ArmSpec:
 
 
 @dataclass
-class ProbeSpec(ProbeFitConfig):
-    """A study's `probe:` group: every `ProbeFitConfig` setting (declared there once, as `mlsm
-    probe` takes it), the study's own batch size, and the keys of the paper recipe."""
+class ProbeSpec(ProbeFitConfig, ProbeRecipe):
+    """A study's `probe:` group: every `ProbeFitConfig` and `ProbeRecipe` setting (declared there
+    once, as `mlsm probe` takes them), with the study's own batch size and, for the paper recipe,
+    its steps written out. With recipe `paper` (the pre-training run's optimiser and batches
+    through the training loop) only heldout_batches, batch_size and min_delta of the fit's
+    settings are read, for the held-out score written beside the probe."""
 
     batch_size: int = field_with_default(ProbeFitConfig, "batch_size", 16)
     """Probe batch size in sequences (the k x |V| probe costs ~6 x an MLM head per target)."""
-    recipe: Literal["plateau", "paper"] = "plateau"
-    """`plateau` (ours: the probe trained to a held-out loss plateau, at most max_steps, with the
-    keys above) or `paper` (the Hitchhikers' Guide's probe, §4.3: `steps` steps through the
-    training loop with the pre-training run's optimiser and batches, readiness checkpoints, no
-    plateau stop; of the keys above only heldout_batches, batch_size and min_delta are read, for
-    the held-out score written beside it)."""
-    steps: int = ranged(10_000, POSITIVE)
-    """recipe paper: probe steps (the Hitchhikers' Guide trains 10,000)."""
+    steps: int = field_with_default(ProbeRecipe, "steps", PAPER_PROBE_STEPS)
+    """recipe paper: probe steps through the training loop (the Hitchhikers' Guide trains 10,000;
+    0 = that); recipe plateau: not read."""
 
 
 @dataclass

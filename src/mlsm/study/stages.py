@@ -104,11 +104,12 @@ def _paper_probe(study: Study, arm: str, frac: float, out: Path) -> None:
         torch.set_num_threads(driver_threads(study))
     checkpoint = study.checkpoint(arm, frac)
     done = {s: folder for s, folder in list_checkpoints(out)}
-    if p.steps not in done:
-        run_probe(checkpoint, steps=p.steps, out=str(out),
+    steps = p.loop_steps()
+    if steps not in done:
+        run_probe(checkpoint, recipe="paper", steps=steps, out=str(out),
                   resume="auto" if (out / "metrics.jsonl").is_file() else None)
         done = {s: folder for s, folder in list_checkpoints(out)}
-    final = done.get(p.steps)
+    final = done.get(steps)
     if final is None:  # run_probe returns early only when a signal asked it to stop
         raise KeyboardInterrupt(f"the probe of {model_name(arm, frac)} stopped by a signal; run "
                                 "the same command to resume")
