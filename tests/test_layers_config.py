@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlsm import cli, config, defaults
+from mlsm import config, defaults
+from mlsm.cli.args import lam_value
 from mlsm.config import GROUPS, field_check
 from mlsm.errors import UserError
 from mlsm.objectives import INTERNAL, OBJECTIVES
@@ -183,7 +184,7 @@ def test_every_place_that_takes_a_lambda_agrees_with_the_one_range(lam: float) -
 
     inside = 0 < lam < 1  # Berend 2023: unit atoms, unit states, so lam >= 1 codes nothing
     assert defaults.lam_range()[0](lam) == inside
-    assert _refuses(lambda: cli.lam_value(repr(lam))) == (not inside)
+    assert _refuses(lambda: lam_value(repr(lam))) == (not inside)
     assert _refuses(lambda: _check_options(4, lam)) == (not inside)
     assert _refuses(lambda: check_arm_dictionary("a", {"lam": lam}, 10_000)) == (not inside)
     # objective.lam: 0 leaves λ to the dictionary; otherwise the same range

@@ -1,0 +1,152 @@
+"""Argument types of `mlsm <verb>`: each validates one flag at the edge, so a bad value is one line
+naming the flag before any work starts (argparse `type=`), and `OneLineParser` keeps argparse's
+errors to one line. docs/reliability.md lists them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+from mlsm.config import INT_LIMIT
+from mlsm.defaults import lam_range
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not "
+                                         f"{'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if kind is int and not -INT_LIMIT <= value < INT_LIMIT:  # C integers overflow deep inside
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most {INT_LIMIT - 1})")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def lam_value(text: str) -> float:
+    """A sparse-coding λ, in the range `mlsm.defaults.lam_range` declares."""
+    value = _number(text, float)
+    ok, what = lam_range()
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def out_dir(text: str) -> str:
+    """An output folder: it may exist (as a folder) but must not be an existing file."""
+    with _path_errors(text):
+        if text and Path(text).exists() and not Path(text).is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
+                                             "(nothing was written)")
+    return text
+
+
+def out_file(text: str) -> str:
+    """An output file: it may exist (as a file) but must not be a folder."""
+    with _path_errors(text):
+        if Path(text).is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file path")
+    return text
+
+
+@contextlib.contextmanager
+def _path_errors(text: str) -> Iterator[None]:
+    """An OSError while a flag's path is checked (a name over 255 bytes) is a usage error: argparse
+    turns only ArgumentTypeError/TypeError/ValueError into one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.strerror or exc}: {text}; "
+                                         f"{path_fix(exc)}") from None
+
+
+_PATH_FIXES = {
+    errno.ENOSPC: "free disk space and re-run", errno.EDQUOT: "free disk space and re-run",
+    errno.EFBIG: "free disk space or raise the file size limit",
+    errno.EACCES: "check its permissions or write elsewhere",
+    errno.EPERM: "check its permissions or write elsewhere",
+    errno.EROFS: "write to a writable file system",
+    errno.ELOOP: "remove the symbolic-link loop or pass another path",
+    errno.ENAMETOOLONG: "shorten the path (each name at most 255 bytes)",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; check the path",
+    errno.EEXIST: "a file or a broken symbolic link is in the way; remove it or pass another "
+                  "path",
+}
+
+
+def path_fix(exc: OSError) -> str:
+    """What to do about an OSError on a path the user gave, by its errno."""
+    default = "check the path, its permissions and the free disk space"
+    return _PATH_FIXES.get(exc.errno or 0, default)
+
+
+def device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda, "
+                                         "cuda:N (or auto)")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text} asked for but no CUDA device is "
+                                             "visible; pass --device cpu")
+    return text
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block): `mlsm VERB: error: ...`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
