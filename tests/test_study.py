@@ -554,3 +554,50 @@ def test_target_store_is_built_once_and_shared_by_seeds(
     with pytest.raises(UserError, match="dictionary.targets must be true or false"):
         study_from_dict({**raw, "arms": {"m": {"objective": {"name": "mlsm"},
                                                "dictionary": {"targets": "yes"}}}})
+
+
+def test_a_target_build_begun_before_fingerprints_resumes_and_another_is_moved_aside(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """A study folder from an mlsm that kept no stage fingerprints, whose target store was
+    interrupted half-way (build.json and progress.json, no meta.json): the newer mlsm resumes
+    it when its build record names the current store and dictionary (the v2 replication's
+    3-hour build was moved aside and begun again before this), and moves it to superseded/
+    when it names another dictionary."""
+    out = tmp_path / "study"
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out)
+    raw["arms"] = {"mlsm": {"objective": {"name": "mlsm"},
+                            "dictionary": {"layer": 1, "k": 64, "lam": 0.05, "targets": True}}}
+    spec = study_from_dict(raw)
+    run_study(spec, stages=["store", "dictionary"], log=lambda s: None)
+    (folder,) = list((out / "targets").iterdir())
+    whole = {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".bin"}
+    meta = json.loads((folder / "meta.json").read_text())
+
+    def interrupt(dictionary_hash: str) -> None:
+        """Back to a build half done by an mlsm without stage fingerprints."""
+        (folder / "meta.json").unlink(missing_ok=True)
+        build = json.loads((folder / "build.json").read_text())
+        (folder / "build.json").write_text(json.dumps({**build,
+                                                       "dictionary_hash": dictionary_hash}))
+        (folder / "progress.json").write_text(json.dumps({"done": meta["n_chunks"] // 2,
+                                                          "truncated": 0}))
+        status = json.loads((out / "status.json").read_text())
+        (out / "status.json").write_text(json.dumps({
+            k: {f: v for f, v in r.items() if f not in ("fingerprint", "inputs")}
+            | ({"state": "started"} if k.startswith("targets") else {})
+            for k, r in status.items()}))
+
+    interrupt(meta["dictionary_hash"])
+    lines: list[str] = []
+    run_study(spec, stages=["dictionary"], log=lines.append)
+    assert not (out / "superseded").exists(), lines
+    assert json.loads((folder / "meta.json").read_text())["n_chunks"] == meta["n_chunks"]
+    assert {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".bin"} == whole
+    assert "fingerprint" in json.loads((out / "status.json").read_text())["targets:mlsm"]
+
+    interrupt("0" * 16)  # begun from another dictionary: not resumed, kept aside
+    run_study(spec, stages=["dictionary"], log=lambda s: None)
+    (moved,) = (out / "superseded").glob("*/targets/*")
+    assert json.loads((moved / "build.json").read_text())["dictionary_hash"] == "0" * 16
+    assert {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".bin"} == whole

@@ -135,13 +135,18 @@ def build_targets_for(study: Study, arm: str) -> str | None:
 def _shared_done(study: Study, key: str, inputs: dict[str, Any], outputs: list[Path],
                  legacy: Callable[[], bool], moved: list[Path] | None = None) -> bool:
     """Whether a dictionary or target store (shared by arms) is done for these inputs. One
-    recorded before mlsm kept fingerprints is adopted when its own meta agrees (`legacy`). One
-    made from other inputs is moved aside and made again, unless a run already trained with it:
+    recorded before mlsm kept fingerprints is adopted when its own meta agrees (`legacy`), and
+    resumed when it agrees but is unfinished (a target build's build.json). One made from other
+    inputs is moved aside and made again, unless a run already trained with it:
     then the study refuses in one line (the runs would no longer match their dictionary)."""
     record = study.status().get(key, {})
-    if "fingerprint" not in record and all(p.exists() for p in outputs) and legacy():
-        study.note_inputs(inputs)  # adopted: its fingerprint is recorded from now on
-        return True
+    if "fingerprint" not in record and legacy():
+        if all(p.exists() for p in outputs):
+            study.note_inputs(inputs)  # adopted: its fingerprint is recorded from now on
+            return True
+        # begun before fingerprints from these same inputs (its own build record says so), and
+        # not finished: resumed where it stopped, not moved aside (a target store takes hours)
+        return study.reusable(key, inputs, outputs, moved=[])
     if all(p.exists() for p in outputs) and record.get("fingerprint") != fingerprint_of(inputs):
         users = [a for a in study.spec.arms
                  if outputs[0] in (study.dictionary_path(a), _targets_meta(study, a))
@@ -174,10 +179,11 @@ def _legacy_dictionary(study: Study, arm: str) -> bool:
 
 
 def _legacy_targets(out: Path, inputs: dict[str, Any]) -> bool:
-    """A target store built before stage fingerprints: its meta must name the current store
-    and dictionary."""
+    """A target store built (or begun: its build.json) before stage fingerprints: its record
+    must name the current store and dictionary."""
+    record = out / ("meta.json" if (out / "meta.json").is_file() else "build.json")
     try:
-        meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
     return isinstance(meta, dict) and meta.get("dictionary_hash") == inputs["dictionary"] and \
