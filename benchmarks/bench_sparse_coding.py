@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from common import CORPUS
 
-from mlsm.teacher.dictionary import dictionary_objective, learn_atoms
+from mlsm.teacher.online_dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.sparse_coding import fista, objective, sparse_encode
 from mlsm.teacher.teacher import load_teacher
 

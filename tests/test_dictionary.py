@@ -15,17 +15,19 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.teacher.dictionary import (
-    MIN_USAGE,
     Dictionary,
-    _block_moves_loop,
-    _Stats,
-    _update_atoms,
     collect_vectors,
-    dictionary_objective,
-    learn_atoms,
     learn_dictionary,
     load_dictionary,
     save_dictionary,
+)
+from mlsm.teacher.online_dictionary import (
+    MIN_USAGE,
+    _block_moves_loop,
+    _Stats,
+    _update_atoms,
+    dictionary_objective,
+    learn_atoms,
 )
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import objective

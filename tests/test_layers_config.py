@@ -180,7 +180,7 @@ def _refuses(fn: typing.Callable[[], object]) -> bool:
 @pytest.mark.parametrize("lam", LAMS)
 def test_every_place_that_takes_a_lambda_agrees_with_the_one_range(lam: float) -> None:
     from mlsm.study.spec import check_arm_dictionary
-    from mlsm.teacher.dictionary import _check_options
+    from mlsm.teacher.online_dictionary import _check_options
 
     inside = 0 < lam < 1  # Berend 2023: unit atoms, unit states, so lam >= 1 codes nothing
     assert defaults.lam_range()[0](lam) == inside

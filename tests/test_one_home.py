@@ -129,7 +129,8 @@ def test_dictionary_defaults_have_one_home() -> None:
     from mlsm.cli import build_parser
     from mlsm.dataclass_flags import flag_values
     from mlsm.dictionary_config import DictionaryConfig
-    from mlsm.teacher.dictionary import Dictionary, learn_atoms
+    from mlsm.teacher.dictionary import Dictionary
+    from mlsm.teacher.online_dictionary import learn_atoms
 
     parser, _ = build_parser()
     args = parser.parse_args(["dictionary", "--store", "S", "--out", str(Path("d.safetensors"))])

@@ -90,7 +90,7 @@ def test_long_jobs_report_through_progress(
 ) -> None:
     """pretrain and dictionary learning print their lines on a redirected stderr."""
     from mlsm.run_config import load_config
-    from mlsm.teacher.dictionary import learn_atoms
+    from mlsm.teacher.online_dictionary import learn_atoms
     from mlsm.train.loop import pretrain
 
     from .conftest import tiny_overrides
