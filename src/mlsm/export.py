@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
+from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.hf import load_config
@@ -221,7 +222,6 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         source = open_checkpoint(objective["checkpoint"], {
             "config.objective": "object", **{f"config.objective.{k}": "text?" for k in _OPTIONS},
             "config.objective.layer": "int?"}).section("objective")
-    run_json = Path(info.get("run", "")) / "run.json"
     config = read_json(folder / "config.json", "model config", _FIX_CKPT,
                        fields={"architectures": "list?"})
     arch = [a for a in config.get("architectures") or [] if isinstance(a, str)] or ["?"]
@@ -233,28 +233,14 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         # a probe checkpoint is an MLSM model with its probe: the probed objective decides
         "predicts_latent": _declares(source, "predicts_latent"),
         "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
-        "git_revision": _revision_at(run_json, info.get("step")),
+        "git_revision": RunDir(info["run"]).revision_at(info.get("step")) if info.get("run")
+        else None,
         "teacher": _teacher(source), "dictionary": _dictionary(source.get("dictionary", "")),
         "data": _store(cfg.get("data", {}).get("store", "")),
         "targets": _targets(source.get("targets", "")),
         "probe": str(probe) if probe else None, "initialised_at_export": pooler,
         "pooler_seed": POOLER_SEED,
     }
-
-
-def _revision_at(run_json: Path, step: Any) -> str | None:
-    """The mlsm revision that trained up to `step`: the run's start, or the last segment resumed
-    before that step (run.json `resumed`); None without a run.json."""
-    if not run_json.is_file():
-        return None
-    marker = read_json(run_json, "run file", "restore it from a copy of the run (it records the "
-                       "git revision of each training segment)",
-                       fields={"git_revision": "text?", "resumed": "list?"})
-    # a segment of the wrong shape is skipped: the revision is a figure of the card, not its basis
-    segments = [marker, *[r for r in marker.get("resumed") or []
-                          if isinstance(r, dict) and isinstance(step, int)
-                          and isinstance(r.get("from_step"), int) and r["from_step"] < step]]
-    return segments[-1].get("git_revision")
 
 
 def _declares(objective: dict[str, Any], attribute: str) -> bool:
@@ -289,36 +275,35 @@ def _dictionary(path: str) -> dict[str, Any] | None:
 
 
 def _store(path: str) -> dict[str, Any] | None:
-    meta_path = Path(path) / "meta.json" if path else None
-    if meta_path is None:
+    """The token store's figures for the card, read through its door (`TokenStore.open`)."""
+    from mlsm.data.corpus import TokenStore
+
+    if not path:
         return None
-    if not meta_path.is_file():
-        return {"path": path, "fingerprint": None, "note": "token store not found at export time"}
-    meta = _card_meta(meta_path)
-    if meta is None:
-        return {"path": path, "fingerprint": None, "note": "token store unreadable at export time"}
+    try:
+        meta = TokenStore.open(path).meta
+    except UserError:
+        missing = not (Path(path) / "meta.json").exists()
+        return {"path": path, "fingerprint": None,
+                "note": f"token store {'not found' if missing else 'unreadable'} at export time"}
     return {k: meta.get(k)
             for k in ("fingerprint", "n_tokens", "n_docs", "tokenizer_hash", "sources")}
 
 
 def _targets(path: str) -> dict[str, Any] | None:
-    meta_path = Path(path) / "meta.json" if path else None
-    if meta_path is None or not meta_path.is_file():
-        return None if not path else {"path": path, "note": "target store not found at export time"}
-    meta = _card_meta(meta_path)
-    if meta is None:
-        return {"path": path, "note": "target store unreadable at export time"}
+    """The target store's figures for the card, read through its door (`TargetStore.open`)."""
+    from mlsm.teacher.targets import TargetStore
+
+    if not path:
+        return None
+    try:
+        meta = TargetStore.open(path).meta
+    except UserError:
+        missing = not (Path(path) / "meta.json").exists()
+        return {"path": path,
+                "note": f"target store {'not found' if missing else 'unreadable'} at export time"}
     return {k: meta.get(k)
             for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
-
-
-def _card_meta(path: Path) -> dict[str, Any] | None:
-    """A store's meta.json for the card, or None when torn or of the wrong shape: the card only
-    shows its figures (and notes that it could not), so the export goes on without them."""
-    try:
-        return read_json(path, "store meta", "", fields={"n_tokens": "int?", "sources": "list?"})
-    except UserError:
-        return None
 
 
 def hub_datasets(data: dict[str, Any] | None) -> list[str]:
@@ -440,8 +425,8 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
                  'fill = pipeline("fill-mask", model="REPO")']
     code += ["```", "", "Fine-tune and compare with mlsm: "
              "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
-    if (folder / "heads.json").is_file():
-        heads = json.loads((folder / "heads.json").read_text())
+    heads = Checkpoint.at(folder).heads_meta
+    if heads is not None:
         names = ", ".join(heads)
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
                  "they are not part of the",

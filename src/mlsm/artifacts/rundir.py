@@ -65,6 +65,19 @@ class RunDir:
             return None
         return marker if isinstance(marker, dict) and "started" in marker else None
 
+    def revision_at(self, step: Any) -> str | None:
+        """The mlsm revision that trained up to `step`: the run's start, or the last segment
+        resumed before that step (run.json `resumed`); None without a readable run.json."""
+        marker = self.marker()
+        if marker is None:
+            return None
+        # a segment of the wrong shape is skipped: the revision is a figure, not a check
+        segments = [marker, *[r for r in marker.get("resumed") or []
+                              if isinstance(r, dict) and isinstance(step, int)
+                              and isinstance(r.get("from_step"), int) and r["from_step"] < step]]
+        revision = segments[-1].get("git_revision")
+        return revision if isinstance(revision, str) else None
+
     def check_folder(self, resume: str | None) -> None:
         """Any content of train.out counts: only an mlsm run is continued, and only with
         --resume (the one output guard, `mlsm.artifacts.outputs`)."""

@@ -5,7 +5,6 @@ equals the current one (`mlsm.study.reuse`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,26 +164,25 @@ def _targets_meta(study: Study, arm: str) -> Path | None:
 
 
 def _legacy_dictionary(study: Study, arm: str) -> bool:
-    """A dictionary learned before stage fingerprints: its meta.json must state the settings."""
+    """A dictionary learned before stage fingerprints: its meta must state the settings."""
+    from mlsm.teacher.dictionary import load_dictionary
+
     path = study.dictionary_path(arm)
     assert path is not None
     try:
-        meta = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        meta = load_dictionary(path).meta
+    except UserError:
         return False
     want = reuse.dictionary_settings(study, arm)
-    return isinstance(meta, dict) and all(
-        meta.get(k) == want[k] for k in ("layer", "lam", "max_len", "seed")) and \
+    return all(meta.get(k) == want[k] for k in ("layer", "lam", "max_len", "seed")) and \
         want["k"] in (None, meta.get("k"))
 
 
 def _legacy_targets(out: Path, inputs: dict[str, Any]) -> bool:
-    """A target store built (or begun: its build.json) before stage fingerprints: its record
-    must name the current store and dictionary."""
-    record = out / ("meta.json" if (out / "meta.json").is_file() else "build.json")
-    try:
-        meta = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(meta, dict) and meta.get("dictionary_hash") == inputs["dictionary"] and \
-        meta.get("store_fingerprint") == inputs["store"]
+    """A target store built (or begun) before stage fingerprints: its own record must name the
+    current store and dictionary."""
+    from mlsm.teacher.targets import recorded_inputs
+
+    record = recorded_inputs(out) or {}
+    return record.get("dictionary_hash") == inputs["dictionary"] and \
+        record.get("store_fingerprint") == inputs["store"]

@@ -154,6 +154,14 @@ TARGETS_KIND = OutputKind("target store", files=_FILES.__contains__,
                           ours=lambda out: (out / "build.json").exists())
 
 
+def recorded_inputs(out: str | Path) -> dict[str, Any] | None:
+    """What the target store at `out` was built from (its meta.json) or, unfinished, is being
+    built from (its build.json: store_fingerprint, dictionary_hash, layer, lam, ...); None when
+    it has neither, or they are torn."""
+    out = Path(out)
+    return _read_json_or_none(out / "meta.json") or _read_json_or_none(out / "build.json")
+
+
 def check_targets_out(out: str | Path) -> None:
     """Refuse an --out that is a file or a folder that is not (the start of) a target store."""
     guard_output(out, TARGETS_KIND)
