@@ -446,9 +446,8 @@ def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
 ) -> None:
     """probe.recipe paper: `probe.steps` steps through the training loop with readiness
     checkpoints, no plateau stop, then a probe.json the BLiMP stage reads."""
+    from mlsm.artifacts.probe_record import read_probe_record
     from mlsm.evaluate.probe import ProbeScorer, load_scorer
-    from mlsm.inputs import read_json
-    from mlsm.study.stages import _PROBE_FIELDS
 
     _, blimp = _tiny_tasks(tmp_path)
     out = tmp_path / "study"
@@ -459,7 +458,7 @@ def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
     spec = load_study(_write(tmp_path, raw))
     run_study(spec, stages=["store", "dictionary", "pretrain", "probe"], log=lambda s: None)
     probe = out / "runs" / "mlsm" / "probe-100"
-    info = read_json(probe / "probe.json", "probe record", "", fields=_PROBE_FIELDS)
+    info = read_probe_record(probe)
     assert (info["recipe"], info["steps"]) == ("paper", 4)
     # readiness checkpoints of the 4 probe steps (10/25 % round to step 1), the last one scored
     assert sorted(p.name for p in (probe / "checkpoints").iterdir()) == [

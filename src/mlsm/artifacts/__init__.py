@@ -10,4 +10,6 @@ run folder never needs to import an objective to understand it.
   any HF folder), its atomic write, verification, listing and removal.
 - `rundir`: a run directory (`RunDir`): run.json, config.yaml, metrics.jsonl, pruning, the same-run
   check and the input fingerprints a resume compares.
+- `probe_record`: a probe run's probe.json (which checkpoint holds the probe, how good it is).
+- `outputs`, `jsonl`: the one output-folder guard and lock; the one JSON-lines reader and appender.
 """

@@ -54,6 +54,7 @@ def add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _probe(a: argparse.Namespace) -> None:
+    from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
     from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.probe import run_probe
     from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
@@ -61,11 +62,8 @@ def _probe(a: argparse.Namespace) -> None:
     run = run_probe(a.checkpoint, store=a.store, out=a.out, overrides=a.overrides,
                     resume=a.resume, **flag_values(a, ProbeRecipe),
                     **flag_values(a, ProbeFitConfig))
-    info = run / "probe.json"
-    if info.is_file():  # trained to a plateau: one checkpoint, and how good the probe is
-        import json
-
-        p = json.loads(info.read_text())
+    if has_probe_record(run):  # trained to a plateau: one checkpoint, and how good the probe is
+        p = read_probe_record(run)
         print(f"probe ({p['input']}, {p['steps']} steps): held-out loss "
               f"{p['heldout_loss']:.3f} nats, top-1 {100 * p['heldout_top1']:.1f} % (unigram "
               f"{p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']} --out blimp`")

@@ -18,6 +18,7 @@ from transformers import AutoModel
 
 from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.artifacts.outputs import OutputKind, writing
+from mlsm.artifacts.probe_record import has_probe_record
 from mlsm.config import build_dataclass
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
@@ -33,7 +34,7 @@ from mlsm.runs import is_run_dir, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
 PROBE_KIND = OutputKind("mlsm probe run",
-                        ours=lambda out: (out / "probe.json").is_file() or is_run_dir(out))
+                        ours=lambda out: has_probe_record(out) or is_run_dir(out))
 
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None,

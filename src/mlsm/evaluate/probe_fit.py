@@ -13,7 +13,6 @@ good the probe is.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -23,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
+from mlsm.artifacts.probe_record import write_probe_record
 from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
 from mlsm.evaluate.unigram import unigram_log_probs
-from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import check_scored_by_pll
@@ -235,8 +234,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
             "n_heldout_targets": sum(int(y.numel()) for _, y in held),
             "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.best,
                                     "curve": c.curve} for c in cands}}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
+    write_probe_record(out, info)
     return info
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
+from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import TEACHER_LAYER
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
@@ -70,7 +71,7 @@ def dictionary_fingerprint(study: Study, arm: str) -> str | None:
 
 
 def _probe_record(study: Study, arm: str, frac: float) -> str | None:
-    info = study.probe_dir(arm, frac) / "probe.json"
+    info = record_path(study.probe_dir(arm, frac))
     return content_digest(info) if study.is_latent(arm) and info.is_file() else None
 
 

@@ -10,17 +10,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlsm.artifacts.probe_record import (
+    has_probe_record,
+    read_probe_record,
+    record_path,
+    write_probe_record,
+)
 from mlsm.errors import UserError
 from mlsm.evaluate.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import read_json
 from mlsm.study import reuse
 from mlsm.study.folder import Study, fingerprint_of, only_arms, pretrain_done
 from mlsm.study.spec import StudySpec, readiness_label
 
-_PROBE_FIELDS = {"better_than_unigram": "bool", "checkpoint": "text", "heldout_loss": "number",
-                 "unigram_loss": "number", "input": "text?", "heldout_top1": "number?",
-                 "steps": "int?"}
 PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
 """What a BLiMP row keeps of its probe's record: the score travels with the probe's quality."""
 
@@ -54,7 +56,7 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
     if stage == "probe":
         return study.is_latent(arm) and bool(b.data) and not all(
             study.is_done(f"probe:{model_name(arm, f)}", reuse.probe_inputs(study, arm, f),
-                          [study.probe_dir(arm, f) / "probe.json"]) for f in scored)
+                          [record_path(study.probe_dir(arm, f))]) for f in scored)
     return stage != "blimp" or (bool(b.data) and not all(
         study.is_done(f"blimp:{model_name(arm, f)}", reuse.blimp_inputs(study, arm, f),
                       [blimp_path(study, arm, f)]) for f in scored))
@@ -80,7 +82,7 @@ def _probe(study: Study, arm: str, frac: float) -> str | None:
 
     out = study.probe_dir(arm, frac)
     if study.reusable(f"probe:{model_name(arm, frac)}", reuse.probe_inputs(study, arm, frac),
-                      [out / "probe.json"], moved=[out]):
+                      [record_path(out)], moved=[out]):
         return "skipped"
     p = study.spec.probe
     if p.recipe == "paper":
@@ -116,12 +118,12 @@ def _paper_probe(study: Study, arm: str, frac: float, out: Path) -> None:
     scorer, _ = load_scorer(final)
     held = heldout_masked_tokens(scorer, checkpoint, p.heldout_batches, p.batch_size or 16)
     info = {"recipe": "paper", "checkpoint": str(final), "source": str(checkpoint),
-            "input": scorer.input, "steps": p.steps, "heldout_loss": held["loss"],
+            "input": scorer.input, "steps": steps, "heldout_loss": held["loss"],
             "heldout_top1": held["top1"], "unigram_loss": held["unigram_loss"],
             "unigram_top1": held["unigram_top1"],
             "better_than_unigram": held["loss"] < held["unigram_loss"] * (1 - p.min_delta),
             "n_heldout_targets": held["n"]}
-    atomic_write_text(out / "probe.json", json.dumps(info, indent=2) + "\n")
+    write_probe_record(out, info)
 
 
 def run_finetune(study: Study, arms: list[str]) -> set[str]:
@@ -202,9 +204,8 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     folder = study.checkpoint(arm, frac)
     if study.is_latent(arm):
         # the probe stage skips a checkpoint whose probe.json exists: delete it to train again
-        info = read_json(study.probe_dir(arm, frac) / "probe.json", "probe record",
-                         "delete it and run the study with --stages probe blimp to train that "
-                         "probe again", fields=_PROBE_FIELDS)
+        info = read_probe_record(study.probe_dir(arm, frac), "delete it and run the study "
+                                 "with --stages probe blimp to train that probe again")
         if not info["better_than_unigram"]:
             raise UserError(f"the probe of {model_name(arm, frac)} (held-out loss "
                             f"{info['heldout_loss']:.3f}) is no better than the unigram "
@@ -283,10 +284,9 @@ def _readout(study: Study, arm: str, frac: float) -> str | None:
     if study.unscored_reason(arm, frac):  # no words to read: MAE-LM, CLM
         spec = dataclasses.replace(spec, kinds=[k for k in spec.kinds if k == "probe"])
     scorer = None
-    info = study.probe_dir(arm, frac) / "probe.json"
-    if study.is_latent(arm) and info.is_file():
-        scorer = read_json(info, "probe record", "delete it and run the probe stage again",
-                           fields=_PROBE_FIELDS)["checkpoint"]
+    if study.is_latent(arm) and has_probe_record(study.probe_dir(arm, frac)):
+        scorer = read_probe_record(study.probe_dir(arm, frac),
+                                   "delete it and run the probe stage again")["checkpoint"]
     if driver_threads(study):
         torch.set_num_threads(driver_threads(study))
     rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
