@@ -224,3 +224,24 @@ def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
         == 0
     )
     assert capsys.readouterr().out.startswith("accounting: mlsm (ours")
+
+
+def test_k_and_layer_come_from_the_target_store_when_no_dictionary_is_named(
+        tmp_path, teacher_dir) -> None:
+    """A run that reads only a target store (objective.targets, no objective.dictionary): its
+    FLOPs per batch use the store's k and layer, as if they were passed (they used to fall back
+    to 4 d and the teacher's last layer, so FLOP/s and MFU were wrong)."""
+    import json
+
+    store = tmp_path / "targets"
+    store.mkdir()
+    # what a target store records while it is built (meta.json repeats it when complete)
+    (store / "build.json").write_text(json.dumps({"k": 96, "layer": 1, "lam": 0.05}))
+    cfg = load_config(None, ["objective.name=mlsm", f"objective.teacher={teacher_dir}",
+                             f"objective.targets={store}", "train.batch_size=4",
+                             "data.max_len=32"])
+    got = flops_for_run(cfg)
+    assert got == flops_for_run(cfg, k=96, layer=1)
+    assert got != flops_for_run(load_config(None, ["objective.name=mlsm",
+                                                   f"objective.teacher={teacher_dir}",
+                                                   "train.batch_size=4", "data.max_len=32"]))

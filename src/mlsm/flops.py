@@ -262,7 +262,7 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
     obj = dataclasses.asdict(cfg.objective)  # options of its objective (not every one has them)
     t_cfg = teacher_shape_config(teacher if teacher is not None else str(obj.get("teacher", "")))
     t = shape_of(t_cfg)
-    meta = _dictionary_meta(str(obj.get("dictionary", "")))
+    meta = _latent_meta(str(obj.get("dictionary") or ""), str(obj.get("targets") or ""))
     k = k or int(obj.get("k", 0) or meta.get("k", 0) or default_k(t.d))
     layer = layer if layer is not None else int(obj.get("layer", -1))
     layer = layer if layer >= 0 else int(meta.get("layer", t.layers))
@@ -282,15 +282,11 @@ def flops_for_run(cfg: Any, *, teacher: str | None = None, k: int | None = None,
                        teacher_mlm_head=has_head, accounting=accounting)
 
 
-def _dictionary_meta(path: str) -> dict[str, Any]:
-    from pathlib import Path
+def _latent_meta(dictionary: str, targets: str) -> dict[str, Any]:
+    """k and layer of a latent run as its dictionary records them, else as its target store
+    does (a run that reads only a target store names no dictionary); {} for neither."""
+    from mlsm.teacher.dictionary import dictionary_meta
+    from mlsm.teacher.targets import recorded_inputs
 
-    if not path:
-        return {}
-    meta = (Path(path).with_suffix(".json") if path.endswith(".safetensors")
-            else Path(path + ".json"))
-    from mlsm.inputs import read_json
-    from mlsm.teacher.dictionary import META_FIELDS
-
-    fix = "restore it or drop objective.dictionary"
-    return read_json(meta, "dictionary meta", fix, fields=META_FIELDS) if meta.exists() else {}
+    meta = dictionary_meta(dictionary) if dictionary else {}
+    return meta or (recorded_inputs(targets) or {} if targets else {})

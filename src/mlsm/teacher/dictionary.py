@@ -289,6 +289,17 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     return Dictionary(atoms, meta)
 
 
+def dictionary_meta(path: str | Path) -> dict[str, Any]:
+    """How the dictionary at PATH was made (k, layer, lam, teacher, ...) without loading its
+    atoms: its DICT.json, else the meta in its safetensors header; {} when there is no dictionary
+    there (e.g. a run that reads only a target store)."""
+    weights, meta_path = _paths(path)
+    if meta_path.exists():
+        return read_json(meta_path, "dictionary meta", "restore it or drop objective.dictionary",
+                         fields=META_FIELDS)
+    return _embedded_meta(weights) if weights.is_file() else {}
+
+
 def _embedded_meta(weights: Path) -> dict[str, Any]:
     """The meta `save_dictionary` puts in the safetensors header ({} for an older or foreign file
     whose header holds none, or none that parses as a JSON object)."""
