@@ -34,7 +34,7 @@ from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import field_problem
+from mlsm.inputs import field_problem, read_json
 
 RUN_MARKER = "run.json"
 # What makes two configs the same run: everything that changes the weights. Device, threads,
@@ -67,10 +67,14 @@ class RunDir:
 
     def revision_at(self, step: Any) -> str | None:
         """The mlsm revision that trained up to `step`: the run's start, or the last segment
-        resumed before that step (run.json `resumed`); None without a readable run.json."""
-        marker = self.marker()
-        if marker is None:
+        resumed before that step (run.json `resumed`); None without a run.json. A torn one is
+        one line naming it (an export must not state a revision it could not read)."""
+        path = self.path / RUN_MARKER
+        if not path.is_file():
             return None
+        marker = read_json(path, "run file", "restore it from a copy of the run (it records the "
+                           "git revision of each training segment)",
+                           fields={"git_revision": "text?", "resumed": "list?"})
         # a segment of the wrong shape is skipped: the revision is a figure, not a check
         segments = [marker, *[r for r in marker.get("resumed") or []
                               if isinstance(r, dict) and isinstance(step, int)
