@@ -272,3 +272,41 @@ def test_a_script_without_main_guard_can_prepare(shards_dir, tokenizer_dir: Path
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.split() == [str(len(docs))], proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="no fork on this system")
+def test_a_forked_worker_dies_of_sigterm_before_its_initializer_runs(
+        tokenizer_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The CLI turns SIGTERM into an exception in Python code, and a forked worker inherits that
+    handler. A worker stuck before its initializer (a lock held by another parent thread at fork
+    time) could then not be ended by Pool.terminate(), and `mlsm study` hung at exit after
+    saying it had stopped (seen once in CI). Every worker `_pool_map` forks starts with SIGTERM at
+    its default action: what it sees first, before its initializer, is recorded here."""
+    import functools
+    import signal
+
+    record = tmp_path / "record"
+    record.mkdir()
+    original = shards._init_worker
+    monkeypatch.setattr(shards, "_init_worker", functools.partial(_record_then, str(record),
+                                                                  original))
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)  # as the CLI's, a Python handler
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir)).backend_tokenizer.to_str()
+        units = [("docs", f"u{i}", 1, make_text(5, seed=i)) for i in range(4)]
+        with open(tmp_path / "tokens.bin", "wb", buffering=0) as out:
+            got = list(shards.tokenise_units(iter(units), tok, "text", "uint16", 2, out, tmp_path))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(got) == 4
+    seen = [f.read_text() for f in record.iterdir()]
+    assert seen and set(seen) == {"default"}, seen
+    assert signal.getsignal(signal.SIGTERM) is previous  # the parent's own handler is untouched
+
+
+def _record_then(record: str, original: object, *args: object) -> None:
+    import signal
+
+    with open(os.path.join(record, f"{os.getpid()}.txt"), "w") as fh:
+        fh.write("default" if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else "handler")
+    original(*args)  # type: ignore[operator]
