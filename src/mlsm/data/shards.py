@@ -16,6 +16,7 @@ Workers are forked on Linux (see `_context`) and run only this module's code.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import json
 import multiprocessing as mp
@@ -136,13 +137,30 @@ def unit_documents(unit: Unit, text_field: str) -> Iterator[str]:
     return iter(unit[3])
 
 
-def _init_worker(tokenizer_json: str, text_field: str, dtype: str) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: this worker gets SIGTERM when the thread that forked it ends (PR_SET_PDEATHSIG), and
+    ends now if that parent is already gone. A worker the pool forked while it was being torn down
+    outlived the command, blocked on the pool's queue and holding its stdout and stderr, so
+    whatever read them (a test, a pipeline) waited forever (seen in CI)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no libc prctl: the pool's own teardown still applies
+        return
+    if os.getppid() != parent:  # the parent died between the fork and the prctl
+        os._exit(0)
+
+
+def _init_worker(tokenizer_json: str, text_field: str, dtype: str, parent: int) -> None:
     # One thread per process: N workers each running a rayon pool would oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops us
     # A handler inherited from the parent (a training loop's "stop at the next step") would keep
     # Pool.terminate()'s SIGTERM from ending the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent(parent)
     _init_worker_state(tokenizer_json, text_field, dtype)
 
 
@@ -273,7 +291,8 @@ def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype
     pending: deque = deque()
     with _single_threaded():
         with _forking_workers():  # Pool() forks every worker before it returns
-            pool = _context().Pool(num_proc, _init_worker, (tokenizer_json, text_field, dtype))
+            pool = _context().Pool(num_proc, _init_worker,
+                                   (tokenizer_json, text_field, dtype, os.getpid()))
         with pool:
             read_error: BaseException | None = None
             submitted = 0
