@@ -45,31 +45,6 @@ Unit = tuple[str, str, int, Any]
 ENCODE_CHARS = 1 << 16
 
 _WORKER: dict[str, Any] = {}
-_FORKING = False  # True while `_pool_map` forks its workers (read by `_at_fork_in_child`)
-
-
-def _at_fork_in_child() -> None:
-    """In a worker just forked by `_pool_map`, before any other code of it runs: SIGTERM back to
-    its default action. The parent's handler (the CLI's "unwind like Ctrl-C") is Python code that
-    needs the worker's main thread; a worker stuck before `_init_worker` (a lock held by another
-    thread of the parent at fork time) then ignored Pool.terminate()'s SIGTERM, and the parent
-    waited for it forever after printing that it had stopped."""
-    if _FORKING:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-os.register_at_fork(after_in_child=_at_fork_in_child)
-
-
-@contextlib.contextmanager
-def _forking_workers() -> Iterator[None]:
-    """While `_pool_map` forks its workers: `_at_fork_in_child` resets their SIGTERM."""
-    global _FORKING
-    _FORKING = True
-    try:
-        yield
-    finally:
-        _FORKING = False
 
 
 def default_num_proc() -> int:
@@ -289,28 +264,26 @@ def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype
     first error reported is the one a single process would report.
     """
     pending: deque = deque()
-    with _single_threaded():
-        with _forking_workers():  # Pool() forks every worker before it returns
-            pool = _context().Pool(num_proc, _init_worker,
-                                   (tokenizer_json, text_field, dtype, os.getpid()))
-        with pool:
-            read_error: BaseException | None = None
-            submitted = 0
-            while True:
-                while read_error is None and len(pending) < 2 * num_proc:
-                    try:
-                        unit = next(units)
-                    except StopIteration:
-                        break
-                    except UserError as exc:
-                        read_error = exc
-                        break
-                    part = spool / f"part-{submitted:09d}.bin"
-                    submitted += 1
-                    pending.append((part, pool.apply_async(_tokenise_to_part, (unit, str(part)))))
-                if not pending:
+    with _single_threaded(), _context().Pool(num_proc, _init_worker,
+                                             (tokenizer_json, text_field, dtype,
+                                              os.getpid())) as pool:
+        read_error: BaseException | None = None
+        submitted = 0
+        while True:
+            while read_error is None and len(pending) < 2 * num_proc:
+                try:
+                    unit = next(units)
+                except StopIteration:
                     break
-                part, result = pending.popleft()
-                yield (part, *result.get())
-            if read_error is not None:
-                raise read_error
+                except UserError as exc:
+                    read_error = exc
+                    break
+                part = spool / f"part-{submitted:09d}.bin"
+                submitted += 1
+                pending.append((part, pool.apply_async(_tokenise_to_part, (unit, str(part)))))
+            if not pending:
+                break
+            part, result = pending.popleft()
+            yield (part, *result.get())
+        if read_error is not None:
+            raise read_error
