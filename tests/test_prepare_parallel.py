@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing as mp
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -272,3 +278,95 @@ def test_a_script_without_main_guard_can_prepare(shards_dir, tokenizer_dir: Path
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.split() == [str(len(docs))], proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- worker lifecycle
+# multiprocessing.Pool hung the command twice in this class: a SIGTERM during its teardown
+# (terminate() joined its task thread forever, seen in CI) and a worker killed by the OS (its
+# unit is lost, the result never comes). The workers are now our own processes, fed by pipes.
+
+
+def _doc_units(n: int, chars: int = 20_000):
+    text = " ".join(make_text(400, seed=5))[:chars]
+    for i in range(n):
+        yield "docs", "mem", 0, [f"{i} {text}"]
+
+
+def _tokenise(tokenizer_dir: Path, tmp_path: Path, units, out):
+    tok_json = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer.to_str()
+    return shards.tokenise_units(units, tok_json, "text", "uint16", 2, out, tmp_path)
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that would hang: SIGALRM raises in the main thread after `seconds`."""
+    def ring(*_):
+        raise TimeoutError("hung")
+    old = signal.signal(signal.SIGALRM, ring)
+    yield lambda seconds: signal.alarm(seconds)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_tokenising_starts_no_thread_here(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """No helper thread in the command's process, so a stop never waits to join one."""
+    before = threading.active_count()
+    with open(tmp_path / "ids.bin", "wb", buffering=0) as ids:
+        out = _tokenise(tokenizer_dir, tmp_path, _doc_units(12), ids)
+        next(out)
+        assert threading.active_count() == before
+        assert len(list(out)) == 11
+
+
+def test_a_stop_mid_corpus_ends_every_worker(tokenizer_dir: Path, tmp_path: Path, alarm) -> None:
+    alarm(60)
+    with open(tmp_path / "ids.bin", "wb", buffering=0) as ids:
+        out = _tokenise(tokenizer_dir, tmp_path, _doc_units(40), ids)
+        next(out)
+        assert len(mp.active_children()) == 2
+        out.close()
+    assert mp.active_children() == []
+
+
+def test_a_killed_worker_is_one_clear_error(tokenizer_dir: Path, tmp_path: Path, alarm) -> None:
+    alarm(60)
+    with open(tmp_path / "ids.bin", "wb", buffering=0) as ids:
+        out = _tokenise(tokenizer_dir, tmp_path, _doc_units(40), ids)
+        next(out)
+        os.kill(mp.active_children()[0].pid, signal.SIGKILL)  # what the OOM killer does
+        with pytest.raises(UserError, match=r"exit code -9 .*--num-proc 1") as info:
+            list(out)
+    assert "\n" not in str(info.value) and mp.active_children() == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_while_tokenising_ends_prepare_and_its_workers(tokenizer_dir: Path,
+                                                               tmp_path: Path) -> None:
+    corpus = tmp_path / "big.txt"
+    corpus.write_text("\n\n".join(make_text(15000, seed=2)) + "\n")  # ~6 MB: units of 1 MB
+    cmd = [sys.executable, "-m", "mlsm", "prepare", str(corpus), "--tokenizer",
+           str(tokenizer_dir), "--out", str(tmp_path / "s"), "--num-proc", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not _spooled(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.02)  # until units are spooled to the workers: tokenising on 2 processes
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _sid(pid) == proc.pid]
+    assert left == [] and not (tmp_path / "s").exists()
+
+
+def _spooled(folder: Path) -> bool:
+    """A spool file in the (hidden) folder the store is built in."""
+    return any(f.name.startswith(("in-", "part-")) for d in folder.iterdir() if d.is_dir()
+               for f in d.iterdir())
+
+
+def _sid(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[4])  # fields after "(comm)": state ppid pgrp sid

@@ -220,7 +220,7 @@ def _write_store(tmp: Path, units: Iterator[Unit], tok: PreTrainedTokenizerBase,
                                ftok, tmp)
         np.zeros(1, dtype=np.int64).tofile(foff)
         bar = Progress(None, "tokenising", "doc")
-        with contextlib.closing(parts):  # an error or a signal stops its worker pool at once
+        with contextlib.closing(parts):  # an error or a signal stops its workers at once
             for n_ids, lengths in parts:  # in document order, one unit at a time
                 (n_tokens + np.cumsum(lengths)).tofile(foff)
                 n_tokens += n_ids

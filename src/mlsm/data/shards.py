@@ -3,7 +3,7 @@
 The reader (the main process) cuts each source into *units*: about a megabyte of one file's raw
 bytes (cut only where a document may begin) or a batch of ready documents (`hf:` sources). All
 the per-token work is `tokenise_unit`'s: decoding, JSON parsing, splitting into documents and
-tokenising, either in-process or in a pool of worker processes. A worker writes its unit's ids
+tokenising, either in-process or in worker processes (`_Workers`). A worker writes its unit's ids
 to a part file and sends back only the document lengths; the main process appends the parts to
 tokens.bin in submission order with a kernel-side copy, so the store is byte-identical whatever
 the number of processes and the main process stays nearly idle: what it does alone (gunzip,
@@ -20,11 +20,12 @@ import ctypes
 import itertools
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import sys
-from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -114,15 +115,16 @@ def unit_documents(unit: Unit, text_field: str) -> Iterator[str]:
 
 def _die_with_parent(parent: int) -> None:
     """Linux: this worker gets SIGTERM when the thread that forked it ends (PR_SET_PDEATHSIG), and
-    ends now if that parent is already gone. A worker the pool forked while it was being torn down
-    outlived the command, blocked on the pool's queue and holding its stdout and stderr, so
-    whatever read them (a test, a pipeline) waited forever (seen in CI)."""
+    ends now if that parent is already gone. A worker that outlives the command holds its stdout
+    and stderr, so whatever reads them (a test, a pipeline) waits (seen in CI with
+    `multiprocessing.Pool`); without this it would end only at its pipe's end of file, after
+    the unit it is tokenising."""
     if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no libc prctl: the pool's own teardown still applies
+    except (OSError, AttributeError):  # no libc prctl: the pipe's end of file still ends it
         return
     if os.getppid() != parent:  # the parent died between the fork and the prctl
         os._exit(0)
@@ -133,7 +135,7 @@ def _init_worker(tokenizer_json: str, text_field: str, dtype: str, parent: int) 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and stops us
     # A handler inherited from the parent (a training loop's "stop at the next step") would keep
-    # Pool.terminate()'s SIGTERM from ending the worker.
+    # a SIGTERM (the parent's teardown, `kill`) from ending the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent(parent)
     _init_worker_state(tokenizer_json, text_field, dtype)
@@ -156,14 +158,6 @@ def tokenise_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray]:
         start = stop
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     return (np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)), lengths
-
-
-def _tokenise_to_part(unit: Unit, part: str) -> tuple[int, np.ndarray]:
-    """`tokenise_unit` in a worker: the ids go to the file `part` rather than back through the
-    pipe; (number of ids, document lengths) is what returns."""
-    ids, lengths = tokenise_unit(unit)
-    ids.tofile(part)
-    return len(ids), lengths
 
 
 def _append_file(part: Path, out: BinaryIO) -> None:
@@ -204,7 +198,7 @@ def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, 
     ids to `out` (a file opened unbuffered) in unit order; yields (number of ids, document
     lengths) per unit once its ids are in `out`. Workers write part files in `spool`.
 
-    A corpus of a single unit is tokenised in-process: a pool would only add its start-up time.
+    A corpus of a single unit is tokenised in-process: workers would only add their start-up.
     """
     units = iter(units)
     head = list(_take(units, 2))
@@ -221,7 +215,7 @@ def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, 
                 _WORKER.clear()
                 _WORKER.update(saved)
         return
-    # closed on any exit, so the pool is torn down while an error unwinds, not at interpreter exit
+    # closed on any exit, so the workers are stopped while an error unwinds, not at interpreter exit
     with contextlib.closing(_pool_map(itertools.chain(head, units), tokenizer_json, text_field,
                                       dtype, num_proc, spool)) as parts:
         for part, n_ids, lengths in parts:
@@ -257,20 +251,19 @@ def _context() -> mp.context.BaseContext:
 
 def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
               num_proc: int, spool: Path) -> Iterator[tuple[Path, int, np.ndarray]]:
-    """(part file, number of ids, document lengths) per unit, in order, with a bounded window
-    (Pool.imap would read the whole corpus ahead).
+    """(part file, number of ids, document lengths) per unit, in order, with at most
+    `2 x num_proc` units read ahead.
 
     An error while reading is raised only after the units read before it are tokenised, so the
     first error reported is the one a single process would report.
     """
-    pending: deque = deque()
-    with _single_threaded(), _context().Pool(num_proc, _init_worker,
-                                             (tokenizer_json, text_field, dtype,
-                                              os.getpid())) as pool:
-        read_error: BaseException | None = None
-        submitted = 0
+    read_error: BaseException | None = None
+    submitted = yielded = 0
+    replies: dict[int, tuple] = {}
+    with _single_threaded(), _Workers(num_proc, (tokenizer_json, text_field, dtype),
+                                      spool) as workers:
         while True:
-            while read_error is None and len(pending) < 2 * num_proc:
+            while read_error is None and submitted - yielded < 2 * num_proc:
                 try:
                     unit = next(units)
                 except StopIteration:
@@ -278,12 +271,135 @@ def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype
                 except UserError as exc:
                     read_error = exc
                     break
-                part = spool / f"part-{submitted:09d}.bin"
+                workers.submit(submitted, unit)
                 submitted += 1
-                pending.append((part, pool.apply_async(_tokenise_to_part, (unit, str(part)))))
-            if not pending:
+            if yielded == submitted:
                 break
-            part, result = pending.popleft()
-            yield (part, *result.get())
+            while yielded not in replies:
+                replies.update(workers.replies())
+            reply = replies.pop(yielded)
+            if isinstance(reply[0], BaseException):
+                raise reply[0]
+            yield (workers.part(yielded), *reply)
+            yielded += 1
         if read_error is not None:
             raise read_error
+
+
+class _Workers:
+    """`num_proc` tokenising processes, each fed through its own pipe, with no helper thread in
+    this process: `multiprocessing.Pool` runs three, and a SIGTERM during its teardown could
+    leave `terminate()` joining its task thread forever (seen in CI), and a worker killed by the
+    OS (out of memory) lost its unit and left `Pool` waiting for it forever. Here a stop kills
+    the workers and returns; a dead worker is one clear error.
+
+    Messages stay small so that no send can block on a full pipe: a unit's payload goes through
+    a spool file (`in-N.bin`; the page cache, deleted once read), its ids come back through a
+    part file (`part-N.bin`), and only (number of ids, document lengths) through the pipe."""
+
+    def __init__(self, num_proc: int, init_args: tuple, spool: Path):
+        ctx, self.spool = _context(), spool
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.load = [0] * num_proc  # units sent to each worker and not answered yet
+        for _ in range(num_proc):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(theirs, *init_args, os.getpid()),
+                               daemon=True)
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:  # finished: let the workers end on their own
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=5 if kind is None else 0)
+            if proc.is_alive():
+                proc.kill()  # holds nothing of ours: its files are in the spool
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+    def part(self, seq: int) -> Path:
+        return self.spool / f"part-{seq:09d}.bin"
+
+    def submit(self, seq: int, unit: Unit) -> None:
+        """Send unit number `seq` to the least loaded worker."""
+        kind, label, line, payload = unit
+        data = payload if kind != "docs" else json.dumps(payload).encode("utf-8")
+        path = self.spool / f"in-{seq:09d}.bin"
+        path.write_bytes(data)
+        w = min(range(len(self.load)), key=self.load.__getitem__)
+        try:
+            self.conns[w].send((seq, kind, label, line, str(path), str(self.part(seq))))
+        except OSError:
+            raise self._died(w) from None
+        self.load[w] += 1
+
+    def replies(self) -> dict[int, tuple]:
+        """Wait for at least one worker's answer: {unit number: (number of ids, lengths) or
+        (exception,)}."""
+        out = {}
+        for conn in mp.connection.wait(self.conns):
+            w = self.conns.index(conn)
+            try:
+                seq, *reply = conn.recv()
+            except (EOFError, OSError):
+                raise self._died(w) from None
+            self.load[w] -= 1
+            out[seq] = tuple(reply)
+        return out
+
+    def _died(self, w: int) -> UserError:
+        proc = self.procs[w]
+        proc.join(timeout=1)
+        return UserError(f"a tokenising process (pid {proc.pid}) ended with exit code "
+                         f"{proc.exitcode} (-9: killed, often for lack of memory); re-run the "
+                         "same command, with --num-proc 1 to use the least memory")
+
+
+def _worker_main(conn: Any, tokenizer_json: str, text_field: str, dtype: str,
+                 parent: int) -> None:
+    """A worker's life: tokenise each (unit number, kind, label, line, payload file, part file)
+    it is sent, answering (unit number, number of ids, lengths) or (unit number, exception),
+    until it is sent None or the pipe closes."""
+    try:
+        _init_worker(tokenizer_json, text_field, dtype, parent)
+        failed: BaseException | None = None
+    except Exception as exc:  # noqa: BLE001 - sent back, raised in the parent at the first unit
+        failed = exc
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        seq, kind, label, line, payload, part = task
+        try:
+            if failed is not None:
+                raise failed
+            data = Path(payload).read_bytes()
+            os.unlink(payload)
+            body = json.loads(data) if kind == "docs" else data
+            ids, lengths = tokenise_unit((kind, label, line, body))
+            ids.tofile(part)
+            conn.send((seq, len(ids), lengths))
+        except Exception as exc:  # noqa: BLE001 - the parent raises it in unit order
+            conn.send((seq, _sendable(exc)))
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling (UserError does), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to pickle
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
