@@ -341,3 +341,46 @@ def test_mae_mlsm_arm_has_no_probe_or_blimp_work_and_its_probe_skip_is_recorded(
     assert sorted(status) == ["probe:x@100%", "probe:x@50%"], status
     assert all(v["state"] == "skipped" and "fine-tuning only" in v["reason"]
                for v in status.values()), status
+
+
+STUDIES = sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
+def test_the_job_file_gives_the_driver_s_study_back_exactly(path: Path) -> None:
+    """What a local evaluation subprocess reads (`spec_record` as JSON) is the driver's study
+    exactly: seeded runs not seeded again, relative paths not resolved again (a shipped study's
+    are relative), hypotheses kept."""
+    from mlsm.study.spec import load_study, spec_from_record, spec_record
+
+    spec = load_study(os.path.relpath(path))
+    assert spec_from_record(json.loads(json.dumps(spec_record(spec)))) == spec
+
+
+def test_a_seeded_study_evaluates_each_run_in_its_own_subprocess(corpus_dir, tokenizer_dir,
+                                                                  tmp_path, monkeypatch) -> None:
+    """Seeds x jobs = 2, a study file with relative paths: each run's BLiMP stage is a
+    subprocess that scores its own run, and the driver takes its rows as current (the
+    subprocess computed the same fingerprints). It used to re-read a YAML copy of the study,
+    whose seeded runs (a-s0) were refused as arm names."""
+    import yaml
+
+    from mlsm.study import reuse
+    from mlsm.study.spec import load_study
+
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, Path("../out"))
+    raw["arms"]["b"] = {"objective": {"name": "mlm"}}
+    raw.update(out="../out", seeds=[0], blimp={"data": ["pairs"], "readiness": [1.0]},
+               probe={"heldout_batches": 1, "batch_size": 2})
+    (tmp_path / "studies").mkdir()
+    _pairs(tmp_path / "studies")
+    (tmp_path / "studies" / "s.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)  # the study file's paths are relative to where it is
+    spec = load_study("studies/s.yaml")
+    run_study(spec, stages=["store", "pretrain", "blimp"], log=lambda s: None)
+    study = Study(spec)
+    for run in ("a-s0", "b-s0"):
+        row = json.loads((tmp_path / "out" / "blimp" / f"{run}@100pct.json").read_text())
+        assert row["threads"] == 1 and row["n_pairs"] == 4
+        assert reuse.is_current(study, "blimp", row)
+        assert "[study] blimp:" in (tmp_path / "out" / "logs" / f"blimp-{run}.log").read_text()

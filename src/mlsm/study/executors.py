@@ -2,8 +2,8 @@
 
 `local` with jobs = 1 runs every stage of every arm in this process, one after the other. With
 jobs > 1 each arm's pre-training is a `python -m mlsm pretrain --resume auto` subprocess, and
-each arm's evaluation stage (probe, finetune, blimp) a `python -m mlsm study FILE --stages STAGE
---arms ARM` subprocess, each with `executor.threads` torch threads, `jobs` of them at once.
+each arm's evaluation stage (probe, finetune, blimp, readout) a `python -m mlsm.study.job`
+subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once.
 `slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
 GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
 them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued
@@ -15,6 +15,7 @@ environment), which is what `torchrun` would do by hand.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import subprocess
@@ -32,7 +33,7 @@ from mlsm.run_config import config_from_dict
 from mlsm.study.folder import LOCK_VARIABLE, Study, pretrain_done
 from mlsm.study.preparation import pretrain_arm, pretrain_todo
 from mlsm.study.reuse import pretrain_inputs
-from mlsm.study.spec import StudySpec
+from mlsm.study.spec import StudySpec, spec_record
 from mlsm.study.stages import EVALUATIONS, driver_threads, has_work, run_arm_stage
 
 
@@ -276,10 +277,10 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     """Run an evaluation stage (probe, finetune, blimp) for `arms`; returns the arms that failed.
 
     `local` with jobs = 1 (or one arm with work) runs the stage here, one model at a time. With
-    jobs > 1 each arm's stage is a `mlsm study FILE --stages STAGE --arms ARM` subprocess with
-    `executor.threads` threads, `jobs` at once. On slurm each arm's stage is one job, submitted
-    after pre-training finished and awaited before the next stage. Subprocesses and jobs run
-    `run_study` restricted to that arm and stage, so skip-if-complete and the failure records
+    jobs > 1 each arm's stage is a `python -m mlsm.study.job` subprocess with `executor.threads`
+    threads, `eval_jobs` at once. On slurm each arm's stage is one job, submitted after
+    pre-training finished and awaited before the next stage. Subprocesses and jobs run
+    `run_arm_stage` with that arm and stage, so skip-if-complete and the failure records
     work inside them as here; an arm whose stage has nothing to do (its files exist, or the stage
     does not apply to it) gets none.
     """
@@ -310,16 +311,15 @@ def eval_jobs(study: Study) -> int:
 
 
 def _local_jobs(study: Study, stage: str, arms: list[str]) -> set[str]:
-    """Each arm's `stage` as a subprocess, `eval_jobs` at once; returns the arms that failed.
-    The subprocesses read the study from OUT/configs/study.yaml with jobs = 1, so each runs its
-    arm here with `executor.threads` threads (not jobs x threads) and starts no subprocess."""
-    import yaml
-
+    """Each arm's `stage` as a subprocess (`mlsm.study.job`), `eval_jobs` at once; returns the
+    arms that failed. The subprocesses read this study from OUT/configs/study-job.json with
+    jobs = 1, so each runs its arm in its own process with `executor.threads` threads (not
+    jobs x threads)."""
     spec = dataclasses.replace(study.spec, executor=dataclasses.replace(study.spec.executor,
                                                                         jobs=1, eval_jobs=0))
-    path = study.root / "configs" / "study.yaml"
+    path = study.root / "configs" / "study-job.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+    atomic_write_text(path, json.dumps(spec_record(spec), indent=1) + "\n")
     with ThreadPoolExecutor(max_workers=eval_jobs(study)) as pool:
         ok = list(pool.map(lambda a: study.stage(
             f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
@@ -333,15 +333,14 @@ def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> st
     env = {**os.environ, LOCK_VARIABLE: str(locking.lock_path(study.root))}  # we hold it
     if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
-    command = [sys.executable, "-m", "mlsm", "study", str(spec_file), "--out", str(study.root),
-               "--stages", stage, "--arms", arm]
+    command = [sys.executable, "-m", "mlsm.study.job", str(spec_file), stage, arm]
     with log.open("a") as fh:
         code, cpu = _call_measured(command, fh, env)
     study.add_child_cpu(cpu)
     outcome = _outcome(study, stage, arm)  # raises with the records of a failed stage
     if code != 0:  # it stopped before its stage could record anything
-        raise RuntimeError(f"mlsm study --stages {stage} --arms {arm} exited with {code}; "
-                           f"see {log}")
+        raise RuntimeError(f"the {stage} subprocess of arm {arm} (python -m mlsm.study.job) "
+                           f"exited with {code}; see {log}")
     return outcome
 
 

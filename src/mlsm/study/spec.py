@@ -223,6 +223,26 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     return spec
 
 
+def spec_record(spec: StudySpec) -> dict[str, Any]:
+    """`spec` as plain data (JSON) exactly as loaded: its arms are the runs (ARM-s<seed> in a
+    seeded study), its paths as resolved, its hypotheses parsed. `spec_from_record` gives the
+    same spec back; a study file would not (`load_study` seeds the arms and resolves the paths
+    against the file's folder, so a second pass renames and moves them)."""
+    return dataclasses.asdict(spec)
+
+
+def spec_from_record(raw: dict[str, Any]) -> StudySpec:
+    """The inverse of `spec_record`."""
+    raw = dict(raw)
+    groups = {k: build_dataclass(cls, raw.pop(k), k) for k, cls in _NESTED.items()}
+    arms = {n: build_dataclass(ArmSpec, a, f"arms.{n}") for n, a in raw.pop("arms").items()}
+    hyps = [build_dataclass(Hypothesis, h, "hypotheses") for h in raw.pop("hypotheses")]
+    readout = raw.pop("readout")
+    readout = None if readout is None else build_dataclass(ReadoutSpec, readout, "readout")
+    return dataclasses.replace(build_dataclass(StudySpec, raw, "study"), arms=arms,
+                               hypotheses=hyps, readout=readout, **groups)
+
+
 def seeded_runs(arms: dict[str, ArmSpec], seeds: list[int]) -> dict[str, ArmSpec]:
     """One run per (arm, seed), seed by seed (every arm of seed 0 first, so pairs complete
     early), named ARM-s<seed>, whose overrides set data.seed and train.seed to the seed (over the
