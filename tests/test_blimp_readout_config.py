@@ -180,6 +180,34 @@ def test_the_fingerprint_holds_what_decides_a_score(tmp_path: Path) -> None:
     assert settings(readiness=[0.5]) == base  # which models, not how one is scored
 
 
+
+def test_one_convention_a_new_setting_decides_until_marked() -> None:
+    """Both configs mark the settings that cannot change a result (`decides: False`); a field
+    without a mark decides, so a forgotten mark makes a fingerprint stricter, never blind."""
+    from mlsm.config import deciding
+
+    @dataclasses.dataclass
+    class Extended(BlimpConfig):
+        new_knob: int = 3
+        batching: int = dataclasses.field(default=8, metadata={"decides": False})
+
+    assert deciding(Extended())["new_knob"] == 3 and "batching" not in deciding(Extended())
+    assert "new_knob" in Extended().decisive()
+
+
+def test_a_fine_tuning_cell_fingerprint_holds_what_decides_its_scores() -> None:
+    from mlsm.evaluate.finetune_config import FinetuneConfig
+
+    base = FinetuneConfig().decisive("classification", True)
+    for key, value in [("epochs", 1), ("max_steps", 9), ("batch_size", 8), ("head", "mean"),
+                       ("val_fraction", 0.1), ("max_len", 64), ("max_train_examples", 50),
+                       ("warmup_ratio", 0.1), ("weight_decay", 0.0), ("fixed_order", True),
+                       ("clip", 0.0), ("eval_test", True)]:
+        assert FinetuneConfig(**{key: value}).decisive("classification", True) != base, key
+    for key, value in [("seeds", 2), ("lrs", [1e-3]), ("preset", "x"), ("data_dir", "/d"),
+                       ("recompute", True), ("temperature", 0.5)]:  # a classifier has none
+        assert FinetuneConfig(**{key: value}).decisive("classification", True) == base, key
+
 # One range per former STUDY_CHECKS entry (commit 24c5b73), with a value outside it: each is now
 # declared beside its field and refused through the study file in one line.
 FORMER_STUDY_TABLE = [

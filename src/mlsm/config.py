@@ -274,6 +274,15 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+def deciding(obj: Any, cls: type | None = None) -> dict[str, Any]:
+    """The settings of a config dataclass that can change a result, for fingerprints: the fields
+    of `cls` (default: `obj`'s own class) not marked `metadata["decides"] = False`. Marking the
+    others (rather than these) means a new field decides until someone says it cannot, so a
+    forgotten mark makes a fingerprint stricter, never blind."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls or obj)
+            if f.metadata.get("decides", True)}
+
+
 def check_fields(obj: Any, where: str) -> None:
     """The declared range of every field of a dataclass instance built in Python (not by
     `build_dataclass`), e.g. an objective's typed Config passed to `build_objective`."""

@@ -5,8 +5,9 @@
 and a study's `blimp:` group (`mlsm.study.spec.BlimpSpec`) is a subclass that adds only the study's
 own keys (which pair sets, which checkpoints). Each field's range sits beside it
 (`metadata["check"]`); `metadata["decides"] = False` marks the settings that cannot change a score
-(batching, an input-size refusal), which a study's fingerprint leaves out. Imports no torch: the CLI
-builds its parser from it before anything heavy is loaded.
+(batching, an input-size refusal), which a study's fingerprint leaves out
+(`mlsm.config.deciding`). Imports no torch: the CLI builds its parser from it before anything
+heavy is loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlsm.config import INT_LIMIT, build_dataclass
+from mlsm.config import INT_LIMIT, build_dataclass, deciding
 from mlsm.errors import UserError
 from mlsm.limits import MAX_SENTENCE_CHARS
 
@@ -49,10 +50,8 @@ class BlimpConfig:
     """A longer sentence is refused before it is tokenised."""
 
     def decisive(self) -> dict[str, Any]:
-        """The settings (a subclass's too) that can change a score, for fingerprints: every field
-        not marked `decides: False`."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.metadata.get("decides", True)}
+        """The settings (a subclass's too) that can change a score, for fingerprints."""
+        return deciding(self)
 
 
 def blimp_config(config: BlimpConfig | None, settings: dict[str, Any],
