@@ -294,8 +294,8 @@ def test_binary_line_is_refused_with_file_and_line(tmp_path):
 @pytest.mark.parametrize("reader", ["results", "readouts"])
 def test_every_jsonl_reader_keeps_the_rule(tmp_path, reader):
     """The results and readouts readers both skip a torn line and refuse a malformed one."""
+    from mlsm.artifacts.results_file import read_results
     from mlsm.evaluate.readouts import plot_rows
-    from mlsm.evaluate.stats import read_results
 
     row = {"model": "m", "value": 0.5, "task": "rte", "metric": "acc", "seed": 0, "lr": 1e-4,
            "epochs": 1, "batch_size": 8, "max_len": 64, "n_train": 10, "kind": "probe"}

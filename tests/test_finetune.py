@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune import (
     build_head,
@@ -37,7 +38,7 @@ from mlsm.evaluate.finetune import (
     resolve_model,
     training_order,
 )
-from mlsm.evaluate.stats import compare_runs, read_results
+from mlsm.evaluate.stats import compare_runs
 from mlsm.evaluate.tasks import CONLL_TAGS, Example, get_task, load_task
 
 POS = ["great", "wonderful", "superb", "lovely"]

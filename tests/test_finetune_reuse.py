@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import mlsm.evaluate.finetune as ft
+from mlsm.artifacts.results_file import read_results
 from mlsm.dataclass_flags import add_dataclass_flags, flag_values
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune import finetune
 from mlsm.evaluate.finetune_config import FinetuneConfig
-from mlsm.evaluate.stats import compare_runs, read_results
+from mlsm.evaluate.stats import compare_runs
 from mlsm.study.spec import FinetuneSpec
 from tests.test_finetune import _bert, _keyword_sst2
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
+from mlsm.artifacts.results_file import append_results, read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune import build_head, finetune, prepare, resolve_model, train_cell
 from mlsm.evaluate.protocol import (
@@ -24,7 +25,7 @@ from mlsm.evaluate.protocol import (
     split_validation,
     validation_scores,
 )
-from mlsm.evaluate.stats import SELECTED_LR, append_results, compare_runs, read_results
+from mlsm.evaluate.stats import SELECTED_LR, compare_runs
 from mlsm.evaluate.tasks import get_task, load_task
 from tests.test_finetune import _bert, _keyword_sst2
 

@@ -24,6 +24,7 @@ from tokenizers import (
 )
 from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate import qa
 from mlsm.evaluate.finetune import finetune
@@ -42,7 +43,7 @@ from mlsm.evaluate.qa_metrics import (
     squad_v2_metrics,
     token_f1,
 )
-from mlsm.evaluate.stats import compare_runs, read_results
+from mlsm.evaluate.stats import compare_runs
 from mlsm.evaluate.tasks import load_task
 
 SHARED_SQUAD = Path(__file__).resolve().parents[2] / "shared/data/squad_v1.1/dev-v1.1.json.gz"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.evaluate.stats import read_results
+from mlsm.artifacts.results_file import read_results
 
 from .conftest import SHARED
 

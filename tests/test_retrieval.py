@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate import retrieval
 from mlsm.evaluate.beir import BeirSplit, load_beir_hf, read_beir
@@ -25,7 +26,7 @@ from mlsm.evaluate.retrieval import (
     search,
 )
 from mlsm.evaluate.retrieval_cell import pick_positives, training_queries
-from mlsm.evaluate.stats import compare_runs, read_results
+from mlsm.evaluate.stats import compare_runs
 from mlsm.evaluate.tasks import get_task, task_folder
 from tests.conftest import _WORDS, SHARED
 

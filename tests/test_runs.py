@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune import finetune
 from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
 from mlsm.evaluate.rank import load_encoder
-from mlsm.evaluate.stats import compare_runs, read_results
+from mlsm.evaluate.stats import compare_runs
 from mlsm.run_config import load_config
 from mlsm.runs import readiness_checkpoints, resolve_checkpoint
 from mlsm.train.loop import pretrain

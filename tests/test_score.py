@@ -177,8 +177,9 @@ def test_token_store_chunks_equal_brute_force(bert, tok, folder, tmp_path):
 
 
 def test_cli_writes_scores_summary_and_a_results_row(folder, tmp_path, capsys):
+    from mlsm.artifacts.results_file import read_results
     from mlsm.cli import main
-    from mlsm.evaluate.stats import compare_runs, read_results
+    from mlsm.evaluate.stats import compare_runs
 
     text = tmp_path / "s.txt"
     text.write_text("\n".join(UNIQUE[:3]) + "\n")

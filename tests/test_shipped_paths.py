@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.evaluate.stats import append_results, read_results
+from mlsm.artifacts.results_file import append_results, read_results
 from mlsm.study.spec import load_study
 
 ROOT = Path(__file__).resolve().parents[1]

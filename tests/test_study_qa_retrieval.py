@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.cli import main
-from mlsm.evaluate.stats import read_results
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study
 from tests.test_qa import _squad_folder

@@ -146,8 +146,8 @@ def test_finetune_writes_one_tensorboard_run_per_cell(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from mlsm.artifacts.results_file import read_results
     from mlsm.evaluate.finetune import finetune
-    from mlsm.evaluate.stats import read_results
 
     from .test_finetune import _bert, _keyword_sst2
 

@@ -258,9 +258,9 @@ def _score(a: argparse.Namespace) -> None:
 
 
 def _score_into(a: argparse.Namespace) -> None:
+    from mlsm.artifacts.results_file import append_results
     from mlsm.evaluate.probe import load_scorer
     from mlsm.evaluate.score import results_row, score_corpus, warn_truncated, write_scores
-    from mlsm.evaluate.stats import append_results
 
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = score_corpus(model, tokenizer, a.input, variant=a.variant, max_tokens=a.max_tokens,

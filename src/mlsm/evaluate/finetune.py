@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from mlsm import tracking
+from mlsm.artifacts.results_file import append_results, check_model_name, read_results
 from mlsm.errors import UserError
 from mlsm.evaluate import cell_reuse, protocol, qa, retrieval_cell
 from mlsm.evaluate.cell import (
@@ -44,7 +45,6 @@ from mlsm.evaluate.cell import (
     training_order,
 )
 from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
-from mlsm.evaluate.stats import append_results, check_model_name, read_results
 from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.hf import check_max_len
 from mlsm.inputs import check_apart

@@ -261,7 +261,7 @@ def _heldout(folder: Path, spec: ReadoutSpec) -> tuple[Any, list[int]]:
 
 def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Append rows to a JSON-lines file (one locked write, like results.jsonl)."""
-    from mlsm.evaluate.stats import append_results
+    from mlsm.artifacts.results_file import append_results
 
     append_results(path, rows)
     return Path(path)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.beir import BeirSplit, load_beir_hf, read_beir
 from mlsm.evaluate.cell import (
@@ -43,7 +44,6 @@ from mlsm.evaluate.retrieval import (
     pad,
     tokenize,
 )
-from mlsm.evaluate.stats import read_results
 from mlsm.evaluate.tasks import TaskSpec, task_folder
 from mlsm.progress import Progress
 

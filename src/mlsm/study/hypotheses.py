@@ -162,7 +162,7 @@ def study_rows(root: Path, warn: Callable[[str], None] = print,
     (model, kind, task, metric) no readout row gives). keep(kind, row), kind "readout" or
     "blimp" (a BLiMP file): False leaves the row out (made from other inputs or settings)."""
     keep = keep or (lambda kind, row: True)
-    from mlsm.evaluate.stats import read_results
+    from mlsm.artifacts.results_file import read_results
 
     rows: list[dict[str, Any]] = []
     results = root / "results.jsonl"

@@ -146,7 +146,7 @@ def blimp_rows(study: Study) -> list[dict[str, Any]]:
 def supersede_stale_finetuning(study: Study) -> None:
     """Move the fine-tuning rows of every arm whose stage record is not of the current settings
     and checkpoints out of results.jsonl (to superseded/): the report compares what is left."""
-    from mlsm.evaluate.stats import read_results
+    from mlsm.artifacts.results_file import read_results
 
     if not study.results.is_file():
         return
@@ -196,8 +196,9 @@ def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
 
 
 def _finetune_section(study: Study) -> tuple[list[str], dict[str, Any]]:
+    from mlsm.artifacts.results_file import read_results
     from mlsm.evaluate.report import plot_readiness, plot_wilcoxon
-    from mlsm.evaluate.stats import compare_runs, read_results
+    from mlsm.evaluate.stats import compare_runs
 
     if not study.results.is_file() or not study.results.read_bytes().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}

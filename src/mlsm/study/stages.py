@@ -160,7 +160,7 @@ def _finetune(study: Study, arm: str) -> str | None:
 
 def _rows_of(study: Study, arm: str) -> int:
     """Fine-tuning rows of this arm's models (other arms' jobs may append meanwhile)."""
-    from mlsm.evaluate.stats import read_results
+    from mlsm.artifacts.results_file import read_results
 
     if not study.results.is_file():
         return 0
