@@ -384,3 +384,27 @@ def test_a_seeded_study_evaluates_each_run_in_its_own_subprocess(corpus_dir, tok
         assert row["threads"] == 1 and row["n_pairs"] == 4
         assert reuse.is_current(study, "blimp", row)
         assert "[study] blimp:" in (tmp_path / "out" / "logs" / f"blimp-{run}.log").read_text()
+
+
+def test_lines_logged_from_threads_at_once_stay_whole(tmp_path) -> None:
+    """Two arms' stages log from threads at once: the sink gets one whole line at a time, even
+    one that, like `print`, writes a line and its newline separately (a v2 log read
+    `...mlsm_l5-s0: start[study] blimp:...`)."""
+    written: list[str] = []
+
+    def sink(line: str) -> None:  # print's two writes to a file, each letting other threads run
+        written.append(line)
+        time.sleep(0)
+        written.append("\n")
+
+    spec = study_from_dict({"name": "t", "out": str(tmp_path),
+                            "arms": {"m": {"objective": {"name": "mlm"}}}})
+    study = Study(spec, log=sink)
+    lines = [f"[study] line {i}" for i in range(2000)]
+    threads = [threading.Thread(target=lambda part=part: [study.log(x) for x in part])
+               for part in (lines[::2], lines[1::2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted("".join(written).splitlines()) == sorted(lines)

@@ -45,10 +45,16 @@ class Study:
         self.spec = spec
         self.in_job = in_job  # inside a slurm job of the study: stages run here, never as jobs
         self.root = spec.root
-        self.log = log
+        self._log, self._log_lock = log, threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         self._child_cpu = threading.local()
         self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
+
+    def log(self, line: str) -> None:
+        """One line to the study's log. The arms' stages log from threads at once, and `print`
+        writes a line and its newline separately, so two lines could share one (`start[study]`)."""
+        with self._log_lock:
+            self._log(line)
 
     # --- paths ---------------------------------------------------------------------------
     @property
