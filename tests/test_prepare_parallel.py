@@ -370,3 +370,16 @@ def _sid(pid: str) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[4])  # fields after "(comm)": state ppid pgrp sid
+
+
+def test_a_worker_s_unexpected_error_reaches_the_command(tokenizer_dir: Path, tmp_path: Path,
+                                                         alarm) -> None:
+    """Not bad input but a failure inside a worker (here the tokenizer given a number): raised in
+    the command with its type and text, whatever its class, and no worker is left."""
+    alarm(60)
+    units = iter([("docs", "mem", 0, ["fine"]), ("docs", "mem", 0, [123]),
+                  ("docs", "mem", 0, ["fine"])])
+    with (open(tmp_path / "ids.bin", "wb", buffering=0) as ids,
+          pytest.raises(RuntimeError, match="worker: TypeError")):
+        list(_tokenise(tokenizer_dir, tmp_path, units, ids))
+    assert mp.active_children() == []

@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -397,9 +396,9 @@ def _worker_main(conn: Any, tokenizer_json: str, text_field: str, dtype: str,
 
 
 def _sendable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling (UserError does), else a RuntimeError with its text."""
-    try:
-        pickle.loads(pickle.dumps(exc))
+    """`exc` itself if it is a UserError (bad input: its one line is the message), else a
+    RuntimeError with its type and text: an arbitrary exception may not survive the pipe (one
+    whose __init__ takes other arguments than its args fails to unpickle in the parent)."""
+    if type(exc) is UserError:
         return exc
-    except Exception:  # noqa: BLE001 - any failure to pickle
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return RuntimeError(f"tokenising failed in a worker: {type(exc).__name__}: {exc}")
