@@ -242,3 +242,19 @@ def test_a_bad_recipe_is_one_line_from_flag_function_and_study(tmp_path: Path, c
         run_probe(tmp_path, steps=-1)
     with pytest.raises(UserError, match=r"^probe\.recipe must be"):
         _study(tmp_path, {"recipe": "fig6"})
+
+
+@pytest.mark.parametrize("inputs", [["logits", "probs"], ["probs", "logits"]])
+def test_a_probe_that_never_beats_unigram_reports_the_input_it_trained(mlsm_ckpt: Path,
+                                                                       tmp_path: Path,
+                                                                       inputs) -> None:
+    """A step this large never beats the unigram start, so every candidate ties at it: the input
+    reported is the one selection kept and trained on (its curve), whatever the order of
+    `inputs` (it was the first of them, so a flaky test saw a winner without a curve)."""
+    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+
+    info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "p", ProbeFitConfig(
+        lr=1e4, inputs=inputs, select_steps=1, max_steps=3, eval_every=2, patience=5,
+        min_delta=0.0, heldout_batches=1, batch_size=4))
+    assert info["heldout_loss"] == info["unigram_loss"]  # the tie this is about
+    assert info["candidates"][info["input"]]["curve"] != []

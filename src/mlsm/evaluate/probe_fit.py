@@ -220,9 +220,11 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
     start = cands[0].evaluate(held)  # W = 0: the unigram distribution itself (loss, top-1)
     for c in cands:
         c.start_from(*start)
-    _train(cands, held, first, batch, max_steps=fit.max_steps, select_steps=select_steps,
-           eval_every=fit.eval_every, patience=fit.patience, min_delta=min_delta)
-    best = min(cands, key=lambda c: c.best)
+    kept = _train(cands, held, first, batch, max_steps=fit.max_steps, select_steps=select_steps,
+                  eval_every=fit.eval_every, patience=fit.patience, min_delta=min_delta)
+    # a tie (every candidate still at the unigram start) goes to the one selection kept, so the
+    # input reported is the one that was trained on, not the first in `inputs`
+    best = min(cands, key=lambda c: (c.best, c is not kept))
     if not math.isfinite(best.best):
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
                         f"probe.lr (now {lr:g})")
@@ -240,14 +242,17 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
 
 def _train(cands: list[_Candidate], held: list, first: tuple[torch.Tensor, torch.Tensor],
            batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, max_steps: int,
-           select_steps: int, eval_every: int, patience: int, min_delta: float) -> None:
+           select_steps: int, eval_every: int, patience: int, min_delta: float) -> _Candidate:
     """Train every candidate on the same batches for `select_steps`, then the best one alone until
-    its plateau (or max_steps); every candidate ends at its best weights (`restore_best`)."""
+    its plateau (or max_steps); every candidate ends at its best weights (`restore_best`).
+    Returns the candidate selection kept (the first, when there was no selection)."""
     live = list(cands)
+    kept = cands[0]
     bar = Progress(max_steps, "probe", "step")  # plateau stops may end it early
     for step in range(1, max_steps + 1):
         if step == select_steps + 1 and len(live) > 1:  # keep the best candidate only
             live = [min(live, key=lambda c: c.evaluate(held)[0])]
+            kept = live[0]
         live = [c for c in live if not c.done(patience)]
         if not live:
             break
@@ -261,6 +266,7 @@ def _train(cands: list[_Candidate], held: list, first: tuple[torch.Tensor, torch
     bar.close()
     for c in cands:
         c.restore_best()
+    return kept
 
 
 def _save_probe(out: Path, module: TrainModule, tokenizer: Any, best: _Candidate) -> Path:
