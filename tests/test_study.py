@@ -527,6 +527,15 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     raw["hypotheses"][0]["direction"] = "two-sided"  # changed once results exist
     run_study(load_study(_write(tmp_path, raw)), stages=["report"], log=lambda s: None)
     assert "PRE-REGISTRATION BROKEN" in (out / "report.md").read_text()
+    # one paired seed left: no test, and summary.json stays strict JSON (null, never NaN)
+    (out / "readouts" / "mlm_hi-s1@100pct.jsonl").unlink()
+    run_study(load_study(path), stages=["report"], log=lambda s: None)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"summary.json holds {constant}")
+
+    h1 = json.loads((out / "summary.json").read_text(), parse_constant=refuse)["hypotheses"][0]
+    assert h1["n"] == 1 and h1["p"] is None and h1["ci95"] == [None, None]
 
 
 def test_target_store_is_built_once_and_shared_by_seeds(

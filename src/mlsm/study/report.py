@@ -472,7 +472,20 @@ def write_report(study: Study) -> Path:
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
                "status": study.status()}
-    atomic_write_text(root / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    # strict JSON: a p-value or interval that does not exist (one seed) is null, not NaN
+    atomic_write_text(root / "summary.json",
+                      json.dumps(_strict(summary), indent=2, default=str, allow_nan=False) + "\n")
     path = root / "report.md"
     atomic_write_text(path, "\n".join(parts))
     return path
+
+
+def _strict(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None (JSON has neither), nested."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
