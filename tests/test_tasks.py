@@ -13,17 +13,14 @@ from seqeval.metrics import f1_score as seqeval_f1
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 from mlsm.errors import UserError
-from mlsm.evaluate.tasks import (
-    CONLL_TAGS,
-    TASKS,
-    get_task,
-    load_task,
+from mlsm.evaluate.task_metrics import (
     metric_acc,
     metric_acc_f1,
     metric_entity_f1,
     metric_mcc,
     metric_pearson_spearman,
 )
+from mlsm.evaluate.tasks import CONLL_TAGS, TASKS, get_task, load_task
 
 GLUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 

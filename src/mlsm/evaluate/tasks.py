@@ -1,4 +1,5 @@
-"""Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets, metrics.
+"""Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets (the
+metrics are `mlsm.evaluate.task_metrics`).
 
 The task list and metrics follow the evaluation protocol of the *Hitchhikers' Guide to Masked Latent
 Semantic Modeling* (anonymous, under review; §4.2): GLUE + WiC + CoNLL-2003. Local files are read in
@@ -25,13 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
-from seqeval.metrics import f1_score as seqeval_f1
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 from mlsm.errors import UserError
 from mlsm.evaluate import qa
 from mlsm.evaluate.qa_data import from_hf_row, squad_reader
+from mlsm.evaluate.task_metrics import (
+    metric_acc,
+    metric_acc_f1,
+    metric_entity_f1,
+    metric_mcc,
+    metric_pearson_spearman,
+)
 from mlsm.inputs import read_text
 
 
@@ -49,43 +54,6 @@ class Example:
 
 # (task folder, split) -> examples (QA tasks: `qa_data.QAExample`s)
 Reader = Callable[[Path, str], list[Any]]
-
-
-# ----------------------------------------------------------------------------- metrics
-# Each takes predictions and gold labels and returns {metric name: value}; values are fractions.
-
-
-def metric_mcc(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
-    """Matthews correlation (CoLA)."""
-    return {"mcc": float(matthews_corrcoef(labels, preds))}
-
-
-def metric_acc(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
-    """Accuracy."""
-    return {"acc": float(accuracy_score(labels, preds))}
-
-
-def metric_acc_f1(preds: Sequence[int], labels: Sequence[int]) -> dict[str, float]:
-    """Accuracy and F1 of the positive class 1 (MRPC, QQP: "paraphrase"/"duplicate")."""
-    f1 = f1_score(labels, preds, pos_label=1, average="binary", zero_division=0.0)
-    return {"acc": float(accuracy_score(labels, preds)), "f1": float(f1)}
-
-
-def metric_pearson_spearman(preds: Sequence[float], labels: Sequence[float]) -> dict[str, float]:
-    """Pearson and Spearman correlations (STS-B). A constant prediction scores 0, not NaN."""
-    p, l_ = np.asarray(preds, dtype=np.float64), np.asarray(labels, dtype=np.float64)
-    if np.ptp(p) == 0 or np.ptp(l_) == 0:
-        return {"pearson": 0.0, "spearman": 0.0}
-    return {
-        "pearson": float(sps.pearsonr(p, l_)[0]),
-        "spearman": float(sps.spearmanr(p, l_)[0]),
-    }
-
-
-def metric_entity_f1(preds: Sequence[Sequence[str]],
-                     labels: Sequence[Sequence[str]]) -> dict[str, float]:
-    """Entity-level micro F1 over tag sequences (seqeval, CoNLL-2003 convention)."""
-    return {"f1": float(seqeval_f1([list(x) for x in labels], [list(x) for x in preds]))}
 
 
 # ----------------------------------------------------------------------------- file readers
