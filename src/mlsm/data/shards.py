@@ -215,7 +215,7 @@ def tokenise_units(units: Iterator[Unit], tokenizer_json: str, text_field: str, 
                 _WORKER.update(saved)
         return
     # closed on any exit, so the workers are stopped while an error unwinds, not at interpreter exit
-    with contextlib.closing(_pool_map(itertools.chain(head, units), tokenizer_json, text_field,
+    with contextlib.closing(_worker_map(itertools.chain(head, units), tokenizer_json, text_field,
                                       dtype, num_proc, spool)) as parts:
         for part, n_ids, lengths in parts:
             _append_file(part, out)
@@ -248,7 +248,7 @@ def _context() -> mp.context.BaseContext:
     return mp.get_context("spawn")  # macOS system libraries are not fork-safe; Windows has none
 
 
-def _pool_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
+def _worker_map(units: Iterator[Unit], tokenizer_json: str, text_field: str, dtype: str,
               num_proc: int, spool: Path) -> Iterator[tuple[Path, int, np.ndarray]]:
     """(part file, number of ids, document lengths) per unit, in order, with at most
     `2 x num_proc` units read ahead.

@@ -25,12 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mlsm import locking
 from mlsm.config import config_to_dict, save_config
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.run_config import config_from_dict
-from mlsm.study.folder import LOCK_VARIABLE, Study, pretrain_done
+from mlsm.study.folder import Study, pretrain_done
 from mlsm.study.preparation import pretrain_arm, pretrain_todo
 from mlsm.study.reuse import pretrain_inputs
 from mlsm.study.spec import StudySpec, spec_record
@@ -330,7 +329,7 @@ def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> st
     log = study.root / "logs" / f"{stage}-{arm}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     study.log(f"[study] {stage}:{arm}: running as a subprocess, log {log}")
-    env = {**os.environ, LOCK_VARIABLE: str(locking.lock_path(study.root))}  # we hold it
+    env = dict(os.environ)  # the job writes inside this command's lock on the study folder
     if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm.study.job", str(spec_file), stage, arm]

@@ -398,9 +398,6 @@ _REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.pn
                    "readouts_flops.png")
 
 
-LOCK_VARIABLE = "MLSM_STUDY_LOCK_HELD"
-"""Set by a study for the `mlsm study --arms` subprocesses it starts: the lock it names is held
-by their parent, so they write into its folder without taking it."""
 
 
 

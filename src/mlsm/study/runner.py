@@ -14,12 +14,9 @@ from its last checkpoint (batches depend only on (data.seed, step)).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from mlsm import locking, tracking
 from mlsm.config import git_revision
@@ -28,7 +25,6 @@ from mlsm.fileio import atomic_write_text
 from mlsm.study.executors import check_slurm, run_evaluation, run_pretraining
 from mlsm.study.folder import (
     _REPORT_OUTPUTS,
-    LOCK_VARIABLE,
     OUTPUTS,
     Study,
     check_same_config,
@@ -37,9 +33,9 @@ from mlsm.study.folder import (
 )
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
-from mlsm.study.spec import StudySpec, arm_base
+from mlsm.study.spec import StudySpec, arm_base, spec_record
 
-__all__ = ["LOCK_VARIABLE", "OUTPUTS", "STAGES", "Study", "check_same_config", "check_study_inputs",
+__all__ = ["OUTPUTS", "STAGES", "Study", "check_same_config", "check_study_inputs",
            "run_study"]
 _only_arms = only_arms  # the name tests and older callers use
 
@@ -58,9 +54,8 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     spec = only_arms(spec, arms)
     check_study_inputs(spec, in_job)  # before anything is written
     # one writer per study folder: a second `mlsm study` on it refuses; the stages' own
-    # subprocesses and jobs run inside the holder's command (in_job, or the variable it sets)
-    mine = in_job or os.environ.get(LOCK_VARIABLE) == str(locking.lock_path(spec.root))
-    with locking.hold(spec.root, "study folder", enabled=not mine):
+    # subprocesses and jobs (in_job, `mlsm.study.job`) run inside the holder's command
+    with locking.hold(spec.root, "study folder", enabled=not in_job):
         return _run_study(spec, stages, log, arms, in_job)
 
 
@@ -68,7 +63,7 @@ def _run_study(spec: StudySpec, stages: list[str] | None, log: Callable[[str], N
                arms: list[str] | None, in_job: bool) -> Path | None:
     study = Study(spec, log, in_job)
     if not arms:  # a job restricted to some arms leaves the study's own record alone
-        record = {"spec": _plain(spec), "git_revision": git_revision()}
+        record = {"spec": spec_record(spec), "git_revision": git_revision()}
         atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
         # the hypotheses' hash, before any stage can write an evaluation row (once: a later
         # change of the hypotheses is then visible to the report)
@@ -178,5 +173,3 @@ def _report(study: Study) -> Path:
     return report[0]
 
 
-def _plain(spec: StudySpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)
