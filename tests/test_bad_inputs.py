@@ -401,6 +401,39 @@ def test_bad_argument_is_one_line(case, capsys, tmp_path):
     assert (tmp_path / "afile").read_text() == "precious\n"
 
 
+# The study's own evaluation subprocess (`python -m mlsm.study.job FILE STAGE ARM`): a user who
+# copies its command line from a log gets the same one line as from any verb.
+JOB_CASES = {
+    "no arguments": ([], "usage: python -m mlsm.study.job"),
+    "unknown stage": (["{record}", "pretrain", "m"], "unknown stage 'pretrain'"),
+    "missing file": (["{dir}/nope.json", "blimp", "m"], "nope.json"),
+    "torn JSON": (["{torn}", "blimp", "m"], "torn or not JSON"),
+    "a JSON list": (["{listed}", "blimp", "m"], "must hold a JSON"),
+    "not a study record": (["{file}", "blimp", "m"], "is not a study record"),
+    "unknown arm": (["{record}", "blimp", "zz"], "unknown arm 'zz'"),
+}
+
+
+@pytest.mark.parametrize("case", list(JOB_CASES))
+def test_bad_study_job_argument_is_one_line(case, capsys, tmp_path):
+    from mlsm.study import job
+    from mlsm.study.spec import spec_record, study_from_dict
+
+    spec = study_from_dict({"name": "j", "out": str(tmp_path / "study"),
+                            "arms": {"m": {"objective": {"name": "mlm"}}}})
+    files = {"record": json.dumps(spec_record(spec)), "torn": '{"name": "j", "ou',
+             "listed": "[1, 2]", "file": '{"precious": true}\n'}
+    for name, text in files.items():
+        (tmp_path / f"{name}.json").write_text(text)
+    args = [a.format(dir=tmp_path, **{n: tmp_path / f"{n}.json" for n in files})
+            for a in JOB_CASES[case][0]]
+    capsys.readouterr()
+    code = job.main(args)
+    assert_one_line(code, capsys.readouterr().err, JOB_CASES[case][1])
+    for name, text in files.items():  # nothing written over or deleted
+        assert (tmp_path / f"{name}.json").read_text() == text
+
+
 # --------------------------------------------------------------------------- one line: configs
 
 

@@ -7,24 +7,45 @@
 The JSON file is the driver's study exactly (`spec.spec_record`, with `jobs: 1`), so this process
 computes the same paths and fingerprints as the driver. Re-reading the study file would not: a
 seeded study's runs (ARM-s<seed>) would be seeded again, and relative paths resolved against
-the folder of the copy.
+the folder of the copy. Bad arguments or a file that is not such a record are one line on stderr
+and exit status 2, as for every `mlsm` command.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
-from pathlib import Path
 
-from mlsm.study.spec import spec_from_record
-from mlsm.study.stages import run_arm_stage
+from mlsm.errors import UserError
+from mlsm.inputs import read_json
+from mlsm.study.spec import StudySpec, spec_from_record
+from mlsm.study.stages import EVALUATIONS, run_arm_stage
+
+PROG = "mlsm study job"
+_FIX = "it is written by `mlsm study` for its own subprocesses; run `mlsm study STUDY.yaml` instead"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the stage; 1 if any of its runs failed (each failure is in status.json), else 0."""
-    path, stage, arm = sys.argv[1:] if argv is None else argv
-    spec = spec_from_record(json.loads(Path(path).read_text(encoding="utf-8")))
-    return 1 if run_arm_stage(spec, stage, arm) else 0
+    """Run the stage; 1 if any of its runs failed (each failure is in status.json), 2 on bad
+    arguments, else 0."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if len(args) != 3:
+            raise UserError(f"usage: python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM "
+                            f"(got {len(args)} arguments); {_FIX}")
+        path, stage, arm = args
+        if stage not in EVALUATIONS:
+            raise UserError(f"unknown stage {stage!r}; one of {', '.join(EVALUATIONS)}")
+        raw = read_json(path, "study job file", _FIX)
+        missing = [f.name for f in dataclasses.fields(StudySpec) if f.name not in raw]
+        if missing:
+            raise UserError(f"study job file {path} is not a study record (no {missing[0]}); "
+                            f"{_FIX}")
+        spec = spec_from_record(raw)
+        return 1 if run_arm_stage(spec, stage, arm) else 0
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
