@@ -320,9 +320,7 @@ def test_second_study_on_one_folder_refuses_naming_the_first(fx: dict, tmp_path:
         line = _one_line_error(main(["study", str(study)]), capsys.readouterr().err)
         assert f"study folder {tmp_path / 'study'} is being written by pid {first.pid}" in line
         assert first.poll() is None, "the first study was disturbed"
-        # undisturbed: it goes on to pre-train. (Stopping it there, not while its store is being
-        # tokenised, also keeps SIGTERM away from the worker pool, whose teardown can hang: see
-        # docs/reliability.md, "Known gaps".)
+        # undisturbed: it goes on to pre-train
         metrics = tmp_path / "study" / "runs" / "a" / "metrics.jsonl"
         start = time.time()
         while not metrics.is_file() and first.poll() is None and time.time() - start < 240:
