@@ -276,6 +276,10 @@ def add_study(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--out", help="study folder (default: the file's `out`)")
     p.add_argument("--report-only", action="store_true",
                    help="only (re)write the report from what is done")
+    p.add_argument("--to", metavar="DIR",
+                   help="with `report`: write the report of what is done now, and the rows it "
+                        "reads, into DIR instead of the study folder, which is only read (works "
+                        "while the study runs; to publish or commit a finished piece)")
     p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
                                                    "finetune", "blimp", "readout", "report"],
                    help="run only these stages (default: all that are not complete)")
@@ -294,6 +298,13 @@ def _study(a: argparse.Namespace) -> None:
         raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study "
                         "report STUDY.yaml)")
     spec = load_study(files[0], out=a.out)
+    if a.to:
+        if not report_only:
+            raise UserError("--to writes a report only: mlsm study report STUDY.yaml --to DIR")
+        from mlsm.study.publish import publish_report
+
+        print(f"report: {publish_report(spec, a.to)} (study folder {spec.root}, only read)")
+        return
     report = run_study(spec, stages=["report"] if report_only else a.stages or None,
                        arms=a.arms)
     print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))

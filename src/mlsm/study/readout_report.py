@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.jsonl import read_jsonl
@@ -34,8 +35,8 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{r['value'] * scale:.{digits}f}{control}{p}"
 
 
-def readout_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
-    """Markdown parts and the rows (for summary.json)."""
+def readout_section(study: Study, dest: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Markdown parts and the rows (for summary.json); the plots go into `dest`."""
     rows = readout_rows(study)
     if not rows:
         return [], []
@@ -45,7 +46,7 @@ def readout_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
              "unigram of the pre-training store), and for pair sets the Wilcoxon p of model − "
              "unigram over phenomena (two-sided), for masked top-1 the binomial p against the "
              "unigram's rate. Rates in %, losses in nats. Dashed lines in the plots: controls.\n"]
-    parts += [f"![readouts]({png})\n" for png in write_plots(rows, study.root)]
+    parts += [f"![readouts]({png})\n" for png in write_plots(rows, dest)]
     table = headline(rows)
     models = sorted({r["model"] for r in rows}, key=lambda m: (m.split("@")[0], _pct(m)))
     parts += ["| model | " + " | ".join(f"{k} {t} {m}" for k, t, m in table) + " |",

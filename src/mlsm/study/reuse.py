@@ -184,3 +184,22 @@ def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[di
                   f"inputs or settings than the study's now and are left out of the report; run "
                   f"the study with --stages {kind} to redo them")
     return kept
+
+
+def stale_finetuning(study: Study) -> list[str]:
+    """The arms whose fine-tuning rows in results.jsonl are not of the current settings and
+    checkpoints (their stage record says other inputs)."""
+    from mlsm.artifacts.results_file import read_results
+
+    if not study.results.is_file():
+        return []
+    models = {str(r.get("model", "")) for r in read_results(study.results, warn=lambda m: None)}
+    return [arm for arm in study.spec.arms if any(m.startswith(f"{arm}@") for m in models)
+            and not finetune_is_current(study, arm)]
+
+
+def supersede_stale_finetuning(study: Study) -> None:
+    """Move the stale fine-tuning rows out of results.jsonl (to superseded/): the report compares
+    what is left."""
+    for arm in stale_finetuning(study):
+        study.supersede_rows(arm)

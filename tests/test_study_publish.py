@@ -1,0 +1,144 @@
+"""`mlsm study report STUDY.yaml --to DIR`: the report of what a study has done, with the rows it
+reads, written elsewhere while the study holds its folder's lock, the study folder only read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import scipy.stats
+
+from mlsm import cli
+from mlsm.study.folder import Study, fingerprint_of
+from mlsm.study.publish import publish_report
+from mlsm.study.reuse import readout_inputs
+from mlsm.study.runner import run_study
+from mlsm.study.spec import load_study
+from tests.test_study import _raw, _write
+
+VALUES = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
+
+
+@pytest.fixture(scope="module")
+def seeded(corpus_dir, tokenizer_dir, teacher_dir, tmp_path_factory) -> Path:
+    """A two-arm, two-seed study: pre-trained (2 steps), with one readout row per run as the
+    readout stage writes them (stamped with their inputs' fingerprint)."""
+    tmp = tmp_path_factory.mktemp("publish")
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, tmp / "study", seeds=[0, 1])
+    raw["base"]["train"]["steps"] = 2
+    raw["arms"] = {"mlm": {"objective": {"name": "mlm"}},
+                   "mlm_hi": {"objective": {"name": "mlm"}, "overrides": {"optim": {"lr": 3e-3}}}}
+    raw["hypotheses"] = [{"id": "H1", "statement": "higher lr helps", "a": "mlm_hi@100%",
+                          "b": "mlm@100%", "kind": "masked", "task": "heldout",
+                          "metric": "top1"}]
+    path = _write(tmp, raw)
+    run_study(load_study(path), stages=["store", "pretrain"], log=lambda s: None)
+    study = Study(load_study(path), log=lambda s: None)
+    (study.root / "readouts").mkdir()
+    for run, v in VALUES.items():
+        (study.root / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
+            {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
+             "metric": "top1", "value": v, "control": 0.05,
+             "fingerprint": fingerprint_of(readout_inputs(study, run, 1.0))}) + "\n")
+    return path
+
+
+@contextmanager
+def _held_elsewhere(folder: Path) -> Iterator[None]:
+    """The study folder's lock held by another process (this one's `hold` is re-entrant)."""
+    code = ("import sys; from mlsm import locking\n"
+            "with locking.hold(sys.argv[1], 'study folder'):\n"
+            "    print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.communicate("", timeout=60)
+
+
+def _state(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `folder`: its bytes' hash and its modification time."""
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(),
+                                         p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_report_to_a_folder_runs_beside_the_study_and_leaves_its_folder_alone(
+        seeded, tmp_path, capsys) -> None:
+    spec = load_study(seeded)
+    before = _state(spec.root)
+    dest = tmp_path / "published"
+    with _held_elsewhere(spec.root):  # as while `mlsm study` runs
+        assert cli.main(["study", "report", str(seeded)]) == 2  # the study's own report waits
+        assert "is being written by" in capsys.readouterr().err
+        assert cli.main(["study", "report", str(seeded), "--to", str(dest)]) == 0
+    assert _state(spec.root) == before  # nothing written, touched or moved in the study folder
+    text = (dest / "report.md").read_text()
+    p = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21], alternative="greater").pvalue
+    assert "| H1 | mlm_hi@100% | mlm@100% | 2 | 0.2300, 0.2500 | 0.2000, 0.2100 |" in text
+    assert json.loads((dest / "summary.json").read_text())["hypotheses"][0]["p"] == \
+        pytest.approx(p)
+    assert str(tmp_path) not in text and (dest / "pretraining.png").is_file()
+    assert "as it was at" in text  # a copy taken mid-study says when
+    # the evidence, byte for byte: the rows the report read, each run's metrics
+    for run in VALUES:
+        name = f"{run}@100pct.jsonl"
+        assert (dest / "readouts" / name).read_bytes() == \
+            (spec.root / "readouts" / name).read_bytes()
+        assert (dest / "metrics" / f"{run}.jsonl").read_bytes() == \
+            (spec.root / "runs" / run / "metrics.jsonl").read_bytes()
+    assert (dest / "preregistration.json").read_bytes() == \
+        (spec.root / "preregistration.json").read_bytes()
+    # the same study's own report, once the lock is free, says the same about the hypothesis
+    run_study(spec, stages=["report"], log=lambda s: None)
+    own = json.loads((spec.root / "summary.json").read_text())
+    assert own["hypotheses"] == json.loads((dest / "summary.json").read_text())["hypotheses"]
+
+
+def test_publishing_again_replaces_the_earlier_copy_and_keeps_hidden_entries(
+        seeded, tmp_path) -> None:
+    spec = load_study(seeded)
+    dest = tmp_path / "published"
+    publish_report(spec, dest, log=lambda s: None)
+    (dest / ".git").mkdir()  # a user's repository around the published folder
+    gone = spec.root / "readouts" / "mlm_hi-s1@100pct.jsonl"
+    kept = gone.read_bytes()
+    gone.unlink()  # the study no longer has this row (e.g. redone under new settings)
+    try:
+        publish_report(spec, dest, log=lambda s: None)
+    finally:
+        gone.write_bytes(kept)
+    assert not (dest / "readouts" / gone.name).exists()  # no stale row stays in the copy
+    assert (dest / ".git").is_dir()
+    h1 = json.loads((dest / "summary.json").read_text())["hypotheses"][0]
+    assert h1["n"] == 1 and h1["p"] is None
+
+
+@pytest.mark.parametrize("case, says", [
+    ("inside", "inside the study folder"),
+    ("foreign", "is not a published study report"),
+    ("not-report", "--to writes a report only"),
+])
+def test_bad_destinations_are_refused_in_one_line(seeded, tmp_path, capsys, case, says) -> None:
+    spec = load_study(seeded)
+    dest = {"inside": spec.root / "pub", "foreign": tmp_path / "mine",
+            "not-report": tmp_path / "pub"}[case]
+    if case == "foreign":
+        dest.mkdir()
+        (dest / "notes.txt").write_text("mine")
+    args = ["study"] + (["report"] if case != "not-report" else []) + [str(seeded), "--to",
+                                                                        str(dest)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not (spec.root / "pub").exists()
+    if case == "foreign":
+        assert (dest / "notes.txt").read_text() == "mine" and len(list(dest.iterdir())) == 1
