@@ -468,13 +468,13 @@ def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
     assert info["unigram_loss"] > 0 and info["n_heldout_targets"] > 0
 
 
-def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
-    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
-) -> None:
-    """Two arms x two pre-training seeds: runs ARM-s<seed>; the same seed gives every arm the same
-    batches and initial weights (same first loss), another seed others; the hypotheses' hash is
-    recorded before any row exists, the report tests them over seeds and flags a later change."""
-    out = tmp_path / "study"
+SEEDED_TOP1 = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
+"""Held-out top-1 of each run of the `seeded_raw` study, as the tests give it."""
+
+
+def seeded_raw(corpus_dir: Path, tokenizer_dir: Path, teacher_dir: Path, out: Path) -> dict:
+    """Two arms (lr 1e-3 and 3e-3) x two pre-training seeds, 2 steps each, and one pre-registered
+    hypothesis on their held-out top-1."""
     raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, out, seeds=[0, 1])
     raw["base"]["train"]["steps"] = 2
     raw["arms"] = {"mlm": {"objective": {"name": "mlm"}},
@@ -482,6 +482,33 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     raw["hypotheses"] = [{"id": "H1", "statement": "higher lr helps", "a": "mlm_hi@100%",
                           "b": "mlm@100%", "kind": "masked", "task": "heldout",
                           "metric": "top1"}]
+    return raw
+
+
+def write_readout_rows(study_file: Path, values: dict[str, float]) -> None:
+    """Held-out top-1 readout rows (`values`: run -> top-1) as the readout stage writes them: one
+    file per model, each row stamped with the fingerprint of its inputs (the report leaves out
+    rows of other inputs)."""
+    from mlsm.study.folder import fingerprint_of
+    from mlsm.study.reuse import readout_inputs
+
+    study = Study(load_study(study_file), log=lambda s: None)
+    (study.root / "readouts").mkdir(exist_ok=True)
+    for run, v in values.items():
+        (study.root / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
+            {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
+             "metric": "top1", "value": v, "control": 0.05,
+             "fingerprint": fingerprint_of(readout_inputs(study, run, 1.0))}) + "\n")
+
+
+def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """Two arms x two pre-training seeds: runs ARM-s<seed>; the same seed gives every arm the same
+    batches and initial weights (same first loss), another seed others; the hypotheses' hash is
+    recorded before any row exists, the report tests them over seeds and flags a later change."""
+    out = tmp_path / "study"
+    raw = seeded_raw(corpus_dir, tokenizer_dir, teacher_dir, out)
     path = _write(tmp_path, raw)
     run_study(load_study(path), stages=["store", "pretrain"], log=lambda s: None)
     record = json.loads((out / "preregistration.json").read_text())
@@ -495,19 +522,7 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
         assert first(f"mlm-s{s}", "loss") == first(f"mlm_hi-s{s}", "loss")  # same init, batch
     assert first("mlm-s0", "batch_digest") != first("mlm-s1", "batch_digest")
     assert first("mlm-s0", "loss") != first("mlm-s1", "loss")
-    # readout rows, as the readout stage writes them (one file per model, each row stamped with
-    # the fingerprint of its inputs: the report leaves out rows of other inputs)
-    from mlsm.study.folder import fingerprint_of
-    from mlsm.study.reuse import readout_inputs
-
-    values = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
-    (out / "readouts").mkdir()
-    study = Study(load_study(path), log=lambda s: None)
-    for run, v in values.items():
-        (out / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
-            {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
-             "metric": "top1", "value": v, "control": 0.05,
-             "fingerprint": fingerprint_of(readout_inputs(study, run, 1.0))}) + "\n")
+    write_readout_rows(path, SEEDED_TOP1)
     run_study(load_study(path), stages=["report"], log=lambda s: None)
     report = (out / "report.md").read_text()
     p = scipy.stats.ttest_rel([0.23, 0.25], [0.20, 0.21], alternative="greater").pvalue

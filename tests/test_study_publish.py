@@ -15,14 +15,10 @@ import pytest
 import scipy.stats
 
 from mlsm import cli
-from mlsm.study.folder import Study, fingerprint_of
 from mlsm.study.publish import publish_report
-from mlsm.study.reuse import readout_inputs
 from mlsm.study.runner import run_study
 from mlsm.study.spec import load_study
-from tests.test_study import _raw, _write
-
-VALUES = {"mlm-s0": 0.20, "mlm_hi-s0": 0.23, "mlm-s1": 0.21, "mlm_hi-s1": 0.25}
+from tests.test_study import SEEDED_TOP1, _write, seeded_raw, write_readout_rows
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +26,9 @@ def seeded(corpus_dir, tokenizer_dir, teacher_dir, tmp_path_factory) -> Path:
     """A two-arm, two-seed study: pre-trained (2 steps), with one readout row per run as the
     readout stage writes them (stamped with their inputs' fingerprint)."""
     tmp = tmp_path_factory.mktemp("publish")
-    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, tmp / "study", seeds=[0, 1])
-    raw["base"]["train"]["steps"] = 2
-    raw["arms"] = {"mlm": {"objective": {"name": "mlm"}},
-                   "mlm_hi": {"objective": {"name": "mlm"}, "overrides": {"optim": {"lr": 3e-3}}}}
-    raw["hypotheses"] = [{"id": "H1", "statement": "higher lr helps", "a": "mlm_hi@100%",
-                          "b": "mlm@100%", "kind": "masked", "task": "heldout",
-                          "metric": "top1"}]
-    path = _write(tmp, raw)
+    path = _write(tmp, seeded_raw(corpus_dir, tokenizer_dir, teacher_dir, tmp / "study"))
     run_study(load_study(path), stages=["store", "pretrain"], log=lambda s: None)
-    study = Study(load_study(path), log=lambda s: None)
-    (study.root / "readouts").mkdir()
-    for run, v in VALUES.items():
-        (study.root / "readouts" / f"{run}@100pct.jsonl").write_text(json.dumps(
-            {"model": f"{run}@100%", "arm": run, "kind": "masked", "task": "heldout",
-             "metric": "top1", "value": v, "control": 0.05,
-             "fingerprint": fingerprint_of(readout_inputs(study, run, 1.0))}) + "\n")
+    write_readout_rows(path, SEEDED_TOP1)
     return path
 
 
@@ -89,7 +72,7 @@ def test_report_to_a_folder_runs_beside_the_study_and_leaves_its_folder_alone(
     assert str(tmp_path) not in text and (dest / "pretraining.png").is_file()
     assert "as it was at" in text  # a copy taken mid-study says when
     # the evidence, byte for byte: the rows the report read, each run's metrics
-    for run in VALUES:
+    for run in SEEDED_TOP1:
         name = f"{run}@100pct.jsonl"
         assert (dest / "readouts" / name).read_bytes() == \
             (spec.root / "readouts" / name).read_bytes()
