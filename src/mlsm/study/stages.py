@@ -7,6 +7,7 @@ recorded for that arm only) and returns the arms that failed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +66,26 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
 def run_probe(study: Study, arms: list[str]) -> set[str]:
     """Train the k -> |V| probe of every latent arm at each BLiMP readiness point (an arm not
     scored by PLL is skipped with its reason)."""
+    return _each_checkpoint(study, "probe", [a for a in arms if study.is_latent(a)],
+                            study.spec.blimp.readiness if study.spec.blimp.data else [], _probe,
+                            study.unscored_reason)
+
+
+def _each_checkpoint(study: Study, stage: str, arms: list[str], fracs: list[float],
+                     score: Callable[[Study, str, float], str | None],
+                     unscored: Callable[[str, float], str | None] = lambda a, f: None
+                     ) -> set[str]:
+    """Run `stage` (`score`) on each readiness checkpoint `fracs` of each arm, one stage record
+    per checkpoint (ARM@P%); a checkpoint with an `unscored` reason is recorded as skipped.
+    Returns the arms with a failed checkpoint."""
     failed = set()
-    for arm in [a for a in arms if study.is_latent(a)]:
-        for frac in study.spec.blimp.readiness if study.spec.blimp.data else []:
-            reason = study.unscored_reason(arm, frac)
+    for arm in arms:
+        for frac in fracs:
+            reason = unscored(arm, frac)
             if reason:
-                study.skip("probe", model_name(arm, frac), reason)
-            elif not study.stage("probe", lambda a=arm, f=frac: _probe(study, a, f),
-                               model_name(arm, frac)):
+                study.skip(stage, model_name(arm, frac), reason)
+            elif not study.stage(stage, lambda a=arm, f=frac: score(study, a, f),
+                                 model_name(arm, frac)):
                 failed.add(arm)
     return failed
 
@@ -176,16 +189,8 @@ def run_blimp(study: Study, arms: list[str]) -> set[str]:
     scored by PLL (MAE-LM, MAE-MLSM) is skipped with its reason."""
     if not study.spec.blimp.data:
         return set()
-    failed = set()
-    for arm in arms:
-        for frac in study.spec.blimp.readiness:
-            reason = study.unscored_reason(arm, frac)
-            if reason:
-                study.skip("blimp", model_name(arm, frac), reason)
-            elif not study.stage("blimp", lambda a=arm, f=frac: _blimp(study, a, f),
-                               model_name(arm, frac)):
-                failed.add(arm)
-    return failed
+    return _each_checkpoint(study, "blimp", arms, study.spec.blimp.readiness, _blimp,
+                            study.unscored_reason)
 
 
 def _blimp(study: Study, arm: str, frac: float) -> str | None:
@@ -257,13 +262,7 @@ def run_readout(study: Study, arms: list[str]) -> set[str]:
     JSON-lines file per checkpoint; an arm not scored by PLL gets its linear probes only."""
     if study.spec.readout is None:
         return set()
-    failed = set()
-    for arm in arms:
-        for frac in study.spec.readiness:
-            if not study.stage("readout", lambda a=arm, f=frac: _readout(study, a, f),
-                               model_name(arm, frac)):
-                failed.add(arm)
-    return failed
+    return _each_checkpoint(study, "readout", arms, study.spec.readiness, _readout)
 
 
 def _readout(study: Study, arm: str, frac: float) -> str | None:
