@@ -198,6 +198,12 @@ def test_evaluation_pairs_by_pretraining_seed_and_matches_scipy() -> None:
                                     and "phenomenon" not in r and r["model"].startswith("mlsm")]
     one = evaluate(hyps[:1], [r for r in rows if "-s0@" in r["model"]], seeded=True)[0]
     assert one["decision"].startswith("not tested") and one["n"] == 1
+    # fewer paired seeds than the study plans: p shown, the decision waits for the planned test
+    early = evaluate(hyps, rows, seeded=True, planned=5)
+    assert [g["p"] for g in early] == [g["p"] for g in got]
+    assert all(g["decision"] == "interim: 4 of 5 seeds, decided at 5" for g in early)
+    assert [g["decision"] for g in evaluate(hyps, rows, True, planned=4)] == \
+        [g["decision"] for g in got]
 
 
 def test_preregistration_record_flags_changes_and_late_records(tmp_path) -> None:

@@ -257,10 +257,15 @@ def paired_values(h: Hypothesis, rows: Sequence[dict[str, Any]],
 
 
 def evaluate(hyps: Sequence[Hypothesis], rows: Sequence[dict[str, Any]],
-             seeded: bool) -> list[dict[str, Any]]:
+             seeded: bool, planned: int = 0) -> list[dict[str, Any]]:
     """Each hypothesis tested over its paired seeds, Holm-adjusted across all of them, with the
     smallest effect its seeds detect at 80 % power (at alpha, and at alpha / m, the level of
-    Holm's first step) from the measured SD of the differences."""
+    Holm's first step) from the measured SD of the differences.
+
+    planned: the study's number of pre-training seeds. The registered test is the one over all
+    of them: with fewer paired seeds the p-values are shown, but the decision reads "interim",
+    never "supported", since stopping at the first look whose p falls below alpha would inflate
+    the false-positive rate the registration fixed."""
     out = []
     for h in hyps:
         seeds, xa, xb, note = paired_values(h, rows, seeded)
@@ -276,7 +281,10 @@ def evaluate(hyps: Sequence[Hypothesis], rows: Sequence[dict[str, Any]],
                                                               h.test, h.direction)})
     for row, adj, h in zip(out, holm([r["p"] for r in out]), hyps, strict=True):
         row["p_holm"] = adj
+        row["planned_seeds"] = planned or row["n"]
         row["decision"] = ("not tested (fewer than 2 paired seeds)" if math.isnan(adj)
+                           else f"interim: {row['n']} of {planned} seeds, decided at {planned}"
+                           if row["n"] < planned
                            else "supported" if adj < h.alpha else "not supported")
     return out
 

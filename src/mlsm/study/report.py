@@ -410,7 +410,7 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     warn = lambda m: study.log(f"[study] warning: {m}")  # noqa: E731
     keep = lambda kind, row: reuse.is_current(study, kind, row)  # noqa: E731
     rows = hy.study_rows(study.root, warn=warn, keep=keep) if hyps or seeded else []
-    results = hy.evaluate(hyps, rows, seeded)
+    results = hy.evaluate(hyps, rows, seeded, planned=len(study.spec.seeds))
     problems = (hy.preregistration_problems(study.root, hyps)
                 if hyps or (study.root / hy.RECORD).is_file() else [])
     lines = hy.report_lines(hyps, results, problems)
