@@ -145,7 +145,8 @@ def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(
 ) -> None:
     teacher = load_teacher(str(teacher_dir), layer=1)
     capped = TargetStore.open(
-        build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "c", nnz=2)
+        build_target_store(store_dir, dictionary_path, teacher, 32, tmp_path / "c", nnz=2,
+                           batch_size=16)  # as the fixture: the same sums in the same order
     )
     whole = TargetStore.open(target_dir)
     chunks = np.repeat(np.arange(4), 30)
@@ -154,9 +155,12 @@ def test_a_cap_keeps_the_largest_entries_and_records_the_truncation(
     support = (b > 0).sum(1)
     assert int((a > 0).sum(1).max()) <= 2
     top2 = b.topk(2, dim=1)
-    torch.testing.assert_close(
-        a.gather(1, top2.indices), top2.values
-    )  # the two largest entries kept
+    kept = a.topk(2, dim=1)
+    # the two largest entries kept, at their values. Compared by value, not index: two nearly
+    # equal entries may swap ranks between two builds (another thread count sums the teacher's
+    # states in another order), and either one is "the largest two"
+    torch.testing.assert_close(b.gather(1, kept.indices), top2.values, atol=1e-3, rtol=0)
+    torch.testing.assert_close(kept.values, top2.values, atol=1e-3, rtol=0)
     n_cut = int((whole.counts.astype(np.int64) > 2).sum())
     assert capped.meta["truncated"] == n_cut > 0 and int((support > 2).sum()) > 0
 
