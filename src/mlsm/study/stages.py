@@ -230,19 +230,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                                 limit_per_phenomenon=(b.limits[i] if b.limits else 0)
                                 or b.limit_per_phenomenon,
                                 phenomena=b.phenomena if i == 0 else [])
-        correct = sum(int(v["correct"]) for v in result["phenomena"].values())
-        sets[Path(data).name or data] = {"overall": result["overall"], "n_pairs": result["n_pairs"],
-                                         "correct": correct,
-                                         "p_vs_chance": binomial_p(correct, result["n_pairs"], 0.5),
-                                         "fields": {k: v["accuracy"]
-                                                    for k, v in result["fields"].items()},
-                                         "phenomena": {k: v["accuracy"]
-                                                       for k, v in result["phenomena"].items()},
-                                         "control": result["control"]["overall"],
-                                         "control_phenomena": {
-                                             k: v["control_accuracy"]
-                                             for k, v in result["phenomena"].items()},
-                                         "tests": result["tests"]}
+        sets[Path(data).name or data] = _set_scores(result)
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
@@ -251,6 +239,20 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
+
+
+def _set_scores(result: dict[str, Any]) -> dict[str, Any]:
+    """One pair set's entry of a BLiMP row, from `evaluate_blimp`'s result: the accuracies (all,
+    per field, per phenomenon), the unigram control's on the same pairs, and the tests."""
+    phenomena = result["phenomena"]
+    correct = sum(int(v["correct"]) for v in phenomena.values())
+    return {"overall": result["overall"], "n_pairs": result["n_pairs"], "correct": correct,
+            "p_vs_chance": binomial_p(correct, result["n_pairs"], 0.5),
+            "fields": {k: v["accuracy"] for k, v in result["fields"].items()},
+            "phenomena": {k: v["accuracy"] for k, v in phenomena.items()},
+            "control": result["control"]["overall"],
+            "control_phenomena": {k: v["control_accuracy"] for k, v in phenomena.items()},
+            "tests": result["tests"]}
 
 
 def readout_path(study: Study, arm: str, frac: float) -> Path:
