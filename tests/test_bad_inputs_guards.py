@@ -73,6 +73,25 @@ def _locks_dictionary_out_being_written(tmp, fix):
             f"dictionary {tmp / 'd.safetensors'} is being written by")
 
 
+def _ran_study(tmp: Path, fix: dict) -> Path:
+    """A study file whose folder a study has written (its record; nothing evaluated yet)."""
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    _write(tmp / "study" / "study.json", "{}\n")
+    return study
+
+
+def _report_to(study: Path, dest: Path) -> list[str]:
+    return ["study", "report", str(study), "--to", str(dest)]
+
+
+def _locks_study_report_to_being_written(tmp, fix):
+    """Two publications into one folder at once would mix their reports and rows."""
+    study = _ran_study(tmp, fix)
+    fix["hold"](tmp / "pub")
+    return (_report_to(study, tmp / "pub"), [tmp / "study"],
+            f"published study report {tmp / 'pub'} is being written by")
+
+
 def _unit_targets_dictionary_meta_of_another_write(tmp, fix):
     """A kill between the two writes (or two writers) left the .json of another learning run
     beside the weights; `targets` built codes from the pair, exit 0."""
@@ -224,6 +243,43 @@ def _smaller_targets_missing_dictionary_names_a_command_that_runs(tmp, fix):
     """The fix suggested `mlsm dictionary --out D`, which fails: --store is required."""
     return (_targets(fix, tmp / "t", **{"--dictionary": str(tmp / "none.safetensors")}), [],
             f"learn one with `mlsm dictionary --store STORE --out {tmp / 'none.safetensors'}`")
+
+
+def _smaller_study_report_to_an_existing_file(tmp, fix):
+    study, dest = _ran_study(tmp, fix), _write(tmp / "notes.md", "precious\n")
+    return _report_to(study, dest), [dest, tmp / "study"], f"--to {dest} is an existing file"
+
+
+def _smaller_study_report_to_a_folder_of_the_users(tmp, fix):
+    """A folder holding only names the publication writes (metrics/), but not written by it:
+    clearing the publication's names there would delete the user's files."""
+    study = _ran_study(tmp, fix)
+    dest = _write(tmp / "mine" / "metrics" / "run.jsonl", '{"step": 1}\n').parent.parent
+    return (_report_to(study, dest), [dest, tmp / "study"],
+            f"--to {dest} exists and is not a published study report")
+
+
+def _smaller_study_report_to_inside_the_study_folder(tmp, fix):
+    study = _ran_study(tmp, fix)
+    return (_report_to(study, tmp / "study" / "pub"), [tmp / "study"],
+            f"--to {tmp / 'study' / 'pub'} is inside the study folder")
+
+
+def _smaller_study_report_to_above_the_study_folder(tmp, fix):
+    study = _ran_study(tmp, fix)
+    return (_report_to(study, tmp), [tmp / "study", study],
+            f"--to {tmp} is a folder above the study folder")
+
+
+def _smaller_study_report_to_before_the_study_ran(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    return _report_to(study, tmp / "pub"), [study], "holds no study yet (no study.json)"
+
+
+def _smaller_study_to_without_report(tmp, fix):
+    study = _ran_study(tmp, fix)
+    return (["study", str(study), "--to", str(tmp / "pub")], [tmp / "study"],
+            "--to writes a report only")
 
 
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())

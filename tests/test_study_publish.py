@@ -1,5 +1,6 @@
 """`mlsm study report STUDY.yaml --to DIR`: the report of what a study has done, with the rows it
-reads, written elsewhere while the study holds its folder's lock, the study folder only read."""
+reads, written elsewhere while the study holds its folder's lock, the study folder only read.
+Its bad destinations are cases of the guard table (tests/test_bad_inputs_guards.py)."""
 
 from __future__ import annotations
 
@@ -103,25 +104,3 @@ def test_publishing_again_replaces_the_earlier_copy_and_keeps_hidden_entries(
     assert (dest / ".git").is_dir()
     h1 = json.loads((dest / "summary.json").read_text())["hypotheses"][0]
     assert h1["n"] == 1 and h1["p"] is None
-
-
-@pytest.mark.parametrize("case, says", [
-    ("inside", "inside the study folder"),
-    ("foreign", "is not a published study report"),
-    ("not-report", "--to writes a report only"),
-])
-def test_bad_destinations_are_refused_in_one_line(seeded, tmp_path, capsys, case, says) -> None:
-    spec = load_study(seeded)
-    dest = {"inside": spec.root / "pub", "foreign": tmp_path / "mine",
-            "not-report": tmp_path / "pub"}[case]
-    if case == "foreign":
-        dest.mkdir()
-        (dest / "notes.txt").write_text("mine")
-    args = ["study"] + (["report"] if case != "not-report" else []) + [str(seeded), "--to",
-                                                                        str(dest)]
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert says in err and len(err.splitlines()) == 1, err
-    assert not (spec.root / "pub").exists()
-    if case == "foreign":
-        assert (dest / "notes.txt").read_text() == "mine" and len(list(dest.iterdir())) == 1
