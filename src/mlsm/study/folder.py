@@ -393,12 +393,9 @@ OUTPUTS = ("store", "dictionaries", "targets", "runs", "configs", "logs", "slurm
            "wilcoxon.png", "blimp_flops.png", ".status.json.lock", RECORD, "readouts",
            "readouts_steps.png", "readouts_flops.png", "superseded", "retrieval_cache")
 """What a study writes into its folder (a corpus source may not be, hold or lie inside one)."""
-_REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
+REPORT_OUTPUTS = ("report.md", "summary.json", "pretraining.png", "readiness.png",
                    "wilcoxon.png", "blimp_flops.png", "comparison", "readouts_steps.png",
                    "readouts_flops.png")
-
-
-
 
 
 def only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
@@ -413,5 +410,3 @@ def only_arms(spec: StudySpec, arms: list[str] | None) -> StudySpec:
     if unknown:
         raise UserError(f"unknown arm {unknown[0]!r}; the study's arms: {', '.join(spec.arms)}")
     return dataclasses.replace(spec, arms={a: spec.arms[a] for a in arms})
-
-

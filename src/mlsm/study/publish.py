@@ -1,6 +1,6 @@
 """A publishable copy of a study's results: `mlsm study report STUDY.yaml --to DIR`.
 
-A study runs for hours (docs/results/cpu_replication_v2: about 2.7 h per seed pair on 2 CPUs) and
+A study runs for hours (docs/results/cpu_replication_v2: about 2.8 h per seed pair on 2 CPUs) and
 holds its folder's lock the whole time, so `mlsm study report` on the folder itself waits for the
 end. Each finished piece should be readable, and committable, at once. This writes the report of
 what is done *now* into another folder, with the evidence it was computed from, and changes
@@ -29,13 +29,13 @@ from mlsm.artifacts.probe_record import has_probe_record, record_path
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.inputs import real_path
-from mlsm.study.folder import _REPORT_OUTPUTS, Study
+from mlsm.study.folder import REPORT_OUTPUTS, Study
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.reuse import stale_finetuning
 from mlsm.study.spec import StudySpec, readiness_label
 
 _COPIED = ("blimp", "readouts", "metrics", "probes", "results.jsonl", "stages.jsonl", RECORD)
-KIND = report_kind("published study report", {*_REPORT_OUTPUTS, *_COPIED}.__contains__,
+KIND = report_kind("published study report", {*REPORT_OUTPUTS, *_COPIED}.__contains__,
                    {"report.md": "# Study `"})
 """What DIR may hold: the report's files and the copied evidence (a user's .git is left alone)."""
 

@@ -24,8 +24,8 @@ from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.study.executors import check_slurm, run_evaluation, run_pretraining
 from mlsm.study.folder import (
-    _REPORT_OUTPUTS,
     OUTPUTS,
+    REPORT_OUTPUTS,
     Study,
     check_same_config,
     only_arms,
@@ -110,7 +110,7 @@ def check_study_inputs(spec: StudySpec, in_job: bool = False) -> None:
                              "the study's output", fix, missing_ok=True)
     # a folder that is no study's (no study.json) keeps what it holds: the report's files are
     # rewritten whole, so refuse them (the study's other files are read, and refused, by shape)
-    clash = [n for n in _REPORT_OUTPUTS if (spec.root / n).exists()]
+    clash = [n for n in REPORT_OUTPUTS if (spec.root / n).exists()]
     if clash and not (spec.root / "study.json").is_file():
         raise UserError(f"out {spec.root} is not a study folder (no study.json) and holds "
                         f"{', '.join(clash)}, which the study would overwrite; choose an empty "
@@ -171,5 +171,3 @@ def _report(study: Study) -> Path:
         raise UserError(f"the report could not be written: {error}{where}")
     study.log(f"[study] report: {report[0]}")
     return report[0]
-
-
