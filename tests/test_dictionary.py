@@ -145,6 +145,20 @@ def test_collect_vectors_rejects_other_tokenizer(tiny, tmp_path):
         collect_vectors(load_teacher(other, layer=1), TokenStore.open(tiny / "store"), 10)
 
 
+def test_collect_vectors_refuses_nan_teacher_states(tiny, tmp_path):
+    """Finite weights that overflow (the loader refuses NaN/inf weights, not activations)."""
+    model = BertModel.from_pretrained(tiny / "teacher")
+    with torch.no_grad():
+        model.encoder.layer[1].output.dense.weight.fill_(3e38)  # layer 2's states: inf, then NaN
+    model.save_pretrained(tmp_path / "big")
+    TokenStore.open(tiny / "store").load_tokenizer().save_pretrained(tmp_path / "big")
+    store = TokenStore.open(tiny / "store")
+    below = collect_vectors(load_teacher(tmp_path / "big", layer=1), store, 20, max_len=16)
+    assert below.isfinite().all()
+    with pytest.raises(UserError, match="the teacher produced NaN/inf states"):
+        collect_vectors(load_teacher(tmp_path / "big", layer=2), store, 20, max_len=16)
+
+
 def test_learn_save_load_round_trip(tiny, tmp_path):
     teacher = load_teacher(tiny / "teacher", layer=2)
     store = TokenStore.open(tiny / "store")

@@ -249,6 +249,11 @@ def test_bad_input(bert, tok):
         score_pll(object(), tok, ["the cat"])
     with pytest.raises(UserError, match="split"):
         score_pll(bert, tok, [" ".join(["cat"] * 100)])
+    with pytest.raises(UserError, match="sentence 1 is a int, not text"):
+        score_pll(bert, tok, ["the cat", 7])  # type: ignore[list-item]
+    with pytest.raises(UserError, match="sentence 0 has 7 characters, more than the limit of 6"):
+        score_pll(bert, tok, ["the cat"], max_chars=6)
+    assert len(score_pll(bert, tok, "the cat", max_chars=7)) == 1  # one str is one sentence
 
 
 def test_load_masked_lm(bert, tok, tmp_path):

@@ -376,6 +376,23 @@ def score_token_ids(
                             _device_of(scorer, device), progress)
 
 
+def _checked_sentences(sentences: Sequence[str] | str, max_chars: int) -> Sequence[str]:
+    """The sentences as a list of text, each refused before tokenisation if it is not a str or
+    is longer than max_chars (a 100 MB "sentence" took gigabytes in the tokeniser)."""
+    if isinstance(sentences, str):
+        sentences = [sentences]
+    bad = next((i for i, x in enumerate(sentences) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise UserError(f"sentence {bad} is a {type(sentences[bad]).__name__}, not text; pass a "
+                        "list of strings")
+    long = next((i for i, x in enumerate(sentences) if len(x) > max_chars), None)
+    if long is not None:
+        raise UserError(f"sentence {long} has {len(sentences[long]):,} characters, more than the "
+                        f"limit of {max_chars:,} (--max-sentence-chars); split it, or raise the "
+                        "limit if it is meant to be one sentence")
+    return sentences
+
+
 @overload
 def score_pll(
     model: Any, tokenizer: Any, sentences: Sequence[str], *, variant: Variant = ...,
@@ -415,17 +432,7 @@ def score_pll(
         raise UserError(f"unknown PLL variant {variant!r}: use one of {', '.join(VARIANTS)}")
     if token_budget < 1 or max_rows < 1:
         raise UserError("token_budget and max_rows must be positive integers")
-    if isinstance(sentences, str):
-        sentences = [sentences]
-    bad = next((i for i, x in enumerate(sentences) if not isinstance(x, str)), None)
-    if bad is not None:
-        raise UserError(f"sentence {bad} is a {type(sentences[bad]).__name__}, not text; pass a "
-                        "list of strings")
-    long = next((i for i, x in enumerate(sentences) if len(x) > max_chars), None)
-    if long is not None:
-        raise UserError(f"sentence {long} has {len(sentences[long]):,} characters, more than the "
-                        f"limit of {max_chars:,} (--max-sentence-chars); split it, or raise the "
-                        "limit if it is meant to be one sentence")
+    sentences = _checked_sentences(sentences, max_chars)
     scorer = as_scorer(model)
     mask_id, pad_id = _special_ids(tokenizer)
     items, which = _encode(tokenizer, sentences, variant, _model_max_len(tokenizer, scorer))

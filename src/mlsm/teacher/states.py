@@ -48,6 +48,34 @@ def _documents(tokens: Any, offsets: np.ndarray, width: int, batch_size: int,
         yield batch
 
 
+def _store_for(teacher: Teacher, store: Any) -> tuple[Any, np.ndarray]:
+    """The store's (tokens, offsets), refused unless it was prepared with the teacher's tokenizer,
+    holds only ids the teacher knows, and is not empty."""
+    from mlsm.data.corpus import (  # the tokenizers stack
+        check_token_ids,
+        require_same_tokenizer,
+        tokenizer_hash,
+    )
+
+    store_hash = tokenizer_hash(store.load_tokenizer())
+    require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
+    tokens, offsets = store.tokens, np.asarray(store.offsets)
+    check_token_ids(tokens, teacher.vocab_size, getattr(store, "path", "the store"),
+                    f"teacher {teacher.name or ''}".strip())
+    if int(offsets[-1]) == 0:
+        raise UserError("the token store is empty; prepare it from a non-empty corpus")
+    return tokens, offsets
+
+
+def _unit_rows(h: torch.Tensor) -> torch.Tensor:
+    """h's rows (m, d) scaled to unit ℓ2 norm, all-zero rows dropped; NaN/inf refused."""
+    if not bool(torch.isfinite(h).all()):
+        raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint "
+                        "(its weights may hold NaN/inf) or load it in float32")
+    norms = h.norm(dim=1, keepdim=True)
+    return (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
+
+
 def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, seed: int = 0,
                     batch_size: int = 32, sampling: str = "windows") -> torch.Tensor:
     """n ℓ2-normalised layer-l teacher states (n, d) of a token store.
@@ -64,19 +92,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
     if sampling not in SAMPLINGS:
         raise UserError(f"unknown sampling {sampling!r}; valid: {', '.join(SAMPLINGS)}")
-    from mlsm.data.corpus import (  # the tokenizers stack
-        check_token_ids,
-        require_same_tokenizer,
-        tokenizer_hash,
-    )
-
-    store_hash = tokenizer_hash(store.load_tokenizer())
-    require_same_tokenizer(teacher.tokenizer, store_hash, str(getattr(store, "path", "")))
-    tokens, offsets = store.tokens, np.asarray(store.offsets)
-    check_token_ids(tokens, teacher.vocab_size, getattr(store, "path", "the store"),
-                    f"teacher {teacher.name or ''}".strip())
-    if int(offsets[-1]) == 0:
-        raise UserError("the token store is empty; prepare it from a non-empty corpus")
+    tokens, offsets = _store_for(teacher, store)
     rng = np.random.default_rng(seed)
     width = max(1, max_len - 2)  # room for the teacher's [CLS] … [SEP]
     batches = _windows(rng, tokens, offsets, width, batch_size) if sampling == "windows" else \
@@ -87,12 +103,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
     bar = Progress(n, f"teacher layer {teacher.layer}", "vec")
     for seqs in batches:
         ids, mask, content = teacher.batch_from_ids(seqs)
-        h = teacher.hidden_states(ids, mask)[content.to(teacher.device)].float()  # (m, d)
-        if not bool(torch.isfinite(h).all()):
-            raise UserError("the teacher produced NaN/inf states; check the teacher checkpoint "
-                            "(its weights may hold NaN/inf) or load it in float32")
-        norms = h.norm(dim=1, keepdim=True)
-        h = (h / norms.clamp(min=1e-12))[norms.squeeze(1) > 0]
+        h = _unit_rows(teacher.hidden_states(ids, mask)[content.to(teacher.device)].float())
         empty = empty + 1 if h.shape[0] == 0 else 0
         if empty >= 20:  # nothing but special/unknown tokens: the loop would never end
             raise UserError("the token store yields no ordinary tokens for this teacher; check "
