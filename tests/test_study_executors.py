@@ -192,8 +192,12 @@ def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp
     with executor.threads torch threads (the scorer records its threads; in the driver it would
     have had jobs x threads), both at once (their job rows overlap in time), and an arm whose
     stage fails is recorded as failed while the other arm's score is written."""
-    raw, out = two_jobs
-    raw = {**raw, "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
+    import shutil
+
+    raw, shared = two_jobs
+    out = tmp_path / "study"
+    shutil.copytree(shared, out)  # b's checkpoint is broken below; the fixture's stays whole
+    raw = {**raw, "out": str(out), "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
            "probe": {"heldout_batches": 1, "batch_size": 2}}
     spec = study_from_dict(raw)
     broken = out / "runs" / "b" / "checkpoints" / "step-0000004" / "model.safetensors"
@@ -215,6 +219,46 @@ def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp
     ends = [time.mktime(time.strptime(r["finished"], "%Y-%m-%dT%H:%M:%SZ")) for r in jobs]
     (s0, e0), (s1, e1) = [(e - r["seconds"] - 1, e + 1) for r, e in zip(jobs, ends, strict=True)]
     assert s0 < e1 and s1 < e0, "the two arms' stages ran one after the other"
+
+
+def test_an_arm_is_evaluated_while_a_slower_arm_still_pre_trains(two_jobs, tmp_path,
+                                                                 monkeypatch) -> None:
+    """jobs = 2, eval_jobs = 2: each arm's evaluation starts when its own pre-training ends. Arm
+    b's pre-training is held here until arm a's BLiMP subprocess has started (or 30 s): under a
+    stage-by-stage order a's evaluation would wait for b, and b would see nothing start."""
+    import shutil
+
+    from mlsm.study import executors
+
+    raw, out = two_jobs
+    copy = tmp_path / "study"
+    shutil.copytree(out, copy)
+    raw = {**raw, "out": str(copy), "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [1.0]},
+           "probe": {"heldout_batches": 1, "batch_size": 2}}
+    a_started, a_ended, seen = threading.Event(), threading.Event(), {}
+    real = executors._stage_subprocess
+
+    def slow_pretrain(study, arm):  # both runs are trained already: only the wait is b's
+        if arm == "b":
+            seen["a still evaluating when b began"] = not a_ended.is_set()
+            seen["a evaluating while b pre-trains"] = a_started.wait(30)
+        return "skipped"
+
+    def stage_subprocess(study, spec_file, stage, arm):
+        a_started.set() if arm == "a" else None
+        try:
+            return real(study, spec_file, stage, arm)
+        finally:
+            a_ended.set() if arm == "a" else None
+
+    monkeypatch.setattr(executors, "_subprocess_arm", slow_pretrain)
+    monkeypatch.setattr(executors, "_stage_subprocess", stage_subprocess)
+    run_study(study_from_dict(raw), stages=["pretrain", "blimp"], log=lambda s: None)
+    assert seen == {"a still evaluating when b began": True,
+                    "a evaluating while b pre-trains": True}
+    for arm in ("a", "b"):  # both chains went on to their (real) BLiMP subprocesses
+        assert json.loads((copy / "blimp" / f"{arm}@100pct.json").read_text())["n_pairs"] == 4
+        assert (copy / "logs" / f"blimp-{arm}.log").is_file()
 
 
 def test_slurm_executor_without_slurm_is_refused_before_anything_is_written(

@@ -3,7 +3,9 @@
 `local` with jobs = 1 runs every stage of every arm in this process, one after the other. With
 jobs > 1 each arm's pre-training is a `python -m mlsm pretrain --resume auto` subprocess, and
 each arm's evaluation stage (probe, finetune, blimp, readout) a `python -m mlsm.study.job`
-subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once.
+subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once; when there
+are several arms and eval_jobs > 1, each arm runs its stages as a chain of its own (`run_chains`),
+so its evaluation starts when its own pre-training ends, not when the slowest arm's does.
 `slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
 GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
 them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued
@@ -20,7 +22,9 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -314,15 +318,56 @@ def _local_jobs(study: Study, stage: str, arms: list[str]) -> set[str]:
     arms that failed. The subprocesses read this study from OUT/configs/study-job.json with
     jobs = 1, so each runs its arm in its own process with `executor.threads` threads (not
     jobs x threads)."""
+    path = job_spec_file(study)
+    with ThreadPoolExecutor(max_workers=eval_jobs(study)) as pool:
+        ok = list(pool.map(lambda a: study.stage(
+            f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
+    return {a for a, good in zip(arms, ok, strict=True) if not good}
+
+
+def job_spec_file(study: Study) -> Path:
+    """Write OUT/configs/study-job.json, the study an evaluation subprocess reads: the driver's,
+    with jobs = 1, so each subprocess runs its arm in itself with `executor.threads` threads."""
     spec = dataclasses.replace(study.spec, executor=dataclasses.replace(study.spec.executor,
                                                                         jobs=1, eval_jobs=0))
     path = study.root / "configs" / "study-job.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(spec_record(spec), indent=1) + "\n")
-    with ThreadPoolExecutor(max_workers=eval_jobs(study)) as pool:
-        ok = list(pool.map(lambda a: study.stage(
-            f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
-    return {a for a, good in zip(arms, ok, strict=True) if not good}
+    return path
+
+
+def chained(study: Study, arms: list[str]) -> bool:
+    """Whether `arms` run as chains (`run_chains`): local, jobs > 1, evaluations in subprocesses
+    (eval_jobs > 1) and more than one arm (a lone arm trains in the driver with every thread)."""
+    ex = study.spec.executor
+    return (ex.kind == "local" and ex.jobs > 1 and eval_jobs(study) > 1 and len(arms) > 1
+            and not study.in_job)
+
+
+def run_chains(study: Study, arms: list[str], chain: Callable[[str], None]) -> None:
+    """chain(arm) for every arm, `jobs` at once: each arm's stages in order, the arms side by
+    side. Under the stage-by-stage order every arm waited for the slowest arm's pre-training
+    before any evaluation began (v2's MLSM arms finished 20-26 min before MLM's, a core idle)."""
+    with ThreadPoolExecutor(max_workers=study.spec.executor.jobs) as pool:
+        list(pool.map(chain, arms))  # re-raises what a chain raised
+
+
+def pretrain_subprocess(study: Study, arm: str) -> bool:
+    """One arm's pre-training as a `mlsm pretrain` subprocess, recorded; False if it failed."""
+    return study.stage("pretrain", lambda: _subprocess_arm(study, arm), arm)
+
+
+def evaluation_subprocess(study: Study, stage: str, arm: str, spec_file: Path,
+                          gate: threading.Semaphore) -> set[str]:
+    """One arm's evaluation stage as a subprocess (spec_file: `job_spec_file`), at most as many
+    at once as `gate` lets through; returns {arm} if it failed. An arm with nothing to do for
+    the stage gets no subprocess: the stage records its skips here."""
+    if not has_work(study, stage, arm):
+        return EVALUATIONS[stage](study, [arm])
+    with gate:
+        ok = study.stage(f"{stage}-job",
+                         lambda: _stage_subprocess(study, spec_file, stage, arm), arm)
+    return set() if ok else {arm}
 
 
 def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> str | None:

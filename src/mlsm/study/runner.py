@@ -15,6 +15,7 @@ from its last checkpoint (batches depend only on (data.seed, step)).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +23,17 @@ from mlsm import locking, tracking
 from mlsm.config import git_revision
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.study.executors import check_slurm, run_evaluation, run_pretraining
+from mlsm.study.executors import (
+    chained,
+    check_slurm,
+    eval_jobs,
+    evaluation_subprocess,
+    job_spec_file,
+    pretrain_subprocess,
+    run_chains,
+    run_evaluation,
+    run_pretraining,
+)
 from mlsm.study.folder import (
     OUTPUTS,
     REPORT_OUTPUTS,
@@ -72,10 +83,14 @@ def _run_study(spec: StudySpec, stages: list[str] | None, log: Callable[[str], N
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {_error_of(study, 'store')}")
     failed = _dictionaries(study) if "dictionary" in wanted else set()
-    if "pretrain" in wanted:
-        failed |= run_pretraining(study, [a for a in spec.arms if a not in failed])
-    _evaluations(study, wanted, [a for a in spec.arms
-                                 if a not in failed and pretrain_done(study, a)])
+    ready = [a for a in spec.arms if a not in failed]
+    if chained(study, ready):
+        _chains(study, wanted, ready)
+    else:
+        if "pretrain" in wanted:
+            failed |= run_pretraining(study, ready)
+        _evaluations(study, wanted, [a for a in ready
+                                     if a not in failed and pretrain_done(study, a)])
     report = _report(study) if "report" in wanted else None
     if study.failures:  # the others finished; the exit status must still say it
         raise Incomplete(failure_summary(study), report)
@@ -148,15 +163,35 @@ def _dictionaries(study: Study) -> set[str]:
     return failed
 
 
-def _evaluations(study: Study, wanted: list[str], ok: list[str]) -> None:
-    """Probe, fine-tuning and BLiMP of the arms whose pre-training is complete."""
-    no_probe = run_evaluation(study, "probe", ok) if "probe" in wanted else set()
+def _evaluations(study: Study, wanted: list[str], ok: list[str],
+                 run: Callable[[Study, str, list[str]], set[str]] = run_evaluation) -> None:
+    """Probe, fine-tuning, BLiMP and readouts of the arms whose pre-training is complete; run:
+    how one stage runs for those arms, returning the arms it failed."""
+    no_probe = run(study, "probe", ok) if "probe" in wanted else set()
     if "finetune" in wanted:
-        run_evaluation(study, "finetune", ok)
+        run(study, "finetune", ok)
     if "blimp" in wanted:  # a latent arm whose probe failed cannot be scored
-        run_evaluation(study, "blimp", [a for a in ok if a not in no_probe])
+        run(study, "blimp", [a for a in ok if a not in no_probe])
     if "readout" in wanted:  # every arm: one without a probe is read by its linear probes
-        run_evaluation(study, "readout", ok)
+        run(study, "readout", ok)
+
+
+def _chains(study: Study, wanted: list[str], arms: list[str]) -> None:
+    """Each arm's pre-training, then its evaluation stages, as one chain; the chains side by side
+    (`run_chains`), at most eval_jobs evaluation subprocesses at once."""
+    gate = threading.BoundedSemaphore(eval_jobs(study))
+    spec_file = job_spec_file(study)
+
+    def one(s: Study, stage: str, arms: list[str]) -> set[str]:
+        return set().union(*(evaluation_subprocess(s, stage, a, spec_file, gate) for a in arms))
+
+    def chain(arm: str) -> None:
+        if "pretrain" in wanted and not pretrain_subprocess(study, arm):
+            return
+        if pretrain_done(study, arm):
+            _evaluations(study, wanted, [arm], one)
+
+    run_chains(study, arms, chain)
 
 
 def _report(study: Study) -> Path:
