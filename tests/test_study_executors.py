@@ -261,6 +261,38 @@ def test_an_arm_is_evaluated_while_a_slower_arm_still_pre_trains(two_jobs, tmp_p
         assert (copy / "logs" / f"blimp-{arm}.log").is_file()
 
 
+def test_sigterm_to_a_study_stops_both_arms_at_a_checkpoint(corpus_dir, tokenizer_dir,
+                                                            tmp_path) -> None:
+    """SIGTERM to the study's process group (a scheduler's stop, a closed terminal) while two
+    arms pre-train as subprocesses: each run saves a checkpoint and stops, the driver exits with
+    its one line, and each arm's record says it was stopped and how to resume (a run that stops
+    on a signal exits 0, which the record once called a failure "with 0")."""
+    import signal
+    import subprocess
+
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, tmp_path / "study")
+    raw["base"]["train"]["steps"] = 5000
+    (tmp_path / "s.json").write_text(json.dumps(raw))
+    proc = subprocess.Popen([sys.executable, "-m", "mlsm", "study", str(tmp_path / "s.json"),
+                             "--stages", "store", "pretrain"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    runs = [tmp_path / "study" / "runs" / arm / "metrics.jsonl" for arm in ("a", "b")]
+    start = time.time()
+    while not all(m.is_file() for m in runs) and proc.poll() is None and time.time() - start < 240:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert err.strip().splitlines()[-1].startswith("mlsm study: stopped by SIGTERM"), err
+    status = json.loads((tmp_path / "study" / "status.json").read_text())
+    for arm in ("a", "b"):
+        saved = sorted((tmp_path / "study" / "runs" / arm / "checkpoints").iterdir())
+        assert saved and 0 < int(saved[-1].name.removeprefix("step-")) < 5000
+        assert "stopped before its last step (a signal?) and saved a checkpoint; re-run the " \
+            "same command to resume" in status[f"pretrain:{arm}"]["error"]
+
+
 def test_slurm_executor_without_slurm_is_refused_before_anything_is_written(
         corpus_dir, tmp_path, monkeypatch, capsys) -> None:
     """Where no Slurm client is on PATH, submitit's AutoExecutor would run the 'slurm' study on

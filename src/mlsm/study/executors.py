@@ -74,8 +74,11 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     with log.open("a") as fh:
         code, cpu = _call_measured(command, fh, env)
     study.add_child_cpu(cpu)
-    if code != 0 or not pretrain_done(study, arm):
+    if code != 0:
         raise RuntimeError(f"mlsm pretrain exited with {code}; see {log}")
+    if not pretrain_done(study, arm):  # a signalled run saves a checkpoint and exits 0
+        raise RuntimeError(f"mlsm pretrain was stopped before its last step (a signal?) and "
+                           f"saved a checkpoint; re-run the same command to resume; see {log}")
     return None
 
 
