@@ -261,6 +261,35 @@ def test_an_arm_is_evaluated_while_a_slower_arm_still_pre_trains(two_jobs, tmp_p
         assert (copy / "logs" / f"blimp-{arm}.log").is_file()
 
 
+@pytest.mark.parametrize("jobs, most", [(1, 1), (2, 2)])
+def test_chains_pre_train_at_most_jobs_arms_at_once(corpus_dir, tokenizer_dir, tmp_path,
+                                                    monkeypatch, jobs: int, most: int) -> None:
+    """eval_jobs = 2 makes the arms chains, but `jobs` still bounds how many pre-train at once:
+    jobs = 1 trains one arm after the other (the other chain waits), jobs = 2 both together."""
+    from mlsm.study import executors
+
+    raw = _two_arm_spec(corpus_dir, tokenizer_dir, tmp_path / "study")
+    raw["executor"] = {"kind": "local", "jobs": jobs, "eval_jobs": 2, "threads": 1}
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def counted_pretrain(study, arm):  # stands in for the subprocess: counts who is inside
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(1.5)
+        with lock:
+            running[0] -= 1
+        return None  # recorded as a run of its own wall time
+
+    monkeypatch.setattr(executors, "_subprocess_arm", counted_pretrain)
+    run_study(study_from_dict(raw), stages=["store", "pretrain"], log=lambda s: None)
+    assert peak[0] == most
+    rows = [json.loads(x) for x in (tmp_path / "study" / "stages.jsonl").read_text().splitlines()]
+    seconds = [r["seconds"] for r in rows if r["stage"] == "pretrain"]
+    assert len(seconds) == 2 and max(seconds) < 2.5, \
+        f"a chain's wait for its turn (1.5 s) was counted as pre-training time: {seconds}"
+
+
 def test_sigterm_to_a_study_stops_both_arms_at_a_checkpoint(corpus_dir, tokenizer_dir,
                                                             tmp_path) -> None:
     """SIGTERM to the study's process group (a scheduler's stop, a closed terminal) while two

@@ -3,9 +3,9 @@
 `local` with jobs = 1 runs every stage of every arm in this process, one after the other. With
 jobs > 1 each arm's pre-training is a `python -m mlsm pretrain --resume auto` subprocess, and
 each arm's evaluation stage (probe, finetune, blimp, readout) a `python -m mlsm.study.job`
-subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once; when there
-are several arms and eval_jobs > 1, each arm runs its stages as a chain of its own (`run_chains`),
-so its evaluation starts when its own pre-training ends, not when the slowest arm's does.
+subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once. Each arm then
+runs its stages as a chain of its own (`run_chains`), so its evaluation starts when its own
+pre-training ends, not when the slowest arm's does.
 `slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
 GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
 them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued
@@ -16,6 +16,7 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -282,10 +283,9 @@ def _queue_state(job_id: str) -> str | None:
 def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     """Run an evaluation stage (probe, finetune, blimp) for `arms`; returns the arms that failed.
 
-    `local` with jobs = 1 (or one arm with work) runs the stage here, one model at a time. With
-    jobs > 1 each arm's stage is a `python -m mlsm.study.job` subprocess with `executor.threads`
-    threads, `eval_jobs` at once. On slurm each arm's stage is one job, submitted after
-    pre-training finished and awaited before the next stage. Subprocesses and jobs run
+    `local` runs the stage here, one model at a time (a local study whose evaluation runs in
+    subprocesses goes through `run_chains` instead). On slurm each arm's stage is one job,
+    submitted after pre-training finished and awaited before the next stage. Jobs run
     `run_arm_stage` with that arm and stage, so skip-if-complete and the failure records
     work inside them as here; an arm whose stage has nothing to do (its files exist, or the stage
     does not apply to it) gets none.
@@ -293,12 +293,10 @@ def run_evaluation(study: Study, stage: str, arms: list[str]) -> set[str]:
     run_here = EVALUATIONS[stage]
     if study.in_job or not arms:
         return run_here(study, arms)
-    work = [a for a in arms if has_work(study, stage, a)]
-    if study.spec.executor.kind == "local" and (eval_jobs(study) <= 1 or len(work) <= 1):
-        return run_here(study, arms)
-    failed = run_here(study, [a for a in arms if a not in work])  # records their skips
     if study.spec.executor.kind == "local":
-        return failed | _local_jobs(study, stage, work)
+        return run_here(study, arms)
+    work = [a for a in arms if has_work(study, stage, a)]
+    failed = run_here(study, [a for a in arms if a not in work])  # records their skips
     if not work:
         return failed
     executor = make_executor(study)
@@ -316,18 +314,6 @@ def eval_jobs(study: Study) -> int:
     return study.spec.executor.eval_jobs or study.spec.executor.jobs
 
 
-def _local_jobs(study: Study, stage: str, arms: list[str]) -> set[str]:
-    """Each arm's `stage` as a subprocess (`mlsm.study.job`), `eval_jobs` at once; returns the
-    arms that failed. The subprocesses read this study from OUT/configs/study-job.json with
-    jobs = 1, so each runs its arm in its own process with `executor.threads` threads (not
-    jobs x threads)."""
-    path = job_spec_file(study)
-    with ThreadPoolExecutor(max_workers=eval_jobs(study)) as pool:
-        ok = list(pool.map(lambda a: study.stage(
-            f"{stage}-job", lambda: _stage_subprocess(study, path, stage, a), a), arms))
-    return {a for a, good in zip(arms, ok, strict=True) if not good}
-
-
 def job_spec_file(study: Study) -> Path:
     """Write OUT/configs/study-job.json, the study an evaluation subprocess reads: the driver's,
     with jobs = 1, so each subprocess runs its arm in itself with `executor.threads` threads."""
@@ -340,24 +326,28 @@ def job_spec_file(study: Study) -> Path:
 
 
 def chained(study: Study, arms: list[str]) -> bool:
-    """Whether `arms` run as chains (`run_chains`): local, jobs > 1, evaluations in subprocesses
+    """Whether `arms` run as chains (`run_chains`): local, evaluations in subprocesses
     (eval_jobs > 1) and more than one arm (a lone arm trains in the driver with every thread)."""
-    ex = study.spec.executor
-    return (ex.kind == "local" and ex.jobs > 1 and eval_jobs(study) > 1 and len(arms) > 1
+    return (study.spec.executor.kind == "local" and eval_jobs(study) > 1 and len(arms) > 1
             and not study.in_job)
 
 
 def run_chains(study: Study, arms: list[str], chain: Callable[[str], None]) -> None:
-    """chain(arm) for every arm, `jobs` at once: each arm's stages in order, the arms side by
-    side. Under the stage-by-stage order every arm waited for the slowest arm's pre-training
-    before any evaluation began (v2's MLSM arms finished 20-26 min before MLM's, a core idle)."""
-    with ThreadPoolExecutor(max_workers=study.spec.executor.jobs) as pool:
+    """chain(arm) for every arm, max(jobs, eval_jobs) at once: each arm's stages in order, the
+    arms side by side (the chains' gates keep `jobs` pre-training and `eval_jobs` evaluating).
+    Under the stage-by-stage order every arm waited for the slowest arm's pre-training before any
+    evaluation began (v2's MLSM arms finished 20-26 min before MLM's, a core idle)."""
+    workers = max(study.spec.executor.jobs, eval_jobs(study))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(chain, arms))  # re-raises what a chain raised
 
 
-def pretrain_subprocess(study: Study, arm: str) -> bool:
-    """One arm's pre-training as a `mlsm pretrain` subprocess, recorded; False if it failed."""
-    return study.stage("pretrain", lambda: _subprocess_arm(study, arm), arm)
+def pretrain_subprocess(study: Study, arm: str, gate: threading.Semaphore) -> bool:
+    """One arm's pre-training as a `mlsm pretrain` subprocess, at most as many at once as `gate`
+    lets through (`jobs`), recorded; False if it failed. A finished run starts no subprocess."""
+    # the wait for the gate stays outside the stage: its wall time is the run's, not the queue's
+    with contextlib.nullcontext() if pretrain_done(study, arm) else gate:
+        return study.stage("pretrain", lambda: _subprocess_arm(study, arm), arm)
 
 
 def evaluation_subprocess(study: Study, stage: str, arm: str, spec_file: Path,

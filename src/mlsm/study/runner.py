@@ -46,6 +46,7 @@ from mlsm.study.folder import (
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
 from mlsm.study.spec import StudySpec, arm_base, spec_record
+from mlsm.study.stages import EVALUATIONS
 
 __all__ = ["OUTPUTS", "STAGES", "Study", "check_same_config", "check_study_inputs",
            "run_study"]
@@ -179,15 +180,18 @@ def _evaluations(study: Study, wanted: list[str], ok: list[str],
 
 def _chains(study: Study, wanted: list[str], arms: list[str]) -> None:
     """Each arm's pre-training, then its evaluation stages, as one chain; the chains side by side
-    (`run_chains`), at most eval_jobs evaluation subprocesses at once."""
-    gate = threading.BoundedSemaphore(eval_jobs(study))
-    spec_file = job_spec_file(study)
+    (`run_chains`), at most `jobs` pre-training and `eval_jobs` evaluation subprocesses at once."""
+    train_gate = threading.BoundedSemaphore(study.spec.executor.jobs)
+    eval_gate = threading.BoundedSemaphore(eval_jobs(study))
+    spec_file = job_spec_file(study) if set(wanted) & set(EVALUATIONS) else None
 
     def one(s: Study, stage: str, arms: list[str]) -> set[str]:
-        return set().union(*(evaluation_subprocess(s, stage, a, spec_file, gate) for a in arms))
+        assert spec_file is not None  # only stages in `wanted` run
+        return set().union(*(evaluation_subprocess(s, stage, a, spec_file, eval_gate)
+                             for a in arms))
 
     def chain(arm: str) -> None:
-        if "pretrain" in wanted and not pretrain_subprocess(study, arm):
+        if "pretrain" in wanted and not pretrain_subprocess(study, arm, train_gate):
             return
         if pretrain_done(study, arm):
             _evaluations(study, wanted, [arm], one)

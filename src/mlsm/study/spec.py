@@ -126,9 +126,9 @@ class ExecutorSpec:
     kind: str = "local"
     """`local` (in this process, or `jobs` subprocesses) or `slurm` (submitit)."""
     jobs: int = ranged(1, POSITIVE)
-    """local: arms run at once, each stage of each arm a subprocess with `threads` threads (with
-    eval_jobs other than 1, each arm's stages one chain: its evaluation starts when its own
-    pre-training ends); keep jobs x threads at or below the cores."""
+    """local: arms pre-trained at once, each a subprocess with `threads` threads (with evaluation
+    in subprocesses too, eval_jobs > 1, each arm's stages one chain: its evaluation starts when its
+    own pre-training ends); keep jobs x threads at or below the cores."""
     eval_jobs: int = ranged(0, NON_NEGATIVE)
     """local: arms whose evaluation stage (probe, finetune, blimp) runs at once, each a subprocess
     with `threads` threads; 0 = jobs. 1 runs them in the driver one after the other with jobs x
