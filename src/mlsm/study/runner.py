@@ -4,11 +4,11 @@ stages (`preparation`, `stages`), their executors and the report; the study fold
 
 store -> dictionaries (one per (teacher, layer, k, lam), shared by arms) -> pre-training per arm ->
 probes (latent arms, at the BLiMP readiness points) -> fine-tuning of readiness checkpoints ->
-BLiMP -> readouts -> report (with local jobs > 1 each arm's pre-training and evaluation run as one
-chain, the arms side by side: `_chains`). A failing arm is recorded in STUDY_OUT/status.json and
-the other arms go on; every stage's wall time and CPU time (user + sys of this process and of the
-subprocesses it ran) is appended to STUDY_OUT/stages.jsonl, so the report can state what each
-cost, also on a loaded machine where wall time says little.
+BLiMP -> readouts -> report (a local study whose evaluation runs in subprocesses runs each arm's
+pre-training and evaluation as one chain, the arms side by side: `_chains`). A failing arm is
+recorded in STUDY_OUT/status.json and the other arms go on; every stage's wall time and CPU time
+(user + sys of this process and of the subprocesses it ran) is appended to STUDY_OUT/stages.jsonl,
+so the report can state what each cost, also on a loaded machine where wall time says little.
 Re-running the same command resumes: finished stages are skipped, an interrupted run continues
 from its last checkpoint (batches depend only on (data.seed, step)).
 """
