@@ -1,0 +1,149 @@
+"""docs/results/cpu_replication_v2/README.md and the README's v2 table are written by hand from
+the latest published study report (`seeds0-N/`). Every number in their hypothesis, detectable
+effect and per-task tables must be what that report's summary.json says, rounded as printed:
+a hand-copied 0.29 that should read 0.92 fails here, not in a reader's replication."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mlsm.evaluate.paired import min_detectable_effect
+from mlsm.study.spec import load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = ROOT / "docs" / "results" / "cpu_replication_v2"
+PAGE = FOLDER / "README.md"
+NUMBER = re.compile(r"(<\s*)?[+\-−]?\d+(?:\.\d+)?")
+# Metrics printed as percentages on the page; MCC and correlations are printed as they are.
+PERCENT = {"acc", "f1", "accuracy", "top1"}
+METRIC_WORDS = {"mcc": "mcc", "acc": "acc", "f1": "f1", "pearson": "pearson",
+                "spearman": "spearman"}
+
+
+def _printed(metric: str) -> int:
+    """The factor from a row's value to the page's number (percentages are x 100)."""
+    return 100 if metric in PERCENT else 1
+
+
+def _latest() -> tuple[Path, dict]:
+    """The newest look the page links (seeds0-N with the largest N) and its summary."""
+    looks = sorted({int(n) for n in re.findall(r"\(seeds0-(\d+)/report\.md\)", PAGE.read_text())})
+    assert looks, f"{PAGE} links no seeds0-N/report.md"
+    folder = FOLDER / f"seeds0-{looks[-1]}"
+    return folder, json.loads((folder / "summary.json").read_text())
+
+
+def _numbers(cell: str) -> list[tuple[float, float, bool]]:
+    """(value, half a unit of its last printed digit, printed as an upper bound) per number."""
+    out = []
+    for m in NUMBER.finditer(cell.replace(",", " ")):
+        text = m.group(0)
+        bound = text.lstrip().startswith("<")
+        text = text.lstrip("< ").replace("−", "-")
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        out.append((float(text), 0.5 * 10 ** -decimals + 1e-9, bound))
+    return out
+
+
+def _agree(cell: str, expected: list[float], where: str) -> None:
+    printed = _numbers(cell)
+    assert len(printed) == len(expected), f"{where}: {cell!r} shows {len(printed)} numbers, " \
+                                          f"the summary has {len(expected)}"
+    for (value, half, bound), want in zip(printed, expected, strict=True):
+        ok = want < value if bound else abs(value - want) <= half
+        assert ok, f"{where}: {cell!r} prints {value}, the summary says {want:.6g}"
+
+
+def _rows(text: str, first: str) -> list[list[str]]:
+    """Cells of the table rows whose first cell starts with `first`."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith(first):
+            rows.append(cells)
+    return rows
+
+
+def _section(text: str) -> str:
+    """The page's section of the newest look: from its last `## Seeds 0–N` heading on."""
+    starts = [m.start() for m in re.finditer(r"^## Seeds 0", text, re.M)]
+    assert starts, f"{PAGE} has no '## Seeds 0–N' section"
+    return text[starts[-1]:]
+
+
+@pytest.fixture(scope="module")
+def latest() -> tuple[Path, dict]:
+    return _latest()
+
+
+def test_hypothesis_table_is_the_summary(latest) -> None:
+    _, summary = latest
+    section = _section(PAGE.read_text())
+    for h in summary["hypotheses"]:
+        rows = _rows(section, f"{h['id']}:")
+        assert len(rows) == 1, f"the page's newest section has no single {h['id']} row"
+        cells, where = rows[0], f"page {h['id']}"
+        _agree(cells[1], [100 * v for v in h["a_values"]], where)
+        _agree(cells[2], [100 * v for v in h["b_values"]], where)
+        _agree(cells[3], [100 * v for v in [h["mean_diff"], *h["ci95"]]], where)
+        _agree(cells[4], [100 * h["sd_diff"]], where)
+        _agree(cells[5], [h["p"]], where)
+        _agree(cells[6], [h["p_holm"]], where)
+        decision = cells[7].split(":")[0].strip().lower()
+        assert h["decision"].lower().startswith(decision), \
+            f"{where}: decision {cells[7]!r}, the summary says {h['decision']!r}"
+
+
+def test_readme_v2_table_is_the_summary(latest) -> None:
+    _, summary = latest
+    text = (ROOT / "README.md").read_text()
+    v2 = text[text.index("**v2, over pre-training seeds"):]
+    for h in summary["hypotheses"]:
+        rows = _rows(v2, f"{h['id']}:")
+        assert rows, f"README's v2 table has no {h['id']} row"
+        cells, where = rows[0], f"README {h['id']}"
+        _agree(cells[1], [100 * v for v in h["a_values"]], where)
+        _agree(cells[2], [100 * v for v in h["b_values"]], where)
+        _agree(cells[3], [100 * h["mean_diff"]], where)
+        _agree(cells[4], [h["p"], h["p_holm"]], where)
+    assert f"commit {summary['git_revision'][:7]}" in v2, \
+        "README's v2 paragraph must name the commit the report was written at"
+
+
+def test_detectable_effect_table_is_what_min_detectable_effect_computes(latest) -> None:
+    _, summary = latest
+    hyps = {h.id: h for h in load_study(ROOT / "studies" / "cpu_replication_v2.yaml").hypotheses}
+    section = _section(PAGE.read_text())
+    header = next(r for r in _rows(section, "") if any("seeds, α" in c for c in r))
+    columns = [re.fullmatch(r"at (\d+) seeds, α(/3)?", c) for c in header[1:]]
+    assert all(columns), f"detectable-effect header {header} must read 'at N seeds, α[/3]'"
+    for h in summary["hypotheses"]:
+        spec = hyps[h["id"]]
+        cells = next(r for r in _rows(section, h["id"]) if r[0] == h["id"])
+        expected = [100 * min_detectable_effect(h["sd_diff"], int(m.group(1)),
+                                                spec.alpha / (len(hyps) if m.group(2) else 1),
+                                                spec.test, spec.direction) for m in columns]
+        _agree(" ".join(cells[1:]), expected, f"detectable effect {h['id']}")
+
+
+def test_per_task_probe_table_is_the_summary(latest) -> None:
+    _, summary = latest
+    seeds = summary["hypotheses"][0]["seeds"]
+    value = {(r["model"], r["task"], r["metric"]): r for r in summary["readouts"]}
+    section = _section(PAGE.read_text())
+    rows = [r for r in _rows(section, "") if r[0].split()[:1]
+            and r[0].split()[0].lower().replace("-", "") in {"cola", "sst2", "mrpc", "stsb", "rte"}]
+    assert len(rows) == 5, "the per-task probe table must have a row per GLUE task probed"
+    for cells in rows:
+        task, *words = cells[0].lower().replace("-", "").replace("/", " ").split()
+        metrics = [METRIC_WORDS[w] for w in words if w in METRIC_WORDS]
+        for cell, arm in [(cells[1], "mlsm_l5"), (cells[2], "mlm")]:
+            _agree(cell, [_printed(m) * value[(f"{arm}-s{seed}@100%", task, m)]["value"]
+                          for seed in seeds for m in metrics], f"{task} {arm}")
+        first = f"mlm-s{seeds[0]}@100%"
+        _agree(cells[3], [_printed(m) * value[(first, task, m)]["control"] for m in metrics],
+               f"{task} control")
