@@ -17,7 +17,7 @@ from mlsm.study.spec import load_study
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "docs" / "results" / "cpu_replication_v2"
 PAGE = FOLDER / "README.md"
-NUMBER = re.compile(r"(<\s*)?[+\-−]?\d+(?:\.\d+)?")
+NUMBER = re.compile(r"(<\s*)?[+\-−]?\d+(?:\.\d+)?(?:e[+\-−]?\d+)?")
 # Metrics printed as percentages on the page; MCC and correlations are printed as they are.
 PERCENT = {"acc", "f1", "accuracy", "top1"}
 METRIC_WORDS = {"mcc": "mcc", "acc": "acc", "f1": "f1", "pearson": "pearson",
@@ -44,8 +44,10 @@ def _numbers(cell: str) -> list[tuple[float, float, bool]]:
         text = m.group(0)
         bound = text.lstrip().startswith("<")
         text = text.lstrip("< ").replace("−", "-")
-        decimals = len(text.split(".")[1]) if "." in text else 0
-        out.append((float(text), 0.5 * 10 ** -decimals + 1e-9, bound))
+        mantissa, _, exponent = text.partition("e")  # 8.2e-6: half a unit is 0.05e-6
+        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        half = 0.5 * 10.0 ** (int(exponent or 0) - decimals)
+        out.append((float(text), half * (1 + 1e-9), bound))
     return out
 
 
