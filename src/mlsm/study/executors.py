@@ -1,11 +1,13 @@
 """Where a study's stages run: in this process, in N local subprocesses, or on slurm.
 
-`local` with jobs = 1 runs every stage of every arm in this process, one after the other. With
-jobs > 1 each arm's pre-training is a `python -m mlsm pretrain --resume auto` subprocess, and
-each arm's evaluation stage (probe, finetune, blimp, readout) a `python -m mlsm.study.job`
-subprocess, each with `executor.threads` torch threads, `eval_jobs` of them at once. Each arm then
-runs its stages as a chain of its own (`run_chains`), so its evaluation starts when its own
-pre-training ends, not when the slowest arm's does.
+`local` with one evaluation at a time (`eval_jobs` 1, or 0 with jobs = 1) or one arm goes stage
+by stage: the pre-training runs in this process (jobs = 1, or one arm left to train) or as `jobs`
+`python -m mlsm pretrain --resume auto` subprocesses at once, each with `executor.threads` torch
+threads; every evaluation stage then runs here, one model at a time. With `eval_jobs` above 1
+(0 = jobs) and several arms, each arm runs its stages as a chain of its own (`run_chains`): its
+pre-training a subprocess (`jobs` at once), then each evaluation stage (probe, finetune, blimp,
+readout) a `python -m mlsm.study.job` subprocess (`eval_jobs` at once), so its evaluation starts
+when its own pre-training ends, not when the slowest arm's does.
 `slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
 GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
 them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued

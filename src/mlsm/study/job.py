@@ -1,6 +1,6 @@
 """One evaluation stage of one arm in a process of its own: what a local study with
-`executor.jobs` > 1 starts for each arm (`executors.evaluation_subprocess`), as a Slurm job runs
-`run_arm_stage`.
+`executor.eval_jobs` above 1 starts for each arm (`executors.evaluation_subprocess`), as a Slurm
+job runs `run_arm_stage`.
 
     python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM
 
