@@ -14,10 +14,12 @@ import pytest
 from mlsm.evaluate.paired import min_detectable_effect
 from mlsm.study.spec import load_study
 
+from .pages import agree as _agree
+from .pages import rows as _rows
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "docs" / "results" / "cpu_replication_v2"
 PAGE = FOLDER / "README.md"
-NUMBER = re.compile(r"(<\s*)?[+\-−]?\d+(?:\.\d+)?(?:e[+\-−]?\d+)?")
 # The probes' metrics as the per-task table names them; acc and F1 are printed in %, MCC and the
 # correlations as they are.
 PROBE_METRICS = {"mcc", "acc", "f1", "pearson", "spearman"}
@@ -26,39 +28,6 @@ PROBE_METRICS = {"mcc", "acc", "f1", "pearson", "spearman"}
 def _printed(metric: str) -> int:
     """The factor from a row's value to the page's number (percentages are x 100)."""
     return 100 if metric in {"acc", "f1"} else 1
-
-
-def _numbers(cell: str) -> list[tuple[float, float, bool]]:
-    """(value, half a unit of its last printed digit, printed as an upper bound) per number."""
-    out = []
-    for m in NUMBER.finditer(cell.replace(",", " ")):
-        text = m.group(0)
-        bound = text.lstrip().startswith("<")
-        text = text.lstrip("< ").replace("−", "-")
-        mantissa, _, exponent = text.partition("e")  # 8.2e-6: half a unit is 0.05e-6
-        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
-        half = 0.5 * 10.0 ** (int(exponent or 0) - decimals)
-        out.append((float(text), half * (1 + 1e-9), bound))
-    return out
-
-
-def _agree(cell: str, expected: list[float], where: str) -> None:
-    printed = _numbers(cell)
-    assert len(printed) == len(expected), f"{where}: {cell!r} shows {len(printed)} numbers, " \
-                                          f"the summary has {len(expected)}"
-    for (value, half, bound), want in zip(printed, expected, strict=True):
-        ok = want < value if bound else abs(value - want) <= half
-        assert ok, f"{where}: {cell!r} prints {value}, the summary says {want:.6g}"
-
-
-def _rows(text: str, first: str) -> list[list[str]]:
-    """Cells of the table rows whose first cell starts with `first`."""
-    rows = []
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells[0].startswith(first):
-            rows.append(cells)
-    return rows
 
 
 def _section(text: str) -> str:
