@@ -1,6 +1,7 @@
 """The v1 study page (docs/results/cpu_replication/README.md) and the demo page
 (docs/results/demo/README.md) are written by hand from what `mlsm study report` and `mlsm demo`
-wrote beside them. Every number of their tables must be what those files say, rounded as
+wrote beside them, and the README's Results section copies their tables again. Every number of
+those tables must be what those files say, rounded as
 printed; a number the page copied from the already-rounded report.md may differ by half a unit of
 each. (The v2 page has its own test: tests/test_results_v2_page.py.)"""
 
@@ -121,3 +122,57 @@ def test_demo_table_is_the_demo_records() -> None:
         agree(" ".join(header[1:4]).replace("top-1", "top"), counts, "demo header")
         checked += 1
     assert checked == 2
+
+
+def _readme_results() -> str:
+    text = (RESULTS.parents[1] / "README.md").read_text()
+    return text[text.index("## Results"):].split("\n## ")[0]
+
+
+def test_readme_v1_table_is_the_report() -> None:
+    per_run = _report_table("one pair per run, its metrics averaged")
+    per_metric = _report_table("one pair per fine-tuning run and metric")
+    summary = _json(V1 / "summary.json")
+    blimp = {b["arm"]: b["overall"] for b in summary["blimp"]}
+    pairs = {(p["a"], p["b"]): p for p in summary["blimp_pairs"]}
+    checked = 0
+    for cells in rows(_readme_results(), ""):
+        names = cells[0].removeprefix("BLiMP, ").split(" vs ")
+        if len(names) != 2 or "@" not in cells[0]:
+            continue
+        a, b = names
+        b = f"MLSM {b}" if b.startswith("l=") else b
+        if "@" not in a:  # "BLiMP, MLSM l=5 vs MLM @ 100 %": both at the readiness named last
+            a += b[b.index(" @"):]
+        pair, where = (_model(a), _model(b)), f"README v1 {cells[0]}"
+        if cells[0].startswith("BLiMP"):
+            p = pairs[pair]
+            agree(cells[1], [p["wins_a"], p["wins_b"]], where)
+            arm_a, arm_b = (name.split("@")[0] for name in pair)
+            agree(cells[2], [100 * blimp[arm_a], 100 * blimp[arm_b], 100 * p["mean_diff"]], where)
+            agree(cells[3], [p["p_two_sided"], p["n_phenomena"]], where)
+        else:
+            report = per_run[pair]
+            agree(cells[1], [float(report[i].split("/")[0]) for i in (2, 3)], where)
+            agree_rounded(cells[2], report[7], where)
+            agree_rounded(cells[3], report[6], where)
+            agree_rounded(cells[4], per_metric[pair][6], where)
+        checked += 1
+    assert checked == 7, "the README's v1 table must have its five headline and two BLiMP rows"
+
+
+def test_readme_demo_table_is_the_demo_records() -> None:
+    finetune = _json(DEMO / "summary.json")["finetune"]
+    sst2 = dict(zip(finetune["models"], (m[0] for m in finetune["mean"]), strict=True))
+    results = _readme_results()
+    demo = results[:results.index("**CPU replication")]
+    for arm, label in [("mlm", "MLM"), ("mlsm", "MLSM, through its probe")]:
+        record = _json(DEMO / "blimp" / f"{arm}@100pct.json")
+        held, order, blimp = record["heldout"], *(record["sets"][s] for s in
+                                                  ("heldout_prose_word_order", "blimp"))
+        [cells] = [r for r in rows(demo, label) if r[0] == label]
+        where = f"README demo {label}"
+        agree(cells[1], [100 * held["top1"], held["p_vs_unigram"]], where)
+        agree(cells[2], [100 * order["overall"], order["p_vs_chance"]], where)
+        agree(cells[3], [100 * blimp["overall"], blimp["tests"]["p_vs_control"]], where)
+        agree(cells[4], [100 * sst2[f"{arm}@100%"]], where)
