@@ -245,3 +245,18 @@ def test_v2_study_loads_and_its_power_figures_are_computed_ones() -> None:
             assert figure in spec.notes and figure in (root / "docs" / "study.md").read_text()
     for n, bound in ((3, "0.44"), (5, "0.74")):
         assert f"{1 / detectable_dz(n, 0.05, 'greater'):.2f}" == bound and bound in spec.notes
+
+
+def test_report_prints_a_tiny_p_value_as_a_number_not_as_zero() -> None:
+    """p = 8.2e-6 is printed with 3 significant digits in both tables; four decimals showed it
+    as 0.0000, which reads as p = 0."""
+    from mlsm.study.hypotheses import comparison_lines, report_lines
+
+    h = Hypothesis(id="H1", a="x@100%", b="y@100%", kind="masked", task="heldout", metric="top1")
+    row = {"id": "H1", "a": h.a, "b": h.b, "kind": h.kind, "task": h.task, "metric": h.metric,
+           "n": 5, "a_values": [0.2] * 5, "b_values": [0.1] * 5, "mean_diff": 0.1,
+           "ci95": [0.09, 0.11], "sd_diff": 0.003, "p": 8.164e-6, "p_holm": 2.449e-5,
+           "decision": "supported", "mde80": 0.004, "mde80_first_step": 0.006, "note": ""}
+    table = "\n".join(report_lines([h], [row], []))
+    assert "| 8.16e-06 | 2.45e-05 | supported |" in table and "0.0000" not in table
+    assert "| 0.1000 [0.0900, 0.1100] | 0.0030 | 8.16e-06 |" in "\n".join(comparison_lines([row]))

@@ -529,7 +529,7 @@ def test_seeded_study_pairs_arms_by_seed_and_reports_registered_hypotheses(
     assert "## Pre-registered hypotheses" in report and "## Exploratory analyses" in report
     assert str(tmp_path) not in report  # no machine path: reports get published as they are
     assert "| H1 | mlm_hi@100% | mlm@100% | 2 | 0.2300, 0.2500 | 0.2000, 0.2100 |" in report
-    assert f"| {p:.4f} | {p:.4f} |" in report and "WARNING" not in report
+    assert f"| {p:.3g} | {p:.3g} |" in report and "WARNING" not in report
     summary = json.loads((out / "summary.json").read_text())
     assert summary["hypotheses"][0]["p"] == pytest.approx(p)
     # no latent arm here, so no headline pair: the across-seeds table needs one

@@ -297,6 +297,16 @@ def _sd(d: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1))
 
 
+def _value(x: Any) -> str:
+    """A value in the metric's units, 4 decimals ('—' when missing)."""
+    return f"{x:.4f}" if is_number(x) and math.isfinite(x) else "—"
+
+
+def _p(x: Any) -> str:
+    """A p-value, 3 significant digits: 8.16e-06, never a 0.0000 that reads as p = 0."""
+    return f"{x:.3g}" if is_number(x) and math.isfinite(x) else "—"
+
+
 def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
                  problems: Sequence[str]) -> list[str]:
     """The report's "Pre-registered hypotheses" section."""
@@ -310,7 +320,6 @@ def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
               f"{len(hyps)} hypotheses at alpha {hyps[0].alpha:g}. Detectable (80 % power): the "
               "smallest true difference the test finds with 80 % probability given the measured "
               "SD of the seed differences, at alpha and at alpha / m (Holm's first step).\n"]
-    fmt = lambda x: f"{x:.4f}" if is_number(x) and math.isfinite(x) else "—"  # noqa: E731
     for h in hyps:
         lines.append(f"- **{h.id}** ({h.kind or 'fine-tuning'} / {h.task} / {h.metric}; "
                      f"{h.direction}; {h.test}): {h.statement}")
@@ -318,12 +327,12 @@ def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
               "SD of diffs | p | Holm p | decision | detectable (α) | detectable (α/m) |",
               "|---|---|---|---|---|---|---|---:|---:|---:|---|---:|---:|"]
     for r in results:
-        ci = f"{fmt(r['mean_diff'])} [{fmt(r['ci95'][0])}, {fmt(r['ci95'][1])}]"
+        ci = f"{_value(r['mean_diff'])} [{_value(r['ci95'][0])}, {_value(r['ci95'][1])}]"
         lines.append(f"| {r['id']} | {r['a']} | {r['b']} | {r['n']} | "
-                     f"{', '.join(map(fmt, r['a_values']))} | "
-                     f"{', '.join(map(fmt, r['b_values']))} | {ci} | {fmt(r['sd_diff'])} | "
-                     f"{fmt(r['p'])} | {fmt(r['p_holm'])} | {r['decision']} | "
-                     f"{fmt(r['mde80'])} | {fmt(r['mde80_first_step'])} |")
+                     f"{', '.join(map(_value, r['a_values']))} | "
+                     f"{', '.join(map(_value, r['b_values']))} | {ci} | {_value(r['sd_diff'])} | "
+                     f"{_p(r['p'])} | {_p(r['p_holm'])} | {r['decision']} | "
+                     f"{_value(r['mde80'])} | {_value(r['mde80_first_step'])} |")
     lines += [f"- {r['id']}: {r['note']}" for r in results if r["note"]]
     return lines + [""]
 
@@ -351,13 +360,12 @@ def comparison_lines(got: Sequence[dict[str, Any]]) -> list[str]:
     """The exploratory table of `seed_comparisons`."""
     if not got:
         return []
-    fmt = lambda x: f"{x:.4f}" if is_number(x) and math.isfinite(x) else "—"  # noqa: E731
     lines = ["### Arms across pre-training seeds (exploratory)\n",
              "One pair per pre-training seed; mean difference a − b with its 95 % t interval, "
              "two-sided paired t-test, not corrected for the number of rows.\n",
              "| a | b | kind | task | metric | seeds | mean a − b [95 % CI] | SD of diffs | p |",
              "|---|---|---|---|---|---:|---|---:|---:|"]
     lines += [f"| {r['a']} | {r['b']} | {r['kind'] or 'fine-tuning'} | {r['task']} | "
-              f"{r['metric']} | {r['n']} | {fmt(r['mean_diff'])} [{fmt(r['ci95'][0])}, "
-              f"{fmt(r['ci95'][1])}] | {fmt(r['sd_diff'])} | {fmt(r['p'])} |" for r in got]
+              f"{r['metric']} | {r['n']} | {_value(r['mean_diff'])} [{_value(r['ci95'][0])}, "
+              f"{_value(r['ci95'][1])}] | {_value(r['sd_diff'])} | {_p(r['p'])} |" for r in got]
     return lines + [""]
