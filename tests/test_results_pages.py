@@ -165,7 +165,8 @@ def test_readme_demo_table_is_the_demo_records() -> None:
     finetune = _json(DEMO / "summary.json")["finetune"]
     sst2 = dict(zip(finetune["models"], (m[0] for m in finetune["mean"]), strict=True))
     results = _readme_results()
-    demo = results[:results.index("**CPU replication")]
+    start = results.index("**`mlsm demo`")
+    demo = results[start:results.find("\n**", start + 1)]  # up to the next bold lead-in
     for arm, label in [("mlm", "MLM"), ("mlsm", "MLSM, through its probe")]:
         record = _json(DEMO / "blimp" / f"{arm}@100pct.json")
         held, order, blimp = record["heldout"], *(record["sets"][s] for s in
