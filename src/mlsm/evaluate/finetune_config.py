@@ -73,7 +73,8 @@ class FinetuneConfig:
     RESULTS.lr-grid.jsonl (0: every lr is reported; the dev set is never used to choose)."""
     preset: str = field(default="", metadata={"metavar": "NAME", "decides": False})
     """A named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md): it fixes seeds, lrs, epochs,
-    max_steps, batch_size, warmup_ratio, head and val_fraction; settings you give override it."""
+    max_steps, batch_size, warmup_ratio, head and val_fraction; in `mlsm finetune` settings you give
+    override it, a study file refuses a setting the preset fixes (one line names it)."""
     max_len: int = field(default=128, metadata=_checked((lambda v: v >= 4, "at least 4")))
     """Sequence length in tokens (pairs truncated longest-first), up to the model's limit."""
     max_train_examples: int | None = field(default=None, metadata=_checked((

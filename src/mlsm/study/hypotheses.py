@@ -56,8 +56,9 @@ class Hypothesis:
     """Registered direction of a - b."""
     test: Literal["paired-t", "wilcoxon"] = "paired-t"
     """Test over the pre-training seeds: paired-t (assumes roughly normal seed-to-seed
-    differences; the only one that can reach p < 0.05 with under 6 seeds) or wilcoxon (signed
-    rank, exact; needs 5 seeds for one-sided 0.05, 6 for two-sided)."""
+    differences; the only one that can reach p < 0.05 with under 5 seeds one-sided, 6
+    two-sided) or wilcoxon (signed rank, exact; needs 5 seeds for one-sided 0.05, 6 for
+    two-sided)."""
     alpha: float = 0.05
     """Family-wise level; Holm's correction runs across all hypotheses, which share it."""
 
