@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+
+from mlsm.inputs import is_number
 
 Alternative = Literal["greater", "less", "two-sided"]
 Test = Literal["paired-t", "wilcoxon"]
@@ -25,6 +27,12 @@ ALTERNATIVES = ("greater", "less", "two-sided")
 WILCOXON_ARE = 3 / math.pi
 """Asymptotic relative efficiency of the signed-rank test to the t-test under normal data
 (Hodges & Lehmann 1956): n signed-rank pairs are worth about 0.955 n t-test pairs."""
+
+
+def p_text(p: Any) -> str:
+    """A p-value for a table: 3 significant digits, so 8.2e-6 prints as 8.2e-06 and never as a
+    0.0000 that reads as p = 0; '—' when missing."""
+    return f"{p:.3g}" if is_number(p) and math.isfinite(p) else "—"
 
 
 def paired_p(a: Sequence[float], b: Sequence[float], test: Test,

@@ -25,7 +25,14 @@ from typing import Any, Literal
 
 from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.errors import UserError
-from mlsm.evaluate.paired import TESTS, holm, mean_ci, min_detectable_effect, paired_p
+from mlsm.evaluate.paired import (
+    TESTS,
+    holm,
+    mean_ci,
+    min_detectable_effect,
+    p_text,
+    paired_p,
+)
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import is_number, read_json
 
@@ -303,11 +310,6 @@ def _value(x: Any) -> str:
     return f"{x:.4f}" if is_number(x) and math.isfinite(x) else "—"
 
 
-def _p(x: Any) -> str:
-    """A p-value, 3 significant digits: 8.16e-06, never a 0.0000 that reads as p = 0."""
-    return f"{x:.3g}" if is_number(x) and math.isfinite(x) else "—"
-
-
 def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
                  problems: Sequence[str]) -> list[str]:
     """The report's "Pre-registered hypotheses" section."""
@@ -332,7 +334,7 @@ def report_lines(hyps: Sequence[Hypothesis], results: Sequence[dict[str, Any]],
         lines.append(f"| {r['id']} | {r['a']} | {r['b']} | {r['n']} | "
                      f"{', '.join(map(_value, r['a_values']))} | "
                      f"{', '.join(map(_value, r['b_values']))} | {ci} | {_value(r['sd_diff'])} | "
-                     f"{_p(r['p'])} | {_p(r['p_holm'])} | {r['decision']} | "
+                     f"{p_text(r['p'])} | {p_text(r['p_holm'])} | {r['decision']} | "
                      f"{_value(r['mde80'])} | {_value(r['mde80_first_step'])} |")
     lines += [f"- {r['id']}: {r['note']}" for r in results if r["note"]]
     return lines + [""]
@@ -368,5 +370,5 @@ def comparison_lines(got: Sequence[dict[str, Any]]) -> list[str]:
              "|---|---|---|---|---|---:|---|---:|---:|"]
     lines += [f"| {r['a']} | {r['b']} | {r['kind'] or 'fine-tuning'} | {r['task']} | "
               f"{r['metric']} | {r['n']} | {_value(r['mean_diff'])} [{_value(r['ci95'][0])}, "
-              f"{_value(r['ci95'][1])}] | {_value(r['sd_diff'])} | {_p(r['p'])} |" for r in got]
+              f"{_value(r['ci95'][1])}] | {_value(r['sd_diff'])} | {p_text(r['p'])} |" for r in got]
     return lines + [""]

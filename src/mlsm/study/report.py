@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.config import git_revision, machine_description
 from mlsm.errors import UserError
+from mlsm.evaluate.paired import p_text
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.inputs import field_problem, is_number, read_json
 from mlsm.study import reuse
@@ -284,8 +285,8 @@ def _blimp_pair_lines(pairs: list[dict[str, Any]], first: str) -> list[str]:
             "| A | B | phenomena | A wins | B wins | mean A − B | p(A>B) | p(B>A) | p two-sided |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
             *[f"| {c['a']} | {c['b']} | {c['n_phenomena']} | {c['wins_a']} | {c['wins_b']} | "
-              f"{100 * c['mean_diff']:+.2f} | {_p(c['p_a_better'])} | {_p(c['p_b_better'])} | "
-              f"{_p(c['p_two_sided'])} |" for c in pairs]]
+              f"{100 * c['mean_diff']:+.2f} | {p_text(c['p_a_better'])} | "
+              f"{p_text(c['p_b_better'])} | {p_text(c['p_two_sided'])} |" for c in pairs]]
 
 
 def _number(x: Any) -> bool:
@@ -296,11 +297,6 @@ def _number(x: Any) -> bool:
 def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
     """x / scale with `digits` decimals (scale 0.01: a rate as %); '—' when x is no number."""
     return f"{x / scale:.{digits}f}" if _number(x) else "—"
-
-
-def _p(p: Any) -> str:
-    """A p-value for a table: 3 significant digits, '—' when missing."""
-    return f"{p:.3g}" if _number(p) else "—"
 
 
 def first_pair_set(rows: list[dict[str, Any]]) -> str:
@@ -317,9 +313,9 @@ def _blimp_line(r: dict[str, Any]) -> str:
     tests = first.get("tests") if isinstance(first.get("tests"), dict) else {}
     cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", _fmt(r["overall"], 0.01, 1),
              str(r["n_pairs"]), _fmt(first.get("control"), 0.01, 1),
-             _p(tests.get("p_vs_control")), _p(tests.get("p_vs_chance")),
+             p_text(tests.get("p_vs_control")), p_text(tests.get("p_vs_chance")),
              _fmt(h.get("top1"), 0.01, 1),
-             _fmt(h.get("unigram_top1"), 0.01, 1), _p(h.get("p_vs_unigram")),
+             _fmt(h.get("unigram_top1"), 0.01, 1), p_text(h.get("p_vs_unigram")),
              _fmt(h.get("loss"), 1, 3), _fmt(h.get("unigram_loss"), 1, 3),
              str(p.get("input", "—")) if p else "— (MLM head)", _fmt(p.get("heldout_loss"), 1, 3),
              _fmt(p.get("heldout_top1"), 0.01, 1), _fmt(p.get("unigram_loss"), 1, 3),
@@ -334,7 +330,7 @@ def _set_cells(s: dict[str, Any] | None) -> str:
         return "— | — | — | —"
     t = s.get("tests") if isinstance(s.get("tests"), dict) else {}
     return (f"{_fmt(s.get('overall'), 0.01, 1)} | {_fmt(s.get('control'), 0.01, 1)} | "
-            f"{_p(t.get('p_vs_control'))} | {_p(t.get('p_vs_chance'))}")
+            f"{p_text(t.get('p_vs_control'))} | {p_text(t.get('p_vs_chance'))}")
 
 
 def _unscored_rows(study: Study) -> list[str]:
