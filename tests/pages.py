@@ -36,10 +36,10 @@ def agree(cell: str, expected: list[float], where: str, slack: list[float] | Non
         assert ok, f"{where}: {cell!r} prints {value}, the source says {want:.6g}"
 
 
-def agree_rounded(cell: str, source: str, where: str, scale: float = 1.0) -> None:
-    """`cell` prints the numbers of a report's `source` cell (x `scale`), maybe fewer digits."""
+def agree_rounded(cell: str, source: str, where: str) -> None:
+    """`cell` prints the numbers of a report's `source` cell, maybe with fewer digits."""
     read = numbers(source)
-    agree(cell, [scale * v for v, _, _ in read], where, [scale * h for _, h, _ in read])
+    agree(cell, [v for v, _, _ in read], where, [h for _, h, _ in read])
 
 
 def rows(text: str, first: str) -> list[list[str]]:

@@ -32,6 +32,23 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _wins(report_row: list[str]) -> list[float]:
+    """A/B wins of a report.md headline row: its "4/15 | 9/15" is a page's "4 vs 9"."""
+    return [float(report_row[i].split("/")[0]) for i in (2, 3)]
+
+
+def _demo(arm: str) -> tuple[dict, dict, dict, float]:
+    """The demo's held-out masked tokens, word-order pairs, BLiMP subset and SST-2 accuracy."""
+    record = _json(DEMO / "blimp" / f"{arm}@100pct.json")
+    finetune = _json(DEMO / "summary.json")["finetune"]
+    sst2 = dict(zip(finetune["models"], (m[0] for m in finetune["mean"]), strict=True))
+    sets = record["sets"]
+    return record["heldout"], sets["heldout_prose_word_order"], sets["blimp"], sst2[f"{arm}@100%"]
+
+
+DEMO_ROWS = [("mlm", "MLM"), ("mlsm", "MLSM, through its probe")]
+
+
 def _report_table(heading: str) -> dict[tuple[str, str], list[str]]:
     """report.md's headline table under `heading`: (A, B) -> its cells."""
     text = (V1 / "report.md").read_text()
@@ -53,8 +70,7 @@ def test_v1_headline_table_is_the_report(v1_page) -> None:
         pair, where = (_model(cells[0]), _model(cells[1])), f"v1 headline {cells[0]} vs {cells[1]}"
         looks = [(cells[2:5], per_run[pair]), (cells[5:8], per_metric[pair])]
         for (wins, mean, p), report in looks:
-            # the report's "4/15 | 9/15" is the page's "4 vs 9"
-            agree(wins, [float(report[2].split("/")[0]), float(report[3].split("/")[0])], where)
+            agree(wins, _wins(report), where)
             agree_rounded(mean, report[7], where)
             agree_rounded(p, report[6], where)
 
@@ -81,8 +97,8 @@ def test_v1_blimp_tables_are_the_records(v1_page) -> None:
             continue
         record = _json(V1 / "blimp" / f"{_model(m.group(0)).replace('%', 'pct')}.json")
         blimp = record["sets"]["blimp"]
-        held = record["probe"] or record["heldout"]  # latent arms: through their probe
-        top1, loss = (held["heldout_top1"], held["heldout_loss"]) if record["probe"] \
+        probe, held = record["probe"], record["heldout"]  # latent arms: through their probe
+        top1, loss = (probe["heldout_top1"], probe["heldout_loss"]) if probe \
             else (held["top1"], held["loss"])
         where = f"v1 BLiMP {cells[0]}"
         agree(" ".join(cells[1:]), [100 * blimp["overall"], blimp["p_vs_chance"], 100 * top1, loss],
@@ -103,25 +119,18 @@ def test_v1_blimp_pair_sentence_is_the_summary(v1_page) -> None:
 
 def test_demo_table_is_the_demo_records() -> None:
     page = (DEMO / "README.md").read_text()
-    finetune = _json(DEMO / "summary.json")["finetune"]
-    sst2 = dict(zip(finetune["models"], (m[0] for m in finetune["mean"]), strict=True))
     header = next(r for r in rows(page, "model") if "held-out masked top-1" in r[1])
-    checked = 0
-    for arm, label in [("mlm", "MLM"), ("mlsm", "MLSM, through its probe")]:
-        record = _json(DEMO / "blimp" / f"{arm}@100pct.json")
-        held, order, blimp = record["heldout"], *(record["sets"][s] for s in
-                                                  ("heldout_prose_word_order", "blimp"))
+    for arm, label in DEMO_ROWS:
+        held, order, blimp, sst2 = _demo(arm)
         [cells] = [r for r in rows(page, label) if r[0] == label]
         agree(cells[1], [100 * held["top1"], held["p_vs_unigram"]], f"demo {label} masked")
         agree(cells[2], [100 * order["overall"], order["p_vs_chance"]], f"demo {label} order")
         agree(cells[3], [100 * blimp["overall"], blimp["tests"]["p_vs_control"], 50,  # vs 50 %
                          blimp["tests"]["p_vs_chance"]], f"demo {label} BLiMP")
-        agree(cells[4], [100 * sst2[f"{arm}@100%"]], f"demo {label} SST-2")
+        agree(cells[4], [100 * sst2], f"demo {label} SST-2")
         counts = [100 * held["unigram_top1"], held["n"], order["n_pairs"], 100 * order["control"],
                   blimp["n_pairs"], 100 * blimp["control"]]
         agree(" ".join(header[1:4]).replace("top-1", "top"), counts, "demo header")
-        checked += 1
-    assert checked == 2
 
 
 def _readme_results() -> str:
@@ -153,7 +162,7 @@ def test_readme_v1_table_is_the_report() -> None:
             agree(cells[3], [p["p_two_sided"], p["n_phenomena"]], where)
         else:
             report = per_run[pair]
-            agree(cells[1], [float(report[i].split("/")[0]) for i in (2, 3)], where)
+            agree(cells[1], _wins(report), where)
             agree_rounded(cells[2], report[7], where)
             agree_rounded(cells[3], report[6], where)
             agree_rounded(cells[4], per_metric[pair][6], where)
@@ -162,18 +171,14 @@ def test_readme_v1_table_is_the_report() -> None:
 
 
 def test_readme_demo_table_is_the_demo_records() -> None:
-    finetune = _json(DEMO / "summary.json")["finetune"]
-    sst2 = dict(zip(finetune["models"], (m[0] for m in finetune["mean"]), strict=True))
     results = _readme_results()
     start = results.index("**`mlsm demo`")
     demo = results[start:results.find("\n**", start + 1)]  # up to the next bold lead-in
-    for arm, label in [("mlm", "MLM"), ("mlsm", "MLSM, through its probe")]:
-        record = _json(DEMO / "blimp" / f"{arm}@100pct.json")
-        held, order, blimp = record["heldout"], *(record["sets"][s] for s in
-                                                  ("heldout_prose_word_order", "blimp"))
+    for arm, label in DEMO_ROWS:
+        held, order, blimp, sst2 = _demo(arm)
         [cells] = [r for r in rows(demo, label) if r[0] == label]
         where = f"README demo {label}"
         agree(cells[1], [100 * held["top1"], held["p_vs_unigram"]], where)
         agree(cells[2], [100 * order["overall"], order["p_vs_chance"]], where)
         agree(cells[3], [100 * blimp["overall"], blimp["tests"]["p_vs_control"]], where)
-        agree(cells[4], [100 * sst2[f"{arm}@100%"]], where)
+        agree(cells[4], [100 * sst2], where)
