@@ -1180,9 +1180,11 @@ def _reuse_pretrain_resume_after_dictionary_relearned(tmp, fix):
 
 
 def _reuse_targets_teacher_retrained_in_place(tmp, fix):
-    """A finished target store, then its teacher folder re-trained in place (`rm -rf`, pre-train
-    again with another seed, copy to the same path), then the same `mlsm targets`: the teacher's
-    name, tokenizer and layer are the same, its weights and so its codes are not."""
+    """A finished target store of a dictionary learned on its teacher, then the teacher folder
+    re-trained in place (`rm -rf`, pre-train again with another seed, copy to the same path),
+    then the same `mlsm targets`: the teacher's name, tokenizer and layer are the same, its
+    weights and so its codes are not. The dictionary's recorded weights fingerprint refuses it
+    (the store's build record, `teacher_weights`, would too, for a dictionary of an older mlsm)."""
     run = _run_args(fix["store_dir"], tmp / "run", **{"train.steps": 1})
 
     def train_teacher(*extra: str) -> None:
@@ -1192,11 +1194,13 @@ def _reuse_targets_teacher_retrained_in_place(tmp, fix):
         _copy(ckpt.list_checkpoints(tmp / "run")[-1][1], tmp / "teacher")
 
     train_teacher()
-    args = _targets(fix, tmp / "t", **{"--teacher": str(tmp / "teacher")})
+    assert main(_dictionary({**fix, "teacher_dir": tmp / "teacher"}, tmp / "d.safetensors")) == 0
+    args = _targets(fix, tmp / "t", **{"--teacher": str(tmp / "teacher"),
+                                        "--dictionary": str(tmp / "d.safetensors")})
     assert main(args) == 0
     train_teacher("train.seed=1")
-    return args, [tmp / "t"], ("built with other settings or inputs (teacher_weights)",
-                               "choose another --out")
+    return args, [tmp / "t"], ("learned on another teacher of this shape",
+                               "learn a dictionary with this one")
 
 
 def _pair_of_two_learnings(tmp: Path, fix: dict) -> Path:

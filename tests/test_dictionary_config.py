@@ -7,6 +7,7 @@ config before it looks at the teacher, so a refused teacher shows the keyword wa
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -22,6 +23,9 @@ FIELDS = dataclasses.fields(DictionaryConfig)
 def _other(f: dataclasses.Field) -> object:
     """A valid value of field f that is not its default."""
     default = f.default
+    hint = typing.get_type_hints(DictionaryConfig)[f.name]
+    if typing.get_origin(hint) is typing.Literal:  # atoms, teacher_init
+        return next(s for s in typing.get_args(hint) if s != default)
     if isinstance(default, str):
         return next(s for s in SAMPLINGS if s != default)
     if isinstance(default, float):

@@ -103,12 +103,30 @@ def test_teacher_forward_flops_match_the_counter(rows, batch, tokenizer_dir) -> 
     _close(_count(naive_teacher), rows["MLSM"].teacher)
 
 
+def test_feature_kd_row_matches_the_counter(rows, batch, tokenizer_dir) -> None:
+    """feature_kd: the student with a d × d + d × d_t head at the selected positions (k = the
+    teacher's hidden size, not the dictionary's), the teacher to layer l, no sparse coding."""
+    ids, sel = batch
+    student = Student(_mlm(STUDENT))
+    mask = torch.ones_like(ids)
+    head = LatentHead(STUDENT["hidden_size"], TEACHER["hidden_size"])
+
+    def step() -> None:
+        y = head(student.encode(ids, mask)[sel])  # (N, d_t)
+        (1 - F.cosine_similarity(y, torch.ones_like(y), dim=-1)).sum().backward()
+
+    early = Teacher(_mlm(TEACHER).bert, AutoTokenizer.from_pretrained(tokenizer_dir), layer=2)
+    _close(_count(step), rows["FeatureKD_l"].student)
+    _close(_count(lambda: early.hidden_states(ids)), rows["FeatureKD_l"].teacher)
+    assert rows["FeatureKD_l"].coding == 0
+
+
 def test_table_orders_and_formats(rows) -> None:
     assert rows["MLSM_l"].total < rows["MLSM_L"].total < rows["MLSM"].total
     assert rows["MLSM"].coding > 10 * rows["MLSM_l"].coding  # FISTA-100 vs exact active set
     text = format_table(list(rows.values()))
     assert text.splitlines()[2].startswith("| MLM |") and "100.0 %" in text.splitlines()[2]
-    assert len(text.splitlines()) == 2 + 6
+    assert len(text.splitlines()) == 2 + 7
 
 
 def test_flops_for_a_recipe(tmp_path) -> None:

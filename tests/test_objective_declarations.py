@@ -65,7 +65,17 @@ def _spec(name: str, teacher: str, dictionary: Path, folder: Path) -> dict:
         return {"name": name, "teacher": teacher}
     if name == "probe":
         return {"name": name, "checkpoint": str(_latent_checkpoint(folder))}
+    if "dictionary" not in {f.name for f in dataclasses.fields(REGISTERED[name].Config)}:
+        return {"name": name, "teacher": teacher, "layer": 1}  # a dense teacher target
     return {"name": name, "teacher": teacher, "dictionary": str(dictionary)}
+
+
+def _latent_k(spec: dict) -> int:
+    """The k of the latent head an objective of `spec` trains: the dictionary's 64 atoms, or the
+    tiny teacher's hidden size when its target is the teacher's state itself (a teacher layer and
+    no dictionary)."""
+    dense = "layer" in spec and "dictionary" not in spec
+    return TINY_MODEL["hidden_size"] if dense else 64
 
 
 def _latent_checkpoint(folder: Path) -> Path:
@@ -104,11 +114,11 @@ def test_declarations_match_what_the_objective_does(
         missing = str(tmp_path / "no-such-teacher")
         with pytest.raises(UserError, match="no-such-teacher"):
             build_objective({**spec, "teacher": missing}, _context(store_dir))
-    # predicts_latent: a head it trains outputs the dictionary's k latent properties
+    # predicts_latent: a head it trains outputs the k latent properties (dictionary or teacher)
     obj = _built(spec, store_dir)
     trained = {n for n, h in obj.exported_heads().items()
                if any(p.requires_grad for p in h.parameters())}
-    latent = [n for n in trained if obj.head_meta().get(n, {}).get("k") == 64]
+    latent = [n for n in trained if obj.head_meta().get(n, {}).get("k") == _latent_k(spec)]
     assert cls.predicts_latent == bool(latent), (name, obj.head_meta())
     # latent_head: the head the probe reads (by this name) is one that predicts them
     assert not cls.predicts_latent or cls.latent_head in latent, (name, cls.latent_head, latent)

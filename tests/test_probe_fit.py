@@ -129,7 +129,7 @@ def test_probe_fits_a_learnable_map_from_every_input(kind: str) -> None:
     assert loss < 0.3 * start and top1 > 0.8
     # the exported (raw-input) probe gives the same logits as the standardised one
     lin = torch.nn.Linear(k, vocab)
-    lin.load_state_dict(cand.exported())
+    lin.load_state_dict(cand.exported()["probe"])
     z = held[0][0]
     assert torch.allclose(lin(probe_input(z, kind)), cand.logits(z), atol=1e-3)
 

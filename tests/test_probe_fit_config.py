@@ -19,12 +19,16 @@ from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
 
 FIELDS = dataclasses.fields(ProbeFitConfig)
 OTHER = {"lr": 0.05, "inputs": ["logits", "probs"], "select_steps": 7, "max_steps": 9,
-         "eval_every": 3, "patience": 5, "min_delta": 0.01, "heldout_batches": 2, "batch_size": 6}
+         "eval_every": 3, "patience": 5, "min_delta": 0.01, "heldout_batches": 2, "batch_size": 6,
+         "head": "factored", "rank": 12}
+# a study fits its latent arms' probes with head latent (the controls are probe.controls)
+STUDY_OTHER = {**OTHER, "head": "latent"}
 # the defaults `train_probe_to_plateau` and a study's `probe:` group had before this declaration
 OLD_FUNCTION = {"lr": 0.2, "inputs": ["probs", "logprobs", "logits"], "select_steps": 100,
                 "max_steps": 2000, "eval_every": 50, "patience": 3, "min_delta": 0.005,
-                "heldout_batches": 4, "batch_size": None}
-OLD_STUDY = {**OLD_FUNCTION, "batch_size": 16, "recipe": "plateau", "steps": 10_000}
+                "heldout_batches": 4, "batch_size": None, "head": "latent", "rank": 0}
+OLD_STUDY = {**OLD_FUNCTION, "batch_size": 16, "recipe": "plateau", "steps": 10_000,
+             "controls": []}
 
 
 def _flags(values: dict) -> list[str]:
@@ -96,8 +100,10 @@ def test_every_setting_is_a_study_probe_key(tmp_path: Path) -> None:
     from mlsm.study.spec import ProbeSpec
 
     assert dataclasses.asdict(ProbeSpec()) == OLD_STUDY  # a study keeps its batch size of 16
-    spec = _study(tmp_path, OTHER)
-    assert dataclasses.asdict(probe_fit_config(spec.probe, {})) == OTHER  # narrowed to the fit's
+    spec = _study(tmp_path, STUDY_OTHER)
+    assert dataclasses.asdict(probe_fit_config(spec.probe, {})) == STUDY_OTHER  # narrowed
+    with pytest.raises(UserError, match="probe.head must be latent in a study"):
+        _study(tmp_path, {"head": "vocab"})
     with pytest.raises(UserError, match="probe.inputs must be distinct input kinds"):
         _study(tmp_path, {"inputs": ["words"]})
     with pytest.raises(UserError, match="probe.batch_size must be of type int"):
@@ -108,7 +114,7 @@ def test_the_study_stage_fits_with_the_groups_settings(tmp_path: Path, monkeypat
     import mlsm.evaluate.probe_fit as fit
     from mlsm.study import reuse, stages
 
-    spec = _study(tmp_path, {**OTHER, "batch_size": 6})
+    spec = _study(tmp_path, {**STUDY_OTHER, "batch_size": 6})
     seen: dict = {}
     monkeypatch.setattr(fit, "train_probe_to_plateau",
                         lambda ck, out, config=None, **kw: seen.update(config=config, kw=kw))
@@ -117,16 +123,17 @@ def test_the_study_stage_fits_with_the_groups_settings(tmp_path: Path, monkeypat
                             reusable=lambda *a, **k: False, checkpoint=lambda a, f: "ck")
     assert stages._probe(study, "m", 1.0) is None
     given = {k: v for k, v in seen["kw"].items() if k != "threads"}
-    assert dataclasses.asdict(probe_fit_config(seen["config"], given)) == OTHER
+    assert dataclasses.asdict(probe_fit_config(seen["config"], given)) == STUDY_OTHER
 
 
 def test_a_default_study_probe_fingerprint_is_unchanged(tmp_path: Path) -> None:
     """The study's probe settings hash as before ProbeSpec came from ProbeFitConfig (these are the
     fingerprints main computed then), so existing studies' probes are not trained again."""
     from mlsm.artifacts.fingerprint import settings_fingerprint
+    from mlsm.study.reuse import probe_settings
 
-    def fingerprint(group: dict) -> str:
-        return settings_fingerprint(dataclasses.asdict(_study(tmp_path, group).probe))
+    def fingerprint(group: dict) -> str:  # a latent arm's probe, as the probe stage keys it
+        return settings_fingerprint(probe_settings(_study(tmp_path, group).probe, "latent"))
 
     assert fingerprint({}) == "2dc6bba3fdce2c5d"
     assert fingerprint({"recipe": "paper", "batch_size": 8}) == "5ac6bb24b2b44a3f"

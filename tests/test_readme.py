@@ -45,6 +45,9 @@ CORPUS_DOCS = 30  # documents of the enwiki slice (~100k tokens)
 # they take seconds after the Quickstart.
 DOCS_RUN = {
     ("finetune.md", "mlsm compare results.jsonl --out eval/compare"),
+    ("readouts.md",
+     "mlsm probe runs/tiny-mlm --head vocab --max-steps ${PROBE_STEPS:-2000}     "
+     "# -> runs/tiny-mlm/probe-step-N-vocab"),
     (
         "pll.md",
         "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena "

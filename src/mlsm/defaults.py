@@ -42,3 +42,5 @@ def default_k(d: int) -> int:
 SAMPLINGS = ("windows", "documents")
 # what the k -> |V| probe reads of the latent head (mlsm.objectives.probe.probe_input)
 PROBE_INPUTS = ("probs", "logprobs", "logits")
+# heads a probe fits (mlsm.objectives.probe): MLSM's k -> |V|, and the two readout controls
+PROBE_HEADS = ("latent", "vocab", "factored")

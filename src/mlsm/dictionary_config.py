@@ -5,7 +5,9 @@ fields (`mlsm.dataclass_flags`), `learn_dictionary(store, teacher, config, **set
 and a study's `dictionary:` group (`mlsm.study.spec.DictionarySpec`) is a subclass that adds the
 study's teacher and its own smaller `n_vectors` default. Each field's range sits beside it
 (`metadata["check"]`, read by `build_dataclass` and by the flag parser). The teacher and its layer
-are not here: they are `load_teacher`'s, and `learn_dictionary` takes the loaded teacher.
+are not here: they are `load_teacher`'s, and `learn_dictionary` takes the loaded teacher, which must
+have been loaded with `teacher_init` / `teacher_seed` (the two controls' switches sit here so that
+`mlsm dictionary` and a study's `dictionary:` group take them like every other setting).
 
 Imports no torch (it sits below `mlsm.teacher`, whose package imports torch): the CLI builds its
 parser from it before anything heavy is loaded.
@@ -15,11 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
 from mlsm.defaults import LAM, SAMPLINGS, lam_range
 from mlsm.errors import UserError
+
+AtomKind = Literal["learned", "random", "random_nonneg"]
+ATOM_KINDS: tuple[str, ...] = get_args(AtomKind)
+"""How a dictionary's atoms are made: learned (MLSM), or random directions, a control for what the
+learned structure adds (docs/dictionary.md, "Controls")."""
+TeacherInit = Literal["pretrained", "random"]
+TEACHER_INITS: tuple[str, ...] = get_args(TeacherInit)
+"""The teacher's weights: its own (pre-trained), or its architecture randomly initialised, a control
+for what the teacher's pre-training adds (`mlsm.teacher.teacher.load_teacher`)."""
 
 
 def _whole(v: Any) -> bool:
@@ -61,6 +72,17 @@ class DictionaryConfig:
         "metavar": "{" + ",".join(SAMPLINGS) + "}"})
     """windows: states at random token positions; documents: each document of 5+ words from
     its start, in store order, as the official train_dict.py."""
+    atoms: AtomKind = "learned"
+    """learned: atoms learned on the teacher's states (MLSM); random: k random unit-norm atoms
+    (Gaussian directions, seeded by `seed`, no states collected), the control for what the learned
+    atoms add at the same k, λ, layer and teacher; random_nonneg: |Gaussian| atoms (then ~38 % of
+    MiniLM's codes are all zero: docs/dictionary.md, "Controls")."""
+    teacher_init: TeacherInit = "pretrained"
+    """pretrained: the teacher's own weights; random: the same architecture randomly initialised
+    (seeded by teacher_seed), the control for what the teacher's pre-training adds; the teacher
+    given must be loaded so (`load_teacher(..., init=, seed=)`)."""
+    teacher_seed: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    """Seed of the random teacher's weights (teacher_init=random; not read otherwise)."""
 
     @classmethod
     def build(cls, values: dict[str, Any], where: str = "dictionary") -> Any:

@@ -1,4 +1,4 @@
-"""Training FLOPs per batch of MLM, KD, naive MLSM, MLSM_L, MLSM_l and MTL, by formula.
+"""Training FLOPs per batch of MLM, KD, naive MLSM, MLSM_L, MLSM_l, MTL and FeatureKD_l, by formula.
 
 Counting rules (the usual matmul-only convention, Kaplan et al. 2020 §2.1; what
 `torch.utils.flop_counter.FlopCounterMode` counts): a (m × n)·(n × p) product costs 2mnp; norms,
@@ -13,7 +13,8 @@ Training a part costs forward + backward ≈ 3 × forward (the backward has two 
 matmul); a frozen teacher costs one forward. The vocabulary head is BERT's (d × d transform +
 d × |V| decoder), the latent head d × d + d × k, the naive head one d × (|V| + k) linear map
 (`mlsm_naive`) — in the paper accounting the official code's HF MLM head resized to |V| + k, its
-d × d transform included.
+d × d transform included; feature distillation's head (`feature_kd`) has the latent head's shape
+with k = d_t, the teacher's hidden size (d × d + d × d_t), after the teacher's early exit at l.
 
 Two accountings (``accounting=``):
 
@@ -189,6 +190,8 @@ def flops_table(student_config: Any, teacher_config: Any, seq_len: int, batch: i
                 "teacher to its last layer"),
         FlopRow(f"MLSM_l (l={layer})", 3 * (enc + latent_head), t_early, coding, "early exit"),
         mtl,
+        FlopRow(f"FeatureKD_l (l={layer})", 3 * (enc + latent_head_flops(S.d, T.d, heads_at)),
+                t_early, 0, "early exit, head d×d + d×d_t (dense target, no coding)"),
     ]
 
 

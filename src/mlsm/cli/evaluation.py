@@ -28,8 +28,12 @@ def add_probe(sub: argparse._SubParsersAction) -> Callable:
     from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
     p = sub.add_parser("probe",
-                       help="train the k -> |V| linear probe of an MLSM checkpoint (for PLL/BLiMP)",
-                       description="Train the linear probe of an MLSM checkpoint. group.key=value "
+                       help="train the k -> |V| linear probe of an MLSM checkpoint (for "
+                       "PLL/BLiMP), or a readout control on any checkpoint (--head vocab / "
+                       "factored)",
+                       description="Train the linear probe of an MLSM checkpoint, or (--head vocab "
+                       "or factored) a fresh readout head on a frozen checkpoint of any objective "
+                       "(docs/readouts.md, \"Readout controls\"). group.key=value "
                        "overrides of the probe run may stand anywhere on the command line: mlsm "
                        "probe CKPT --steps 200 optim.lr=1e-3")
     p.add_argument("checkpoint", help="an mlsm or mtl run (RUN, RUN@50%%, RUN@step-N) or its "

@@ -15,6 +15,7 @@ from mlsm.cli.args import (
     positive_int,
 )
 from mlsm.defaults import TEACHER_LAYER
+from mlsm.dictionary_config import TEACHER_INITS
 from mlsm.errors import UserError
 from mlsm.inputs import check_apart
 from mlsm.limits import MAX_DOC_BYTES
@@ -130,11 +131,13 @@ def _dictionary(a: argparse.Namespace) -> None:
 
     check_apart(a.out, "--out", {"--store": a.store, "--teacher": a.teacher})
     check_dictionary_out(a.out)  # before minutes of work
-    d = learn_dictionary(TokenStore.open(a.store),
-                         load_teacher(a.teacher, a.layer, device=a.device),
-                         out=a.out, **flag_values(a, DictionaryConfig))
-    print(f"dictionary d={d.d} k={d.k} objective "
-          f"{d.meta.get('objective', float('nan')):.5f} -> {a.out}")
+    c = DictionaryConfig.build(flag_values(a, DictionaryConfig), "mlsm dictionary")
+    teacher = load_teacher(a.teacher, a.layer, device=a.device, init=c.teacher_init,
+                           seed=c.teacher_seed)
+    d = learn_dictionary(TokenStore.open(a.store), teacher, c, out=a.out)
+    made = (f"objective {d.meta['objective']:.5f}" if d.meta.get("objective") is not None
+            else f"{d.meta.get('atoms')} atoms")
+    print(f"dictionary d={d.d} k={d.k} {made} (teacher {teacher.init}) -> {a.out}")
 
 
 def add_targets(sub: argparse._SubParsersAction) -> Callable:
@@ -148,6 +151,11 @@ def add_targets(sub: argparse._SubParsersAction) -> Callable:
                    help="teacher folder or hub id (default: packaged all-MiniLM-L6-v2)")
     p.add_argument("--layer", type=non_negative_int, default=None,
                    help="teacher layer (default: the dictionary's)")
+    p.add_argument("--teacher-init", choices=TEACHER_INITS, default=None,
+                   help="the teacher's weights: pretrained, or random (its architecture randomly "
+                   "initialised; default: the dictionary's)")
+    p.add_argument("--teacher-seed", type=non_negative_int, default=None,
+                   help="seed of the random teacher's weights (default: the dictionary's)")
     p.add_argument("--max-len", type=positive_int, default=128,
                    help="data.max_len of the runs that will use it")
     p.add_argument("--nnz", type=positive_int, default=None,
@@ -173,7 +181,9 @@ def _targets(a: argparse.Namespace) -> None:
     with hold(a.out, "target store"):
         dictionary = load_dictionary(a.dictionary)
         layer = a.layer if a.layer is not None else dictionary.layer
-        teacher = load_teacher(a.teacher, layer, device=a.device)
+        init = a.teacher_init or dictionary.meta.get("teacher_init", "pretrained")
+        seed = dictionary.meta.get("teacher_seed", 0) if a.teacher_seed is None else a.teacher_seed
+        teacher = load_teacher(a.teacher, layer, device=a.device, init=init, seed=seed)
         out = build_target_store(a.store, dictionary, teacher, a.max_len, a.out, nnz=a.nnz,
                                  batch_size=a.batch_size)
     meta = TargetStore.open(out).meta

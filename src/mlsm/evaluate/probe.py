@@ -62,6 +62,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None,
                         "--store, --resume and overrides replace by the training loop; drop "
                         f"{given}, or set the loop's own keys as overrides (e.g. optim.lr=1e-3)")
     folder = resolve_checkpoint(checkpoint)
+    if fit.head != "latent" and not kw.get("out"):  # beside the latent probe, not over it
+        kw["out"] = f"{Checkpoint.at(folder).probe_run}-{fit.head}"
     cfg = probe_config(folder, **kw)  # one line for a folder that is not an MLSM checkpoint
     check_probe_store(folder, cfg.data.store, given=bool(kw.get("store")))
     out = Path(cfg.train.out)  # --out, else <run>/probe-step-N
@@ -89,8 +91,9 @@ def check_probe_store(folder: Path, store: str, given: bool) -> None:
 
 
 class ProbeScorer(torch.nn.Module):
-    """`MaskedScorer` of an MLSM model with a probe: logits = probe(f(latent_head(h))),
-    f = softmax (default), log_softmax or identity as heads.json says."""
+    """`MaskedScorer` of a frozen model with a probe: logits = probe(f(latent_head(h))),
+    f = softmax (default), log_softmax or identity as heads.json says; a `vocab` readout control
+    (heads.json: "features": "hidden") reads the hidden state: logits = probe(h)."""
 
     def __init__(self, folder: str | Path | Checkpoint):
         super().__init__()
@@ -103,7 +106,8 @@ class ProbeScorer(torch.nn.Module):
         probe, state = ck.heads_meta["probe"], ck.head_tensors
         with quiet():  # our own export: the encoder without a pooler, which we never use
             self.backbone = load_model(AutoModel, ck.folder)
-        self.latent, _ = read_latent_head(ck)
+        reads_hidden = probe.get("features") == "hidden"
+        self.latent = None if reads_hidden else read_latent_head(ck)[0]
         self.input = probe.get("input", "probs")  # probes saved before the option read softmax(z)
         self.probe = torch.nn.Linear(probe["in"], probe["out"])
         self.probe.load_state_dict({k[len("probe."):]: v for k, v in state.items()
@@ -114,6 +118,8 @@ class ProbeScorer(torch.nn.Module):
                   select: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids,
                                attention_mask=attention_mask).last_hidden_state  # (B, T, d)
+        if self.latent is None:
+            return self.probe(hidden[select])  # (N, V)
         return self.probe(probe_input(self.latent(hidden[select]), self.input))  # (N, V)
 
 

@@ -80,17 +80,23 @@ def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> lis
 
 
 class _Features:
-    """Frozen student + latent head: batch -> (latent logits z (N, k), labels (N,))."""
+    """Frozen student (+ its frozen latent head for a `latent` probe): batch -> (features, labels):
+    latent logits z (N, k), or the hidden states (N, d) that a fresh head reads."""
 
     def __init__(self, module: TrainModule):
-        self.student, self.latent = module.student, module.objective.heads["latent"]
+        objective = module.objective
+        self.student = module.student
+        self.latent = objective.heads["latent"] if objective.head == "latent" else None
 
     @torch.no_grad()
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self.student.eval()
-        self.latent.eval()
         hidden = self.student(batch.corrupted_ids, batch.attention_mask)[batch.selected]  # (N, d)
-        return self.latent(hidden).float(), batch.input_ids[batch.selected]
+        labels = batch.input_ids[batch.selected]
+        if self.latent is None:
+            return hidden.float(), labels
+        self.latent.eval()
+        return self.latent(hidden).float(), labels
 
 
 class _Candidate:
@@ -116,17 +122,18 @@ class _Candidate:
         # CPU), the same Adam; with k = 512 that pass was a third of the fit's time
         self.opt = torch.optim.Adam(self.probe.parameters(), lr=lr / max(scale, 1.0), fused=True)
         self.best, self.best_top1, self.stale, self.steps, self.curve = math.inf, 0.0, 0, 0, []
+        self.trained: torch.nn.Module = self.probe  # what learns (its state is the best kept)
 
-    def logits(self, z: torch.Tensor) -> torch.Tensor:
+    def logits(self, z: torch.Tensor, train: bool = False) -> torch.Tensor:
         return self.probe((probe_input(z, self.kind) - self.mu) / self.sigma)
 
-    def exported(self) -> dict[str, torch.Tensor]:
-        """Weights of the equivalent probe on raw inputs: W' = W / sigma, b' = b - W' mu."""
-        w = self.probe.weight.detach() / self.sigma
-        return {"weight": w, "bias": self.probe.bias.detach() - w @ self.mu}
+    def exported(self) -> dict[str, dict[str, torch.Tensor]]:
+        """head name -> weights of the equivalent head on raw inputs: W' = W / sigma,
+        b' = b - W' mu."""
+        return {"probe": _fold(self.probe, self.mu, self.sigma)}
 
     def step(self, z: torch.Tensor, y: torch.Tensor) -> float:
-        loss = F.cross_entropy(self.logits(z), y)
+        loss = F.cross_entropy(self.logits(z, train=True), y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -155,26 +162,86 @@ class _Candidate:
         self.stale = 0 if held_loss < self.best * (1 - min_delta) else self.stale + 1
         if held_loss < self.best:  # early stopping keeps the best weights, not the last ones
             self.best, self.best_top1, self.best_steps = held_loss, top1, self.steps
-            self.best_state = {k: v.clone() for k, v in self.probe.state_dict().items()}
+            self.best_state = {k: v.clone() for k, v in self.trained.state_dict().items()}
 
     def start_from(self, held_loss: float, top1: float) -> None:
         """Record the starting point (the unigram distribution) as the best so far."""
         self.best, self.best_top1, self.best_steps = held_loss, top1, 0
-        self.best_state = {k: v.clone() for k, v in self.probe.state_dict().items()}
+        self.best_state = {k: v.clone() for k, v in self.trained.state_dict().items()}
 
     def restore_best(self) -> None:
         """Back to the weights of the lowest held-out loss seen (the start included), whose
         held-out loss and top-1 are `best` and `best_top1`: measured then, not again."""
-        self.probe.load_state_dict(self.best_state)
+        self.trained.load_state_dict(self.best_state)
         self.steps = self.best_steps
 
     def done(self, patience: int) -> bool:
         return self.stale >= patience
 
 
-def _setup(checkpoint: Path, kind: str, batch_size: int | None,
-           threads: int | None) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
-    cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}"])
+def _fold(linear: torch.nn.Linear, mu: torch.Tensor,
+          sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Weights of `linear` applied to (x - mu) / sigma, as a linear map of x itself."""
+    w = linear.weight.detach() / sigma
+    return {"weight": w, "bias": linear.bias.detach() - w @ mu}
+
+
+class _FactoredCandidate(_Candidate):
+    """The rank-k readout control: a fresh d -> k -> |V| head on the frozen hidden states,
+    LatentHead(d, k) -> input kind -> k -> |V|, both parts trained (MLSM's probe trains only the
+    last). The hidden states are standardised as `_Candidate` standardises its inputs; the k-side
+    input, which moves as the LatentHead learns, by a batch norm without affine parameters (its
+    running statistics at evaluation). Both are folded into the exported weights, so the saved
+    head is exactly MLSM's readout shape. Adam's lr per unit of input L1 norm, as `_Candidate`.
+    """
+
+    def __init__(self, kind: str, like: torch.nn.Linear, unigram: torch.Tensor, lr: float,
+                 h0: torch.Tensor, pre: torch.nn.Module):
+        self.mu_h, self.sigma_h = h0.mean(0), h0.std(0).clamp(min=1e-6)  # (d,)
+        self.pre, self.norm = pre, torch.nn.BatchNorm1d(like.in_features, affine=False)
+        with torch.no_grad():  # the k-side input at initialisation (N, k), for the probe's lr
+            super().__init__(kind, like, unigram, lr, self.pre(self._standard(h0)))
+        scale_h = float(self._standard(h0).abs().sum(-1).mean())
+        self.opt.add_param_group({"params": list(self.pre.parameters()),
+                                  "lr": lr / max(scale_h, 1.0)})
+        self.trained = torch.nn.ModuleDict({"pre": self.pre, "norm": self.norm,
+                                            "probe": self.probe})
+
+    def _standard(self, h: torch.Tensor) -> torch.Tensor:
+        return (h - self.mu_h) / self.sigma_h
+
+    def logits(self, z: torch.Tensor, train: bool = False) -> torch.Tensor:
+        self.norm.train(train)
+        return self.probe(self.norm(probe_input(self.pre(self._standard(z)), self.kind)))
+
+    def exported(self) -> dict[str, dict[str, torch.Tensor]]:
+        pre = {k: v.detach().clone() for k, v in self.pre.state_dict().items()}
+        pre.update({f"dense.{k}": v for k, v in
+                    _fold(self.pre.dense, self.mu_h, self.sigma_h).items()})
+        sd = (self.norm.running_var + self.norm.eps).sqrt()
+        return {"latent": pre, "probe": _fold(self.probe, self.norm.running_mean, sd)}
+
+
+def _candidates(head: str, inputs: list[str], module: TrainModule, unigram: torch.Tensor,
+                lr: float, x0: torch.Tensor) -> list[_Candidate]:
+    """One candidate per input kind (a `vocab` head has one: it reads the states as they are);
+    every `factored` candidate starts from the same fresh LatentHead."""
+    import copy
+
+    probe = module.objective.heads["probe"]
+    if head == "vocab":
+        return [_Candidate("logits", probe, unigram, lr, x0)]
+    if head == "factored":
+        pre = module.objective.heads["latent"]
+        return [_FactoredCandidate(kind, probe, unigram, lr, x0, copy.deepcopy(pre).train())
+                for kind in inputs]
+    return [_Candidate(kind, probe, unigram, lr, x0) for kind in inputs]
+
+
+def _setup(checkpoint: Path, kind: str, batch_size: int | None, threads: int | None,
+           head: str = "latent", rank: int = 0) -> tuple[Any, TrainModule, Any, BatchSource, Any]:
+    cfg = probe_config(checkpoint, overrides=[f"objective.input={kind}", f"objective.head={head}",
+                                              f"objective.rank={rank}"])
     if batch_size:
         cfg.train.batch_size = batch_size
     if threads:
@@ -183,7 +250,8 @@ def _setup(checkpoint: Path, kind: str, batch_size: int | None,
     tokenizer = store.load_tokenizer()
     student = build_student(cfg.model, tokenizer, cfg.data.max_len, cfg.train.seed)
     ctx = Context(tokenizer, torch.device("cpu"), 1, str(store.path), cfg.data.max_len, store=store)
-    objective = Probe(ProbeConfig(checkpoint=str(checkpoint), input=kind), ctx)
+    objective = Probe(ProbeConfig(checkpoint=str(checkpoint), input=kind, head=head, rank=rank),
+                      ctx)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed + 1)
         objective.attach(student)
@@ -206,7 +274,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
     checkpoint, out = Path(checkpoint), Path(out)
     inputs, lr, min_delta = fit.inputs, fit.lr, fit.min_delta
     select_steps = min(fit.select_steps, fit.max_steps)  # a short budget still compares input kinds
-    cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], fit.batch_size, threads)
+    cfg, module, tokenizer, source, store = _setup(checkpoint, inputs[0], fit.batch_size, threads,
+                                                   fit.head, fit.rank)
     probe = module.objective.heads["probe"]
     features, G = _Features(module), cfg.train.batch_size
 
@@ -216,7 +285,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
     held = [batch(s) for s in heldout_steps(checkpoint, G, fit.heldout_batches)]
     unigram = unigram_log_probs(store, probe.out_features)
     first = batch(0)  # the standardisation and step 1
-    cands = [_Candidate(kind, probe, unigram, lr, first[0]) for kind in inputs]
+    cands = _candidates(fit.head, inputs, module, unigram, lr, first[0])
     start = cands[0].evaluate(held)  # W = 0: the unigram distribution itself (loss, top-1)
     for c in cands:
         c.start_from(*start)
@@ -229,7 +298,8 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
                         f"probe.lr (now {lr:g})")
     saved = _save_probe(out, module, tokenizer, best)
-    info = {"checkpoint": str(saved), "source": str(checkpoint), "input": best.kind, "lr": lr,
+    info = {"checkpoint": str(saved), "source": str(checkpoint), "head": fit.head,
+            "width": int(probe.in_features), "input": best.kind, "lr": lr,
             "steps": best.steps, "batch_size": G, "heldout_loss": best.best,
             "heldout_top1": best.best_top1, "unigram_loss": start[0], "unigram_top1": start[1],
             "better_than_unigram": best.best < start[0] * (1 - min_delta),
@@ -271,14 +341,15 @@ def _train(cands: list[_Candidate], held: list, first: tuple[torch.Tensor, torch
 
 def _save_probe(out: Path, module: TrainModule, tokenizer: Any, best: _Candidate) -> Path:
     """The probe checkpoint (OUT/checkpoints/step-N) of the best candidate, on raw inputs."""
-    module.objective.heads["probe"].load_state_dict(best.exported())
+    for name, weights in best.exported().items():
+        module.objective.heads[name].load_state_dict(weights)
     module.objective.input = best.kind
+    objective = {"name": "probe", "input": best.kind, "head": module.objective.head,
+                 "rank": module.objective.rank, "checkpoint": str(module.objective.folder)}
     return ckpt.save_checkpoint(out / "checkpoints" / f"step-{best.steps:07d}", module, tokenizer,
                                 {"step": best.steps},
                                 {"step": best.steps, "readiness": 1.0, "objective": "probe",
                                  "run": str(out),
                                  "config": {"train": {"steps": best.steps, "readiness": [1.0]},
                                             # the probed checkpoint: what decides its scoring
-                                            "objective": {"name": "probe", "input": best.kind,
-                                                          "checkpoint": str(
-                                                              module.objective.folder)}}})
+                                            "objective": objective}})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
-from mlsm.defaults import PROBE_INPUTS
+from mlsm.defaults import PROBE_HEADS, PROBE_INPUTS
 from mlsm.errors import UserError
 
 
@@ -61,6 +61,14 @@ class ProbeRecipe:
 class ProbeFitConfig:
     """How the k -> |V| probe is trained to a held-out loss plateau (docs/study.md, "The probe")."""
 
+    head: Literal["latent", "vocab", "factored"] = field(default="latent", metadata={
+        "check": (lambda v: v in PROBE_HEADS, "one of " + ", ".join(PROBE_HEADS))})
+    """Which head is fitted on the frozen checkpoint: latent (MLSM's probe, k -> |V| on the
+    checkpoint's latent head); the readout controls, for a checkpoint of any objective: vocab (a
+    fresh untied d -> |V| head) or factored (a fresh d -> k -> |V| head of MLSM's readout shape,
+    both parts trained). docs/readouts.md, "Readout controls"."""
+    rank: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    """Width k of a factored head; 0 = the checkpoint's latent k (4 x d without a latent head)."""
     lr: float = ranged(0.2, (lambda v: v > 0, "positive"))
     """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
     roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""

@@ -20,6 +20,7 @@ from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, TrainModule, forward_step
 from mlsm.objectives.clm import CLM
 from mlsm.objectives.clm_then_mlm import CLMThenMLM
+from mlsm.objectives.feature_kd import FeatureKD
 from mlsm.objectives.kd import KD
 from mlsm.objectives.mae_lm import MAELM
 from mlsm.objectives.mae_mlsm import MAEMLSM
@@ -38,6 +39,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "clm_then_mlm": CLMThenMLM,
     "mae_lm": MAELM,
     "mae_mlsm": MAEMLSM,
+    "feature_kd": FeatureKD,
 }
 INTERNAL: dict[str, type[Objective]] = {"mlsm_naive": MLSMNaive, "probe": Probe}
 

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlsm.config import POSITIVE, ranged
+from mlsm.config import NON_NEGATIVE, POSITIVE, ranged
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.defaults import lam_range
+from mlsm.dictionary_config import TEACHER_INITS, TeacherInit
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
@@ -39,6 +40,12 @@ class MLSMConfig:
     """Dictionary file from `mlsm dictionary` (PATH.safetensors + PATH.json)."""
     teacher: str = ""
     """Teacher model folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
+    teacher_init: TeacherInit = "pretrained"
+    """The teacher's weights: pretrained (its own), or random (its architecture randomly
+    initialised, seeded by teacher_seed: the random-teacher control); must be what the
+    dictionary was learned on."""
+    teacher_seed: int = ranged(0, NON_NEGATIVE)
+    """Seed of the random teacher's weights (teacher_init=random; not read otherwise)."""
     layer: int = -1
     """Teacher layer l (0 = embeddings); -1 = the layer the dictionary was learned on."""
     lam: float = ranged(0.0, lam_range("the dictionary's λ"))
@@ -62,8 +69,8 @@ class MLSMConfig:
 
 
 def check_mlsm_options(cfg: MLSMConfig) -> None:
-    """One-line errors for the fidelity switches (solver, targets, zero_codes) that span fields
-    or guard a Config built in Python (ranges: beside the fields)."""
+    """One-line errors for the fidelity switches (solver, targets, zero_codes) and the teacher's
+    init that span fields or guard a Config built in Python (ranges: beside the fields)."""
     if cfg.solver not in ("exact", "fista"):
         raise UserError(f"objective.solver={cfg.solver!r}; use exact or fista")
     if cfg.solver == "fista" and cfg.targets:
@@ -71,6 +78,9 @@ def check_mlsm_options(cfg: MLSMConfig) -> None:
                         "(a target store holds exact codes)")
     if cfg.zero_codes not in ("drop", "count"):
         raise UserError(f"objective.zero_codes={cfg.zero_codes!r}; use drop or count")
+    if cfg.teacher_init not in TEACHER_INITS:
+        raise UserError(f"objective.teacher_init={cfg.teacher_init!r}; use "
+                        f"{' or '.join(TEACHER_INITS)}")
 
 
 class TargetCoder:
@@ -82,7 +92,8 @@ class TargetCoder:
                             "and pass objective.dictionary=PATH")
         self.dictionary = load_dictionary(cfg.dictionary, device=ctx.device)
         layer = cfg.layer if cfg.layer >= 0 else self.dictionary.layer
-        self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device)
+        self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device,
+                                    init=cfg.teacher_init, seed=cfg.teacher_seed)
         self.dictionary.check_teacher(self.teacher)
         store_hash = tokenizer_hash(ctx.tokenizer)
         require_same_tokenizer(self.teacher.tokenizer, store_hash, ctx.store_path)
@@ -146,7 +157,8 @@ def stored_targets(cfg: MLSMConfig, ctx: Context) -> StoredTargets:
         raise UserError("objective.targets needs data.store to be set "
                         "(the targets belong to one token store)")
     return StoredTargets(cfg.targets, store, ctx.tokenizer, ctx.max_len,
-                         dictionary=cfg.dictionary, layer=cfg.layer, lam=cfg.lam)
+                         dictionary=cfg.dictionary, layer=cfg.layer, lam=cfg.lam,
+                         teacher_init=(cfg.teacher_init, cfg.teacher_seed))
 
 
 class MLSM(Objective):

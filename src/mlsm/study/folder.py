@@ -76,6 +76,10 @@ class Study:
         group = self.spec.dictionary  # the arm's k and lam, else the study's (arm_dictionary)
         layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", group.lam)
         name = f"{teacher}_l{layer}_k{d.get('k', group.k or 0)}_lam{lam:g}"
+        # the controls, each its own dictionary (a learned one keeps its name of before)
+        atoms, init = d.get("atoms", group.atoms), d.get("teacher_init", group.teacher_init)
+        name += "" if atoms == "learned" else f"_atoms-{atoms}"
+        name += "" if init == "pretrained" else f"_teacher-{init}-s{group.teacher_seed}"
         return self.root / "dictionaries" / f"{name}.safetensors"
 
     def targets_path(self, arm: str) -> Path | None:
@@ -134,7 +138,7 @@ class Study:
             study_set = {"dictionary": str(path),
                          "layer": int(a.dictionary.get("layer", TEACHER_LAYER)),
                          "teacher": self.spec.dictionary.teacher,
-                         "targets": str(targets) if targets else ""}
+                         "targets": str(targets) if targets else "", **self._teacher_init(arm)}
             objective = {k: v for k, v in study_set.items()  # "" = the recipe's
                          if k not in given and (v or k not in ("teacher", "targets"))}
         fixed = {"data": {"store": str(self.store)},
@@ -142,6 +146,14 @@ class Study:
         if self.spec.executor.threads:
             fixed["train"]["threads"] = self.spec.executor.threads
         return config_from_dict(merge(arm_base(self.spec, arm), {**fixed, "objective": objective}))
+
+    def _teacher_init(self, arm: str) -> dict[str, Any]:
+        """objective.teacher_init / teacher_seed of an arm whose dictionary is of the random
+        teacher; {} for the pre-trained one (the objective's default: configs stay as they were)."""
+        group = self.spec.dictionary
+        if self.spec.arms[arm].dictionary.get("teacher_init", group.teacher_init) == "pretrained":
+            return {}
+        return {"teacher_init": "random", "teacher_seed": group.teacher_seed}
 
     # --- bookkeeping ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -195,15 +195,18 @@ def _key(r: dict[str, Any]) -> tuple:
 
 def _blimp_as_rows(b: dict[str, Any]) -> list[dict[str, Any]]:
     """A BLiMP stage file as rows: each pair set's accuracy (kind pairs) and the held-out masked
-    top-1 / loss with the unigram's as control (kind masked, task heldout)."""
+    top-1 / loss with the unigram's as control (kind masked, task heldout; through each readout
+    control, task heldout:HEAD)."""
     model = f"{b['arm']}@{100 * b['readiness']:g}%"
     rows = [{"model": model, "kind": "pairs", "task": name, "metric": "accuracy",
              "value": s.get("overall")} for name, s in (b.get("sets") or {}).items()]
-    h = b.get("heldout") or {}
-    for metric, control in (("top1", "unigram_top1"), ("loss", "unigram_loss")):
-        if metric in h:
-            rows.append({"model": model, "kind": "masked", "task": "heldout", "metric": metric,
-                         "value": h[metric], "control": h.get(control)})
+    scored = {"heldout": b.get("heldout") or {}}  # through the arm's own head (or its probe)
+    scored.update({f"heldout:{head}": h for head, h in (b.get("controls") or {}).items()})
+    for task, h in scored.items():  # the readout controls: task heldout:vocab, heldout:factored
+        for metric, control in (("top1", "unigram_top1"), ("loss", "unigram_loss")):
+            if isinstance(h, dict) and metric in h:
+                rows.append({"model": model, "kind": "masked", "task": task, "metric": metric,
+                             "value": h[metric], "control": h.get(control)})
     return rows
 
 

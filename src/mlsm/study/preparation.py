@@ -98,11 +98,12 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
                     [path, path.with_suffix(".json")], lambda: _legacy_dictionary(study, arm)):
         return "skipped"
     d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
-    teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)))
+    c = arm_dictionary(study.spec, arm)
+    teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)),
+                           init=c.teacher_init, seed=c.teacher_seed)
     check_arm_dictionary(arm, d, ds.n_vectors, ds.k or default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
-    learn_dictionary(TokenStore.open(study.store), teacher, arm_dictionary(study.spec, arm),
-                     out=path)
+    learn_dictionary(TokenStore.open(study.store), teacher, c, out=path)
     return None
 
 
@@ -122,8 +123,10 @@ def build_targets_for(study: Study, arm: str) -> str | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     check_targets_out(out)
     layer = int(study.spec.arms[arm].dictionary.get("layer", TEACHER_LAYER))
+    c = arm_dictionary(study.spec, arm)
     with hold(out, "target store"):
-        teacher = load_teacher(study.spec.dictionary.teacher or None, layer)
+        teacher = load_teacher(study.spec.dictionary.teacher or None, layer,
+                               init=c.teacher_init, seed=c.teacher_seed)
         max_len = config_from_dict(arm_base(study.spec, arm)).data.max_len
         build_target_store(study.store, dictionary, teacher, max_len, out)
     return None

@@ -397,9 +397,12 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     return lines
 
 
-def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
+def hypotheses_section(study: Study, compute: list[dict[str, Any]] | None = None
+                       ) -> tuple[list[str], list[dict[str, Any]]]:
     """The pre-registered hypotheses evaluated over every results row of the study (paired by
-    pre-training seed, Holm across them), and the line that makes the rest exploratory."""
+    pre-training seed, Holm across them), the line that makes the rest exploratory, and each
+    hypothesis at equal training FLOPs (`mlsm.study.equal_compute`, from `compute`)."""
+    from mlsm.study import equal_compute as eq
     from mlsm.study import hypotheses as hy
 
     hyps, seeded = study.spec.hypotheses, bool(study.spec.seeds)
@@ -412,6 +415,13 @@ def hypotheses_section(study: Study) -> tuple[list[str], list[dict[str, Any]]]:
     lines = hy.report_lines(hyps, results, problems)
     lines.append("## Exploratory analyses\n\nEverything below this line is exploratory: not "
                  "pre-registered, p-values not corrected across the many comparisons.\n")
+    if hyps and compute:
+        fracs = sorted(set(study.spec.readiness) | set(study.spec.blimp.readiness))
+        got = eq.equal_compute(hyps, rows, eq.arm_flops(compute, seeded), fracs, seeded)
+        store = sum(t for (stage, _), t in _stage_times(study).items() if stage == "targets")
+        lines += eq.equal_compute_lines(got, store or None)
+        for r, g in zip(results, got, strict=True):
+            r["equal_compute"] = g
     if seeded:  # the headline pairs by declared arm, tested across pre-training seeds
         pairs = list(dict.fromkeys(
             tuple(f"{hy.split_model(m, True)[0]}@{hy.split_model(m, True)[2]}" for m in pair)
@@ -442,7 +452,7 @@ def write_report(study: Study, dest: Path | None = None) -> Path:
              f"{', '.join(study.spec.arms)}.\n"]
     if study.spec.notes:
         parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
-    hyp_lines, hyp_summary = hypotheses_section(study)
+    hyp_lines, hyp_summary = hypotheses_section(study, compute)
     parts.append("\n".join(hyp_lines))
     png = plot_pretraining(study, dest / "pretraining.png")
     if png:

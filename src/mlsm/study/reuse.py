@@ -75,6 +75,17 @@ def _probe_record(study: Study, arm: str, frac: float) -> str | None:
     return content_digest(info) if study.is_latent(arm) and info.is_file() else None
 
 
+def control_dir(study: Study, arm: str, frac: float, head: str) -> Path:
+    """Where the readout control `head` of ARM@frac is fitted: beside the arm's own probe."""
+    return Path(f"{study.probe_dir(arm, frac)}-{head}")
+
+
+def _control_records(study: Study, arm: str, frac: float) -> dict[str, str | None]:
+    """head -> digest of each readout control's record (None: not fitted yet)."""
+    paths = {h: record_path(control_dir(study, arm, frac, h)) for h in study.spec.probe.controls}
+    return {h: content_digest(p) if p.is_file() else None for h, p in paths.items()}
+
+
 def store_inputs(study: Study) -> dict[str, Any]:
     return {"settings": settings_fingerprint(dataclasses.asdict(study.spec.corpus)),
             "store": store_fingerprint(study)}
@@ -82,12 +93,14 @@ def store_inputs(study: Study) -> dict[str, Any]:
 
 def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
     """What the dictionary stage's result depends on besides the store (its file's name holds
-    teacher, layer, k and lam; n_vectors, max_len and seed are only here)."""
+    teacher, layer, k, lam and the controls, atoms and teacher_init; n_vectors, max_len, seed and
+    teacher_seed are only here)."""
     d, c = study.spec.arms[arm].dictionary, arm_dictionary(study.spec, arm)
     # the settings a study could set before all of DictionaryConfig was its group, always; the
     # others only when not at their default, so the fingerprints of older studies stay the same
     later = {key: value for key, value in c.given().items()
-             if key not in ("k", "lam", "n_vectors", "max_len", "seed")}
+             if key not in ("k", "lam", "n_vectors", "max_len", "seed")
+             and not (key == "teacher_seed" and c.teacher_init == "pretrained")}  # unread then
     return {"teacher": study.spec.dictionary.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
             "k": c.k, "lam": float(c.lam), "n_vectors": c.n_vectors, "max_len": c.max_len,
             "seed": c.seed, **later}
@@ -99,10 +112,13 @@ def dictionary_inputs(study: Study, arm: str) -> dict[str, Any]:
 
 
 def targets_inputs(study: Study, arm: str) -> dict[str, Any]:
-    cfg = study.arm_config(arm)
+    cfg, c = study.arm_config(arm), arm_dictionary(study.spec, arm)
+    # the random teacher's codes are another store (the pre-trained one's settings as before)
+    init = {} if c.teacher_init == "pretrained" else {"teacher_init": c.teacher_init,
+                                                      "teacher_seed": c.teacher_seed}
     return {"settings": settings_fingerprint({"teacher": study.spec.dictionary.teacher,
                                               "layer": cfg.objective.layer,
-                                              "max_len": cfg.data.max_len}),
+                                              "max_len": cfg.data.max_len, **init}),
             "store": store_fingerprint(study), "dictionary": dictionary_fingerprint(study, arm)}
 
 
@@ -115,8 +131,18 @@ def pretrain_inputs(study: Study, arm: str) -> dict[str, Any]:
             "dictionary": dictionary_fingerprint(study, arm)}
 
 
-def probe_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
-    return {"settings": settings_fingerprint(dataclasses.asdict(study.spec.probe)),
+def probe_settings(probe: Any, head: str) -> dict[str, Any]:
+    """The study's probe settings that decide the probe of `head`: a latent probe's as they were
+    before the readout controls existed (so its fingerprint, and its reuse, are unchanged); a
+    control's with its head (and, for factored, its width)."""
+    skip = {"controls", "head", "rank"} if head == "latent" else {"controls"}
+    settings = {k: v for k, v in dataclasses.asdict(probe).items() if k not in skip}
+    return settings if head == "latent" else {**settings, "head": head}
+
+
+def probe_inputs(study: Study, arm: str, frac: float, head: str = "latent") -> dict[str, Any]:
+    """A probe's settings (`probe_settings`) and its frozen checkpoint."""
+    return {"settings": settings_fingerprint(probe_settings(study.spec.probe, head)),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac))}
 
 
@@ -136,9 +162,11 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
     score every arm's masked tokens), the checkpoint, the probe of a latent arm, and the store
     (the unigram control)."""
     return {"settings": settings_fingerprint(study.spec.blimp.decisive()),
-            "probe_settings": settings_fingerprint(dataclasses.asdict(study.spec.probe)),
+            "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
-            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
+            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
+            **({"controls": _control_records(study, arm, frac)} if study.spec.probe.controls
+               else {})}
 
 
 def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:

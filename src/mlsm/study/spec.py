@@ -12,12 +12,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mlsm.config import NON_NEGATIVE, POSITIVE, build_dataclass, field_with_default, merge, ranged
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
-from mlsm.dictionary_config import DictionaryConfig, dictionary_config
+from mlsm.dictionary_config import (
+    ATOM_KINDS,
+    TEACHER_INITS,
+    DictionaryConfig,
+    dictionary_config,
+)
 from mlsm.errors import UserError
 from mlsm.evaluate.blimp_config import BlimpConfig
 from mlsm.evaluate.finetune_config import FinetuneConfig
@@ -27,6 +32,8 @@ from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
 from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
 
+ARM_DICTIONARY_KEYS = ("layer", "k", "lam", "targets", "atoms", "teacher_init")
+"""The keys of an arm's `dictionary:` (`ArmSpec.dictionary`)."""
 _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
               "distinct fractions in (0, 1]")
 
@@ -67,11 +74,14 @@ class ArmSpec:
     base's) objective when it names the same one or none, else replacing it. Empty = the
     recipe's / base's objective, else mlm."""
     dictionary: dict[str, Any] = field(default_factory=dict)
-    """For latent objectives: {layer, k, lam, targets}; the study learns (and shares) one
-    dictionary per (teacher, layer, k, lam) and sets objective.dictionary / objective.layer to it.
-    targets: true = it also builds that dictionary's target store once (`mlsm targets`: the codes
-    of every position of the token store, shared by every arm and seed using it) and sets
-    objective.targets, so pre-training never runs the teacher."""
+    """For latent objectives: {layer, k, lam, targets, atoms, teacher_init}; the study learns (and
+    shares) one dictionary per (teacher, layer, k, lam, atoms, teacher_init) and sets
+    objective.dictionary / objective.layer to it. targets: true = it also builds that
+    dictionary's target store once (`mlsm targets`: the codes of every position of the token
+    store, shared by every arm and seed using it) and sets objective.targets, so pre-training
+    never runs the teacher. atoms: random (or random_nonneg) = the random-dictionary control;
+    teacher_init: random = the random-teacher control, which also sets objective.teacher_init
+    (and teacher_seed, the `dictionary` group's); both default to the `dictionary` group's."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Run-config groups merged over `base` for this arm only (e.g. {optim: {lr: 5e-4}})."""
 
@@ -89,6 +99,18 @@ class ProbeSpec(ProbeFitConfig, ProbeRecipe):
     steps: int = field_with_default(ProbeRecipe, "steps", PAPER_PROBE_STEPS)
     """recipe paper: probe steps through the training loop (the Hitchhikers' Guide trains 10,000;
     0 = that); recipe plateau: not read."""
+    head: Literal["latent", "vocab", "factored"] = field(default="latent", metadata={
+        "check": (lambda v: v == "latent", "latent in a study (a latent arm's own probe; the "
+                  "readout controls are probe.controls)")})
+    """The head of a latent arm's own probe: latent (k -> |V| on its latent head)."""
+    controls: list[str] = field(default_factory=list, metadata={
+        "check": (lambda v: len(set(v)) == len(v) and set(v) <= {"vocab", "factored"},
+                  "distinct readout controls among vocab, factored"), "metavar": "HEAD,HEAD"})
+    """Readout controls fitted, with the plateau recipe and these settings, on every arm scored by
+    PLL at each BLiMP readiness point (MLM arms included): vocab (a fresh untied d -> |V| head)
+    and factored (a fresh d -> k -> |V| head of width `rank`, MLSM's readout shape). The BLiMP
+    stage scores held-out masked tokens through each: rows of kind masked, task heldout:vocab /
+    heldout:factored (docs/readouts.md, "Readout controls")."""
 
 
 @dataclass
@@ -265,10 +287,10 @@ def _validate(spec: StudySpec) -> None:
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
         config_from_dict(arm_base(spec, name))  # checks every key
-        unknown = set(arm.dictionary) - {"layer", "k", "lam", "targets"}
+        unknown = set(arm.dictionary) - set(ARM_DICTIONARY_KEYS)
         if unknown:
             raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
-                            "valid keys: layer, k, lam, targets")
+                            f"valid keys: {', '.join(ARM_DICTIONARY_KEYS)}")
         if not isinstance(arm.dictionary.get("targets", False), bool):
             raise UserError(f"arms.{name}.dictionary.targets must be true or false")
         check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors,
@@ -362,7 +384,11 @@ def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default:
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam_ok(lam):
         raise UserError(f"arms.{arm}.dictionary.lam must be a number {lam_text}, got {lam!r}; "
                         f"Berend 2023 uses {LAM}")
-    if k and n_vectors < k:
+    for key, valid in (("atoms", ATOM_KINDS), ("teacher_init", TEACHER_INITS)):
+        if key in d and d[key] not in valid:
+            raise UserError(f"arms.{arm}.dictionary.{key} must be {' or '.join(valid)}, got "
+                            f"{d[key]!r}")
+    if k and n_vectors < k and d.get("atoms", "learned") == "learned":
         raise UserError(f"dictionary.n_vectors {n_vectors} is fewer than the k={k} atoms of arm "
                         f"{arm}; raise dictionary.n_vectors (usually >= 100 x k) or lower "
                         f"arms.{arm}.dictionary.k")
@@ -417,7 +443,8 @@ def readiness_label(frac: float) -> str:
 
 def arm_dictionary(spec: StudySpec, arm: str) -> DictionaryConfig:
     """The settings the arm's dictionary is learned with: the study's `dictionary` group, with
-    the arm's own `dictionary.k` / `dictionary.lam` on top where it gives them."""
+    the arm's own `dictionary.k` / `lam` / `atoms` / `teacher_init` on top where it gives them."""
     d = spec.arms[arm].dictionary
     own = {key: d[key] for key in ("k", "lam") if d.get(key)}
+    own.update({key: d[key] for key in ("atoms", "teacher_init") if key in d})
     return dictionary_config(spec.dictionary, own, f"arms.{arm}.dictionary")

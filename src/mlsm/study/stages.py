@@ -55,20 +55,39 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
             study.is_done(f"readout:{model_name(arm, f)}", reuse.readout_inputs(study, arm, f),
                           [readout_path(study, arm, f)]) for f in study.spec.readiness)
     if stage == "probe":
-        return study.is_latent(arm) and bool(b.data) and not all(
-            study.is_done(f"probe:{model_name(arm, f)}", reuse.probe_inputs(study, arm, f),
-                          [record_path(study.probe_dir(arm, f))]) for f in scored)
+        heads = (["latent"] if study.is_latent(arm) else []) + study.spec.probe.controls
+        return bool(b.data) and not all(
+            study.is_done(f"{_probe_stage(h)}:{model_name(arm, f)}",
+                          reuse.probe_inputs(study, arm, f, h), [record_path(_probe_dir(
+                              study, arm, f, h))]) for f in scored for h in heads)
     return stage != "blimp" or (bool(b.data) and not all(
         study.is_done(f"blimp:{model_name(arm, f)}", reuse.blimp_inputs(study, arm, f),
                       [blimp_path(study, arm, f)]) for f in scored))
 
 
 def run_probe(study: Study, arms: list[str]) -> set[str]:
-    """Train the k -> |V| probe of every latent arm at each BLiMP readiness point (an arm not
-    scored by PLL is skipped with its reason)."""
-    return _each_checkpoint(study, "probe", [a for a in arms if study.is_latent(a)],
-                            study.spec.blimp.readiness if study.spec.blimp.data else [], _probe,
-                            study.unscored_reason)
+    """Train the k -> |V| probe of every latent arm, and the readout controls (`probe.controls`)
+    of every arm, at each BLiMP readiness point (an arm not scored by PLL is skipped with its
+    reason)."""
+    fracs = study.spec.blimp.readiness if study.spec.blimp.data else []
+    failed = _each_checkpoint(study, "probe", [a for a in arms if study.is_latent(a)], fracs,
+                              _probe, study.unscored_reason)
+    for head in study.spec.probe.controls:
+        failed |= _each_checkpoint(study, _probe_stage(head), arms, fracs,
+                                   lambda s, a, f, h=head: _probe(s, a, f, h),
+                                   study.unscored_reason)
+    return failed
+
+
+def _probe_stage(head: str) -> str:
+    """The stage record's name of a probe: `probe` for a latent arm's own, probe-HEAD for a
+    readout control."""
+    return "probe" if head == "latent" else f"probe-{head}"
+
+
+def _probe_dir(study: Study, arm: str, frac: float, head: str) -> Path:
+    return study.probe_dir(arm, frac) if head == "latent" else reuse.control_dir(study, arm, frac,
+                                                                                   head)
 
 
 def _each_checkpoint(study: Study, stage: str, arms: list[str], fracs: list[float],
@@ -90,18 +109,22 @@ def _each_checkpoint(study: Study, stage: str, arms: list[str], fracs: list[floa
     return failed
 
 
-def _probe(study: Study, arm: str, frac: float) -> str | None:
+def _probe(study: Study, arm: str, frac: float, head: str = "latent") -> str | None:
+    """A latent arm's own probe (head latent) or a readout control (vocab, factored) of any arm,
+    fitted with the study's probe settings; the controls always by the plateau recipe."""
     from mlsm.evaluate.probe_fit import train_probe_to_plateau
 
-    out = study.probe_dir(arm, frac)
-    if study.reusable(f"probe:{model_name(arm, frac)}", reuse.probe_inputs(study, arm, frac),
-                      [record_path(out)], moved=[out]):
+    out = _probe_dir(study, arm, frac, head)
+    if study.reusable(f"{_probe_stage(head)}:{model_name(arm, frac)}",
+                      reuse.probe_inputs(study, arm, frac, head), [record_path(out)],
+                      moved=[out]):
         return "skipped"
     p = study.spec.probe
-    if p.recipe == "paper":
+    if p.recipe == "paper" and head == "latent":
         _paper_probe(study, arm, frac, out)
         return None
-    train_probe_to_plateau(study.checkpoint(arm, frac), out, p, threads=driver_threads(study))
+    train_probe_to_plateau(study.checkpoint(arm, frac), out, p, threads=driver_threads(study),
+                           head=head)
     return None
 
 
@@ -222,6 +245,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     p = study.spec.probe
     heldout = heldout_masked_tokens(model, study.checkpoint(arm, frac), p.heldout_batches,
                                     p.batch_size or 16, store=b.heldout_store or None)
+    controls = _control_scores(study, arm, frac)
     sets = {}
     control = UnigramControl.from_store(study.store)  # scores the same pairs (issue #32)
     for i, data in enumerate(b.data):
@@ -234,11 +258,28 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
     first = next(iter(sets.values()))
     row = {"arm": arm, "readiness": frac, "overall": first["overall"], "n_pairs": first["n_pairs"],
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
+           **({"controls": controls} if controls else {}),
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None,
            "fingerprint": fingerprint_of(inputs)}  # the report reads only current rows
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
+
+
+def _control_scores(study: Study, arm: str, frac: float) -> dict[str, Any]:
+    """head -> held-out masked-token scores of ARM@frac through each readout control (the same
+    targets as its own head's), with what the row keeps of the control's probe record."""
+    from mlsm.evaluate.probe import load_scorer
+
+    b, p, scores = study.spec.blimp, study.spec.probe, {}
+    for head in p.controls:
+        info = read_probe_record(reuse.control_dir(study, arm, frac, head), "delete it and run "
+                                 "the study with --stages probe blimp to fit that control again")
+        scorer, _ = load_scorer(info["checkpoint"])
+        held = heldout_masked_tokens(scorer, study.checkpoint(arm, frac), p.heldout_batches,
+                                     p.batch_size or 16, store=b.heldout_store or None)
+        scores[head] = {**held, "probe": {k: info.get(k) for k in PROBE_KEYS}}
+    return scores
 
 
 def _set_scores(result: dict[str, Any]) -> dict[str, Any]:

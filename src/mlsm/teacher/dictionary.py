@@ -32,7 +32,7 @@ from mlsm.inputs import read_json
 from mlsm.limits import BYTES_PER_VECTOR_FLOAT
 from mlsm.teacher.online_dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.states import collect_vectors
-from mlsm.teacher.teacher import LAYER_SETTING, Teacher
+from mlsm.teacher.teacher import INIT_SETTING, LAYER_SETTING, TEACHER_SETTING, Teacher
 
 DICT_FORMAT = "mlsm-dictionary"
 
@@ -67,7 +67,9 @@ class Dictionary:
         return int(self.meta.get("layer", TEACHER_LAYER))
 
     def check_teacher(self, teacher: Teacher) -> None:
-        """The dictionary must live in the teacher's hidden space (same d, same layer)."""
+        """The dictionary must live in the teacher's hidden space (same d, same layer) and, where
+        its meta records them, come from the same teacher: its init (pre-trained or random, and
+        the random one's seed) and the fingerprint of its weights up to the layer."""
         if self.d != teacher.hidden_size:
             raise UserError(f"the dictionary has d={self.d} but the teacher's hidden size is "
                             f"{teacher.hidden_size}; learn a dictionary with this teacher (`mlsm "
@@ -77,8 +79,27 @@ class Dictionary:
             raise UserError(f"the dictionary was learned on layer {layer} but the teacher stops at "
                             f"layer {teacher.layer}; use layer {layer} ({LAYER_SETTING}) or learn "
                             "a new dictionary")
+        self._check_init(teacher)
+        weights = self.meta.get("teacher_weights")
+        if weights is not None and weights != teacher.weights_fingerprint():
+            raise UserError(f"the dictionary was learned on another teacher of this shape (weights "
+                            f"fingerprint {weights}, this teacher's {teacher.weights_fingerprint()}"
+                            f"); use the teacher it names ({self.meta.get('teacher')!r}, "
+                            f"{TEACHER_SETTING}) or learn a dictionary with this one")
 
-
+    def _check_init(self, teacher: Teacher) -> None:
+        """A dictionary of the pre-trained teacher used with the random one, or the reverse, or
+        of a random teacher of another seed: refused, naming the switch to set."""
+        init = self.meta.get("teacher_init", "pretrained")  # older metas: the teacher's own
+        if init != teacher.init:
+            raise UserError(f"the dictionary was learned on the {init} teacher but this teacher "
+                            f"is {teacher.init}; set teacher_init={init} ({INIT_SETTING}) or "
+                            f"learn a dictionary with teacher_init={teacher.init}")
+        seed = self.meta.get("teacher_seed", 0)
+        if init == "random" and seed != teacher.seed:
+            raise UserError(f"the dictionary was learned on the random teacher of seed {seed} but "
+                            f"this one has seed {teacher.seed}; set teacher_seed={seed} "
+                            f"({INIT_SETTING}) or learn a dictionary with this seed")
 
 
 def _check_sizes(c: DictionaryConfig) -> None:
@@ -106,38 +127,17 @@ def check_vector_memory(n_vectors: int, d: int) -> None:
                         f"machine's {have / 2**30:,.1f} GiB; use --n-vectors {most:,} or fewer")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def learn_dictionary(store: Any, teacher: Teacher, config: DictionaryConfig | None = None, *,
                      out: str | Path | None = None, **settings: Any) -> Dictionary:
     """Collect `n_vectors` teacher states from a token store and learn a dictionary on them.
 
     The settings are `config`'s (a `DictionaryConfig`, default: its defaults) with the keyword
     `settings` on top (k, lam, n_vectors, max_len, batch_size, n_iter, forget, eval_vectors,
-    seed, sampling: each documented beside its field there). k defaults to 4 × the teacher's
-    hidden size; the final objective is the mean over up to eval_vectors of the collected
-    vectors. When `out` is given the result is saved there.
+    seed, sampling, atoms, teacher_init, teacher_seed: each documented beside its field there).
+    k defaults to 4 × the teacher's hidden size; the final objective is the mean over up to
+    eval_vectors of the collected vectors. atoms="random" (or "random_nonneg") collects no states:
+    the atoms are `random_atoms(d, k, seed)`, the meta that of the teacher and settings as for a
+    learned one. When `out` is given the result is saved there.
     """
     c = dictionary_config(config, settings)
     if isinstance(store, str | Path):  # a path is opened (and checked) here
@@ -147,15 +147,29 @@ def learn_dictionary(store: Any, teacher: Teacher, config: DictionaryConfig | No
     if not isinstance(teacher, Teacher):
         raise UserError(f"learn_dictionary() takes a Teacher, got a {type(teacher).__name__}; "
                         "load one with mlsm.load_teacher(PATH, layer)")
+    _check_teacher_init(teacher, c)
     c = dataclasses.replace(c, k=default_k(teacher.hidden_size) if c.k is None else c.k)
-    _check_sizes(c)
-    check_vector_memory(c.n_vectors, teacher.hidden_size)
+    make = _learn if c.atoms == "learned" else _random
+    if c.atoms == "learned":
+        _check_sizes(c)
+        check_vector_memory(c.n_vectors, teacher.hidden_size)
     if out is None:
-        return _learn(store, teacher, c, None)
+        return make(store, teacher, c, None)
     check_dictionary_out(out)
     # one writer: two at once left the atoms of one beside the meta of the other
     with locking.hold(_paths(out)[0], "dictionary"):
-        return _learn(store, teacher, c, out)
+        return make(store, teacher, c, out)
+
+
+def _check_teacher_init(teacher: Teacher, c: DictionaryConfig) -> None:
+    """The teacher given must be the one the settings name (teacher_init, teacher_seed)."""
+    if teacher.init != c.teacher_init or (c.teacher_init == "random"
+                                          and teacher.seed != c.teacher_seed):
+        given = teacher.init + (f" (seed {teacher.seed})" if teacher.init == "random" else "")
+        raise UserError(f"learn_dictionary(): teacher_init={c.teacher_init} teacher_seed="
+                        f"{c.teacher_seed} but the teacher given is {given}; load it with "
+                        f"load_teacher(PATH, layer, init={c.teacher_init!r}, seed="
+                        f"{c.teacher_seed}) or set teacher_init / teacher_seed to match it")
 
 
 def _learn(store: Any, teacher: Teacher, c: DictionaryConfig,
@@ -171,20 +185,40 @@ def _learn(store: Any, teacher: Teacher, c: DictionaryConfig,
     meta = _meta(teacher, store, k=c.k, lam=c.lam, n=X.shape[0], max_len=c.max_len,
                  batch_size=c.batch_size, n_iter=c.n_iter or math.ceil(X.shape[0] / c.batch_size),
                  seed=c.seed, seconds=seconds, objective=dictionary_objective(sample, D, c.lam),
-                 n_eval=sample.shape[0], sampling=c.sampling)
-    result = Dictionary(D.cpu(), meta)
+                 n_eval=sample.shape[0], sampling=c.sampling, atoms="learned")
+    return _result(Dictionary(D.cpu(), meta), out)
+
+
+def _random(store: Any, teacher: Teacher, c: DictionaryConfig,
+            out: str | Path | None) -> Dictionary:
+    """The random-atoms control: no states collected; the meta says random, and the teacher,
+    layer, d, λ, k and seed, so that nothing else in mlsm takes it for a learned one."""
+    D = random_atoms(teacher.hidden_size, c.k, c.seed, nonneg=c.atoms == "random_nonneg")
+    meta = _meta(teacher, store, k=c.k, lam=c.lam, seed=c.seed, atoms=c.atoms)
+    return _result(Dictionary(D, meta), out)
+
+
+def _result(dictionary: Dictionary, out: str | Path | None) -> Dictionary:
     if out is not None:
-        save_dictionary(result, out)
-    return result
+        save_dictionary(dictionary, out)
+    return dictionary
+
+
+def random_atoms(d: int, k: int, seed: int, nonneg: bool = False) -> torch.Tensor:
+    """k random unit-norm atoms (d, k), float32: Gaussian directions (uniform on the sphere), or
+    with `nonneg` their absolute values normalised again; the same seed gives the same atoms on
+    every machine (a CPU generator of its own: the caller's RNG is untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    atoms = torch.randn(d, k, generator=gen, dtype=torch.float32)
+    return torch.nn.functional.normalize(atoms.abs() if nonneg else atoms, dim=0)
 
 
 def _meta(teacher: Teacher, store: Any, **values: Any) -> dict[str, Any]:
     from mlsm.data.corpus import tokenizer_hash  # corpus pulls in the tokenizers stack
 
     return {
-        "format": DICT_FORMAT, "version": 1,
-        "teacher": teacher.name, "teacher_tokenizer_hash": tokenizer_hash(teacher.tokenizer),
-        "layer": teacher.layer, "d": teacher.hidden_size,
+        "format": DICT_FORMAT, "version": 1, **teacher.identity(),
+        "teacher_tokenizer_hash": tokenizer_hash(teacher.tokenizer), "d": teacher.hidden_size,
         "store": str(getattr(store, "path", "")), **values,
     }
 
@@ -313,5 +347,7 @@ def _embedded_meta(weights: Path) -> dict[str, Any]:
 
 
 # what readers use of a dictionary's meta (Dictionary.lam / .layer, the export card, `mlsm flops`)
+# and what `check_teacher` compares with the teacher
 META_FIELDS = {"lam": "number?", "layer": "int?", "k": "int?", "objective": "number?",
-               "teacher": "text?"}
+               "teacher": "text?", "atoms": "text?", "teacher_init": "text?",
+               "teacher_seed": "int?", "teacher_weights": "text?"}

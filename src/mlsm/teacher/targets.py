@@ -179,6 +179,9 @@ def _spec(store: Any, dictionary: Dictionary, teacher: Teacher, max_len: int, nn
         "dictionary_hash": dictionary_hash(dictionary), "dictionary_meta": dictionary.meta,
         # the weights, not the name: codes of a teacher re-trained in place are not these
         "teacher": teacher.name, "teacher_weights": teacher.weights_fingerprint(),
+        # the random-teacher control says so (a pre-trained teacher's spec stays as it was)
+        **({"teacher_init": "random", "teacher_seed": teacher.seed}
+           if teacher.init == "random" else {}),
         "layer": teacher.layer, "lam": lam, "k": dictionary.k,
         "max_len": max_len, "nnz": nnz, "n_chunks": n_chunks,
         "index_dtype": "int16" if dictionary.k <= np.iinfo(np.int16).max else "int32",
@@ -340,8 +343,8 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
     store = TokenStore.open(store_path)
     if not isinstance(dictionary, Dictionary):
         dictionary = load_dictionary(dictionary)
-    dictionary.check_teacher(teacher)
     require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
+    dictionary.check_teacher(teacher)  # after the store's check, which `mlsm dictionary` shares
     check_token_ids(store.tokens, teacher.vocab_size, store_path,
                     f"teacher {teacher.name or ''}".strip())
     if nnz is not None and not 1 <= nnz <= dictionary.k:
@@ -396,13 +399,14 @@ def _build(out: Path, spec: dict[str, Any], source: Any, teacher: Teacher, dicti
 class StoredTargets:
     """MLSM target provider reading a target store: same `codes(batch)` as the online TargetCoder.
 
-    tokens: the run's opened token store; tokenizer, max_len: the run's. dictionary / layer / lam:
-    the run's MLSM options when given (checked against what the store was built with); the
-    teacher is never loaded.
+    tokens: the run's opened token store; tokenizer, max_len: the run's. dictionary / layer / lam
+    / teacher_init (init, seed): the run's MLSM options when given (checked against what the store
+    was built with); the teacher is never loaded.
     """
 
     def __init__(self, path: str, tokens: Any, tokenizer: Any, max_len: int, *,
-                 dictionary: str = "", layer: int = -1, lam: float = 0.0):
+                 dictionary: str = "", layer: int = -1, lam: float = 0.0,
+                 teacher_init: tuple[str, int] | None = None):
         from mlsm.data.corpus import tokenizer_hash
 
         self.store = TargetStore.open(path)
@@ -427,6 +431,8 @@ class StoredTargets:
         if lam and abs(lam - float(meta["lam"])) > 1e-12:
             raise UserError(f"target store {path} was coded with λ={meta['lam']} but "
                             f"objective.lam={lam}; drop objective.lam or rebuild")
+        if teacher_init is not None:
+            _check_init(path, meta, *teacher_init)
         self.k = self.store.k
 
     @torch.no_grad()
@@ -438,3 +444,17 @@ class StoredTargets:
         if batch.input_ids.device.type == "cuda":  # pinned: the copy does not wait for the GPU
             return dense.pin_memory().to(batch.input_ids.device, non_blocking=True)
         return dense.to(batch.input_ids.device)
+
+
+def _check_init(path: str, meta: dict[str, Any], init: str, seed: int) -> None:
+    """The run's objective.teacher_init / teacher_seed must be the teacher the store was coded
+    with (a store of the pre-trained teacher records neither)."""
+    built = (meta.get("teacher_init", "pretrained"), meta.get("teacher_seed", 0))
+    want = (init, seed if init == "random" else 0)
+    if built[0] == "pretrained":
+        built = ("pretrained", 0)
+    if built != want:
+        said = built[0] + (f" (seed {built[1]})" if built[0] == "random" else "")
+        raise UserError(f"target store {path} was coded with the {said} teacher but the run says "
+                        f"objective.teacher_init={init} teacher_seed={seed}; set them to match "
+                        "or rebuild the store with `mlsm targets --teacher-init ...`")

