@@ -149,7 +149,7 @@ def test_the_study_stage_scores_with_the_groups_settings(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(blimp, "evaluate_blimp", record)
     monkeypatch.setattr(probe, "load_scorer", lambda folder: (None, None))
-    monkeypatch.setattr(unigram.UnigramControl, "from_store", staticmethod(lambda s: None))
+    monkeypatch.setattr(unigram.UnigramControl, "consumed_by", staticmethod(lambda s: None))
     monkeypatch.setattr(stages, "heldout_masked_tokens", lambda *a, **k: {})
     monkeypatch.setattr(reuse, "blimp_inputs", lambda *a: {})
     study = SimpleNamespace(spec=spec, reusable=lambda *a, **k: False, is_latent=lambda a: False,

@@ -126,7 +126,7 @@ def test_binomial_p_is_scipys_two_sided_test(k, n, expected) -> None:
 
 
 def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_path) -> None:
-    """A scorer that predicts the training store's unigram distribution scores exactly the
+    """A scorer that predicts the unigram distribution of the run's tokens scores exactly the
     reported unigram baseline on the same targets (loss, top-1, p = 1): the baseline is computed
     on the targets the model is scored on."""
     from mlsm.data.corpus import TokenStore
@@ -142,14 +142,13 @@ def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_
         "train": {"steps": 2, "batch_size": 4, "out": str(tmp_path / "run"), "readiness": [1.0],
                   "device": "cpu"}})
     pretrain(cfg)
-    store = TokenStore.open(store_dir)
-    unigram = unigram_log_probs(store, len(store.load_tokenizer()))  # (V,)
+    ck = tmp_path / "run" / "checkpoints" / "step-0000002"
+    unigram = unigram_log_probs(ck, len(TokenStore.open(store_dir).load_tokenizer()))  # (V,)
 
     class UnigramScorer:
         def logits_at(self, input_ids, attention_mask, select):
             return unigram.expand(int(select.sum()), -1)  # (N, V)
 
-    ck = tmp_path / "run" / "checkpoints" / "step-0000002"
     h = heldout_masked_tokens(UnigramScorer(), ck, 3, 4, store=str(store_dir))
     assert h["n"] > 0
     assert h["loss"] == pytest.approx(h["unigram_loss"], rel=1e-5)

@@ -225,8 +225,13 @@ def test_probe_fit_equals_a_plain_adam_reference(mlsm_ckpt: Path, store_dir: Pat
             z = latent(h.last_hidden_state[b.selected])
         return torch.softmax(z.float(), -1), b.input_ids[b.selected]
 
-    vocab = len(store.load_tokenizer())
-    counts = np.bincount(np.asarray(store.tokens[:], dtype=np.int64), minlength=vocab) + 1.0
+    tok = store.load_tokenizer()
+    vocab = len(tok)
+    counts = np.ones(vocab)  # add-one, over the tokens of every batch the run trained on
+    for step in range(cfg.train.steps):
+        ids = source.micro_batches(step, cfg.train.batch_size, cfg.train.batch_size)[0].input_ids
+        counts += np.bincount(ids.numpy().ravel(), minlength=vocab)[:vocab]
+    counts[[tok.cls_token_id, tok.sep_token_id]] = 1.0
     x0 = feats(0)[0]
     mu, sigma = x0.mean(0), x0.std(0).clamp(min=1e-6)
     ref = torch.nn.Linear(x0.shape[1], vocab)

@@ -224,7 +224,7 @@ def test_mlsm_readout_verb_writes_every_kind(teacher_dir, store_dir, tmp_path) -
     assert (out / "readouts_steps.png").is_file() and (out / "readouts_flops.png").is_file()
 
 
-def test_mlsm_blimp_scores_the_unigram_control_of_the_pretraining_store(
+def test_mlsm_blimp_scores_the_unigram_control_of_the_tokens_the_run_consumed(
         teacher_dir, store_dir, tmp_path) -> None:
     from mlsm.cli import main
 
@@ -233,7 +233,10 @@ def test_mlsm_blimp_scores_the_unigram_control_of_the_pretraining_store(
     assert main(["blimp", str(teacher_dir), "--data", str(pairs), "--out",
                  str(tmp_path / "auto")]) == 0
     result = json.loads((tmp_path / "auto" / "blimp.json").read_text())
-    assert result["control"]["source"] == str(store_dir)  # the run's own store, by default
+    # by default the tokens the run consumed: its steps x batch sequences of its own store
+    cfg = json.loads((teacher_dir / "checkpoint.json").read_text())["config"]["train"]
+    assert result["control"]["source"].startswith(
+        f"{cfg['steps'] * cfg['batch_size']:,} pre-training sequences of {store_dir} ")
     assert result["phenomena"]["order"]["control_accuracy"] == 0.5
     assert "unigram control" in (tmp_path / "auto" / "blimp.md").read_text()
     assert main(["blimp", str(teacher_dir), "--data", str(pairs), "--unigram", "none",

@@ -212,8 +212,9 @@ def _blimp_into(a: argparse.Namespace) -> None:
 
 
 def _unigram_control(model: str, store: str) -> object | None:
-    """--unigram: 'none', a token store, or 'auto' (the model's pre-training store, if known)."""
-    from mlsm.evaluate.readouts import ReadoutSpec, train_store
+    """--unigram: 'none', a token store, or 'auto' (the tokens the model's pre-training run
+    consumed, if known)."""
+    from mlsm.evaluate.readouts import ReadoutSpec, unigram_control
     from mlsm.evaluate.unigram import UnigramControl
     from mlsm.runs import resolve_checkpoint
 
@@ -222,7 +223,7 @@ def _unigram_control(model: str, store: str) -> object | None:
     if store != "auto":
         return UnigramControl.from_store(store)
     try:
-        return UnigramControl.from_store(train_store(resolve_checkpoint(model), ReadoutSpec()))
+        return unigram_control(resolve_checkpoint(model), ReadoutSpec())
     except UserError:  # an HF folder: no store known (the summary line says so)
         return None
 

@@ -90,17 +90,16 @@ def pppl(scorer: Any, source: Any, steps: list[int], batch_size: int, unigram: t
 def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_size: int,
                           store: str | None = None) -> dict[str, Any]:
     """Masked-token loss and top-1 of a scorer on held-out text, with the run's own masking, next
-    to the unigram distribution of the training store on the same targets (the plateau an MLM
-    sits on before it uses context) and a binomial test of top-1 against the unigram's rate.
+    to the unigram distribution of the tokens the run trains on, on the same targets (the plateau
+    an MLM sits on before it uses context) and a binomial test of top-1 against the unigram's rate.
 
     store: a token store of held-out documents (batches 0, 1, ... of it); None = the chunks right
     after the pre-training run's last batch, which are held out only while the run stays within
     its first epoch of the corpus."""
     from mlsm.evaluate.unigram import unigram_log_probs
 
-    source, steps, train = heldout_source(checkpoint, n_batches, batch_size, store)
-    vocab = max(len(train.load_tokenizer()), int(train.meta.get("vocab_size") or 0))
-    unigram = unigram_log_probs(train, vocab)  # (V,): indexed by target ids only
+    source, steps, _ = heldout_source(checkpoint, n_batches, batch_size, store)
+    unigram = unigram_log_probs(checkpoint)  # (V,): of the run's own tokens; by target ids only
     return {**masked_token_scores(scorer, source, steps, batch_size, unigram),
             "text": "held-out store" if store else "chunks after the run"}
 

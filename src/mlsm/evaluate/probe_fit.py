@@ -283,7 +283,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
         return features(source.micro_batches(step, G, G, 0, 1)[0])
 
     held = [batch(s) for s in heldout_steps(checkpoint, G, fit.heldout_batches)]
-    unigram = unigram_log_probs(store, probe.out_features)
+    unigram = unigram_log_probs(checkpoint, probe.out_features)  # the run's own tokens
     first = batch(0)  # the standardisation and step 1
     cands = _candidates(fit.head, inputs, module, unigram, lr, first[0])
     start = cands[0].evaluate(held)  # W = 0: the unigram distribution itself (loss, top-1)

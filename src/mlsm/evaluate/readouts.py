@@ -63,8 +63,8 @@ class ReadoutSpec:
     pair_limit: int = ranged(100, _whole(0, "0 or more"))
     """First N pairs of each phenomenon (0 = all; 100 gives BLiMP's 6,700 pairs)."""
     store: str = ""
-    """Token store whose counts make the unigram control; empty = the model's pre-training
-    store."""
+    """Token store whose counts make the unigram control; empty = the tokens the model's
+    pre-training run consumed (its first steps x batch sequences, in its data order)."""
     heldout_store: str = ""
     """Token store of held-out documents for `masked`; empty = the chunks after the run's last
     batch (held out only within its first epoch)."""
@@ -110,6 +110,17 @@ def train_store(folder: Path, spec: ReadoutSpec) -> str:
         return store
     raise UserError(f"{folder}: no pre-training token store to count the unigram control on; "
                     "pass --store STORE (a token store made with the model's tokenizer)")
+
+
+def unigram_control(folder: Path, spec: ReadoutSpec) -> Any:
+    """The unigram control of a checkpoint: counted on the store `spec.store` names, else on the
+    tokens the checkpoint's pre-training run consumed (`UnigramControl.consumed_by`)."""
+    from mlsm.evaluate.unigram import UnigramControl
+
+    if spec.store:
+        return UnigramControl.from_store(spec.store)
+    train_store(folder, spec)  # one line when the run names no store or it is gone
+    return UnigramControl.consumed_by(folder)
 
 
 def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
@@ -184,9 +195,8 @@ def _word_rows(folder: Path, scorer_path: Path, spec: ReadoutSpec, kinds: list[s
 def _pair_rows(scorer: Any, tokenizer: Any, folder: Path, spec: ReadoutSpec,
                log: Callable[[str], None]) -> list[dict[str, Any]]:
     from mlsm.evaluate.blimp import evaluate_blimp
-    from mlsm.evaluate.unigram import UnigramControl
 
-    control = UnigramControl.from_store(train_store(folder, spec)) if spec.pairs else None
+    control = unigram_control(folder, spec) if spec.pairs else None
     rows = []
     for data in spec.pairs:
         start = time.perf_counter()
@@ -209,11 +219,10 @@ def _pair_rows(scorer: Any, tokenizer: Any, folder: Path, spec: ReadoutSpec,
 def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
                  log: Callable[[str], None]) -> list[dict[str, Any]]:
     from mlsm.evaluate.heldout import masked_token_scores, pppl
-    from mlsm.evaluate.unigram import UnigramControl
 
     start = time.perf_counter()
     source, steps = _heldout(folder, spec)
-    control = UnigramControl.from_store(train_store(folder, spec))
+    control = unigram_control(folder, spec)
     import torch
 
     unigram = torch.from_numpy(control.log_probs).float()  # (V,)

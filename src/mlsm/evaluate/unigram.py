@@ -3,12 +3,15 @@ is read against.
 
 p(w) = (c(w) + 1) / (N + |V|)   (add-one / Laplace smoothing over the whole vocabulary)
 
-with c(w) the count of token id w in a token store (by default the model's pre-training store) and
-N the number of tokens counted. A sentence's score is the sum of log p(w) over its tokens (the
-tokenizer's ids without special tokens), so it depends only on which tokens the sentence has, never
-on their order: on word-order pairs it ties by construction, and on BLiMP it prefers the sentence
-made of more frequent (and fewer) tokens. A pair is scored like a model's (`pair_credit`): right
-when good > bad, half right on a tie.
+with c(w) the count of token id w in the text the model was pre-trained on: the chunks its run
+consumes (`consumed_by`: the first steps x batch samples of its data order, so every arm of a seed
+shares it), or a whole token store when one is named; N the number of tokens counted. One estimate
+serves every control of a checkpoint (the probe's starting point, the held-out masked-token
+baseline, the minimal-pair control), so they are read against the same unigram. A sentence's
+score is the sum of log p(w) over its tokens (the tokenizer's ids without special tokens), so it
+depends only on which tokens the sentence has, never on their order: on word-order pairs it ties
+by construction, and on BLiMP it prefers the sentence made of more frequent (and fewer) tokens. A
+pair is scored like a model's (`pair_credit`): right when good > bad, half right on a tie.
 
 Why it matters (issue #32): at 10M tokens per arm this control scored 56.0 % on 6,700 BLiMP pairs,
 above both trained students, so a BLiMP score is evidence of syntax only where it beats it.
@@ -44,10 +47,46 @@ def smoothed_log_probs(counts: np.ndarray) -> np.ndarray:
     return np.log(c / c.sum())
 
 
-def unigram_log_probs(store: Any, vocab: int, max_tokens: int | None = 5_000_000) -> torch.Tensor:
-    """log p(token), add-one smoothed, over the first max_tokens of the store: (V,) float32 (the
-    probe's starting point and the held-out masked-token baseline)."""
-    return torch.from_numpy(smoothed_log_probs(store_counts(store, vocab, max_tokens))).float()
+def consumed_counts(source: Any, n_samples: int, vocab: int, block: int = 4096) -> np.ndarray:
+    """Counts (V,) int64 of the tokens in the chunks that global samples 0 .. n_samples - 1 of a
+    `BatchSource` read: the text a run of n_samples sequences trains on, repeats included. The
+    [CLS] / [SEP] framing and the separators between documents are not counted (a store's own
+    tokens hold neither)."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    for start in range(0, n_samples, block):
+        chunks = source.chunk_ids(np.arange(start, min(n_samples, start + block), dtype=np.int64))
+        body = source.chunk_tokens(chunks)[:, 1:-1]  # (b, max_len - 2)
+        counts += np.bincount(body.ravel(), minlength=vocab)[:vocab]
+    counts[[source.cls_id, source.sep_id]] = 0
+    return counts
+
+
+def run_unigram(checkpoint: str | Path) -> tuple[np.ndarray, Any, str]:
+    """(counts (V,), tokenizer, description) of the tokens the pre-training run of `checkpoint`
+    consumes over all its planned steps (its data config, store and order): the same for every
+    readiness checkpoint of the run, and for every arm that shares its data seed and budget."""
+    from mlsm.artifacts.checkpoint import Checkpoint
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+    from mlsm.run_config import config_from_dict
+
+    cfg = config_from_dict(Checkpoint.at(checkpoint).config)
+    store = TokenStore.open(cfg.data.store)
+    tok = store.load_tokenizer()
+    vocab = max(len(tok), int(store.meta.get("vocab_size") or 0))
+    n = cfg.train.steps * cfg.train.batch_size
+    counts = consumed_counts(BatchSource(store, cfg.data, tok), n, vocab)
+    return counts, tok, f"{n:,} pre-training sequences of {store.path} (data.seed {cfg.data.seed})"
+
+
+def unigram_log_probs(checkpoint: str | Path, vocab: int | None = None) -> torch.Tensor:
+    """log p(token), add-one smoothed over `vocab` ids (default: all the counts cover), of the
+    tokens the checkpoint's pre-training run consumes: (V,) float32 (the probe's starting point
+    and the held-out masked-token baseline)."""
+    counts = run_unigram(checkpoint)[0]
+    if vocab is not None:
+        counts = np.pad(counts[:vocab], (0, max(0, vocab - len(counts))))
+    return torch.from_numpy(smoothed_log_probs(counts)).float()
 
 
 def pair_credit(good: float, bad: float) -> float:
@@ -74,6 +113,11 @@ class UnigramControl:
         tok = store.load_tokenizer()
         vocab = max(len(tok), int(store.meta.get("vocab_size") or 0))
         return cls(store_counts(store, vocab, max_tokens), tok, str(path))
+
+    @classmethod
+    def consumed_by(cls, checkpoint: str | Path) -> UnigramControl:
+        """Counts of the tokens the checkpoint's pre-training run consumes (`run_unigram`)."""
+        return cls(*run_unigram(checkpoint))
 
     @property
     def n_tokens(self) -> int:

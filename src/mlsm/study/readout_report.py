@@ -43,7 +43,7 @@ def readout_section(study: Study, dest: Path) -> tuple[list[str], list[dict[str,
     parts = ["## Readouts (docs/readouts.md)\n",
              "Each cell: the model's value (its control on the same items in brackets; "
              "probes: the majority / mean training label; pairs and masked tokens: the add-one "
-             "unigram of the pre-training store), and for pair sets the Wilcoxon p of model − "
+             "unigram of the tokens the run consumed), and for pair sets the Wilcoxon p of model − "
              "unigram over phenomena (two-sided), for masked top-1 the binomial p against the "
              "unigram's rate. Rates in %, losses in nats. Dashed lines in the plots: controls.\n"]
     parts += [f"![readouts]({png})\n" for png in write_plots(rows, dest)]

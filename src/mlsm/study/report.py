@@ -359,7 +359,8 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
         lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
-                  "unigram: the add-one unigram of the study's store on the same pairs; p: "
+                  "unigram: the add-one unigram of the tokens the run consumed, on the same "
+                  "pairs; p: "
                   "two-sided Wilcoxon signed-rank over the set's phenomena (model − unigram, "
                   "model − 50 %), not pooled pairs.\n",
                   "| model | " + " | ".join(f"{n} | unigram | p vs unigram | p vs 50 %"
@@ -374,10 +375,12 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     lines += ["", f"## Pair sets (PLL; latent arms through their probe): `{first}`, the first, "
               "and held-out masked tokens\n",
               f"Held-out masked tokens: {where}, the run's own masking; latent arms are scored "
-              "through their probe. Unigram: the training store's token frequencies on the same "
-              "targets (the plateau of an MLM that does not use context); p: two-sided binomial "
+              "through their probe. Unigram: the frequencies of the tokens the run consumed (one "
+              "estimate per run, shared by the arms of a seed, its probe's start and its pairs' "
+              "control), on the same targets (the plateau of an MLM that does not use context); "
+              "p: two-sided binomial "
               "test of the model's top-1 against the unigram's rate.\n",
-              "unigram %: the add-one unigram of the study's store on the same pairs; "
+              "unigram %: the add-one unigram of the same tokens on the same pairs; "
               "p vs unigram, p vs 50 %: two-sided Wilcoxon signed-rank over phenomena (one "
               "accuracy per phenomenon; pooled pairs are not independent).\n",
               f"| model | {first} % | pairs | unigram % | p vs unigram | p vs 50 % "

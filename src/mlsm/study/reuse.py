@@ -20,7 +20,7 @@ from typing import Any
 from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
-from mlsm.defaults import TEACHER_LAYER
+from mlsm.defaults import TEACHER_LAYER, UNIGRAM_ESTIMATE
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
 from mlsm.study.spec import arm_dictionary, readiness_label
 
@@ -141,8 +141,10 @@ def probe_settings(probe: Any, head: str) -> dict[str, Any]:
 
 
 def probe_inputs(study: Study, arm: str, frac: float, head: str = "latent") -> dict[str, Any]:
-    """A probe's settings (`probe_settings`) and its frozen checkpoint."""
+    """A probe's settings (`probe_settings`), its frozen checkpoint and the unigram estimate it
+    starts from."""
     return {"settings": settings_fingerprint(probe_settings(study.spec.probe, head)),
+            "unigram": UNIGRAM_ESTIMATE,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac))}
 
 
@@ -159,9 +161,10 @@ def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
 def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
     """The BLiMP settings that can change a score (`decisive()`: not the readiness list, which
     says which models, nor batching or refusal limits), the probe settings (its held-out batches
-    score every arm's masked tokens), the checkpoint, the probe of a latent arm, and the store
-    (the unigram control)."""
+    score every arm's masked tokens), the checkpoint, the probe of a latent arm, the store and
+    how the unigram control is estimated (rows of another estimate are not mixed in)."""
     return {"settings": settings_fingerprint(study.spec.blimp.decisive()),
+            "unigram": UNIGRAM_ESTIMATE,
             "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
@@ -172,7 +175,7 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
 def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
     r = study.spec.readout
     return {"settings": settings_fingerprint(None if r is None else dataclasses.asdict(r)),
-            "heldout_store": study.spec.blimp.heldout_store,
+            "unigram": UNIGRAM_ESTIMATE, "heldout_store": study.spec.blimp.heldout_store,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
 

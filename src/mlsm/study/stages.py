@@ -247,7 +247,8 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
                                     p.batch_size or 16, store=b.heldout_store or None)
     controls = _control_scores(study, arm, frac)
     sets = {}
-    control = UnigramControl.from_store(study.store)  # scores the same pairs (issue #32)
+    # scores the same pairs (issue #32), counted on the tokens the run consumed
+    control = UnigramControl.consumed_by(study.checkpoint(arm, frac))
     for i, data in enumerate(b.data):
         # b's settings, with each set's own limit; `phenomena` names UIDs of the first set only
         result = evaluate_blimp(model, tokenizer, data, b, progress=None, control=control,
