@@ -53,3 +53,15 @@ def test_equal_arms_need_no_second_reading() -> None:
     assert got["ratio"] == 1.0 and "equal" not in got
     (got,) = equal_compute([h], [], {"x": 2.0}, [0.5, 1.0], seeded=True)
     assert math.isnan(got["ratio"])
+
+
+def test_a_checkpoint_far_below_the_budget_is_not_called_equal_compute() -> None:
+    """Arms 0.7 % apart are at equal compute already; a point at 69 % of a 1.007x arm (0.69x the
+    other's FLOPs) is not an equal-FLOPs reading."""
+    h = Hypothesis(id="H", a="x@100%", b="y@100%", kind="masked", task="heldout", metric="top1")
+    (got,) = equal_compute([h], [], {"x": 1.007, "y": 1.0}, [0.69, 1.0], seeded=True)
+    assert "equal" not in got
+    assert "equal already" in equal_compute_lines([got])[-2]
+    (got,) = equal_compute([h], [], {"x": 1.2, "y": 1.0}, [0.69, 1.0], seeded=True)
+    assert "equal" not in got  # 0.69 x 1.2 = 0.83 of the other's FLOPs: too far below
+    assert "no checkpoint within 5 %" in equal_compute_lines([got])[-2]

@@ -22,7 +22,13 @@ from mlsm.study.hypotheses import Hypothesis, evaluate, split_model
 
 TOLERANCE = 1e-3
 """Relative slack when matching FLOPs: a checkpoint at most 0.1 % above the other counts as
-equal (readiness points are rounded to the percent)."""
+within its budget (readiness points are rounded to the percent)."""
+EQUAL = 0.01
+"""Two checkpoints whose FLOPs differ by at most 1 % are at equal compute already: no second
+reading."""
+MATCH = 0.05
+"""The equal-FLOPs checkpoint must reach at least 95 % of the other's FLOPs; a readiness point
+further below is not called equal compute (the section says none was close enough)."""
 
 
 def arm_flops(compute: Sequence[dict[str, Any]], seeded: bool) -> dict[str, float]:
@@ -63,7 +69,7 @@ def equal_compute(hyps: Sequence[Hypothesis], rows: Sequence[dict[str, Any]],
                                "flops_a": fa * cost_a, "flops_b": fb * cost_b}
         row["ratio"] = row["flops_a"] / row["flops_b"] if row["flops_b"] else math.nan
         moved = None
-        if h.b != "control" and math.isfinite(row["ratio"]) and abs(row["ratio"] - 1) > TOLERANCE:
+        if h.b != "control" and math.isfinite(row["ratio"]) and abs(row["ratio"] - 1) > EQUAL:
             a_costs_more = row["ratio"] > 1
             costly, cheap, frac = (cost_a, cost_b, fb) if a_costs_more else (cost_b, cost_a, fa)
             point = equal_flops_point(costly, cheap, frac, fracs)
@@ -71,9 +77,10 @@ def equal_compute(hyps: Sequence[Hypothesis], rows: Sequence[dict[str, Any]],
                 label = f"{100 * point:g}%"
                 moved = dataclasses.replace(h, a=f"{arm_a}@{label}") if a_costs_more else \
                     dataclasses.replace(h, b=f"{arm_b}@{label}")
-        if moved is not None:
+        ratio = math.nan if moved is None else \
+            (_split(moved.a)[1] * cost_a) / (_split(moved.b)[1] * cost_b)
+        if moved is not None and min(ratio, 1 / ratio) >= 1 - MATCH:
             (got,) = evaluate([moved], rows, seeded)
-            ratio = (_split(moved.a)[1] * cost_a) / (_split(moved.b)[1] * cost_b)
             row["equal"] = {"a": moved.a, "b": moved.b, "ratio": ratio, "n": got["n"],
                             "mean_diff": got["mean_diff"], "ci95": got["ci95"], "p": got["p"]}
         out.append(row)
@@ -102,7 +109,9 @@ def equal_compute_lines(got: Sequence[dict[str, Any]],
         head = (f"| {r['id']} | {r['a']} | {r['b']} | {r['flops_a']:.3g} | {r['flops_b']:.3g} | "
                 f"{_num(r['ratio'], 2)} |")
         if e is None:
-            lines.append(head + " — (no such checkpoint) | | | | |")
+            why = "equal already" if abs(r["ratio"] - 1) <= EQUAL else \
+                "— (no checkpoint within 5 %)"
+            lines.append(head + f" {why} | | | | |")
             continue
         ci = f"{_num(e['mean_diff'])} [{_num(e['ci95'][0])}, {_num(e['ci95'][1])}]"
         lines.append(head + f" {e['a']} vs {e['b']} | {_num(e['ratio'], 3)} | {e['n']} | {ci} | "
