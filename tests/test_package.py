@@ -3,6 +3,7 @@ carries every module (the installed `mlsm demo` needs nothing from the source tr
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -61,14 +62,45 @@ def test_wheel_carries_every_module(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
-    assert wheel.name == f"mlsm-{mlsm.__version__}-py3-none-any.whl"
+    stem = re.sub(r"[-_.]+", "_", mlsm.DISTRIBUTION)  # the wheel's spelling of the name
+    assert wheel.name == f"{stem}-{mlsm.__version__}-py3-none-any.whl"
     names = set(zipfile.ZipFile(wheel).namelist())
     src = tmp_path / "src"
     modules = {p.relative_to(src).as_posix() for p in src.rglob("*.py")}
     assert modules and modules <= names, sorted(modules - names)[:5]
     other = [p for p in (src / "mlsm").rglob("*") if p.is_file() and p.suffix != ".py"]
     assert not other, f"package data not declared in pyproject: {other[:3]}"
-    dist_info = f"mlsm-{mlsm.__version__}.dist-info"
+    dist_info = f"{stem}-{mlsm.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
     entry = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     assert "mlsm = mlsm.cli:main" in entry
+
+
+def _pep503(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# `pip install ...` up to the end of its command (a backtick, a quote-free separator, a line end)
+PIP_INSTALL = re.compile(r"pip3? install\b([^`\n;&|)]*)")
+
+
+def test_installs_are_from_the_clone_under_the_name_the_docs_give() -> None:
+    """`mlsm` on PyPI is an unrelated 2016 project: no page, citation or message tells a user to
+    `pip install` it (`mlsm`, `"mlsm[hf]"`), nor this project's own distribution name, which is
+    not published yet; installs are from the clone (`pip install -e ".[hf]"`). The name the
+    README gives is pyproject's and `mlsm.DISTRIBUTION` (what `mlsm --version` looks up)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    assert name == mlsm.DISTRIBUTION and _pep503(name) != "mlsm"
+    assert re.findall(r"distribution is named `([^`]+)`", (ROOT / "README.md").read_text()) \
+        == [name]
+    files = [ROOT / "README.md", ROOT / "CITATION.cff", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "src").rglob("*.py"))]
+    from_index = []
+    for path in files:
+        for words in PIP_INSTALL.findall(path.read_text(encoding="utf-8")):
+            names = [re.split(r"[\[<>=!~@ ]", w.strip("'\""))[0] for w in words.split()]
+            if {_pep503(n) for n in names} & {"mlsm", _pep503(name)}:
+                from_index.append(f"{path.relative_to(ROOT)}: pip install{words}")
+    assert not from_index, from_index
+    assert name in yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))["message"]

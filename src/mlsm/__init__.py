@@ -9,6 +9,9 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+DISTRIBUTION = "mlsm-lab"
+"""The name pip installs this package by (pyproject.toml's [project].name); `mlsm` on PyPI is an
+unrelated project. The import name and the command stay `mlsm`."""
 
 # public name -> module that defines it
 _API = {

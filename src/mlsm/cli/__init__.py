@@ -46,7 +46,7 @@ def version() -> str:
     import mlsm
 
     try:
-        return installed("mlsm")
+        return installed(mlsm.DISTRIBUTION)
     except PackageNotFoundError:
         return mlsm.__version__
 

@@ -158,8 +158,8 @@ def _submitit() -> Any:
     try:
         import submitit
     except ImportError:
-        raise UserError("executor.kind: slurm needs submitit; install it with pip "
-                        "install 'mlsm[slurm]'") from None
+        raise UserError("executor.kind: slurm needs submitit; from the root of the mlsm clone, "
+                        "install it with pip install -e '.[slurm]'") from None
     return submitit
 
 
