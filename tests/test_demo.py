@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 from pathlib import Path
 
@@ -230,3 +231,44 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
     assert f"| model | {PAIR_SET} % | pairs |" in text
     assert "| mlsm@100% | 64.0 | 400 |" in text  # the column holds the prose pairs' accuracy
     assert "BLiMP %" not in text and "## BLiMP" not in text
+
+
+def test_word_order_pairs_get_one_binomial_p_in_console_and_report(tmp_path) -> None:
+    """The demo's word-order pairs (two "phenomena": a Wilcoxon across them cannot go below 0.5)
+    are tested by the exact binomial test over their pairs, as the README and the demo page
+    quote it; the console summary and the study report print the same p, scipy's binomtest.
+    BLiMP keeps its Wilcoxon across phenomena. The rows are the demo's recorded ones."""
+    from scipy.stats import binomtest
+
+    from mlsm.demo import PAIR_SET
+    from mlsm.evaluate.paired import p_text
+    from mlsm.study.folder import fingerprint_of
+    from mlsm.study.report import write_report
+    from mlsm.study.reuse import blimp_inputs
+
+    recorded = Path(__file__).resolve().parents[1] / "docs" / "results" / "demo" / "blimp"
+    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
+                      str(tmp_path / "blimp"), 8, 4, 2, 3)
+    study = Study(spec, log=lambda s: None)
+    (study.root / "blimp").mkdir(parents=True)
+    row = json.loads((recorded / "mlsm@100pct.json").read_text())
+    assert list(row["sets"]) == [PAIR_SET, "blimp"]
+    row["fingerprint"] = fingerprint_of(blimp_inputs(study, "mlsm", 1.0))
+    (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(row))
+    pairs, blimp = row["sets"][PAIR_SET], row["sets"]["blimp"]
+    exact = binomtest(pairs["correct"], pairs["n_pairs"], 0.5).pvalue  # 4.2e-8: the README's
+    wilcoxon = (p_text(blimp["tests"]["p_vs_control"]), p_text(blimp["tests"]["p_vs_chance"]))
+    (line,) = [x for x in summary_lines(study) if x.startswith("mlsm@100%:")]
+    console = re.search(rf"{PAIR_SET} 63\.7 % of 400 \(unigram 50\.0 %; exact binomial over 400 "
+                        r"pairs: p vs unigram (\S+), p vs 50 % (\S+)\)", line)
+    assert console, line
+    assert f"blimp 55.5 % of 670 (unigram 56.3 %; Wilcoxon over 67 phenomena: p vs unigram " \
+        f"{wilcoxon[0]}, p vs 50 % {wilcoxon[1]})" in line
+    text = write_report(study).read_text()
+    sets = re.search(r"\| mlsm@100% \| 63\.7 \| 50\.0 \| (\S+) \| (\S+) \| 55\.5 \| 56\.3 \| (\S+) "
+                     r"\| (\S+) \|", text)
+    first = re.search(r"\| mlsm@100% \| 63\.7 \| 400 \| 50\.0 \| (\S+) \| (\S+) \|", text)
+    assert sets and first, text
+    assert console.groups() == sets.groups()[:2] == first.groups() == (p_text(exact),) * 2
+    assert float(console.group(2)) == pytest.approx(exact, rel=5e-3)
+    assert sets.groups()[2:] == wilcoxon

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlsm.errors import Incomplete, UserError
+from mlsm.evaluate.blimp import WORD_ORDER_PAIRS
 from mlsm.fileio import atomic_write_text
 from mlsm.study.runner import Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
@@ -43,9 +44,10 @@ STEPS, BATCH, LR, WARMUP = 500, 16, 2e-3, 0.05
 DICTIONARY = {"layer": 3, "k": 512, "lam": 0.05}
 """The MLSM arm's teacher layer (early exit: 3 of MiniLM's 6 layers) and k (a third of Berend
 2023's 4d = 1536): the teacher's forward and the k x |V| probe dominate the MLSM arm's cost."""
-PAIR_SET = "heldout_prose_word_order"
+PAIR_SET = WORD_ORDER_PAIRS
 """The folder of the zero-shot pairs, and so their name in every table, figure and summary line
-(a pair set is named by its folder): word-order pairs of held-out prose, not BLiMP."""
+(a pair set is named by its folder): word-order pairs of held-out prose, not BLiMP. Under that
+name they get the exact binomial test over their pairs (`mlsm.evaluate.blimp.PAIRWISE_TESTED`)."""
 N_VECTORS = 4096
 HELD_OUT = 300
 SEEDS = 1

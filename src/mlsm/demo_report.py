@@ -9,6 +9,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from mlsm.evaluate.blimp import pair_set_test
+from mlsm.evaluate.paired import p_text
 from mlsm.fileio import atomic_write_text
 from mlsm.study.folder import Study
 from mlsm.study.reuse import is_current
@@ -66,8 +68,11 @@ def _finite(x: Any) -> bool:
 
 def summary_lines(study: Study) -> list[str]:
     """The demo's summary: per scored model its masked top-1 on held-out prose next to the
-    unigram's, each pair set's accuracy, with two-sided binomial p-values (vs the unigram's rate,
-    vs chance 50 %); per fine-tuned model its mean dev score; every stage's wall time. Rows
+    unigram's (two-sided binomial p against the unigram's rate), each pair set's accuracy beside
+    the unigram control's, with the two-sided p-values of the test the set gets
+    (`mlsm.evaluate.blimp.pair_set_test`, as in the study report: exact binomial over the
+    word-order pairs, Wilcoxon across BLiMP's phenomena); per fine-tuned model its mean dev
+    score; every stage's wall time. Rows
     whose score is NaN (an empty pair set, a diverged fine-tuning run) are left out, with one
     warning that counts them; so are BLiMP files made from other inputs or settings."""
     lines, skipped = [], []
@@ -84,7 +89,7 @@ def summary_lines(study: Study) -> list[str]:
         if _finite(h.get("top1")):
             uni = 100 * h.get("unigram_top1", math.nan)
             parts.append(f"held-out masked top-1 {100 * h['top1']:.1f} % (unigram {uni:.1f} %, "
-                         f"p {_p(h.get('p_vs_unigram'))}, n {h.get('n', 0)})")
+                         f"p {p_text(h.get('p_vs_unigram'))}, n {h.get('n', 0)})")
         elif h:
             skipped.append(f"{name} held-out masked tokens")
         parts += [_set_text(k, v) for k, v in sets.items()]
@@ -96,20 +101,20 @@ def summary_lines(study: Study) -> list[str]:
                         + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if lines:
         lines.insert(1 if skipped else 0, "pairs: chance 50 %, beside the unigram control on the "
-                     "same pairs, p: Wilcoxon signed-rank over phenomena (two-sided); masked "
-                     "top-1 p: two-sided exact binomial test against the unigram's rate")
+                     "same pairs, p two-sided by the test each set names; masked top-1 p: "
+                     "two-sided exact binomial test against the unigram's rate")
     return lines + _stage_lines(study)
 
 
 def _set_text(name: str, v: dict[str, Any]) -> str:
-    """One pair set: accuracy, the unigram control's, and the tests across its phenomena (a
-    result written before the control: the pooled binomial p it had)."""
+    """One pair set: accuracy, the unigram control's, and the p-values of the test the set gets
+    (`pair_set_test`; a result written before the control: its p against 50 % only)."""
     head = f"{name} {100 * v['overall']:.1f} % of {v['n_pairs']}"
-    t = v.get("tests")
-    if not isinstance(t, dict) or not _finite(v.get("control")):
-        return f"{head} (p {_p(v.get('p_vs_chance'))})"
-    return (f"{head} (unigram {100 * v['control']:.1f} %; {t['n_phenomena']} phenomena: "
-            f"p vs unigram {_p(t.get('p_vs_control'))}, p vs 50 % {_p(t.get('p_vs_chance'))})")
+    t = pair_set_test(name, v)
+    if not _finite(v.get("control")):
+        return f"{head} ({t.label()}: p vs 50 % {p_text(t.p_vs_chance)})"
+    return (f"{head} (unigram {100 * v['control']:.1f} %; {t.label()}: "
+            f"p vs unigram {p_text(t.p_vs_control)}, p vs 50 % {p_text(t.p_vs_chance)})")
 
 
 def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:
@@ -144,10 +149,6 @@ def _stage_lines(study: Study) -> list[str]:
     times = ", ".join(f"{r['stage']}{':' + r['arm'] if r.get('arm') else ''} {cost(r)}"
                       for r in rows)
     return [f"stage wall (CPU) times: {times}"]
-
-
-def _p(p: float | None) -> str:
-    return "—" if p is None or not math.isfinite(p) else f"{p:.2g}"
 
 
 def print_summary(study: Study) -> None:

@@ -232,6 +232,69 @@ def phenomenon_tests(model: dict[str, float], control: dict[str, float] | None =
     return out
 
 
+WORD_ORDER_PAIRS = "heldout_prose_word_order"
+"""The demo's pair set (`mlsm.demo.PAIR_SET`; a set is named by its folder): a held-out sentence
+vs its words shuffled, and vs two of its words swapped."""
+PAIRWISE_TESTED = frozenset({WORD_ORDER_PAIRS})
+"""Pair sets tested over their pairs (exact binomial), not across phenomena: each word-order pair
+is a distinct held-out sentence, so the pairs are independent draws (a BLiMP phenomenon's pairs
+share one template and are not), and its two "phenomena" are too few for a test across them (a
+two-sided Wilcoxon signed-rank over n of them cannot go below 2 / 2**n: 0.5 at n = 2)."""
+
+
+@dataclass(frozen=True)
+class SetTest:
+    """The two-sided tests one pair set is reported with (`pair_set_test`)."""
+
+    test: str  # "binomial": exact, over the pairs; "wilcoxon": signed-rank, across phenomena
+    n: int  # pairs (binomial) or phenomena (wilcoxon)
+    p_vs_control: float
+    p_vs_chance: float
+
+    def label(self) -> str:
+        """'exact binomial over 400 pairs' or 'Wilcoxon over 67 phenomena'."""
+        if self.test == "binomial":
+            return f"exact binomial over {self.n} pairs"
+        return f"Wilcoxon over {self.n} phenomena"
+
+
+def pair_set_test(name: str, entry: dict[str, Any]) -> SetTest:
+    """Which test the pair set `name` gets, and its p-values, from the set's entry in a BLiMP row
+    (`mlsm.study.stages`): the one rule of the study report and the demo's summary. A set of
+    `PAIRWISE_TESTED`: exact binomial tests of its correct pairs against 50 % and against the
+    rate of the unigram control on the same pairs; any other set: the Wilcoxon signed-rank tests
+    across phenomena its entry holds (`phenomenon_tests`). An entry written before those tests:
+    the pooled binomial p against 50 % it holds. A missing p is NaN."""
+    from mlsm.evaluate.heldout import binomial_p
+    from mlsm.inputs import is_number
+
+    nan, tests = float("nan"), entry.get("tests")
+    if name not in PAIRWISE_TESTED and isinstance(tests, dict):
+        return SetTest("wilcoxon", int(tests.get("n_phenomena") or 0),
+                       tests.get("p_vs_control", nan), tests.get("p_vs_chance", nan))
+    n, correct, control = entry.get("n_pairs"), entry.get("correct"), entry.get("control")
+    if not (is_number(n) and is_number(correct)):
+        return SetTest("binomial", int(n) if is_number(n) else 0, nan,
+                       entry.get("p_vs_chance", nan))
+    return SetTest("binomial", int(n),
+                   binomial_p(int(correct), int(n), control) if is_number(control) else nan,
+                   binomial_p(int(correct), int(n), 0.5))
+
+
+def tests_note(names: Sequence[str]) -> str:
+    """What the p-values of these pair sets are (`pair_set_test`), for a table's note."""
+    across = [f"`{n}`" for n in names if n not in PAIRWISE_TESTED]
+    pairwise = [f"`{n}`" for n in names if n in PAIRWISE_TESTED]
+    parts = [f"{', '.join(across)}: two-sided Wilcoxon signed-rank over the set's phenomena "
+             "(model − unigram, model − 50 %; one accuracy per phenomenon: its pairs share one "
+             "template, so pooled pairs are not independent)"] if across else []
+    if pairwise:
+        parts.append(f"{', '.join(pairwise)}: two-sided exact binomial test of the correct pairs "
+                     "against the unigram's rate on them and against 50 % (distinct sentences, "
+                     "and too few phenomena for a test across them)")
+    return "p: " + "; ".join(parts) + "."
+
+
 def _group(phenomena: dict[str, dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
     """Mean accuracy over the phenomena sharing `key` (each phenomenon weighs the same)."""
     groups: dict[str, dict[str, Any]] = {}

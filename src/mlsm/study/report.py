@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.config import git_revision, machine_description
 from mlsm.errors import UserError
+from mlsm.evaluate.blimp import pair_set_test, tests_note
 from mlsm.evaluate.paired import p_text
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.inputs import field_problem, is_number, read_json
@@ -309,11 +310,11 @@ def _blimp_line(r: dict[str, Any]) -> str:
     """One row of the BLiMP table. The optional fields (held-out, probe) of a row written by an
     older study, or edited by hand, show as '—', never as an error."""
     p, h = r.get("probe") or {}, r.get("heldout") or {}
-    first = next(iter(r["sets"].values()))
-    tests = first.get("tests") if isinstance(first.get("tests"), dict) else {}
+    name, first = next(iter(r["sets"].items()))
+    tests = pair_set_test(name, first)
     cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", _fmt(r["overall"], 0.01, 1),
              str(r["n_pairs"]), _fmt(first.get("control"), 0.01, 1),
-             p_text(tests.get("p_vs_control")), p_text(tests.get("p_vs_chance")),
+             p_text(tests.p_vs_control), p_text(tests.p_vs_chance),
              _fmt(h.get("top1"), 0.01, 1),
              _fmt(h.get("unigram_top1"), 0.01, 1), p_text(h.get("p_vs_unigram")),
              _fmt(h.get("loss"), 1, 3), _fmt(h.get("unigram_loss"), 1, 3),
@@ -323,14 +324,14 @@ def _blimp_line(r: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _set_cells(s: dict[str, Any] | None) -> str:
-    """'accuracy % | unigram % | p vs unigram | p vs 50 %' of one pair set (Wilcoxon tests over
-    its phenomena; '—' for rows written before the control)."""
+def _set_cells(name: str, s: dict[str, Any] | None) -> str:
+    """'accuracy % | unigram % | p vs unigram | p vs 50 %' of the pair set `name` (the test it
+    gets: `pair_set_test`; '—' for rows written before the control)."""
     if not s:
         return "— | — | — | —"
-    t = s.get("tests") if isinstance(s.get("tests"), dict) else {}
+    t = pair_set_test(name, s)
     return (f"{_fmt(s.get('overall'), 0.01, 1)} | {_fmt(s.get('control'), 0.01, 1)} | "
-            f"{p_text(t.get('p_vs_control'))} | {p_text(t.get('p_vs_chance'))}")
+            f"{p_text(t.p_vs_control)} | {p_text(t.p_vs_chance)}")
 
 
 def _unscored_rows(study: Study) -> list[str]:
@@ -360,14 +361,12 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
     if len(names) > 1:
         lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
                   "unigram: the add-one unigram of the tokens the run consumed, on the same "
-                  "pairs; p: "
-                  "two-sided Wilcoxon signed-rank over the set's phenomena (model − unigram, "
-                  "model − 50 %), not pooled pairs.\n",
+                  f"pairs; {tests_note(names)}\n",
                   "| model | " + " | ".join(f"{n} | unigram | p vs unigram | p vs 50 %"
                                             for n in names) + " |",
                   "|---|" + "---:|---:|---:|---:|" * len(names)]
         for r in blimp:
-            cells = " | ".join(_set_cells(r.get("sets", {}).get(n)) for n in names)
+            cells = " | ".join(_set_cells(n, r.get("sets", {}).get(n)) for n in names)
             lines.append(f"| {r['arm']}@{readiness_label(r['readiness'])} | {cells} |")
     where = study.spec.blimp.heldout_store and "a store of held-out documents" or \
         "the chunks after the last pre-training batch (held out only within the run's first epoch)"
@@ -381,8 +380,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
               "p: two-sided binomial "
               "test of the model's top-1 against the unigram's rate.\n",
               "unigram %: the add-one unigram of the same tokens on the same pairs; "
-              "p vs unigram, p vs 50 %: two-sided Wilcoxon signed-rank over phenomena (one "
-              "accuracy per phenomenon; pooled pairs are not independent).\n",
+              f"{tests_note([first])}\n",
               f"| model | {first} % | pairs | unigram % | p vs unigram | p vs 50 % "
               "| held-out masked top-1 % | unigram top-1 % "
               "| p | held-out loss (nats) | unigram loss (nats) | probe input "
