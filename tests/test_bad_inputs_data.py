@@ -496,7 +496,7 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
         time.sleep(0.02)
     first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
+    assert first.returncode == 128 + signal.SIGTERM, err  # stopped with a checkpoint
     assert ckpt.list_checkpoints(run) and not locking.is_locked(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))
@@ -516,14 +516,14 @@ def _pretrain_until_logged(run: Path, args: list[str]) -> subprocess.Popen:
 def test_ctrl_c_stops_pretraining_with_a_checkpoint_like_sigterm(store_dir: Path,
                                                                  tmp_path: Path) -> None:
     """SIGINT used to stop mid-step without a checkpoint (KeyboardInterrupt) while SIGTERM saved
-    one; now both finish the step and save it."""
+    one; now both finish the step and save it (and exit 128 + the signal: 130)."""
     run = tmp_path / "run"
     args = _run_args(store_dir, run, **{"train.steps": 2000, "train.save_every": 0,
                                         "train.log_every": 1})
     first = _pretrain_until_logged(run, args)
     first.send_signal(signal.SIGINT)
     out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
+    assert first.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in err and "stopped by signal" in out
     saved = ckpt.list_checkpoints(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]

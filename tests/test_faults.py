@@ -90,18 +90,28 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_sigterm_saves_and_exits_cleanly(store_dir: Path, tmp_path: Path) -> None:
-    run = tmp_path / "term"
-    proc = _cli(
-        store_dir, run, **{"train.save_every": 0, "train.steps": 400, "train.readiness": "[1.0]"}
-    )
+@pytest.mark.parametrize("signum,zero,status", [
+    (signal.SIGTERM, False, 143), (signal.SIGINT, False, 130), (signal.SIGTERM, True, 0),
+    (signal.SIGINT, True, 0)], ids=["SIGTERM", "SIGINT", "SIGTERM-exit-zero", "SIGINT-exit-zero"])
+def test_a_signal_saves_a_checkpoint_and_exits_with_its_status(
+    store_dir: Path, tmp_path: Path, signum: int, zero: bool, status: int
+) -> None:
+    """SIGTERM or Ctrl-C (SIGINT) ends a real `mlsm pretrain` after the step with a checkpoint
+    and how to resume, then exits 128 + the signal as the shell does: a `set -e` script stops
+    there (the run used to exit 0, as if it had finished). train.signal_exit_zero=true gives the
+    0 a scheduler's requeue may need."""
+    run = tmp_path / "stopped"
+    extra = {"train.signal_exit_zero": "true"} if zero else {}
+    proc = _cli(store_dir, run, **{"train.save_every": 0, "train.steps": 400,
+                                   "train.readiness": "[1.0]", **extra})
     _wait_for_progress(run, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    assert "stopped by signal" in out
+    assert proc.returncode == status, out
+    assert f"stopped by signal {signal.Signals(signum).name} after step" in out
+    assert "continue with --resume auto" in out and "Traceback" not in out
     found = ckpt.list_checkpoints(run)
-    assert found and 0 < found[-1][0] < 400
+    assert found and 0 < found[-1][0] < 400 and found[-1][0] == _logged(run)
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(

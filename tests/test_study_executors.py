@@ -295,7 +295,7 @@ def test_sigterm_to_a_study_stops_both_arms_at_a_checkpoint(corpus_dir, tokenize
     """SIGTERM to the study's process group (a scheduler's stop, a closed terminal) while two
     arms pre-train as subprocesses: each run saves a checkpoint and stops, the driver exits with
     its one line, and each arm's record says it was stopped and how to resume (a run that stops
-    on a signal exits 0, which the record once called a failure "with 0")."""
+    on a signal exits 143 now; its exit 0 was once recorded as a failure "with 0")."""
     import signal
     import subprocess
 
@@ -318,8 +318,8 @@ def test_sigterm_to_a_study_stops_both_arms_at_a_checkpoint(corpus_dir, tokenize
     for arm in ("a", "b"):
         saved = sorted((tmp_path / "study" / "runs" / arm / "checkpoints").iterdir())
         assert saved and 0 < int(saved[-1].name.removeprefix("step-")) < 5000
-        assert "stopped before its last step (a signal?) and saved a checkpoint; re-run the " \
-            "same command to resume" in status[f"pretrain:{arm}"]["error"]
+        assert "stopped by a signal before its last step (exit 143); re-run the same command " \
+            "to resume from its newest checkpoint" in status[f"pretrain:{arm}"]["error"]
 
 
 def test_slurm_executor_without_slurm_is_refused_before_anything_is_written(

@@ -7,6 +7,7 @@ continues without re-training."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -209,3 +210,23 @@ def test_a_study_recorded_before_fingerprints_continues_without_retraining(
     before = len(_rows(out))
     _run(raw, ["store", "pretrain"])
     assert _ran_since(out, before) == [] and _status(out)["pretrain:mlm"]["state"] == "done"
+
+
+def test_signal_exit_zero_is_no_input_of_a_run(corpus_dir, tokenizer_dir, tmp_path) -> None:
+    """train.signal_exit_zero says how `mlsm pretrain` exits when stopped, never what it trains:
+    setting it changes no pre-training fingerprint (those recorded before the key existed stay
+    current) and a run started without it resumes with it."""
+    from mlsm.config import save_config
+    from mlsm.study.folder import check_same_config
+    from mlsm.study.reuse import pretrain_inputs
+
+    raw = _raw(corpus_dir, tokenizer_dir, tmp_path)
+    plain = Study(_spec(copy.deepcopy(raw)), **QUIET)
+    raw["base"]["train"]["signal_exit_zero"] = True
+    zero = Study(_spec(raw), **QUIET)
+    assert zero.arm_config("mlm").train.signal_exit_zero
+    assert not plain.arm_config("mlm").train.signal_exit_zero
+    assert pretrain_inputs(zero, "mlm")["settings"] == pretrain_inputs(plain, "mlm")["settings"]
+    plain.run_dir("mlm").mkdir(parents=True)
+    save_config(plain.arm_config("mlm"), plain.run_dir("mlm") / "config.yaml")
+    check_same_config(zero, "mlm", zero.arm_config("mlm"))  # no "restore it" refusal

@@ -178,6 +178,11 @@ class TrainConfig:
     peak_flops: float = ranged(0.0, NON_NEGATIVE)
     """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table (CPU: no
     mfu unless set)."""
+    signal_exit_zero: bool = False
+    """Exit status of `mlsm pretrain` when SIGTERM or Ctrl-C (SIGINT) stopped it after its
+    checkpoint: false = the shell's 128 + signal (143, 130), so a `set -e` script or a scheduler
+    sees the run did not finish; true = 0, for a scheduler or wrapper that requeues only jobs
+    that exit 0. Either way `--resume auto` continues the run; it never changes a result."""
 
 
 GROUPS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,

@@ -13,3 +13,13 @@ class Incomplete(Exception):
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class Stopped(Exception):
+    """A command a signal stopped early after saving what it needs to go on (pre-training's
+    checkpoint; the line saying how to resume is already printed): the CLI exits with `status`
+    (`mlsm.train.signals.exit_status`: 130 for SIGINT, 143 for SIGTERM, or 0 if asked)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"stopped by a signal (exit status {status})")
+        self.status = status

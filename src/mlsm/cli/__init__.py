@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 from mlsm.cli import evaluation, pretraining
 from mlsm.cli.args import OneLineParser, path_fix
-from mlsm.errors import Incomplete, UserError
+from mlsm.errors import Incomplete, Stopped, UserError
 
 _VERBS = [*pretraining.VERBS, *evaluation.VERBS]
 
@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     except Incomplete as exc:  # it finished what it could; part of it failed
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    except Stopped as exc:  # a signal stopped it after a checkpoint; it said how to resume
+        return exc.status
     except Terminated:
         print(f"{prog}: stopped by SIGTERM; nothing was left half-written (a folder being "
               "built was removed): re-run the same command", file=sys.stderr)

@@ -205,11 +205,16 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _pretrain(a: argparse.Namespace) -> None:
+    from mlsm.errors import Stopped
     from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
+    from mlsm.train.loop import pretrain_run
+    from mlsm.train.signals import exit_status
 
-    run = pretrain(load_config(a.config, a.overrides), resume=a.resume)
+    cfg = load_config(a.config, a.overrides)
+    run, signum = pretrain_run(cfg, resume=a.resume)
     print(f"run directory: {run}")
+    if signum is not None:  # stopped early with a checkpoint: not a finished run
+        raise Stopped(exit_status(signum, cfg.train.signal_exit_zero))
 
 
 def add_flops(sub: argparse._SubParsersAction) -> Callable:

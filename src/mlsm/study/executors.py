@@ -41,6 +41,7 @@ from mlsm.study.preparation import pretrain_arm, pretrain_todo
 from mlsm.study.reuse import pretrain_inputs
 from mlsm.study.spec import StudySpec, spec_record
 from mlsm.study.stages import EVALUATIONS, driver_threads, has_work, run_arm_stage
+from mlsm.train.signals import STOP_SIGNALS, exit_status
 
 
 def run_pretraining(study: Study, arms: list[str]) -> set[str]:
@@ -77,11 +78,15 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     with log.open("a") as fh:
         code, cpu = _call_measured(command, fh, env)
     study.add_child_cpu(cpu)
+    # a signalled run saves a checkpoint and exits 128 + the signal (0 with train.signal_exit_zero);
+    # one killed by it before the CLI's handlers were in place: minus the signal (Popen's way)
+    signalled = code in {exit_status(s) for s in STOP_SIGNALS} | {-s for s in STOP_SIGNALS}
+    if signalled or (code == 0 and not pretrain_done(study, arm)):
+        raise RuntimeError(f"mlsm pretrain was stopped by a signal before its last step (exit "
+                           f"{code}); re-run the same command to resume from its newest "
+                           f"checkpoint; see {log}")
     if code != 0:
         raise RuntimeError(f"mlsm pretrain exited with {code}; see {log}")
-    if not pretrain_done(study, arm):  # a signalled run saves a checkpoint and exits 0
-        raise RuntimeError(f"mlsm pretrain was stopped before its last step (a signal?) and "
-                           f"saved a checkpoint; re-run the same command to resume; see {log}")
     return None
 
 

@@ -33,7 +33,7 @@ from mlsm.runs import readiness_step
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, readiness_label
 
-_VOLATILE = (("train", "threads"), ("train", "device"))
+_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"))
 """Config keys that may change between a run and its resumption (they do not change the result)."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -46,7 +47,16 @@ def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
 
     resume: None (fresh run), "auto" (newest intact checkpoint of cfg.train.out, fresh if none)
     or a checkpoint folder. A resumed run continues exactly: same batches, RNG, optimizer, schedule.
+    SIGTERM or SIGINT ends the run after the current step with a checkpoint, and it returns then
+    too (`pretrain_run` also says which signal stopped it).
     """
+    return pretrain_run(cfg, resume)[0]
+
+
+def pretrain_run(cfg: RunConfig, resume: str | None = None) -> tuple[Path, int | None]:
+    """`pretrain`: the run directory, and the signal that stopped the run after a checkpoint
+    before its last step (None when it ran to the end), which `mlsm pretrain` turns into its exit
+    status (`mlsm.train.signals.exit_status`)."""
     if not isinstance(cfg, RunConfig):
         raise UserError(f"pretrain() takes a RunConfig, got a {type(cfg).__name__}; build it with "
                         "mlsm.load_config(PATH, overrides) "
@@ -73,7 +83,8 @@ def _inputs(cfg: RunConfig) -> dict[str, str]:
     return found
 
 
-def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: Path) -> Path:
+def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
+              run_dir: Path) -> tuple[Path, int | None]:
     device = dev.resolve_device(cfg.train.device, dist_info)
     tracking.require(cfg.train.report_to, "train.report_to")  # before minutes of loading
     if cfg.train.threads:
@@ -108,7 +119,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
     tracker = _open_tracker(cfg, run_dir, dist_info, start if resume else None)
     bar = Progress(cfg.train.steps, "pretrain", "step", initial=start, enabled=dist_info.is_main)
     t_last, s_last = time.perf_counter(), start
-    stopper = StopOnSignal()
+    stopper, stopped_by = StopOnSignal(), None
     with stopper, tracker:
         for step in range(start, cfg.train.steps):
             torch.manual_seed(_step_seed(cfg.train.seed, step, dist_info.rank))  # dropout
@@ -145,12 +156,13 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo, run_dir: 
                 if done not in save_steps:
                     _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler),
                                 dist_info, inputs)
-                print(f"stopped by signal after step {done}; continue with --resume auto",
-                      flush=True)
+                stopped_by = stopper.signum or signal.SIGTERM  # or another rank's (torchrun's)
+                print(f"stopped by signal {signal.Signals(stopped_by).name} after step {done}; "
+                      "continue with --resume auto", flush=True)
                 break
     bar.close()
     barrier(dist_info)
-    return run_dir
+    return run_dir, stopped_by
 
 
 def _train_step(model: torch.nn.Module, batches: list, autocast: Any,
