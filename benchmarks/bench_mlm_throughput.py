@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import torch
-from common import CORPUS, corpus_store
+from common import CORPUS, corpus_store, measured_peaks
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
 
 from mlsm.config import DataConfig
@@ -81,6 +81,7 @@ def main() -> None:
     if not CORPUS.is_file():
         sys.exit(f"skipped: {CORPUS} not found")
     torch.set_num_threads(args.threads)
+    peaks = measured_peaks()  # in the same run as the rates they divide
     with tempfile.TemporaryDirectory() as tmp:
         store, tok = corpus_store(tmp)
         source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq), tok)
@@ -99,6 +100,22 @@ def main() -> None:
           f"{args.threads} threads, torch {torch.__version__}")
     print(f"median tokens/s: ours {mo:,.0f}  HF run_mlm-style {mh:,.0f}  "
           f"ratio {mo / mh:.2f}x (goal >= 1.5x)")
+    per_token = mlm_flops_per_token(args, ours_model.config)
+    print(f"ours: {mo * per_token / 1e9:,.0f} GFLOP/s = {mo * per_token / peaks['fp32']:.0%} of "
+          f"the measured fp32 peak (MFU; mlsm's FLOP count of the step, heads at the selected "
+          f"positions)")
+
+
+def mlm_flops_per_token(args: argparse.Namespace, bert: BertConfig) -> float:
+    """Training FLOPs per token of mlsm's MLM step on this model (mlsm.flops, "mlsm"
+    accounting)."""
+    from mlsm.flops import flops_for_run
+    from mlsm.run_config import config_from_dict
+
+    cfg = config_from_dict({"objective": {"name": "mlm"}, "data": {"max_len": args.seq},
+                            "train": {"batch_size": args.batch}})
+    rows = flops_for_run(cfg, vocab_size=bert.vocab_size, student_config=bert)
+    return next(r for r in rows if r.objective == "MLM").total / (args.batch * args.seq)
 
 
 if __name__ == "__main__":

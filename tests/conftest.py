@@ -63,6 +63,21 @@ def store_dir(corpus_dir: Path, tokenizer_dir: Path,
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The CPU peak cache (mlsm.throughput.cpu_peak) of the test session in a folder of its own,
+    not the user's ~/.cache (subprocesses inherit it)."""
+    import os
+
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
     """Every UserError raised in any test has a one-line message (the CLI prints it as

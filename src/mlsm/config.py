@@ -176,8 +176,9 @@ class TrainConfig:
     """Experiment trackers that receive every logged metric, the config and the git revision:
     any of tensorboard, wandb, mlflow, trackio (`pip install -e ".[tracking]"`); [] = none."""
     peak_flops: float = ranged(0.0, NON_NEGATIVE)
-    """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table (CPU: no
-    mfu unless set)."""
+    """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table, or on a
+    CPU the measured GEMM rate of the run's precision at its thread count (measured once per
+    machine and cached: mlsm.throughput.cpu_peak)."""
     signal_exit_zero: bool = False
     """Exit status of `mlsm pretrain` when SIGTERM or Ctrl-C (SIGINT) stopped it after its
     checkpoint: false = the shell's 128 + signal (143, 130), so a `set -e` script or a scheduler

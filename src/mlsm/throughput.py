@@ -8,8 +8,10 @@ global batch); sparse coding is not counted, as MFU conventionally counts model 
     flops_per_s = flops_per_step · n / t        mfu = flops_per_s / (peak_per_device · world)
 
 The peak is `train.peak_flops` when set, else the dense (no-sparsity) BF16/FP16 tensor-core peak
-of the GPU from the vendor's datasheet (`GPU_PEAK_FLOPS`); on a CPU there is no MFU unless
-`train.peak_flops` is given.
+of the GPU from the vendor's datasheet (`GPU_PEAK_FLOPS`), else, on a CPU, the *measured* GEMM
+rate of the precision in use at the run's thread count (`cpu_peak`: a 2048^3 matmul, best of five,
+measured once per CPU model, torch version, thread count and dtype and cached; no datasheet gives
+a CPU's attainable rate, which depends on its vector units, AMX included, and on the VM).
 """
 
 from __future__ import annotations
@@ -48,13 +50,88 @@ def peak_from_name(name: str) -> float | None:
     return None
 
 
-def device_peak(device: torch.device, configured: float) -> float | None:
-    """Peak FLOP/s of one device: `configured` if > 0, else the GPU table, else None."""
+def device_peak(device: torch.device, configured: float,
+                precision: str = "fp32") -> float | None:
+    """Peak FLOP/s of one device: `configured` if > 0, else the GPU table, else on a CPU the
+    measured GEMM rate of `precision` (bf16: bf16, else fp32), else None."""
     if configured > 0:
         return float(configured)
     if device.type == "cuda":
         return peak_from_name(torch.cuda.get_device_name(device))
+    if device.type == "cpu":
+        return cpu_peak("bf16" if precision == "bf16" else "fp32")
     return None
+
+
+PEAK_N = 2048
+"""Size of the square matmul whose rate is the CPU peak: big enough to reach the GEMM's plateau on
+2-16 cores (4096 gives the same rate within a few % here, at 8x the time)."""
+_PEAKS: dict[str, float] = {}
+
+
+def matmul_rate(dtype: torch.dtype, n: int = PEAK_N, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` (n x n) @ (n x n) products in `dtype` on the CPU (2n^3
+    FLOPs each), after one warm-up product (kernel selection, page faults)."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _peak_cache() -> Any:
+    import os
+    from pathlib import Path
+
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlsm" / "cpu_peaks.json"
+
+
+def peak_key(precision: str) -> str:
+    """What a measured CPU peak holds for: CPU model, torch version, threads, precision."""
+    from mlsm.config import machine_description
+
+    cpu = machine_description().split(", ")[0]
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads | {precision}"
+
+
+def cpu_peak(precision: str, measure: bool = False) -> float:
+    """The CPU's GEMM peak for `precision` ("fp32" or "bf16") at the current thread count, from
+    the cache (~/.cache/mlsm/cpu_peaks.json, XDG_CACHE_HOME respected) or measured once and
+    cached. measure=True measures again (a benchmark measures in its own run) and the cache keeps
+    the highest rate seen: a measurement on a busy machine is low, never high."""
+    import json
+
+    from mlsm.fileio import atomic_write_text
+
+    key, path = peak_key(precision), _peak_cache()
+    if key in _PEAKS and not measure:
+        return _PEAKS[key]
+    try:
+        cached = json.loads(path.read_text())
+        cached = cached if isinstance(cached, dict) else {}
+    except (OSError, ValueError):
+        cached = {}
+    known = cached.get(key) if isinstance(cached.get(key), (int, float)) else None
+    if known is None or measure:
+        rate = matmul_rate(torch.bfloat16 if precision == "bf16" else torch.float32)
+        known = max(rate, known or 0.0)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({**cached, key: known}, indent=1) + "\n")
+        except OSError:  # a read-only home: the rate still serves this process
+            pass
+        if measure:
+            _PEAKS[key] = known
+            return rate
+    _PEAKS[key] = float(known)
+    return float(known)
 
 
 def flops_label(objective: str) -> str | None:
@@ -116,5 +193,5 @@ def flop_meter(cfg: Any, student_config: Any, device: torch.device, world: int) 
         print(f"mlsm: FLOP/s not logged: cannot count this run's FLOPs ({exc})",
               file=sys.stderr, flush=True)
         per_step = None
-    peak = device_peak(device, cfg.train.peak_flops)
+    peak = device_peak(device, cfg.train.peak_flops, cfg.train.precision)
     return FlopMeter(per_step, peak * world if peak else None)
