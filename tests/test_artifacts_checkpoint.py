@@ -2,7 +2,8 @@
 
 - `Checkpoint.open` reads every spec form (FOLDER, RUN, RUN@50%, RUN@step-N, an HF folder);
 - the facts readers need (latent head, PLL refusal) are written at save time and read back by a
-  process that never imports the objectives; a checkpoint written before they were falls back once;
+  process that never imports the objectives; a checkpoint written before they were is refused,
+  naming `mlsm migrate` (tests/test_migrate.py), whatever the process imported;
 - `--resume` refuses a token store or dictionary rebuilt in place with other content, and a run
   written before fingerprints were recorded resumes with one note.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +56,7 @@ def test_open_reads_every_spec_form(mlm_run: Path, tmp_path: Path) -> None:
                                                                           "mlm")
     assert final.folder == mlm_run / "checkpoints" / "step-0000004"
     assert final.config["train"]["steps"] == 4 and final.store == final.config["data"]["store"]
-    assert (final.latent_head, final.pll_refusal, final.facts_from) == ("latent", None, "written")
+    assert (final.latent_head, final.pll_refusal) == ("latent", None)
     assert final.tokens == 4 * final.config["train"]["batch_size"] * final.config["data"]["max_len"]
     assert final.fingerprint == folder_fingerprint(final.folder)
     assert final.probe_run == mlm_run / "probe-step-0000004"
@@ -75,7 +77,7 @@ _READ_ALONE = """
 import json, sys
 from mlsm.artifacts.checkpoint import Checkpoint
 ck = Checkpoint.open(sys.argv[1])
-print(json.dumps({"head": ck.latent_head, "refusal": ck.pll_refusal, "from": ck.facts_from,
+print(json.dumps({"head": ck.latent_head, "refusal": ck.pll_refusal,
                   "loaded": sorted(m for m in sys.modules if m.startswith(("mlsm.objectives",
                                                                             "mlsm.config")))}))
 """
@@ -96,12 +98,13 @@ def test_facts_are_written_at_save_time_and_read_without_objectives(clm_run: Pat
     declared = objective_class("clm").pll_refusal_at(ck.config["objective"], 2, 2)
     assert declared and ck.info["pll_refusal"] == declared  # in checkpoint.json itself
     alone = _read_alone(clm_run)
-    assert alone == {"head": "latent", "refusal": declared, "from": "written", "loaded": []}
+    assert alone == {"head": "latent", "refusal": declared, "loaded": []}
 
 
-def test_a_checkpoint_without_the_facts_falls_back_once(clm_run: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_without_the_facts_is_refused_naming_the_migration(
+        clm_run: Path, tmp_path: Path) -> None:
+    """No fallback: a process that imported the objectives reads no more than one that did not."""
     from mlsm.evaluate.probe import load_scorer
-    from mlsm.objectives import objective_class
 
     old = tmp_path / "old"
     shutil.copytree(Checkpoint.open(clm_run).folder, old)
@@ -109,13 +112,10 @@ def test_a_checkpoint_without_the_facts_falls_back_once(clm_run: Path, tmp_path:
     for key in ("latent_head", "pll_refusal"):
         del info[key]
     (old / COMPLETE).write_text(json.dumps(info))
-    ck = Checkpoint.open(old)
-    declared = objective_class("clm").pll_refusal_at(ck.config["objective"], 2, 2)
-    assert (ck.facts_from, ck.pll_refusal, ck.latent_head) == ("legacy", declared, "latent")
-    with pytest.raises(UserError, match="is a clm checkpoint: it learnt under a causal mask"):
-        load_scorer(old)  # still refused, as before the facts were written
-    # a process that never imported the objectives cannot know them: it says so
-    assert _read_alone(old)["from"] == "default"
+    ck, said = Checkpoint.open(old), re.escape(str(old))
+    for read in (lambda: ck.latent_head, lambda: ck.pll_refusal, lambda: load_scorer(old)):
+        with pytest.raises(UserError, match=f"does not record .*: mlsm migrate {said}$"):
+            read()
 
 
 def _store(corpus: Path, tokenizer_dir: Path, out: Path, seed: int,

@@ -484,7 +484,9 @@ def test_a_probe_naming_itself_as_its_probed_checkpoint_does_not_recurse(
     """A hand-edited probe checkpoint.json whose objective.checkpoint is its own folder: the PLL
     check answers (mlsm never probes a probe) instead of recursing until Python gives up; the
     untouched probe of the MAE-MLSM checkpoint is still refused, and so is the edited one while
-    it carries the refusal written at save time."""
+    it carries the refusal written at save time. Without it, the reader names `mlsm migrate`,
+    which computes it from the probe's objective, again without recursing."""
+    from mlsm.migrate import migrate
     from mlsm.models.heads import pll_refusal
 
     probe = _copy(unscored_ckpts["probe of mae_mlsm"], tmp_path / "probe")
@@ -496,6 +498,9 @@ def test_a_probe_naming_itself_as_its_probed_checkpoint_does_not_recurse(
     for key in ("latent_head", "pll_refusal"):  # as a checkpoint older than those facts
         del info[key]
     _write(probe / "checkpoint.json", json.dumps(info))
+    with pytest.raises(UserError, match="mlsm migrate"):
+        pll_refusal(probe)
+    assert migrate(probe)[0].facts == {"latent_head": "latent", "pll_refusal": None}
     assert pll_refusal(probe) is None
 
 

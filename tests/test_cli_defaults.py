@@ -26,7 +26,7 @@ CALLS = {  # verb -> the library function its handler calls
     "report": "mlsm.evaluate.report:make_report", "blimp": "mlsm.evaluate.blimp:evaluate_blimp",
     "score": "mlsm.evaluate.score:score_corpus", "readout": "mlsm.evaluate.readouts:readout",
     "rank": "mlsm.evaluate.rank:layerwise_effective_rank",
-    "export": "mlsm.export:export_checkpoint",
+    "export": "mlsm.export:export_checkpoint", "migrate": "mlsm.migrate:migrate",
 }
 NO_KEYWORDS = {  # verb -> why no flag of it names a keyword with a default
     "pretrain": "its settings are the run config (`pretrain(config)`), flags are overrides",

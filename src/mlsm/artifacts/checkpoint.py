@@ -10,10 +10,9 @@ Layout of <run>/checkpoints/step-NNNNNNN/:
                                      need (latent_head, pll_refusal); written last = complete
 
 The facts are written at save time by the trainer, which knows its objective, so that no reader
-imports the objectives to understand a folder. Checkpoints written before they were recorded fall
-back once to `legacy_facts`, a function the objectives register here when they are imported (this
-layer never imports them); without it a reader gets the defaults (latent head "latent", no PLL
-refusal) and `facts_from` says so.
+imports the objectives to understand a folder. A checkpoint or export written by mlsm 0.1.0 lacks
+them: reading them refuses in one line naming `mlsm migrate`, which writes them in once
+(`mlsm.migrate`, above the objectives). No answer depends on what a process has imported.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,18 +35,10 @@ from mlsm.inputs import field_problem, read_json
 
 COMPLETE = "checkpoint.json"
 EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
-DEFAULT_LATENT_HEAD = "latent"
+HF_LATENT_HEAD = "latent"  # the heads.json name an HF folder that is not ours is read under
+FACTS = ("latent_head", "pll_refusal")  # what a marker records for its readers
+MIGRATE = "mlsm migrate"  # the verb that writes them into a marker of mlsm 0.1.0
 _FIX = "restore it from a copy of the checkpoint, or pass another intact checkpoints/step-* folder"
-
-# name, objective config, step, total steps -> {"latent_head": str, "pll_refusal": str | None}
-FactsFn = Callable[[Any, dict[str, Any], Any, Any], dict[str, Any]]
-_legacy_facts: list[FactsFn] = []
-
-
-def register_legacy_facts(fn: FactsFn) -> None:
-    """Called by `mlsm.objectives` at import: how to learn the facts of a checkpoint that does not
-    record them (written before they were). The arrow points down: this layer only calls it."""
-    _legacy_facts[:] = [fn]
 
 
 class DamagedCheckpoint(Exception):
@@ -172,23 +163,30 @@ def _mapping(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _facts(info: dict[str, Any], objective: Any, objective_cfg: dict[str, Any], step: Any,
-           total: Any) -> tuple[str, str | None, str]:
-    """(latent head, PLL refusal, where they came from): as written, else the legacy fallback,
-    else the defaults."""
-    if isinstance(info.get("latent_head"), str) and "pll_refusal" in info:
-        refusal = info["pll_refusal"]
-        return info["latent_head"], refusal if isinstance(refusal, str) else None, "written"
-    if _legacy_facts and isinstance(objective, str):
-        facts = _legacy_facts[0](objective, objective_cfg, step, total)
-        return facts["latent_head"], facts["pll_refusal"], "legacy"
-    return DEFAULT_LATENT_HEAD, None, "default"
+def recorded_facts(info: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(latent head, PLL refusal) as a marker (checkpoint.json, mlsm.json) records them; None when
+    it does not record both (mlsm 0.1.0 wrote neither): the reader refuses, `mlsm migrate` adds
+    them."""
+    head, refusal = info.get("latent_head"), info.get("pll_refusal")
+    if not isinstance(head, str) or not head or "pll_refusal" not in info:
+        return None
+    if refusal is not None and not isinstance(refusal, str):
+        return None
+    return head, refusal or None
+
+
+def migration_target(folder: Path) -> Path:
+    """What `mlsm migrate` is told to migrate for `folder`: its run when it is a checkpoint of one
+    (every checkpoint of the run at once), else the folder itself."""
+    run = folder.parent.parent
+    return run if folder.parent.name == "checkpoints" and is_run_dir(run) else folder
 
 
 @dataclass
 class Checkpoint:
     """A model folder and what mlsm knows of it. kind: "checkpoint" (checkpoint.json), "export"
-    (`mlsm export`, mlsm.json) or "hf" (any other model folder: every fact None or default)."""
+    (`mlsm export`, mlsm.json) or "hf" (any other model folder: no objective, step or config;
+    not ours, so scored as a masked LM with no refusal)."""
 
     folder: Path
     kind: str
@@ -203,30 +201,31 @@ class Checkpoint:
     facts_of: tuple[Any, Any, dict[str, Any], Any] = field(default=(None, None, {}, None),
                                                           repr=False)
     """(objective naming the latent head, objective deciding the PLL refusal, its config, the
-    run's total steps): what the legacy fallback needs, for a marker without the facts."""
+    run's total steps): what `mlsm migrate` computes the facts from, for a marker without them."""
 
     @cached_property
-    def _head(self) -> tuple[str, str]:
-        head_of, _, objective_cfg, total = self.facts_of
-        head, _, source = _facts(self.info, head_of, objective_cfg, self.step, total)
-        return head, source
+    def _facts(self) -> tuple[str, str | None]:
+        if self.kind == "hf":  # not ours: no objective, no refusal; heads under mlsm's own name
+            return HF_LATENT_HEAD, None
+        facts = recorded_facts(self.info)
+        if facts is None:
+            marker = self.folder / (COMPLETE if self.is_checkpoint else EXPORT_MARKER)
+            raise UserError(f"{marker} does not record the latent head and PLL refusal its "
+                            "readers need (mlsm 0.1.0 wrote neither); add them once with: "
+                            f"{MIGRATE} {migration_target(self.folder)}")
+        return facts
 
     @property
     def latent_head(self) -> str:
-        """heads.json name of the latent head (the objective declares it)."""
-        return self._head[0]
-
-    @cached_property
-    def pll_refusal(self) -> str | None:
-        """Why this folder cannot be scored word by word through its encoder, or None."""
-        _, refusal_of, objective_cfg, total = self.facts_of
-        return _facts(self.info, refusal_of, objective_cfg, self.step, total)[1]
+        """heads.json name of the latent head, as the marker records it (the objective declares
+        it); a marker without it is refused, naming `mlsm migrate`."""
+        return self._facts[0]
 
     @property
-    def facts_from(self) -> str:
-        """"written" (recorded at save time), "legacy" (the objectives' fallback) or
-        "default"."""
-        return self._head[1]
+    def pll_refusal(self) -> str | None:
+        """Why this folder cannot be scored word by word through its encoder, or None, as the
+        marker records it; a marker without it is refused, naming `mlsm migrate`."""
+        return self._facts[1]
 
     @classmethod
     def open(cls, spec: str | os.PathLike) -> Checkpoint:

@@ -1,6 +1,6 @@
 """The verbs that make a student: demo, prepare, train-tokenizer, dictionary, targets, pretrain,
-flops, export and study. Each verb is its parser (`add_VERB`) beside its handler, which calls one
-library function."""
+flops, export, migrate and study. Each verb is its parser (`add_VERB`) beside its handler, which
+calls one library function."""
 
 from __future__ import annotations
 
@@ -283,6 +283,30 @@ def _export(a: argparse.Namespace) -> None:
         print(f"pushed: {push_to_hub(out, a.push_to_hub, private=a.private)}")
 
 
+def add_migrate(sub: argparse._SubParsersAction) -> Callable:
+    p = sub.add_parser("migrate", help="once: write into checkpoints and exports of mlsm 0.1.0 "
+                       "the facts readers need (latent head, PLL refusal)",
+                       description="Write into each checkpoint.json (or an export's mlsm.json) "
+                       "of mlsm 0.1.0 its latent head's name and its PLL refusal, computed from "
+                       "its objective as a save records them today; a folder that records them "
+                       "already is left unchanged. The marker's bytes change, and so does the "
+                       "folder's content fingerprint (results recorded on it are not reused).")
+    p.add_argument("paths", nargs="+", metavar="CHECKPOINT_OR_RUN",
+                   help="a run directory (every checkpoint in it, its probe runs' too), a "
+                        "<run>/checkpoints/step-* folder or an mlsm export folder")
+    return _migrate
+
+
+def _migrate(a: argparse.Namespace) -> None:
+    from mlsm.migrate import migrate
+
+    done = migrate(a.paths)
+    for record in done:
+        print(record.line())
+    written = sum(r.written for r in done)
+    print(f"{written} migrated, {len(done) - written} unchanged")
+
+
 def add_study(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("study", help="run a study file: arms, readiness checkpoints, "
                        "fine-tuning, BLiMP, report")
@@ -326,5 +350,5 @@ def _study(a: argparse.Namespace) -> None:
 
 
 VERBS = [add_demo, add_prepare, add_train_tokenizer, add_dictionary,
-         add_targets, add_pretrain, add_flops, add_export, add_study]
+         add_targets, add_pretrain, add_flops, add_export, add_migrate, add_study]
 """This module's verbs, in the order `mlsm --help` lists them."""

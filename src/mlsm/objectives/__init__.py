@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mlsm.artifacts.checkpoint import register_legacy_facts
 from mlsm.config import build_dataclass, check_fields
 from mlsm.errors import UserError
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput, TrainModule, forward_step
@@ -75,16 +74,14 @@ def checkpoint_facts(name: object, objective: dict[str, Any], step: object,
                      total: object) -> dict[str, Any]:
     """What a checkpoint of objective `name` records for its readers (`mlsm.artifacts.checkpoint`):
     its latent head's name and why it cannot be scored by PLL at `step` of `total` (or None).
-    Written at save time; registered below as the fallback for checkpoints that predate that."""
+    Written at save time (`mlsm.train.checkpoint.with_facts`), and once by `mlsm migrate` into a
+    checkpoint or export of mlsm 0.1.0, which predates them."""
     cls = objective_class(name) or Objective
     if isinstance(step, int) and isinstance(total, int):
         refusal = cls.pll_refusal_at(objective, step, total)
     else:  # the step's fraction is unknown: the class alone
         refusal = None if cls.scored_by_pll else cls.pll_refusal
     return {"latent_head": cls.latent_head, "pll_refusal": refusal or None}
-
-
-register_legacy_facts(checkpoint_facts)
 
 
 def build_objective(spec: object, ctx: Context) -> Objective:
