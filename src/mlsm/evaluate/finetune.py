@@ -230,7 +230,8 @@ def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
     order.
     """
     if spec.kind == "qa":  # windows -> one decoded answer per example
-        return qa.predict(backbone, head, tokenizer, feats, examples, device, batch_size)
+        return qa.predict(backbone, head, tokenizer, feats, examples, device, batch_size,
+                          unanswerable=spec.unanswerable)
     backbone.eval()
     head.eval()
     order = sorted(range(len(feats)), key=lambda k: len(feats[k]["inputs"]["input_ids"]))
