@@ -7,6 +7,7 @@ them, so the grid can hand a retrieval cell to `retrieval_cell` without an impor
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,15 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
     """
     gen = torch.Generator().manual_seed(stable_seed("order", seed, task))
     return [torch.randperm(n, generator=gen).tolist() for _ in range(epochs)]
+
+
+def step_budget(n: int, cfg: dict[str, Any]) -> int:
+    """The optimizer steps of a run over `n` training items, the same rule for every task kind:
+    ``cfg["epochs"]`` epochs of ceil(n / ``cfg["batch_size"]``) batches, ended earlier by
+    ``cfg["max_steps"]`` when it is set (whichever comes first; 0 or absent: no cap)."""
+    total = cfg["epochs"] * math.ceil(n / cfg["batch_size"])
+    cap = cfg.get("max_steps") or 0
+    return min(total, cap) if cap > 0 else total
 
 
 def optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from mlsm.evaluate.cell import (
     pick_device,
     resolve_model,
     stable_seed,
+    step_budget,
     training_order,
 )
 from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
@@ -182,9 +182,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
                            cfg["epochs"])
     clip = float(cfg.get("clip", 1.0))
     bs = cfg["batch_size"]
-    total = cfg["epochs"] * math.ceil(len(feats) / bs)
-    if cfg.get("max_steps"):  # a step cap: whichever of epochs and max_steps ends first
-        total = min(total, cfg["max_steps"])
+    total = step_budget(len(feats), cfg)  # epochs, or max_steps when that ends first
     warm = int(cfg["warmup_ratio"] * total)
     opt = optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, warm)

@@ -34,6 +34,7 @@ from mlsm.evaluate.cell import (
     load_backbone,
     optimizer,
     stable_seed,
+    step_budget,
     training_order,
 )
 from mlsm.evaluate.retrieval import (
@@ -138,14 +139,15 @@ def batch_loss(backbone: torch.nn.Module, data: RetrievalPrepared, idx: Sequence
 def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: str, seed: int,
                      cfg: dict[str, Any], device: torch.device, tracker: Any = None) -> int:
     """Fine-tune the encoder in place with InfoNCE: AdamW, linear schedule, ``cfg["epochs"]``
-    epochs of ``cfg["batch_size"]`` queries; returns the number of optimizer steps."""
+    epochs of ``cfg["batch_size"]`` queries, or ``cfg["max_steps"]`` steps when that ends first
+    (`step_budget`, as every kind); returns the number of optimizer steps."""
     torch.manual_seed(seed)  # dropout; pairs and order have their own generators
     data_seed = 0 if cfg.get("fixed_order") else seed
     chosen = pick_positives(data.train, data_seed, task)
     order = training_order(len(data.train), data_seed, task, cfg["epochs"])
     bs, clip = cfg["batch_size"], float(cfg.get("clip", 1.0))
     tau = float(cfg.get("temperature", TEMPERATURE))
-    total = cfg["epochs"] * math.ceil(len(data.train) / bs)
+    total = step_budget(len(data.train), cfg)
     params = list(backbone.parameters())
     opt = optimizer(params, cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, int(cfg["warmup_ratio"] * total))
@@ -153,7 +155,7 @@ def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: s
     step = 0
     bar = Progress(total, f"{task} seed {seed}", "step", leave=False)
     for perm in order:
-        for i in range(0, len(perm), bs):
+        for i in range(0, len(perm) if step < total else 0, bs):
             loss = batch_loss(backbone, data, perm[i:i + bs], chosen, tau, device)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -165,6 +167,8 @@ def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: s
             if step % LOG_EVERY == 0 and tracker is not None:
                 tracker.log({"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]}, step)
             bar.update(1)
+            if step == total:
+                break
     bar.close()
     return step
 
@@ -190,8 +194,9 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
                 "task": spec.name, "metric": f"{metric}_{suffix}" if suffix else metric,
                 "value": value, "seed": seed, "lr": cfg["lr"], "epochs": cfg["epochs"],
                 "batch_size": cfg["batch_size"], "max_len": cfg["max_len"],
-                "n_train": len(data.train), "n_eval": len(split.queries),
-                "n_docs": len(split.doc_ids), "zero_shot": not data.train,
+                "max_steps": cfg.get("max_steps", 0), "n_train": len(data.train),
+                "n_eval": len(split.queries), "n_docs": len(split.doc_ids),
+                "zero_shot": not data.train,
                 "temperature": float(cfg.get("temperature", TEMPERATURE)) if data.train else None,
                 "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
                 "seconds": round(time.time() - start, 2)})
