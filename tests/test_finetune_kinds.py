@@ -1,5 +1,5 @@
 """What every fine-tuning kind (classification, token classification, extractive QA, retrieval)
-shares: the step budget (`max_steps`), on tiny data."""
+shares: the step budget (`max_steps`) and the preset run end to end, on tiny data."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from mlsm.artifacts.results_file import read_results
+from mlsm.errors import UserError
 from mlsm.evaluate.finetune import finetune
+from mlsm.evaluate.protocol import grid_path
 from tests.test_finetune import _bert, _keyword_sst2, _small_fixtures
 from tests.test_qa import _squad_folder
 from tests.test_retrieval import _beir
@@ -77,3 +79,31 @@ def test_every_kind_honours_max_steps(task: str, tiny: Path, tmp_path: Path,
     optimizer_steps.clear()
     finetune([str(tiny)], [task], max_steps=0, results=tmp_path / "uncapped.jsonl", **kw)
     assert len(optimizer_steps) > 2 * 2 * 2  # at least 3 batches per epoch, 3 epochs
+
+
+@pytest.mark.parametrize("task", list(KINDS))
+def test_the_preset_runs_end_to_end_on_every_kind(task: str, tiny: Path, tmp_path: Path) -> None:
+    """`--preset mlm-vs-clm-2025` (a validation split carved from the training data, the best of
+    its learning rates chosen on it) trains, scores and reports every task kind it accepts."""
+    make, settings = KINDS[task]
+    results = tmp_path / "results.jsonl"
+    finetune([str(tiny)], [task], preset="mlm-vs-clm-2025", seeds=1, lrs=[1e-4, 1e-3],
+             max_steps=2, batch_size=4, data_dir=make(tmp_path / "data"), results=results,
+             device="cpu", **settings)
+    grid = read_results(grid_path(results))
+    val = {r["metric"] for r in grid if r["metric"].endswith("_val")}
+    dev = {r["metric"] for r in grid} - val
+    assert val and val == {f"{m}_val" for m in dev}  # every dev metric has its validation twin
+    assert {float(r["lr"]) for r in grid} == {1e-4, 1e-3}
+    rows = read_results(results)
+    assert {r["metric"] for r in rows} == dev
+    assert {r["preset"] for r in rows} == {"mlm-vs-clm-2025"}
+    assert {r["chosen_lr"] for r in rows} <= {1e-4, 1e-3} and len(rows) == len(dev)
+
+
+def test_a_zero_shot_task_under_the_preset_is_one_line(tiny: Path, tmp_path: Path) -> None:
+    """A zero-shot retrieval cell trains nothing: no validation split, no lr to choose."""
+    with pytest.raises(UserError, match=r"beir:toy_zeroshot trains nothing.* as beir:toy$"):
+        finetune([str(tiny)], ["beir:toy_zeroshot"], preset="mlm-vs-clm-2025",
+                 data_dir=_toy(tmp_path / "data"), results=tmp_path / "r.jsonl")
+    assert not (tmp_path / "r.jsonl").exists()

@@ -281,6 +281,14 @@ def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | Non
     return train, evals
 
 
+def _validation_split(spec: TaskSpec, held_out: list[Any], evals: dict[str, Any]) -> Any:
+    """Training examples held out for validation, as the task scores them: a retrieval task's
+    queries become a split over its corpus, other tasks' examples stay a list."""
+    if spec.kind == "retrieval":
+        return retrieval_cell.validation_split(held_out, evals)
+    return held_out
+
+
 @dataclass
 class Prepared:
     """One model's tokenisation of one task, shared by all its seeds and learning rates."""
@@ -403,9 +411,10 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
     path = Path(results)
     if any(s.kind == "retrieval" for s in specs):
         retrieval_cell.check_temperature(path, specs, cfg.temperature)
+        retrieval_cell.check_validation(specs, cfg.val_fraction)
     task_data = protocol.with_validation(
         lambda spec: _task_data(spec, data_dir, cfg.max_train_examples, cfg.eval_test),
-        cfg.val_fraction, lambda spec: stable_seed("validation", spec.name))
+        cfg.val_fraction, lambda spec: stable_seed("validation", spec.name), _validation_split)
     grid = protocol.grid_path(path) if cfg.val_fraction else path
     _run_grid(refs, specs, cfg, grid, pick_device(device), report_to, task_data,
               None if not cfg.val_fraction else lambda cell: protocol.report_selected(
@@ -481,8 +490,9 @@ def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], cfg: FinetuneConfig, 
                                unless=cell_reuse.stored_exactly(key, inputs.fingerprint()))
                 bar.update(1)
             bar.update(len(cfg.lrs) * len(cfg.seed_list()) - len(plan.todo.get(ref.name, [])))
-            if finish is not None:
+            if finish is not None:  # a bi-encoder has no head: its rows carry none
                 finish({"model": ref.name, "task": spec.name, "n_train": plan.n_train,
                         "fingerprint": inputs.fingerprint(),
-                        **{k: shared[k] for k in protocol.GRID_FIELDS if k in shared}})
+                        **{k: shared[k] for k in protocol.GRID_FIELDS if k in shared
+                           and not (k == "head" and spec.kind == "retrieval")}})
     bar.close()
