@@ -120,9 +120,12 @@ class RetrievalPrepared:
 
 def prepare(model: ModelRef, spec: TaskSpec, train: list[TrainQuery],
             evals: dict[str, BeirSplit], max_len: int) -> RetrievalPrepared:
-    """Tokenise the training queries and every positive document with the model's tokenizer."""
+    """Tokenise the training queries and every positive document with the model's tokenizer.
+    A `max_len` beyond the model's positions is one line here, before any training: the test
+    corpus is tokenised only at evaluation."""
     from mlsm import hf
 
+    hf.check_max_len(model.path, max_len, "--max-len")
     tok = hf.load_tokenizer(model.path)
     docs = dict(p for t in train for p in t.positives)
     ids = list(docs)
