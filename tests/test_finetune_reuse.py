@@ -128,6 +128,20 @@ def test_the_default_length_reuses_cells_made_at_128(tmp_path: Path, monkeypatch
     assert {r["max_len"] for r in read_results(results)} == {128}
 
 
+def test_a_study_without_max_len_keeps_its_finetuning_fingerprint() -> None:
+    """A study's stage fingerprint of a sentence grid is the same at the default max_len (0) as
+    at 128, the old default: nothing is superseded or retrained; a retrieval task's differs."""
+    from mlsm.artifacts.fingerprint import settings_fingerprint
+    from mlsm.study.reuse import finetune_settings
+
+    def fp(**keys: object) -> str:
+        return settings_fingerprint(finetune_settings(FinetuneSpec(**keys)))
+
+    assert fp(tasks=["sst2", "squad"]) == settings_fingerprint(
+        dataclasses.asdict(FinetuneSpec(tasks=["sst2", "squad"], max_len=128)))
+    assert fp(tasks=["sst2", "scifact"]) != fp(tasks=["sst2", "scifact"], max_len=128)
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"weight_decay": 0.1}, "weight_decay: 0.01 -> 0.1"),
     ({"warmup_ratio": 0.5}, "warmup_ratio: 0.0 -> 0.5"),
