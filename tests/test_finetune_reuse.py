@@ -114,6 +114,34 @@ def test_the_same_settings_reuse_the_cell(grid, monkeypatch) -> None:
     assert not calls and grid["results"].read_bytes() == before
 
 
+def test_the_default_length_reuses_cells_made_at_128(tmp_path: Path, monkeypatch) -> None:
+    """max_len 0 (the default) is 128 for a sentence task, resolved before the cell key and the
+    fingerprint: cells stored at 128 (the old default, or given) are this default's cells."""
+    model, data = _bert(tmp_path / "m"), _keyword_sst2(tmp_path / "data", n_train=32, n_dev=16)
+    results = tmp_path / "r.jsonl"
+    finetune([f"a={model}"], ["sst2"], data_dir=data, results=results, **{**BASE, "max_len": 128})
+    before = results.read_bytes()
+    calls = _trains(monkeypatch)
+    default = {k: v for k, v in BASE.items() if k != "max_len"}
+    finetune([f"a={model}"], ["sst2"], data_dir=data, results=results, **default)
+    assert not calls and results.read_bytes() == before
+    assert {r["max_len"] for r in read_results(results)} == {128}
+
+
+def test_a_study_without_max_len_keeps_its_finetuning_fingerprint() -> None:
+    """A study's stage fingerprint of a sentence grid is the same at the default max_len (0) as
+    at 128, the old default: nothing is superseded or retrained; a retrieval task's differs."""
+    from mlsm.artifacts.fingerprint import settings_fingerprint
+    from mlsm.study.reuse import finetune_settings
+
+    def fp(**keys: object) -> str:
+        return settings_fingerprint(finetune_settings(FinetuneSpec(**keys)))
+
+    assert fp(tasks=["sst2", "squad"]) == settings_fingerprint(
+        dataclasses.asdict(FinetuneSpec(tasks=["sst2", "squad"], max_len=128)))
+    assert fp(tasks=["sst2", "scifact"]) != fp(tasks=["sst2", "scifact"], max_len=128)
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"weight_decay": 0.1}, "weight_decay: 0.01 -> 0.1"),
     ({"warmup_ratio": 0.5}, "warmup_ratio: 0.0 -> 0.5"),

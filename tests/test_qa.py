@@ -9,6 +9,7 @@ import json
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate import qa
-from mlsm.evaluate.finetune import finetune
+from mlsm.evaluate.finetune import finetune, predict
 from mlsm.evaluate.qa_data import (
     QAExample,
     from_hf_row,
@@ -44,7 +45,7 @@ from mlsm.evaluate.qa_metrics import (
     token_f1,
 )
 from mlsm.evaluate.stats import compare_runs
-from mlsm.evaluate.tasks import load_task
+from mlsm.evaluate.tasks import get_task, load_task
 
 SHARED_SQUAD = Path(__file__).resolve().parents[2] / "shared/data/squad_v1.1/dev-v1.1.json.gz"
 WORDS = ["river", "stone", "castle", "green", "music", "winter", "garden", "silver", "paper",
@@ -334,11 +335,54 @@ def test_decode_best_over_windows_and_null_answer() -> None:
     context = "alpha beta gamma delta"
     w1 = (np.array([2.0, 1.0]), np.array([[0, 5], [6, 10]]), 0.5)  # "alpha" 2.0, "beta" 1.0
     w2 = (np.array([3.0, -np.inf]), np.array([[11, 16], [0, 0]]), 4.0)  # "gamma" 3.0
-    out = qa.decode([w1, w2], context)
+    out = qa.decode([w1, w2], context, unanswerable=True)
     assert (out["text"], out["span"], out["na_score"]) == ("gamma", "gamma", 0.5 - 3.0)
     assert [t for _, t in out["n_best"]] == ["gamma", "alpha", "beta"]
-    lone = qa.decode([(np.array([1.0]), np.array([[0, 5]]), 2.5)], context)
-    assert lone["text"] == "" and lone["span"] == "alpha" and lone["na_score"] == 1.5
+    lone = [(np.array([1.0]), np.array([[0, 5]]), 2.5)]  # null 2.5 beats the only span (1.0)
+    v2 = qa.decode(lone, context, unanswerable=True)
+    assert v2["text"] == "" and v2["span"] == "alpha" and v2["na_score"] == 1.5
+    v1 = qa.decode(lone, context, unanswerable=False)  # SQuAD 1.1: the best span regardless
+    assert v1["text"] == "alpha" and v1["na_score"] == 1.5
+
+
+class _IdsAsHidden(torch.nn.Module):
+    """A stand-in backbone: the token ids themselves as a (B, T, 1) hidden state."""
+
+    def forward(self, input_ids: torch.Tensor, **_: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(last_hidden_state=input_ids[..., None].float())
+
+
+class _ClsWins(torch.nn.Module):
+    """Start and end logits (B, T, 2): 10 at [CLS] (position 0), 3 on token `word`, 0 elsewhere,
+    so the null score (20) beats the best span (`word` alone, 6)."""
+
+    def __init__(self, word: int) -> None:
+        super().__init__()
+        self.word = word
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        out = torch.zeros(*hidden.shape[:2], 2)
+        out[hidden[..., 0] == self.word] = 3.0
+        out[:, 0] = 10.0
+        return out
+
+
+def test_squad_v1_answers_the_best_span_when_cls_scores_higher(tiny: Path) -> None:
+    """SQuAD 1.1 has no unanswerable question: its answer is the best non-null span even when
+    [CLS] scores higher; SQuAD 2.0 answers "" there (null 20 - span 6 > threshold 0)."""
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny)
+    assert tok.tokenize("castle") == ["castle"]
+    ex = QAExample("q", "T", "what does anna like ?", "anna likes the castle .",
+                   (("castle", 15),))
+    feats = qa.encode_windows(tok, [ex], max_len=32)
+    model, head, cpu = _IdsAsHidden(), _ClsWins(tok.convert_tokens_to_ids("castle")), \
+        torch.device("cpu")
+    (v1,) = predict(model, head, tok, get_task("squad"), feats, [ex], cpu)
+    assert (v1["text"], v1["span"]) == ("castle", "castle")
+    assert qa.score_v1([v1], [ex]) == {"em": 1.0, "f1": 1.0}
+    (v2,) = predict(model, head, tok, get_task("squad_v2"), feats, [ex], cpu)
+    assert (v2["text"], v2["span"], v2["na_score"]) == ("", "castle", 20.0 - 6.0)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -103,12 +103,12 @@ def test_mean_pool_averages_only_unmasked_tokens() -> None:
 # ----------------------------------------------------------------------------- tiny models
 
 
-def _model(tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
+def _model(tokenizer_dir: Path, out: Path, seed: int = 0, positions: int = 64) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(seed)
     BertModel(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
                          num_attention_heads=2, intermediate_size=64,
-                         max_position_embeddings=64)).save_pretrained(out)
+                         max_position_embeddings=positions)).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
@@ -346,6 +346,64 @@ def test_finetune_grid_writes_rows_compare_reads(tiny: Path, tokenizer_dir: Path
     assert len(read_results(results)) == len(rows)  # resumed: nothing redone
     with pytest.raises(UserError, match="temperature 0.05, this grid uses 0.1"):
         finetune([f"a={tiny}"], ["beir:toy"], temperature=0.1, **kw)
+
+
+def test_retrieval_length_defaults_to_the_models_own(tokenizer_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """No --max-len: a retrieval cell cuts queries and documents at the model's own length
+    (sentence_bert_config.json's max_seq_length, else its positions), says so on stderr and
+    records it in the row; the other kinds keep 128; an explicit length wins."""
+    from tests.test_finetune import _keyword_sst2
+
+    _beir(tmp_path / "data")
+    _keyword_sst2(tmp_path / "data", n_train=8, n_dev=4)
+    st = _model(tokenizer_dir, tmp_path / "st", positions=128)
+    (st / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    plain = _model(tokenizer_dir, tmp_path / "plain", positions=96)
+    kw = dict(seeds=(0,), data_dir=tmp_path / "data", device="cpu", epochs=1, batch_size=8)
+    results = tmp_path / "r.jsonl"
+    finetune([f"st={st}", f"plain={plain}"], ["beir:toy_zeroshot", "beir:toy", "sst2"],
+             results=results, **kw)
+    assert {(r["model"], r["task"], r["max_len"]) for r in read_results(results)} == {
+        ("st", "beir:toy_zeroshot", 64), ("st", "beir:toy", 64), ("st", "sst2", 128),
+        ("plain", "beir:toy_zeroshot", 96), ("plain", "beir:toy", 96), ("plain", "sst2", 128)}
+    err = capsys.readouterr().err
+    assert "max_len 64 (sentence_bert_config.json max_seq_length)" in err
+    assert "max_len 96 (config.json max_position_embeddings)" in err
+    before = results.read_bytes()
+    finetune([f"st={st}", f"plain={plain}"], ["beir:toy_zeroshot", "beir:toy", "sst2"],
+             results=results, **kw)
+    assert results.read_bytes() == before  # resumed: the resolved length is the cell's
+    explicit = tmp_path / "e.jsonl"
+    finetune([f"st={st}"], ["beir:toy_zeroshot"], max_len=32, results=explicit, **kw)
+    assert {r["max_len"] for r in read_results(explicit)} == {32}
+
+
+def test_the_models_length_falls_back_from_positions_to_128(tmp_path: Path) -> None:
+    from mlsm.evaluate.cell import cell_max_len
+
+    def folder(name: str, config: dict, st: object = None) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        if st is not None:
+            (tmp_path / name / "sentence_bert_config.json").write_text(json.dumps(st))
+        return str(tmp_path / name)
+
+    long = folder("long", {"model_type": "bert", "max_position_embeddings": 8192})
+    roberta = folder("roberta", {"model_type": "roberta", "max_position_embeddings": 514,
+                                 "pad_token_id": 1})
+    relative = folder("deberta", {"model_type": "deberta-v2", "max_position_embeddings": 512,
+                                  "position_biased_input": False})
+    assert cell_max_len(0, "retrieval", long) == (512, "config.json max_position_embeddings "
+                                                       "up to 512")
+    assert cell_max_len(0, "retrieval", roberta)[0] == 512  # 514 less the pad offset
+    assert cell_max_len(0, "retrieval", relative)[0] == 128  # no absolute positions
+    assert cell_max_len(0, "cls", long)[0] == 128 and cell_max_len(40, "retrieval", long)[0] == 40
+    bad = folder("bad", {"max_position_embeddings": 512}, {"max_seq_length": "256"})
+    with pytest.raises(UserError, match=r"sentence_bert_config.json: max_seq_length is '256', "
+                                        r"not a length .* pass --max-len N"):
+        cell_max_len(0, "retrieval", bad)
 
 
 def test_data_dir_may_hold_the_task_folder_one_level_down(tmp_path: Path) -> None:

@@ -343,6 +343,20 @@ def tokenizer_size(folder: Path) -> int | None:
 _POSITION_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer")
 
 
+def model_positions(folder: str | os.PathLike) -> int | None:
+    """The longest input the model at `folder` has absolute positions for (config.json's
+    max_position_embeddings, less the pad offset of RoBERTa-like models); None for a model
+    without absolute positions (DeBERTa's relative ones) or a config that does not say."""
+    config = _json_object(Path(folder) / "config.json")
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool) or \
+            config.get("position_biased_input") is False:
+        return None
+    if config.get("model_type") in _POSITION_OFFSET_TYPES:  # positions start after the pad id
+        positions -= int(config.get("pad_token_id") or 0) + 1
+    return positions
+
+
 def check_max_len(folder: str | os.PathLike, max_len: int, flag: str,
                   longest: int | None = None) -> None:
     """Refuse a sequence length the model at `folder` has no positions for, before any training
@@ -350,12 +364,9 @@ def check_max_len(folder: str | os.PathLike, max_len: int, flag: str,
     `longest`: the longest input actually tokenised (at most max_len), when only inputs that
     reach beyond the positions are to be refused. A model without absolute positions (DeBERTa's
     relative ones) has no such limit."""
-    config = _json_object(Path(folder) / "config.json")
-    positions = config.get("max_position_embeddings")
-    if not isinstance(positions, int) or config.get("position_biased_input") is False:
+    positions = model_positions(folder)
+    if positions is None:
         return
-    if config.get("model_type") in _POSITION_OFFSET_TYPES:  # positions start after the pad id
-        positions -= int(config.get("pad_token_id") or 0) + 1
     if (max_len if longest is None else longest) > positions:
         inputs = "" if longest is None else f" lets inputs of {longest} tokens through, which"
         raise UserError(f"{flag} {max_len}{inputs} is longer than the {positions} positions of "

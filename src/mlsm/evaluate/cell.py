@@ -7,6 +7,7 @@ them, so the grid can hand a retrieval cell to `retrieval_cell` without an impor
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 
 from mlsm.artifacts.checkpoint import Checkpoint
 from mlsm.errors import UserError
+from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN, MODEL_MAX_LEN_CAP
 from mlsm.inputs import real_path
 from mlsm.runs import resolve_checkpoint
 
@@ -61,6 +63,32 @@ def resolve_model(spec: str | Path) -> ModelRef:
                     None if readiness is None else float(readiness), meta.get("objective"), run)
 
 
+def cell_max_len(max_len: int, kind: str, model_path: str) -> tuple[int, str]:
+    """(The sequence length of a cell, where it comes from). `max_len` when given (> 0); else
+    DEFAULT_MAX_LEN, but a retrieval cell (`TaskSpec.kind`) takes the model's own length as
+    sentence-transformers does: sentence_bert_config.json's max_seq_length, else the model's
+    positions up to MODEL_MAX_LEN_CAP, else DEFAULT_MAX_LEN."""
+    from mlsm.hf import model_positions, read_json
+
+    if max_len > 0:
+        return max_len, "--max-len"
+    if kind != "retrieval":
+        return DEFAULT_MAX_LEN, f"the default of {kind} tasks"
+    st = Path(model_path) / "sentence_bert_config.json"
+    if st.is_file():
+        data = read_json(st)
+        value = data.get("max_seq_length") if isinstance(data, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 4:
+            raise UserError(f"{st}: max_seq_length is {value!r}, not a length of 4 tokens or "
+                            "more; fix the file or pass --max-len N")
+        return value, "sentence_bert_config.json max_seq_length"
+    positions = model_positions(model_path)
+    if positions is None:
+        return DEFAULT_MAX_LEN, "the model folder gives no length"
+    capped = " up to " + str(MODEL_MAX_LEN_CAP) if positions > MODEL_MAX_LEN_CAP else ""
+    return min(positions, MODEL_MAX_LEN_CAP), f"config.json max_position_embeddings{capped}"
+
+
 def stable_seed(*parts: object) -> int:
     """A 63-bit seed from its parts, the same in every process (Python's hash() is salted)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode("utf-8")).digest()
@@ -74,6 +102,15 @@ def training_order(n: int, seed: int, task: str, epochs: int) -> list[list[int]]
     """
     gen = torch.Generator().manual_seed(stable_seed("order", seed, task))
     return [torch.randperm(n, generator=gen).tolist() for _ in range(epochs)]
+
+
+def step_budget(n: int, cfg: dict[str, Any]) -> int:
+    """The optimizer steps of a run over `n` training items, the same rule for every task kind:
+    ``cfg["epochs"]`` epochs of ceil(n / ``cfg["batch_size"]``) batches, ended earlier by
+    ``cfg["max_steps"]`` when it is set (whichever comes first; 0 or absent: no cap)."""
+    total = cfg["epochs"] * math.ceil(n / cfg["batch_size"])
+    cap = cfg.get("max_steps") or 0
+    return min(total, cap) if cap > 0 else total
 
 
 def optimizer(params: list[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,12 +36,14 @@ from mlsm.evaluate import cell_reuse, protocol, qa, retrieval_cell
 from mlsm.evaluate.cell import (
     LOG_EVERY,
     ModelRef,
+    cell_max_len,
     linear_schedule,
     load_backbone,
     optimizer,
     pick_device,
     resolve_model,
     stable_seed,
+    step_budget,
     training_order,
 )
 from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
@@ -182,9 +184,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
                            cfg["epochs"])
     clip = float(cfg.get("clip", 1.0))
     bs = cfg["batch_size"]
-    total = cfg["epochs"] * math.ceil(len(feats) / bs)
-    if cfg.get("max_steps"):  # a step cap: whichever of epochs and max_steps ends first
-        total = min(total, cfg["max_steps"])
+    total = step_budget(len(feats), cfg)  # epochs, or max_steps when that ends first
     warm = int(cfg["warmup_ratio"] * total)
     opt = optimizer([*backbone.parameters(), *head.parameters()], cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, warm)
@@ -230,7 +230,8 @@ def predict(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSpec,
     order.
     """
     if spec.kind == "qa":  # windows -> one decoded answer per example
-        return qa.predict(backbone, head, tokenizer, feats, examples, device, batch_size)
+        return qa.predict(backbone, head, tokenizer, feats, examples, device, batch_size,
+                          unanswerable=spec.unanswerable)
     backbone.eval()
     head.eval()
     order = sorted(range(len(feats)), key=lambda k: len(feats[k]["inputs"]["input_ids"]))
@@ -280,6 +281,14 @@ def _task_data(spec: TaskSpec, data_dir: str | Path | None, max_train: int | Non
     if eval_test and spec.test_split:  # metric "<name>_test" beside the validation metric
         evals["test"] = load_task(spec.name, spec.test_split, data_dir)
     return train, evals
+
+
+def _validation_split(spec: TaskSpec, held_out: list[Any], evals: dict[str, Any]) -> Any:
+    """Training examples held out for validation, as the task scores them: a retrieval task's
+    queries become a split over its corpus, other tasks' examples stay a list."""
+    if spec.kind == "retrieval":
+        return retrieval_cell.validation_split(held_out, evals)
+    return held_out
 
 
 @dataclass
@@ -404,9 +413,10 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
     path = Path(results)
     if any(s.kind == "retrieval" for s in specs):
         retrieval_cell.check_temperature(path, specs, cfg.temperature)
+        retrieval_cell.check_validation(specs, cfg.val_fraction)
     task_data = protocol.with_validation(
         lambda spec: _task_data(spec, data_dir, cfg.max_train_examples, cfg.eval_test),
-        cfg.val_fraction, lambda spec: stable_seed("validation", spec.name))
+        cfg.val_fraction, lambda spec: stable_seed("validation", spec.name), _validation_split)
     grid = protocol.grid_path(path) if cfg.val_fraction else path
     _run_grid(refs, specs, cfg, grid, pick_device(device), report_to, task_data,
               None if not cfg.val_fraction else lambda cell: protocol.report_selected(
@@ -435,15 +445,58 @@ def _plan(spec: TaskSpec, refs: list[ModelRef], cfg: FinetuneConfig, models: dic
     settings = cfg.decisive(spec.kind, spec.kind != "retrieval" or bool(spec.train_split))
     plan = _TaskPlan(spec, len(train), {}, {})
     for ref in refs:
-        plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(models[ref.name], data, settings)
+        max_len = _max_len(cfg, spec, ref)  # the length the cells use, never 0
+        plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(
+            models[ref.name], data, {**settings, "max_len": max_len})
         for lr, seed in itertools.product(cfg.lrs, cfg.seed_list()):
-            key = (ref.name, spec.name, seed, float(lr), cfg.epochs, cfg.batch_size, cfg.max_len,
+            key = (ref.name, spec.name, seed, float(lr), cfg.epochs, cfg.batch_size, max_len,
                    len(train))
             where = f"{path}: cell {ref.name} {spec.name} seed {seed} lr {lr:g}"
             state, old = cell_reuse.reuse(stored.get(key, []), inputs, cfg.recompute, where)
             if state != "reuse":
                 plan.todo.setdefault(ref.name, []).append((float(lr), seed, state, old))
     return plan
+
+
+def _max_len(cfg: FinetuneConfig, spec: TaskSpec, ref: ModelRef) -> int:
+    """The sequence length of the model's cells of `spec` (`cell.cell_max_len`); a length taken
+    from the model folder is said on stderr (and recorded in every row, as any length is)."""
+    length, source = cell_max_len(cfg.max_len, spec.kind, ref.path)
+    if not cfg.max_len and spec.kind == "retrieval":
+        print(f"mlsm: note: {ref.name} {spec.name}: max_len {length} ({source}); --max-len N "
+              "sets another", file=sys.stderr)
+    return length
+
+
+def _selection_cell(plan: _TaskPlan, ref: ModelRef, shared: dict[str, Any]) -> dict[str, Any]:
+    """What the rows of one (model, task) share, to find them for the lr choice
+    (`protocol.report_selected`); a bi-encoder has no head, so its rows carry none."""
+    inputs = plan.inputs[ref.name]
+    cell = {**shared, "max_len": inputs.settings["max_len"]}
+    return {"model": ref.name, "task": plan.spec.name, "n_train": plan.n_train,
+            "fingerprint": inputs.fingerprint(),
+            **{k: cell[k] for k in protocol.GRID_FIELDS if k in cell
+               and not (k == "head" and plan.spec.kind == "retrieval")}}
+
+
+def _run_model(plan: _TaskPlan, ref: ModelRef, task: tuple[Any, Any], shared: dict[str, Any],
+               dev: torch.device, report_to: Sequence[str], path: Path, bar: Progress) -> None:
+    """Train the cells of one (model, task) that `plan` left to do, appending each one's rows
+    to `path` when it ends. task: (train examples, {split: eval examples}), tokenised on the
+    first cell (a finished model costs nothing on resume)."""
+    spec, inputs, data = plan.spec, plan.inputs[ref.name], None
+    max_len = inputs.settings["max_len"]
+    for lr, seed, state, old in plan.todo.get(ref.name, []):
+        bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
+        data = data or prepare(ref, spec, *task, max_len)
+        cell = {**shared, "lr": lr, "max_len": max_len}
+        with _cell_tracker(report_to, path, ref, spec, seed, cell) as tracker:
+            rows = run_cell(ref, spec, data, seed, cell, dev, tracker)
+        extra = {**inputs.record(), **({"supersedes": old} if state == "recompute" else {})}
+        rows = [{**r, **extra} for r in rows]
+        key = cell_reuse.cell_key(rows[0]) if rows else None
+        append_results(path, rows, unless=cell_reuse.stored_exactly(key, inputs.fingerprint()))
+        bar.update(1)
 
 
 def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], cfg: FinetuneConfig, path: Path,
@@ -464,26 +517,10 @@ def _run_grid(refs: list[ModelRef], specs: list[TaskSpec], cfg: FinetuneConfig, 
     bar = Progress(len(refs) * len(specs) * len(cfg.lrs) * len(cfg.seed_list()), "finetune",
                    "cell")
     for plan in plans:
-        spec = plan.spec
-        train, evals = task_data(spec) if plan.todo else ([], {})
+        task = task_data(plan.spec) if plan.todo else ([], {})
         for ref in refs:
-            data = None  # tokenised on first use: a finished model costs nothing on resume
-            inputs = plan.inputs[ref.name]
-            for lr, seed, state, old in plan.todo.get(ref.name, []):
-                bar.set_postfix(cell=f"{ref.name}:{spec.name}:seed={seed}:lr={lr:g}")
-                data = data or prepare(ref, spec, train, evals, cfg.max_len)
-                cell = {**shared, "lr": lr}
-                with _cell_tracker(report_to, path, ref, spec, seed, cell) as tracker:
-                    rows = run_cell(ref, spec, data, seed, cell, dev, tracker)
-                extra = {**inputs.record(), **({"supersedes": old} if state == "recompute" else {})}
-                rows = [{**r, **extra} for r in rows]
-                key = cell_reuse.cell_key(rows[0]) if rows else None
-                append_results(path, rows,
-                               unless=cell_reuse.stored_exactly(key, inputs.fingerprint()))
-                bar.update(1)
+            _run_model(plan, ref, task, shared, dev, report_to, path, bar)
             bar.update(len(cfg.lrs) * len(cfg.seed_list()) - len(plan.todo.get(ref.name, [])))
             if finish is not None:
-                finish({"model": ref.name, "task": spec.name, "n_train": plan.n_train,
-                        "fingerprint": inputs.fingerprint(),
-                        **{k: shared[k] for k in protocol.GRID_FIELDS if k in shared}})
+                finish(_selection_cell(plan, ref, shared))
     bar.close()

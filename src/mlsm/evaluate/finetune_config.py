@@ -19,6 +19,12 @@ from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, deciding
 from mlsm.errors import UserError
 
 HEADS = ("cls", "mean")
+DEFAULT_MAX_LEN = 128
+"""max_len 0: the length of sentence, token and QA cells, and of retrieval cells whose model
+folder gives none."""
+MODEL_MAX_LEN_CAP = 512
+"""max_len 0: the most tokens a retrieval cell takes from config.json's max_position_embeddings
+(BERT's length; a sentence_bert_config.json length is taken as it is)."""
 
 
 def _int(v: Any) -> bool:
@@ -75,8 +81,12 @@ class FinetuneConfig:
     """A named protocol, e.g. mlm-vs-clm-2025 (docs/finetune.md): it fixes seeds, lrs, epochs,
     max_steps, batch_size, warmup_ratio, head and val_fraction; in `mlsm finetune` settings you give
     override it, a study file refuses a setting the preset fixes (one line names it)."""
-    max_len: int = field(default=128, metadata=_checked((lambda v: v >= 4, "at least 4")))
-    """Sequence length in tokens (pairs truncated longest-first), up to the model's limit."""
+    max_len: int = field(default=0, metadata=_checked((lambda v: v == 0 or v >= 4,
+                                                       "0 (each task's own) or at least 4")))
+    """Sequence length in tokens (pairs truncated longest-first), up to the model's limit. 0: 128
+    for sentence, token and QA tasks; for retrieval the model's own length, as
+    sentence-transformers takes it (sentence_bert_config.json's max_seq_length, else config.json's
+    max_position_embeddings up to 512, else 128). Rows record the length used."""
     max_train_examples: int | None = field(default=None, metadata=_checked((
         lambda v: v is None or (_int(v) and v > 0), "a positive integer (null: all)")))
     """Cap on training examples per task, a fixed subset for every model and seed (none: all);

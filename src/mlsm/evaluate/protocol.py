@@ -104,16 +104,20 @@ def split_validation(train: Sequence[Any], task: str, fraction: float,
 
 
 def with_validation(task_data: Callable[[Any], Any], fraction: float,
-                    seed_of: Callable[[Any], int]) -> Callable[[Any], Any]:
+                    seed_of: Callable[[Any], int],
+                    as_split: Callable[[Any, list[Any], dict[str, Any]], Any] | None = None
+                    ) -> Callable[[Any], Any]:
     """Wrap `finetune`'s task reader (spec -> (train, {split: eval examples})) so that with
-    `fraction` > 0 it also returns a "val" split carved from the training examples alone."""
+    `fraction` > 0 it also returns a "val" split carved from the training examples alone.
+    `as_split(spec, held-out examples, evals)`: the "val" split as the task scores it (a
+    retrieval task's is a BEIR split, not a list of training queries); None: the list itself."""
     if not fraction:
         return task_data
 
     def read(spec: Any) -> Any:
         train, evals = task_data(spec)
         train, val = split_validation(train, spec.name, fraction, seed_of(spec))
-        return train, {**evals, "val": val}
+        return train, {**evals, "val": val if as_split is None else as_split(spec, val, evals)}
 
     return read
 

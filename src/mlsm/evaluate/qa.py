@@ -13,7 +13,9 @@ Decoding: in every window, the ``n_best`` highest-scoring spans (start logit + e
 ends are context tokens, end >= start, at most ``max_answer_tokens`` long; the best over the
 example's windows is the answer. SQuAD 2.0 also keeps the null score (start + end logit of
 position 0, the lowest over the windows): the no-answer score is null − best span score, and the
-answer is "" when it exceeds ``null_threshold``.
+answer is "" when it exceeds ``null_threshold``. SQuAD 1.1 has no unanswerable question, so its
+answer is always the best span, however high the null score (the v1.1 protocol of BERT's
+``run_squad.py``); the task says which (`TaskSpec.unanswerable`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class QASettings:
     max_answer_tokens: int = 30
     """Longest answer span, in tokens."""
     null_threshold: float = 0.0
-    """SQuAD 2.0: answer "" when null score − best span score exceeds this."""
+    """SQuAD 2.0: answer "" when null score − best span score exceeds this (SQuAD 1.1 always
+    answers its best span)."""
 
 
 SETTINGS = QASettings()
@@ -151,9 +154,13 @@ def window_spans(start: torch.Tensor, end: torch.Tensor, context: torch.Tensor,
 
 
 def decode(windows: list[tuple[np.ndarray, np.ndarray, float]], context: str,
-           settings: QASettings = SETTINGS) -> dict[str, Any]:
+           settings: QASettings = SETTINGS, *, unanswerable: bool) -> dict[str, Any]:
     """One question's answer from its windows [(scores, (n, 2) char spans, null score)]:
-    {"text", "span", "score", "na_score", "n_best": [(score, text), ...]}."""
+    {"text", "span", "score", "na_score", "n_best": [(score, text), ...]}.
+
+    ``unanswerable``: the task may have questions without an answer (SQuAD 2.0), so "text" is ""
+    when the no-answer score exceeds ``settings.null_threshold``; else (SQuAD 1.1) "text" is the
+    best span whatever the null score."""
     cands: list[tuple[float, int, int]] = []
     for scores, chars, _ in windows:
         cands += [(float(s), int(c[0]), int(c[1])) for s, c in zip(scores, chars, strict=True)
@@ -163,15 +170,17 @@ def decode(windows: list[tuple[np.ndarray, np.ndarray, float]], context: str,
     null = min(n for _, _, n in windows)
     span, score = (best[0][1], best[0][0]) if best else ("", -np.inf)
     na_score = null - score  # +inf when no valid span exists: "no answer"
-    text = "" if na_score > settings.null_threshold else span
+    text = "" if unanswerable and na_score > settings.null_threshold else span
     return {"text": text, "span": span, "score": score, "na_score": na_score, "n_best": best}
 
 
 @torch.no_grad()
 def predict(backbone: nn.Module, head: nn.Module, tokenizer: Any,
             feats: list[dict[str, Any]], examples: Sequence[QAExample], device: torch.device,
-            batch_size: int = 64, settings: QASettings = SETTINGS) -> list[dict[str, Any]]:
-    """The decoded answer of every example (`decode`), from batches of its windows."""
+            batch_size: int = 64, settings: QASettings = SETTINGS, *,
+            unanswerable: bool) -> list[dict[str, Any]]:
+    """The decoded answer of every example (`decode`, ``unanswerable`` as there), from batches
+    of its windows."""
     backbone.eval()
     head.eval()
     per_example: list[list[tuple[np.ndarray, np.ndarray, float]]] = [[] for _ in examples]
@@ -191,7 +200,8 @@ def predict(backbone: nn.Module, head: nn.Module, tokenizer: Any,
             chars = np.stack([offsets[b, s_tok[b], 0], offsets[b, e_tok[b], 1]], axis=1)
             null = float(se[b, 0, 0] + se[b, 1, 0])
             per_example[f["example"]].append((scores[b].numpy(), chars, null))
-    return [decode(w, ex.context, settings) for w, ex in zip(per_example, examples, strict=True)]
+    return [decode(w, ex.context, settings, unanswerable=unanswerable)
+            for w, ex in zip(per_example, examples, strict=True)]
 
 
 def score_v1(preds: Sequence[dict[str, Any]], examples: Sequence[QAExample]) -> dict[str, float]:

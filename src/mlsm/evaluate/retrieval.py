@@ -212,9 +212,12 @@ def to_run(query_ids: Sequence[str], doc_ids: Sequence[str], scores: torch.Tenso
 
 
 def evaluate_split(backbone: torch.nn.Module, tokenizer: Any, split: BeirSplit, max_len: int,
-                   device: torch.device, cache_dir: str | Path | None = None) -> dict[str, float]:
-    """Encode the corpus (cached) and the queries, search exactly, score with pytrec_eval."""
-    docs = encode_corpus(backbone, tokenizer, split, max_len, device, cache_dir)
+                   device: torch.device, cache_dir: str | Path | None = None,
+                   docs: torch.Tensor | None = None) -> dict[str, float]:
+    """Encode the corpus (cached) and the queries, search exactly, score with pytrec_eval.
+    ``docs``: the corpus embeddings, when this encoder has encoded this corpus already."""
+    if docs is None:
+        docs = encode_corpus(backbone, tokenizer, split, max_len, device, cache_dir)
     qids = list(split.queries)
     queries = encode(backbone, tokenizer, [split.queries[q] for q in qids], max_len, device)
     scores, idx = search(queries, docs, TOP_K + 1)  # one spare for an identical id dropped

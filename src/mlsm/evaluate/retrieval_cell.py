@@ -8,8 +8,9 @@ positive chosen for each training query (when it has several) and the data order
 generators seeded by (s, t) only, and dropout from ``torch.manual_seed(s)``.
 
 `finetune.py` (above this module) hands retrieval tasks to `task_data`, `prepare` and `run_cell`
-here; the rows written are ordinary result rows (metrics ``ndcg@10``, ``recall@100``,
-``mrr@10``) that ``compare``, ``report`` and studies read unchanged.
+here, and the training queries a validation fraction holds out to `validation_split`; the rows
+written are ordinary result rows (metrics ``ndcg@10``, ``recall@100``, ``mrr@10``) that
+``compare``, ``report`` and studies read unchanged.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from mlsm.evaluate.cell import (
     load_backbone,
     optimizer,
     stable_seed,
+    step_budget,
     training_order,
 )
 from mlsm.evaluate.retrieval import (
     TEMPERATURE,
     embed,
+    encode_corpus,
     evaluate_split,
     info_nce,
     pad,
@@ -55,6 +58,7 @@ class TrainQuery:
     qid: str
     text: str
     positives: tuple[tuple[str, str], ...]  # (document id, document text)
+    judged: tuple[tuple[str, int], ...] = ()  # its qrels: (document id, grade), by document id
 
 
 def load_split(spec: TaskSpec, data_dir: str | Path | None, split: str) -> BeirSplit:
@@ -71,8 +75,18 @@ def training_queries(split: BeirSplit) -> list[TrainQuery]:
     for qid, judged in split.qrels.items():
         pos = tuple(sorted((d, text[d]) for d, grade in judged.items() if grade > 0))
         if pos:
-            out.append(TrainQuery(qid, split.queries[qid], pos))
+            out.append(TrainQuery(qid, split.queries[qid], pos, tuple(sorted(judged.items()))))
     return out
+
+
+def validation_split(held_out: Sequence[TrainQuery], evals: dict[str, BeirSplit]) -> BeirSplit:
+    """Training queries held out for validation (`protocol.with_validation`) as a split scored
+    like the test split: the dataset's corpus (one per BEIR dataset, here the test split's) and
+    the held-out queries' own training qrels."""
+    corpus = next(iter(evals.values()))
+    return BeirSplit(corpus.doc_ids, corpus.doc_texts, {q.qid: q.text for q in held_out},
+                     {q.qid: dict(q.judged) for q in held_out},
+                     f"{corpus.where} (validation queries held out of the training qrels)")
 
 
 def task_data(spec: TaskSpec, data_dir: str | Path | None,
@@ -106,9 +120,12 @@ class RetrievalPrepared:
 
 def prepare(model: ModelRef, spec: TaskSpec, train: list[TrainQuery],
             evals: dict[str, BeirSplit], max_len: int) -> RetrievalPrepared:
-    """Tokenise the training queries and every positive document with the model's tokenizer."""
+    """Tokenise the training queries and every positive document with the model's tokenizer.
+    A `max_len` beyond the model's positions is one line here, before any training: the test
+    corpus is tokenised only at evaluation."""
     from mlsm import hf
 
+    hf.check_max_len(model.path, max_len, "--max-len")
     tok = hf.load_tokenizer(model.path)
     docs = dict(p for t in train for p in t.positives)
     ids = list(docs)
@@ -138,14 +155,15 @@ def batch_loss(backbone: torch.nn.Module, data: RetrievalPrepared, idx: Sequence
 def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: str, seed: int,
                      cfg: dict[str, Any], device: torch.device, tracker: Any = None) -> int:
     """Fine-tune the encoder in place with InfoNCE: AdamW, linear schedule, ``cfg["epochs"]``
-    epochs of ``cfg["batch_size"]`` queries; returns the number of optimizer steps."""
+    epochs of ``cfg["batch_size"]`` queries, or ``cfg["max_steps"]`` steps when that ends first
+    (`step_budget`, as every kind); returns the number of optimizer steps."""
     torch.manual_seed(seed)  # dropout; pairs and order have their own generators
     data_seed = 0 if cfg.get("fixed_order") else seed
     chosen = pick_positives(data.train, data_seed, task)
     order = training_order(len(data.train), data_seed, task, cfg["epochs"])
     bs, clip = cfg["batch_size"], float(cfg.get("clip", 1.0))
     tau = float(cfg.get("temperature", TEMPERATURE))
-    total = cfg["epochs"] * math.ceil(len(data.train) / bs)
+    total = step_budget(len(data.train), cfg)
     params = list(backbone.parameters())
     opt = optimizer(params, cfg["lr"], cfg["weight_decay"])
     sched = linear_schedule(opt, total, int(cfg["warmup_ratio"] * total))
@@ -153,7 +171,7 @@ def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: s
     step = 0
     bar = Progress(total, f"{task} seed {seed}", "step", leave=False)
     for perm in order:
-        for i in range(0, len(perm), bs):
+        for i in range(0, len(perm) if step < total else 0, bs):
             loss = batch_loss(backbone, data, perm[i:i + bs], chosen, tau, device)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -165,6 +183,8 @@ def train_bi_encoder(backbone: torch.nn.Module, data: RetrievalPrepared, task: s
             if step % LOG_EVERY == 0 and tracker is not None:
                 tracker.log({"train/loss": loss.item(), "train/lr": sched.get_last_lr()[0]}, step)
             bar.update(1)
+            if step == total:
+                break
     bar.close()
     return step
 
@@ -179,10 +199,8 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
     backbone = load_backbone(model.path).to(device)
     steps = train_bi_encoder(backbone, data, spec.name, seed, cfg, device, tracker) \
         if data.train else 0
-    cache = None if data.train else cfg.get("retrieval_cache")
     rows = []
-    for suffix, split in data.evals.items():
-        scores = evaluate_split(backbone, data.tokenizer, split, cfg["max_len"], device, cache)
+    for suffix, (split, scores) in _score_splits(backbone, data, cfg, device).items():
         for metric, value in scores.items():
             rows.append({
                 "model": model.name, "path": model.path, "step": model.step,
@@ -190,14 +208,43 @@ def run_cell(model: ModelRef, spec: TaskSpec, data: RetrievalPrepared, seed: int
                 "task": spec.name, "metric": f"{metric}_{suffix}" if suffix else metric,
                 "value": value, "seed": seed, "lr": cfg["lr"], "epochs": cfg["epochs"],
                 "batch_size": cfg["batch_size"], "max_len": cfg["max_len"],
-                "n_train": len(data.train), "n_eval": len(split.queries),
-                "n_docs": len(split.doc_ids), "zero_shot": not data.train,
+                "max_steps": cfg.get("max_steps", 0), "n_train": len(data.train),
+                "n_eval": len(split.queries), "n_docs": len(split.doc_ids),
+                "zero_shot": not data.train,
                 "temperature": float(cfg.get("temperature", TEMPERATURE)) if data.train else None,
                 "fixed_order": bool(cfg.get("fixed_order")), "clip": float(cfg.get("clip", 1.0)),
                 "seconds": round(time.time() - start, 2)})
     if tracker is not None:
         tracker.log({f"eval/{r['metric']}": r["value"] for r in rows}, steps)
     return rows
+
+
+def _score_splits(backbone: torch.nn.Module, data: RetrievalPrepared, cfg: dict[str, Any],
+                  device: torch.device) -> dict[str, tuple[BeirSplit, dict[str, float]]]:
+    """metric suffix -> (split, its scores). Splits over one corpus (the test split and a
+    validation split held out of the training queries) share one encoding of it."""
+    cache = None if data.train else cfg.get("retrieval_cache")
+    corpora: dict[int, torch.Tensor] = {}  # id of a split's document list -> its embeddings
+    out = {}
+    for suffix, split in data.evals.items():
+        docs = corpora.get(id(split.doc_texts))
+        if docs is None:
+            docs = corpora[id(split.doc_texts)] = encode_corpus(
+                backbone, data.tokenizer, split, cfg["max_len"], device, cache)
+        out[suffix] = split, evaluate_split(backbone, data.tokenizer, split, cfg["max_len"],
+                                            device, docs=docs)
+    return out
+
+
+def check_validation(specs: Sequence[TaskSpec], fraction: float) -> None:
+    """Refuse a zero-shot retrieval task in a grid that picks its learning rate on a validation
+    split: nothing is trained, so there are no training queries to hold out, nor an lr."""
+    zero = next((s for s in specs if s.kind == "retrieval" and not s.train_split), None)
+    if fraction and zero is not None:
+        tuned = zero.name[:-len("_zeroshot")]
+        raise UserError(f"task {zero.name} trains nothing, so it has no learning rate to choose "
+                        f"on a validation split (--val-fraction {fraction:g}, set by a --preset "
+                        f"too); score it in a grid without them, or fine-tune it as {tuned}")
 
 
 def check_temperature(results: Path, specs: Sequence[TaskSpec], temperature: float) -> None:

@@ -289,6 +289,9 @@ class TaskSpec:
     test_split: str = ""
     # (predictions, examples) -> {metric: extra fields of its result row} (SQuAD 2.0 thresholds)
     row_extras: Callable[..., dict[str, dict[str, Any]]] | None = None
+    # QA: a question may have no answer (SQuAD 2.0), so decoding may answer "" when the null
+    # ([CLS]) score wins; False (SQuAD 1.1): always the best span
+    unanswerable: bool = False
 
     @property
     def num_outputs(self) -> int:
@@ -384,7 +387,8 @@ TASKS: dict[str, TaskSpec] = {
     "squad_v2": TaskSpec("squad_v2", "qa", ("start", "end"), qa.score_v2,
                          ("squad_v2", "squad_v2.0", "SQuAD2.0", "squad2.0", "SQuAD-v2"),
                          squad_reader("2.0"), (("rajpurkar/squad_v2", None), ("squad_v2", None)),
-                         from_hf_row, _SQUAD_SPLITS, row_extras=qa.thresholds_v2),
+                         from_hf_row, _SQUAD_SPLITS, row_extras=qa.thresholds_v2,
+                         unanswerable=True),
     # BEIR SciFact (Wadden et al. 2020; Thakur et al. 2021): dense retrieval, nDCG@10 on test
     "scifact": retrieval_task("scifact"),
     "scifact_zeroshot": retrieval_task("scifact_zeroshot"),

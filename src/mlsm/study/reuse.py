@@ -148,11 +148,25 @@ def probe_inputs(study: Study, arm: str, frac: float, head: str = "latent") -> d
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac))}
 
 
+def finetune_settings(ft: Any) -> dict[str, Any]:
+    """A study's `finetune:` settings as they decide its cells. max_len 0 (each task kind's own
+    length) is DEFAULT_MAX_LEN when no task is a retrieval task, so a study that leaves max_len
+    unset keeps the stage fingerprint it had while 128 was the default; with a retrieval task
+    it is 0 (the model's own length: other cells than at 128)."""
+    from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN
+    from mlsm.evaluate.tasks import get_task
+
+    values = dataclasses.asdict(ft)
+    if not values["max_len"] and all(get_task(t).kind != "retrieval" for t in ft.tasks):
+        values["max_len"] = DEFAULT_MAX_LEN
+    return values
+
+
 def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
-    """The fine-tuning settings (and where they run: the device follows the executor) and every
-    readiness checkpoint the grid fine-tunes."""
+    """The fine-tuning settings (`finetune_settings`; and where they run: the device follows the
+    executor) and every readiness checkpoint the grid fine-tunes."""
     ft = study.spec.finetune
-    return {"settings": settings_fingerprint({**dataclasses.asdict(ft),
+    return {"settings": settings_fingerprint({**finetune_settings(ft),
                                               "executor": study.spec.executor.kind}),
             "checkpoint": settings_fingerprint({readiness_label(f): checkpoint_fingerprint(
                 study.checkpoint(arm, f)) for f in ft.readiness})}
