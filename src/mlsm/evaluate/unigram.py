@@ -66,6 +66,7 @@ def run_unigram(checkpoint: str | Path) -> tuple[np.ndarray, Any, str]:
     consumes over all its planned steps (its data config, store and order): the same for every
     readiness checkpoint of the run, and for every arm that shares its data seed and budget."""
     from mlsm.artifacts.checkpoint import Checkpoint
+    from mlsm.artifacts.fingerprint import folder_fingerprint
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.run_config import config_from_dict
@@ -75,8 +76,16 @@ def run_unigram(checkpoint: str | Path) -> tuple[np.ndarray, Any, str]:
     tok = store.load_tokenizer()
     vocab = max(len(tok), int(store.meta.get("vocab_size") or 0))
     n = cfg.train.steps * cfg.train.batch_size
-    counts = consumed_counts(BatchSource(store, cfg.data, tok), n, vocab)
-    return counts, tok, f"{n:,} pre-training sequences of {store.path} (data.seed {cfg.data.seed})"
+    # one count per run and store contents: a study's BLiMP stage asks for it once for the
+    # control, once for the held-out baseline and once per readout control
+    key = (folder_fingerprint(store.path), repr(cfg.data), n, vocab)  # by content, not by name
+    if key not in _RUN_COUNTS:
+        _RUN_COUNTS[key] = consumed_counts(BatchSource(store, cfg.data, tok), n, vocab)
+    desc = f"{n:,} pre-training sequences of {store.path} (data.seed {cfg.data.seed})"
+    return _RUN_COUNTS[key].copy(), tok, desc
+
+
+_RUN_COUNTS: dict[tuple, np.ndarray] = {}
 
 
 def unigram_log_probs(checkpoint: str | Path, vocab: int | None = None) -> torch.Tensor:
