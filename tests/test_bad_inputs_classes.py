@@ -304,6 +304,36 @@ def _values_study_unknown_probe_input(tmp, fix):
     return ["study", str(study)], [study], "probe.inputs"
 
 
+def _values_study_unknown_readout_control(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nprobe: {controls: [words]}\n")
+    return ["study", str(study)], [study], "probe.controls"
+
+
+def _values_study_probe_head_not_latent(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nprobe: {head: vocab}\n")
+    return ["study", str(study)], [study], "probe.head must be latent in a study"
+
+
+def _values_study_negative_probe_rank(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nprobe: {rank: -3}\n")
+    return ["study", str(study)], [study], "probe.rank"
+
+
+def _values_probe_unknown_head(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--head", "words"], [fix["mlsm_ckpt"]],
+            "--head")
+
+
+def _values_probe_negative_rank(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--head", "factored", "--rank", "-1"],
+            [fix["mlsm_ckpt"]], "--rank")
+
+
+def _values_probe_control_with_the_loop(tmp, fix):
+    return (["probe", str(fix["mlsm_ckpt"]), "--head", "vocab", "--steps", "2"],
+            [fix["mlsm_ckpt"]], "--head")
+
+
 def _values_study_unknown_arm_flag(tmp, fix):
     study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
     return ["study", str(study), "--arms", "nosuch"], [study], "unknown arm 'nosuch'"
