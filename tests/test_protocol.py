@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,17 @@ def test_carve_is_a_deterministic_partition(n: int, fraction: float) -> None:
     assert (train, val) == carve_validation(n, "sst2", fraction, seed=7)
     if n == 1000:
         assert val != carve_validation(n, "sst2", fraction, seed=8)[1]
+
+
+def test_the_preset_holds_out_five_percent_as_its_paper() -> None:
+    """Gisserot-Boukhlef et al. 2025 (appendix) choose the lr on 5 % of the training set: the
+    preset carves 50 of 1,000 examples, and docs/finetune.md's preset table says the same."""
+    fraction = preset_settings("mlm-vs-clm-2025")["val_fraction"]
+    train, val = carve_validation(1000, "sst2", fraction, seed=0)
+    assert (len(train), len(val)) == (950, 50)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "finetune.md").read_text()
+    stated = re.search(r"validation = (\d+) % of the training set \(`val_fraction=([\d.]+)`", page)
+    assert stated and float(stated[1]) / 100 == float(stated[2]) == fraction
 
 
 def test_validation_comes_from_training_data_only(tmp_path: Path) -> None:
