@@ -172,7 +172,8 @@ def test_cli_preset_with_overrides(tiny: Path, tmp_path: Path) -> None:
     assert (row["preset"], row["head"], row["epochs"], row["batch_size"], row["max_steps"]) == (
         "mlm-vs-clm-2025", preset.values["head"], preset.values["epochs"],
         preset.values["batch_size"], 2)
-    assert row["n_train"] == 36 and row["chosen_lr"] in (1e-3, 2e-3)
+    held_out = round(preset.values["val_fraction"] * 40)  # the validation carved from 40
+    assert row["n_train"] == 40 - held_out and row["chosen_lr"] in (1e-3, 2e-3)
     assert main(["finetune", str(tiny), "--tasks", "sst2", "--preset", "nope", "--results",
                  str(tmp_path / "x.jsonl")]) == 2
 
