@@ -28,8 +28,8 @@ MISATTRIBUTED = re.compile(f"{_BEREND}{_GAP}{_RESULT}|{_RESULT}{_GAP}{_BEREND}")
 # sentences away: the d × k output layer (the Guide's change, its §3.1: Berend used d × (|V| + k))
 # and k ≈ 4d (the Guide's 3072 for d = 768; it says the original implementation used k = 3000).
 # Caught within 450 characters, sentences included, with no mention of the Guide between them.
-_GUIDE_CHOICE = (r"(?:\bd ?[×x] ?k (?:output|projection|latent head|head)|output layer is d ?[×x] ?k\b"
-                 r"|\bk ?[≈=] ?4 ?d\b|\b4d\b)")
+_GUIDE_CHOICE = (r"(?:\bd ?[×x] ?k (?:output|projection|latent head|head)"
+                 r"|output layer is d ?[×x] ?k\b|\bk ?[≈=] ?4 ?d\b|\b4d\b)")
 _FAR = r"(?:(?!Hitchhiker|Guide)[\s\S]){0,450}?"
 # Equation numbers of Berend 2023: no source here holds its text, so none can be checked.
 _EQUATION = r"(?:Eqs?\.|eq\.|equation) ?\(?\d"
