@@ -17,6 +17,7 @@ from mlsm.study.spec import FinetuneSpec, load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 HITCHHIKER = ROOT / "configs" / "hitchhiker"
+PAPER_STUDY = ROOT / "studies" / "paper_table1.yaml"
 
 # arm of studies/paper_table1.yaml -> (recipe, the grid overrides of configs/hitchhiker/README.md)
 PAPER_GRID = {
@@ -36,7 +37,7 @@ def test_paper_study_arms_are_the_hitchhiker_recipes(tmp_path) -> None:
     """Every field of every arm's resolved run config equals `mlsm pretrain --config RECIPE` with
     the README's grid overrides, but for what the study sets: store, run folder, dictionary and
     save_every."""
-    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
+    spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
     assert set(spec.arms) == set(PAPER_GRID)
     study = Study(spec, log=lambda s: None)
     for arm, (recipe, grid) in PAPER_GRID.items():
@@ -53,7 +54,7 @@ def test_paper_study_arms_are_the_hitchhiker_recipes(tmp_path) -> None:
 
 
 def test_paper_study_probe_and_finetuning_are_the_papers(tmp_path) -> None:
-    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
+    spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
     assert (spec.probe.recipe, spec.probe.steps) == ("paper", 10_000)
     # the official finetune_eval.py: one shuffle for every seed, no clipping; dev sets only
     ft = spec.finetune
