@@ -235,8 +235,8 @@ def add_flops(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="student vocabulary (default: the teacher's)")
     p.add_argument("--accounting", choices=["mlsm", "paper"], default="mlsm",
-                   help="paper: the Hitchhikers' Guide's Table 3 (one 128-sequence batch, heads at "
-                   "all positions); "
+                   help="paper: reproduces the Hitchhikers' Guide's Table 3 (inferred from its "
+                   "numbers: one 128-sequence batch, heads at all positions); "
                         "mlsm: ours (global batch, heads at selected positions) [mlsm]")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the "
                    "command line, e.g. train.batch_size=256")
