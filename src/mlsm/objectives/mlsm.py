@@ -1,5 +1,6 @@
 """Masked Latent Semantic Modeling (Berend 2023, "Masked Latent Semantic Modeling: an Efficient
-Pre-training Alternative to Masked Language Modeling", §3).
+Pre-training Alternative to Masked Language Modeling"; as the Hitchhikers' Guide to Masked Latent
+Semantic Modeling describes it, §3).
 
 For every selected position i the target is a distribution over k latent semantic properties:
 the frozen teacher reads the *unmasked* sequence, its layer-l state h_i is ℓ2-normalised and
