@@ -339,6 +339,11 @@ def _values_study_unknown_arm_flag(tmp, fix):
     return ["study", str(study), "--arms", "nosuch"], [study], "unknown arm 'nosuch'"
 
 
+def _values_study_print_with_report(tmp, fix):
+    study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
+    return ["study", "report", str(study), "--print"], [study], "--print shows what a study"
+
+
 def _values_study_negative_eval_jobs(tmp, fix):
     study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\nexecutor: {eval_jobs: -1}\n")
     return ["study", str(study)], [study], "executor.eval_jobs"

@@ -24,6 +24,18 @@ _BEREND = r"Berend,? \(?2023\)?"
 _RESULT = r"(?:Table 3|readiness|Figs?\. ?[246]|l = 10|8\.3 ?M|§4\.3)"
 _GAP = r"(?:(?!Hitchhiker|Guide)(?:[^.;]|\.\d)){0,60}?"
 MISATTRIBUTED = re.compile(f"{_BEREND}{_GAP}{_RESULT}|{_RESULT}{_GAP}{_BEREND}")
+# The Hitchhikers' Guide's own choices, which MLSM prose tends to credit to Berend 2023 a few
+# sentences away: the d × k output layer (the Guide's change, its §3.1: Berend used d × (|V| + k))
+# and k ≈ 4d (the Guide's 3072 for d = 768; it says the original implementation used k = 3000).
+# Caught within 450 characters, sentences included, with no mention of the Guide between them.
+_GUIDE_CHOICE = (r"(?:\bd ?[×x] ?k (?:output|projection|latent head|head)"
+                 r"|output layer is d ?[×x] ?k\b|\bk ?[≈=] ?4 ?d\b|\b4d\b)")
+_FAR = r"(?:(?!Hitchhiker|Guide)[\s\S]){0,450}?"
+# Equation and section numbers of Berend 2023 (its title may stand between): no source here holds
+# its text, so none can be checked.
+_WHERE = r"(?:Eqs?\.|eq\.|equation|§) ?\(?\d"
+FAR_MISATTRIBUTED = re.compile(f"{_BEREND}{_FAR}{_GUIDE_CHOICE}|{_GUIDE_CHOICE}{_FAR}{_BEREND}"
+                               f'|{_BEREND}(?:,? "[^"]{{0,150}}")?,? *(?:§ ?[\\d.]+,? *)?{_WHERE}')
 
 
 def _text(path: Path) -> str:
@@ -34,7 +46,8 @@ def _text(path: Path) -> str:
 
 
 def _misattributions(text: str) -> list[str]:
-    return [m.group(0) for m in MISATTRIBUTED.finditer(text)]
+    return [m.group(0) for pattern in (MISATTRIBUTED, FAR_MISATTRIBUTED)
+            for m in pattern.finditer(text)]
 
 
 @pytest.mark.parametrize("text", [
@@ -45,6 +58,33 @@ def _misattributions(text: str) -> list[str]:
     "Significance is directional, as Berend (2023) reads Fig. 2b/3b and §4.3",
     "The linear probe that gives an MLSM model a vocabulary (Berend 2023, §4.3.1).",
     "MLSM (Berend 2023): bert-base-cased teacher, early exit at layer l = 10, k = 3072.",
+    # issue 53: README.md lines 6-10, docs/objectives.md, models/heads.py, objectives/mlsm.py
+    "In MLSM (Berend 2023) the student does not predict the identity of a masked token over the "
+    "vocabulary. A frozen teacher reads the *unmasked* text; its layer-l hidden state at each "
+    "masked position is ℓ2-normalised and sparse-coded against a dictionary of k latent semantic "
+    "properties (non-negative LASSO). The normalised code is the target distribution, and the "
+    "student learns it with a KL loss through a d × k output layer.",
+    "Berend (2023), who introduced MLSM: the frozen teacher reads the **unmasked** text; its "
+    "layer-l state at each selected position is ℓ2-normalised and sparse-coded against a "
+    "dictionary D (d × k) by a non-negative LASSO (exact active-set solver, KKT-checked); the "
+    "target is p = α / ‖α‖₁ and the loss KL(p ‖ softmax(z)), z from a d × k latent head.",
+    "MLSM's output layer: transform + d x k projection (Berend 2023, §3), no vocabulary.",
+    "Masked Latent Semantic Modeling (Berend 2023, ...). The student predicts z_i = "
+    "latent_head(student(masked input)_i) ∈ R^k and the loss is KL(p_i ‖ softmax(z_i)). The "
+    "output layer is d × k; no vocabulary logits are ever computed.",
+    # k ≈ 4d: defaults.py, demo.py, studies/cpu_replication.yaml and the v1 report, fidelity.md
+    'number of atoms per hidden dimension (Berend 2023, "Masked Latent Semantic Modeling": k ≈ 4d,',
+    "The MLSM arm's teacher layer and k (a third of Berend 2023's 4d = 1536)",
+    "MLSM: the packaged all-MiniLM-L6-v2 teacher, k = 1536 = 4d, lambda = 0.05 (Berend 2023's "
+    "defaults),",
+    "Berend (2023) introduced MLSM: the objective (sparse codes of a frozen teacher's states as "
+    "targets, KL loss over k latent properties), λ = 0.05 and k ≈ 4d.",
+    # equation numbers no source here can check
+    "KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).",
+    "α* = argmin_{α ≥ 0} ½‖x − Dα‖² + λ‖α‖₁                 (Berend 2023, eq. 1)",
+    "The teacher reads *unmasked* text (Berend 2023, §3), so the code of a position depends",
+    'Masked Latent Semantic Modeling (Berend 2023, "Masked Latent Semantic Modeling: an '
+    'Efficient Pre-training Alternative to Masked Language Modeling", §3).',
 ])
 def test_the_pattern_finds_the_old_misattributions(text: str) -> None:
     assert _misattributions(text), text
@@ -54,6 +94,9 @@ def test_the_pattern_finds_the_old_misattributions(text: str) -> None:
     "MLSM (Berend 2023): KL(p ‖ softmax(z)) over k latent properties, λ = 0.05.",
     "Berend (2023) used the teacher's last layer (l = 12). Table 3 is the Hitchhikers' Guide's.",
     "the Hitchhikers' Guide's Table 3; the objective is Berend 2023's.",
+    "a d × k output layer (the Hitchhikers' Guide's change, §3.1; Berend 2023 used d × (|V| + k))",
+    "Berend 2023 used d × (|V| + k); the Hitchhikers' Guide's head is d × k.",
+    "MLSM (Berend 2023) replaces the token by k latent properties, the atoms of D ∈ R^{d×k}.",
 ])
 def test_the_pattern_lets_berend_2023_keep_its_own_results(text: str) -> None:
     assert not _misattributions(text), text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,17 @@ def test_carve_is_a_deterministic_partition(n: int, fraction: float) -> None:
     assert (train, val) == carve_validation(n, "sst2", fraction, seed=7)
     if n == 1000:
         assert val != carve_validation(n, "sst2", fraction, seed=8)[1]
+
+
+def test_the_preset_holds_out_five_percent_as_its_paper() -> None:
+    """Gisserot-Boukhlef et al. 2025 (appendix) choose the lr on 5 % of the training set: the
+    preset carves 50 of 1,000 examples, and docs/finetune.md's preset table says the same."""
+    fraction = preset_settings("mlm-vs-clm-2025")["val_fraction"]
+    train, val = carve_validation(1000, "sst2", fraction, seed=0)
+    assert (len(train), len(val)) == (950, 50)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "finetune.md").read_text()
+    stated = re.search(r"validation = (\d+) % of the training set \(`val_fraction=([\d.]+)`", page)
+    assert stated and float(stated[1]) / 100 == float(stated[2]) == fraction
 
 
 def test_validation_comes_from_training_data_only(tmp_path: Path) -> None:
@@ -160,7 +172,8 @@ def test_cli_preset_with_overrides(tiny: Path, tmp_path: Path) -> None:
     assert (row["preset"], row["head"], row["epochs"], row["batch_size"], row["max_steps"]) == (
         "mlm-vs-clm-2025", preset.values["head"], preset.values["epochs"],
         preset.values["batch_size"], 2)
-    assert row["n_train"] == 36 and row["chosen_lr"] in (1e-3, 2e-3)
+    held_out = round(preset.values["val_fraction"] * 40)  # the validation carved from 40
+    assert row["n_train"] == 40 - held_out and row["chosen_lr"] in (1e-3, 2e-3)
     assert main(["finetune", str(tiny), "--tasks", "sst2", "--preset", "nope", "--results",
                  str(tmp_path / "x.jsonl")]) == 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,24 @@ from mlsm.study.spec import FinetuneSpec, load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 HITCHHIKER = ROOT / "configs" / "hitchhiker"
+PAPER_STUDY = ROOT / "studies" / "paper_table1.yaml"
 
+
+
+def _readme_loop(var: str) -> tuple[int, ...]:
+    """The values of the `for VAR in ...; do` loop of configs/hitchhiker/README.md's grid."""
+    text = (HITCHHIKER / "README.md").read_text(encoding="utf-8")
+    return tuple(int(v) for v in re.search(rf"for {var} in ([\d ]+); do", text)[1].split())
+
+
+# the README's grid: Table 1 / Fig. 2's teacher layers (k = 3072), Table 2's k (l = 10)
+LAYERS, KS = _readme_loop("L"), _readme_loop("K")
 # arm of studies/paper_table1.yaml -> (recipe, the grid overrides of configs/hitchhiker/README.md)
 PAPER_GRID = {
     "mlm": ("mlm", []),
     "kd": ("kd", []),
-    "mlsm_L12_k3072": ("mlsm", ["objective.layer=12"]),
-    "mlsm_l10_k3072": ("mlsm", []),
-    "mlsm_l10_k1536": ("mlsm", []),
-    "mlsm_l10_k6144": ("mlsm", []),
+    **{f"mlsm_l{layer}_k3072": ("mlsm", [f"objective.layer={layer}"]) for layer in LAYERS},
+    **{f"mlsm_l10_k{k}": ("mlsm", []) for k in KS},
     "mtl_l10_kappa025": ("mtl", ["objective.kappa=0.25"]),
     "mtl_l10_kappa05": ("mtl", []),
     "mtl_l10_kappa1": ("mtl", ["objective.kappa=1"]),
@@ -36,8 +46,8 @@ def test_paper_study_arms_are_the_hitchhiker_recipes(tmp_path) -> None:
     """Every field of every arm's resolved run config equals `mlsm pretrain --config RECIPE` with
     the README's grid overrides, but for what the study sets: store, run folder, dictionary and
     save_every."""
-    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
-    assert set(spec.arms) == set(PAPER_GRID)
+    spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
+    assert set(spec.arms) == set(PAPER_GRID)  # the whole grid, no arm more
     study = Study(spec, log=lambda s: None)
     for arm, (recipe, grid) in PAPER_GRID.items():
         study_set = [f"data.store={study.store}", f"train.out={study.run_dir(arm)}",
@@ -45,19 +55,33 @@ def test_paper_study_arms_are_the_hitchhiker_recipes(tmp_path) -> None:
         dictionary = study.dictionary_path(arm)
         if dictionary is not None:
             study_set.append(f"objective.dictionary={dictionary}")
-            k = arm.rsplit("_k", 1)[1] if arm.startswith("mlsm") else "3072"
-            layer = 12 if "L12" in arm else 10
+            layer, k = re.match(r"mlsm_l(\d+)_k(\d+)$", arm).groups() if arm.startswith(
+                "mlsm") else ("10", "3072")
             assert dictionary.name.startswith(f"bert-base-cased_l{layer}_k{k}_lam0.05"), arm
         expected = load_config(HITCHHIKER / f"{recipe}.yaml", [*grid, *study_set])
         assert config_to_dict(study.arm_config(arm)) == config_to_dict(expected), arm
 
 
 def test_paper_study_probe_and_finetuning_are_the_papers(tmp_path) -> None:
-    spec = load_study(ROOT / "studies" / "paper_table1.yaml", out=str(tmp_path / "study"))
+    spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
     assert (spec.probe.recipe, spec.probe.steps) == ("paper", 10_000)
     # the official finetune_eval.py: one shuffle for every seed, no clipping; dev sets only
     ft = spec.finetune
     assert (ft.fixed_order, ft.clip, ft.eval_test) == (True, 0.0, False)
+    assert ft.max_len == 512  # the official finetune_eval.py's model_max_length
+
+
+def test_paper_study_covers_table_1_and_table_2(tmp_path) -> None:
+    """Table 1 / Fig. 2 is the layer ablation (every layer of the README's grid at k = 3072) and
+    Table 2 the k grid at l = 10, each with its own dictionary; read from the resolved arms, not
+    their names."""
+    spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
+    study = Study(spec, log=lambda s: None, create=False)
+    cells = {(study.arm_config(a).objective.layer, spec.arms[a].dictionary["k"])
+             for a in spec.arms if study.arm_config(a).objective.name == "mlsm"}
+    assert {(layer, 3072) for layer in LAYERS} | {(10, k) for k in KS} == cells
+    latent = [a for a in spec.arms if spec.arms[a].dictionary]
+    assert len({study.dictionary_path(a) for a in latent}) == len(LAYERS) + len(KS) - 1
 
 
 def _study(tmp_path: Path, arms: dict, base: dict | None = None) -> Study:

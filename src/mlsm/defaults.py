@@ -1,6 +1,7 @@
 """The MLSM dictionary's defaults, in one place: the teacher layer, λ of the ℓ1 penalty and the
-number of atoms per hidden dimension (Berend 2023, "Masked Latent Semantic Modeling": k ≈ 4d,
-λ = 0.05).
+number of atoms per hidden dimension: k ≈ 4d, as the Hitchhikers' Guide to Masked Latent Semantic
+Modeling's k = 3072 for d = 768 (it says the original implementation of MLSM used k = 3000, the
+official `train_dict.py --num_dict_atoms` default), and λ = 0.05 (the official code's `--lda`).
 
 Torch-free on purpose: the CLI's argument defaults, the study runner, the dictionary learner, the
 teacher loader and the objectives all read these numbers, and `mlsm --help` must stay fast.

@@ -42,8 +42,9 @@ STUDENT = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
 (Geiping & Goldstein 2023 drop it for short budgets too)."""
 STEPS, BATCH, LR, WARMUP = 500, 16, 2e-3, 0.05
 DICTIONARY = {"layer": 3, "k": 512, "lam": 0.05}
-"""The MLSM arm's teacher layer (early exit: 3 of MiniLM's 6 layers) and k (a third of Berend
-2023's 4d = 1536): the teacher's forward and the k x |V| probe dominate the MLSM arm's cost."""
+"""The MLSM arm's teacher layer (early exit: 3 of MiniLM's 6 layers) and k (a third of the
+Hitchhikers' Guide's k ≈ 4d, 4d = 1536 here): the teacher's forward and the k x |V| probe
+dominate the MLSM arm's cost."""
 PAIR_SET = WORD_ORDER_PAIRS
 """The folder of the zero-shot pairs, and so their name in every table, figure and summary line
 (a pair set is named by its folder): word-order pairs of held-out prose, not BLiMP. Under that

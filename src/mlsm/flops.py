@@ -18,8 +18,10 @@ with k = d_t, the teacher's hidden size (d × d + d × d_t), after the teacher's
 
 Two accountings (``accounting=``):
 
-- ``"paper"`` — Table 3 of the *Hitchhikers' Guide to Masked Latent Semantic Modeling*
-  (anonymous, under review; MLSM itself is Berend 2023): one batch of 128 sequences, every head
+- ``"paper"`` — what reproduces Table 3 of the *Hitchhikers' Guide to Masked Latent Semantic
+  Modeling* (anonymous, under review; MLSM itself is Berend 2023), which gives FLOPs per batch
+  without stating the batch's size or where the heads run; our inference, from its numbers: one
+  batch of 128 sequences, every head
   (student and teacher) at all B·T positions as the official HF-model code computes them, and the
   student's DeBERTa relative attention counted: per layer and attention type (c2p, p2c) a
   (B·T × d)·(d × 2s) score product against 2s relative positions, s = min(T,
@@ -203,8 +205,9 @@ def _fmt(x: int) -> str:
 
 
 ACCOUNTING_LABELS = {
-    "paper": "accounting: paper (the Hitchhikers' Guide's Table 3: one batch of 128 sequences, "
-             "heads at all positions, DeBERTa relative attention counted)",
+    "paper": "accounting: paper (reproduces the Hitchhikers' Guide's Table 3; inferred from its "
+             "numbers: one batch of 128 sequences, heads at all positions, DeBERTa relative "
+             "attention counted)",
     "mlsm": "accounting: mlsm (ours: the recipe's global batch, heads at the selected "
             "positions only, relative attention not counted)",
 }

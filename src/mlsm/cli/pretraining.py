@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mlsm.cli.args import (
     device,
@@ -19,6 +20,9 @@ from mlsm.dictionary_config import TEACHER_INITS
 from mlsm.errors import UserError
 from mlsm.inputs import check_apart
 from mlsm.limits import MAX_DOC_BYTES
+
+if TYPE_CHECKING:
+    from mlsm.study.spec import StudySpec
 
 
 def add_demo(sub: argparse._SubParsersAction) -> Callable:
@@ -231,8 +235,8 @@ def add_flops(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="student vocabulary (default: the teacher's)")
     p.add_argument("--accounting", choices=["mlsm", "paper"], default="mlsm",
-                   help="paper: the Hitchhikers' Guide's Table 3 (one 128-sequence batch, heads at "
-                   "all positions); "
+                   help="paper: reproduces the Hitchhikers' Guide's Table 3 (inferred from its "
+                   "numbers: one 128-sequence batch, heads at all positions); "
                         "mlsm: ours (global batch, heads at selected positions) [mlsm]")
     p.add_argument("overrides", nargs="*", help="group.key=value overrides, anywhere on the "
                    "command line, e.g. train.batch_size=256")
@@ -325,6 +329,9 @@ def add_study(sub: argparse._SubParsersAction) -> Callable:
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="run the stages of these arms only (default: every arm of the study); "
                         "what each subprocess of a local study with executor.jobs > 1 runs")
+    p.add_argument("--print", action="store_true", dest="dry_run",
+                   help="run nothing, write nothing: print every arm's resolved run config and "
+                        "the stages it would run (with --stages / --arms: those only), as YAML")
     return _study
 
 
@@ -337,6 +344,12 @@ def _study(a: argparse.Namespace) -> None:
         raise UserError("pass one study file: mlsm study STUDY.yaml (or mlsm study "
                         "report STUDY.yaml)")
     spec = load_study(files[0], out=a.out)
+    if a.dry_run:
+        if report_only or a.to:
+            raise UserError("--print shows what a study would run; drop `report`, "
+                            "--report-only and --to (mlsm study STUDY.yaml --print)")
+        _print_plan(spec, a)
+        return
     if a.to:
         if not report_only:
             raise UserError("--to writes a report only: mlsm study report STUDY.yaml --to DIR")
@@ -347,6 +360,16 @@ def _study(a: argparse.Namespace) -> None:
     report = run_study(spec, stages=["report"] if report_only else a.stages or None,
                        arms=a.arms)
     print(f"study folder: {spec.root}" + (f"; report: {report}" if report else ""))
+
+
+def _print_plan(spec: StudySpec, a: argparse.Namespace) -> None:
+    import yaml
+
+    from mlsm.study.plan import study_plan
+
+    plan = study_plan(spec, stages=a.stages, arms=a.arms)
+    print(f"# mlsm study --print: the plan of {spec.name}; nothing was run or written")
+    print(yaml.safe_dump(plan, sort_keys=False, allow_unicode=True, width=100), end="")
 
 
 VERBS = [add_demo, add_prepare, add_train_tokenizer, add_dictionary,

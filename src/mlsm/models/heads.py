@@ -47,7 +47,8 @@ def mlm_head_fn(model: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor
 
 
 class LatentHead(nn.Module):
-    """MLSM's output layer: transform + d x k projection (Berend 2023, §3), no vocabulary."""
+    """MLSM's output layer: transform + d x k projection, no vocabulary: the Hitchhikers' Guide's
+    change (its §3.1; Berend 2023 used an output layer of d x (|V| + k), `mlsm_naive`)."""
 
     def __init__(self, d: int, k: int, eps: float = 1e-12):
         super().__init__()

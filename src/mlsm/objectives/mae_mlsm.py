@@ -4,7 +4,7 @@
 New in this toolkit (none of the anchors has it). The encoder never sees the selected positions;
 the shallow decoder rebuilds the full length from the encoder outputs plus [MASK] embeddings, and
 MLSM's latent head on the *decoder* output predicts the sparse-code distribution of the frozen
-teacher's layer-l state at each selected position; loss = KL(p ‖ softmax(z)) (Berend 2023, Eq. 2).
+teacher's layer-l state at each selected position; loss = KL(p ‖ softmax(z)) (MLSM's, Berend 2023).
 As for MAE-LM, the decoder is not part of the evaluated model, so the checkpoint is evaluated by
 fine-tuning only: a k -> |V| probe on encoder states would read them with a head trained on
 decoder states (`scored_by_pll = False`).

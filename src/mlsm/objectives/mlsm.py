@@ -1,11 +1,14 @@
 """Masked Latent Semantic Modeling (Berend 2023, "Masked Latent Semantic Modeling: an Efficient
-Pre-training Alternative to Masked Language Modeling", §3).
+Pre-training Alternative to Masked Language Modeling"; as the Hitchhikers' Guide to Masked Latent
+Semantic Modeling describes it, §3).
 
 For every selected position i the target is a distribution over k latent semantic properties:
 the frozen teacher reads the *unmasked* sequence, its layer-l state h_i is ℓ2-normalised and
 sparse-coded against the dictionary D (non-negative LASSO, λ), and p_i = α_i / ‖α_i‖₁. The
 student predicts z_i = latent_head(student(masked input)_i) ∈ R^k and the loss is
-KL(p_i ‖ softmax(z_i)). The output layer is d × k; no vocabulary logits are ever computed.
+KL(p_i ‖ softmax(z_i)). The output layer over the k properties is the Hitchhikers' Guide's d × k
+(its §3.1; Berend 2023 used d × (|V| + k), as `mlsm_naive` does): no vocabulary logits are ever
+computed.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ class TargetCoder:
 
 def latent_kl(head: nn.Module, hidden: torch.Tensor, codes: torch.Tensor,
               count_zero: bool = False) -> ObjectiveOutput:
-    """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (Berend 2023, Eq. 2).
+    """KL(p ‖ softmax(z)) summed over targets, p = codes / ‖codes‖₁ (MLSM's loss, Berend 2023).
 
     head: the latent head (N, d) -> (N, k); hidden: (N, d) student states at the selected
     positions; codes: (N, k). Positions whose code is all zero carry no target and are dropped

@@ -1,6 +1,6 @@
 """MLSM as the official implementation does it — kept as the comparison point for speed.
 
-Same targets and loss as `mlsm` (Berend 2023, Eq. 2), computed the straightforward way:
+Same targets and loss as `mlsm` (MLSM's, Berend 2023), computed the straightforward way:
 - the teacher is loaded whole (AutoModelForMaskedLM when its checkpoint has an MLM head, else
   AutoModel) and runs every layer, its vocabulary logits included, with output_hidden_states;
   layer l is then picked out of the tuple (no early exit);

@@ -41,12 +41,15 @@ class Study:
     """Paths and bookkeeping of one study folder."""
 
     def __init__(self, spec: StudySpec, log: Callable[[str], None] = print,
-                 in_job: bool = False):
+                 in_job: bool = False, create: bool = True):
+        """create: make the study folder (False: only resolve paths and configs, as
+        `mlsm study --print` does, which writes nothing)."""
         self.spec = spec
         self.in_job = in_job  # inside a slurm job of the study: stages run here, never as jobs
         self.root = spec.root
         self._log, self._log_lock = log, threading.Lock()
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
         self._child_cpu = threading.local()
         self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
 

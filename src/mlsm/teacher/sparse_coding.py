@@ -2,7 +2,7 @@
 
 For every row x of X (ℓ2-normalised teacher states) and a dictionary D ∈ R^{d×k} we solve
 
-    α* = argmin_{α ≥ 0} ½‖x − Dα‖² + λ‖α‖₁                 (Berend 2023, eq. 1)
+    α* = argmin_{α ≥ 0} ½‖x − Dα‖² + λ‖α‖₁                 (MLSM's codes, Berend 2023)
 
 *exactly up to a tolerance on the KKT conditions*, not for a fixed number of iterations.
 With g = Dᵀ(x − Dα) − λ the optimality conditions of this problem are

@@ -1,6 +1,6 @@
 """Target store: MLSM's sparse codes for every token of a token store, computed once.
 
-The teacher reads *unmasked* text (Berend 2023, §3), so the code of a position depends only on the
+The teacher reads *unmasked* text (MLSM, Berend 2023), so the code of a position depends only on the
 tokens of its packed chunk — not on which positions a run masks, nor on the step or the objective.
 `build_target_store` therefore runs teacher + sparse coding once over every packed chunk
 (`BatchSource.chunk_tokens`, chunk c = the c-th max_len window of the store) and keeps the code of

@@ -1,7 +1,7 @@
 """The frozen auxiliary teacher of MLSM: hidden states of layer l, computing layers 1..l only.
 
 MLSM's targets are sparse codes of the teacher's layer-l states on the *unmasked* input (Berend
-2023, §3, who used the last layer); l < L works better (l = 10 of 12: the Hitchhikers' Guide to
+2023, who used the last layer); l < L works better (l = 10 of 12: the Hitchhikers' Guide to
 Masked Latent Semantic Modeling, anonymous, under review), and only layers 1..l are needed, so the
 teacher keeps just those ("early exit"): the transformer blocks after l are removed from the model
 at load time, which also frees their memory. Layer numbering follows HF's `hidden_states`: 0 =
