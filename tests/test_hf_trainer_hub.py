@@ -97,3 +97,26 @@ def test_trainer_checkpoint_records_the_block_length(store_dir, teacher_dir, dic
                  "--format", "sentence-transformers"]) == 0
     st = json.loads((export / "sentence_bert_config.json").read_text())
     assert st["max_seq_length"] == BLOCK
+
+
+def _cell_text(value: object) -> str:
+    return str(getattr(value, "value", value))  # an Enum (SchedulerType) by its value
+
+
+def test_docs_table_of_defaults_is_both_libraries_own(tmp_path) -> None:
+    """docs/huggingface.md's table of the Trainer defaults that differ from mlsm's: every row
+    names each side's real default (TrainingArguments' and OptimConfig's)."""
+    from mlsm.config import OptimConfig
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "huggingface.md").read_text()
+    section = doc.split("## Trainer defaults that differ from mlsm's")[1].split("\n## ")[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines()
+            if line.startswith("| `") and "TrainingArguments" not in line]
+    assert len(rows) >= 5
+    hf, ours = TrainingArguments(output_dir=str(tmp_path)), OptimConfig()
+    for row in rows:
+        names, default, key, mine = (c.strip() for c in row[:4])
+        fields = [n.strip(" `") for n in names.split(",")]
+        assert default == ", ".join(_cell_text(getattr(hf, f)) for f in fields), names
+        assert mine == _cell_text(getattr(ours, key.strip("`").split(".")[1])), key
+    assert "adam_epsilon" in section and "warmup_steps" in section
