@@ -80,6 +80,12 @@ def test_run_mlm_script_ends_with_a_model_card_and_tensorboard_holds_mlsm_metric
     scalars = _scalars(out)
     for name in MLSM_METRICS:
         assert scalars.get(f"train/{name}") == pytest.approx([h[name] for h in logged]), name
+    # `mlsm export` of the same folder: a card with no blanks ("None") and no base model (the
+    # student started from a config; the teacher is no base model)
+    assert main(["export", str(out), "--out", str(tmp_path / "hub")]) == 0
+    text = (tmp_path / "hub" / "README.md").read_text()
+    assert "None" not in text and "base_model" not in yaml.safe_load(text.split("---\n")[1])
+    assert "- `trainer.lr_scheduler_type`: \"linear\"" in text
 
 
 def test_trainer_checkpoint_records_the_block_length(store_dir, teacher_dir, dictionary_path,
@@ -120,3 +126,32 @@ def test_docs_table_of_defaults_is_both_libraries_own(tmp_path) -> None:
         assert default == ", ".join(_cell_text(getattr(hf, f)) for f in fields), names
         assert mine == _cell_text(getattr(ours, key.strip("`").split(".")[1])), key
     assert "adam_epsilon" in section and "warmup_steps" in section
+
+
+def test_export_takes_a_folder_the_plain_trainer_saved(store_dir, tmp_path) -> None:
+    """`mlsm export` of a checkpoint-N folder written by `transformers.Trainer` with its own MLM
+    collator (no checkpoint.json): the export loads in AutoModelForMaskedLM with the folder's
+    own logits, and the card states what the folder tells (its step) and nothing it does not."""
+    import torch
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    tok = TokenStore.open(store_dir).load_tokenizer()
+    model = AutoModelForMaskedLM.from_config(
+        AutoConfig.for_model("bert", vocab_size=len(tok), **TINY_MODEL))
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=1,
+                             per_device_train_batch_size=BATCH, save_strategy="steps",
+                             save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=_blocks(store_dir), processing_class=tok,
+            data_collator=DataCollatorForLanguageModeling(tok)).train()
+    folder = tmp_path / "hf" / "checkpoint-1"
+    assert not (folder / "checkpoint.json").exists()
+    out = tmp_path / "hub"
+    assert main(["export", str(folder), "--out", str(out)]) == 0
+    ids = torch.tensor([tok("the cat sat on the mat.")["input_ids"]])
+    mine, theirs = (AutoModelForMaskedLM.from_pretrained(f).eval() for f in (out, folder))
+    with torch.no_grad():
+        assert torch.equal(mine(input_ids=ids).logits, theirs(input_ids=ids).logits)
+    text = (out / "README.md").read_text()
+    assert "step 1" in text and "objective | unknown" in text and "None" not in text
+    assert json.loads((out / "mlsm.json").read_text())["step"] == 1
+    assert not (out / "config.yaml").exists()  # no mlsm run configuration to ship

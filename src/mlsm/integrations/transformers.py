@@ -373,11 +373,12 @@ class MLSMTrainer(Trainer):
         module = self.accelerator.unwrap_model(self.model)
         # from_pretrained records its source; a model built from a config has none
         start = getattr(module.student.config, "_name_or_path", "") or None
+        scheduler = args.lr_scheduler_type  # an Enum: its value ("linear")
         # with the facts readers need (latent head, PLL refusal), as mlsm's own loop writes them
         return ckpt.with_facts({
             "step": step, "readiness": step / cfg.train.steps, "objective": cfg.objective.name,
             "run": str(args.output_dir),
             "tokens": step * cfg.train.batch_size * cfg.data.max_len,
             "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
-            "base_model": start, "lr_scheduler": str(args.lr_scheduler_type),
+            "base_model": start, "lr_scheduler": str(getattr(scheduler, "value", scheduler)),
             "training_args": json.loads(args.to_json_string())})
