@@ -207,6 +207,7 @@ def test_example_script_runs(store_dir, tokenizer_dir, teacher_dir, dictionary_p
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "checkpoint.json").is_file() and (out / "heads.safetensors").is_file()
+    assert "generated_from_trainer" in (out / "README.md").read_text()  # create_model_card()
 
 
 def _same_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
