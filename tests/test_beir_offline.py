@@ -12,7 +12,13 @@ import pytest
 pytest.importorskip("sentence_transformers")
 
 from sentence_transformers import SentenceTransformer  # noqa: E402
-from sentence_transformers.evaluation import InformationRetrievalEvaluator  # noqa: E402
+
+try:  # sentence-transformers 6 moved it (the old path warns)
+    from sentence_transformers.sentence_transformer.evaluation import (
+        InformationRetrievalEvaluator,
+    )
+except ImportError:  # sentence-transformers < 6
+    from sentence_transformers.evaluation import InformationRetrievalEvaluator
 
 from mlsm.artifacts.results_file import read_results  # noqa: E402
 from mlsm.evaluate.beir import read_beir  # noqa: E402
