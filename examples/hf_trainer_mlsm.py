@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--tiny", action="store_true", help="a 2-layer 32-wide student (smoke test)")
+    p.add_argument("--report-to", default="none", help="the Trainer's trackers (tensorboard, "
+                   "wandb, ...): the loss and the objective's metrics (kl, nnz, ...)")
     a = p.parse_args()
 
     from mlsm.teacher.teacher import default_teacher_path
@@ -66,7 +68,7 @@ def main() -> None:
                              per_device_train_batch_size=a.batch_size, learning_rate=a.lr,
                              weight_decay=0.01, warmup_steps=0.02, lr_scheduler_type="linear",
                              logging_steps=10, save_steps=max(1, a.max_steps // 4),
-                             report_to=[])
+                             report_to=a.report_to)
     objective = {"name": a.objective}  # MLSM
     if a.objective in ("mlsm", "mtl"):  # MLSM
         objective.update(dictionary=a.dictionary, teacher=a.teacher)  # MLSM
@@ -77,6 +79,8 @@ def main() -> None:
                           processing_class=tokenizer, objective=objective)  # MLSM
     trainer.train()
     trainer.save_model()  # an mlsm checkpoint: HF folder + heads + checkpoint.json
+    # run_mlm.py's last step; `trainer.push_to_hub()` would upload this folder with its card
+    trainer.create_model_card()
 
 
 if __name__ == "__main__":

@@ -151,6 +151,27 @@ def _content_export_checkpoint_json_torn(tmp, fix):
     return ["export", str(ckpt), "--out", str(tmp / "e")], [ckpt], "checkpoint.json is torn"
 
 
+def _hf_folder(tmp, fix):
+    """An HF model folder with no checkpoint.json, as the plain Trainer leaves one."""
+    folder = _copy(fix["teacher_dir"], tmp / "hf")
+    (folder / "checkpoint.json").unlink()
+    return folder
+
+
+def _content_export_trainer_state_torn(tmp, fix):
+    """`mlsm export` of any HF folder reads the Trainer's trainer_state.json for the card."""
+    folder = _hf_folder(tmp, fix)
+    _write(folder / "trainer_state.json", '{"global_step": ')
+    return ["export", str(folder), "--out", str(tmp / "e")], [folder], "trainer_state.json is torn"
+
+
+def _content_export_hf_folder_without_safetensors(tmp, fix):
+    folder = _hf_folder(tmp, fix)
+    (folder / "model.safetensors").rename(folder / "weights.bak")
+    return (["export", str(folder), "--out", str(tmp / "e")], [folder],
+            ("no model.safetensors", "save_pretrained"))
+
+
 def _content_export_run_json_torn(tmp, fix):
     """run.json (the git revision of each training segment) is read for the card."""
     run = _copy(fix["mlsm_ckpt"].parent.parent, tmp / "run")

@@ -17,6 +17,7 @@ from mlsm.cli import main
 from mlsm.errors import UserError
 from mlsm.evaluate.probe import ProbeScorer, run_probe
 from mlsm.export import export_checkpoint, push_to_hub
+from mlsm.model_card import model_card
 from mlsm.run_config import load_config
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.targets import dictionary_hash
@@ -94,18 +95,16 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
         == 0
     )
     assert not (out / "training_state.pt").exists() and (out / "config.yaml").is_file()
-    mlm, info = _load(AutoModelForMaskedLM, out)
-    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    mlm, info = _load(AutoModelForMaskedLM, out)  # the pipeline's class: nothing to report
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
     reference, _ = _load(AutoModelForMaskedLM, ckpt)
     with torch.no_grad():
         assert torch.equal(
             mlm(input_ids=IDS, attention_mask=MASK).logits,
             reference(input_ids=IDS, attention_mask=MASK).logits,
         )
-    encoder, info = _load(AutoModel, out)
-    assert (
-        info["missing_keys"] == set()
-    )  # the untrained pooler is shipped, so nothing is initialised at load
+    encoder, info = _load(AutoModel, out)  # BertModel: only its (never trained) pooler is new
+    assert {k.split(".")[0] for k in info["missing_keys"]} <= {"pooler"}
     with torch.no_grad():
         assert torch.equal(
             encoder(input_ids=IDS, attention_mask=MASK).last_hidden_state,
@@ -115,16 +114,13 @@ def test_mlm_export_loads_with_same_logits_and_a_parsable_card(store_dir, tmp_pa
     assert header["library_name"] == "transformers" and header["license"] == "mit"
     assert header["pipeline_tag"] == "fill-mask" and "mlsm" in header["tags"]
     store_fp = json.loads((store_dir / "meta.json").read_text())["fingerprint"]
-    assert store_fp in body and "pooler" in body
+    assert store_fp in body
     table = body.split("## Fine-tuning results")[1].split("##")[0]
     assert "**ours** (this model) | 30.00 ± 0.00" in table and "| other | 20.00 ± 0.00" in table
-    # a second export replaces the first (same pooler: the seed is fixed);
-    # a foreign folder is refused
+    # a second export replaces the first; a foreign folder is refused
     export_checkpoint(ckpt, out)
-    assert torch.equal(
-        load_file(out / "model.safetensors")["bert.pooler.dense.weight"],
-        encoder.pooler.dense.weight,
-    )
+    shipped = load_file(out / "model.safetensors")
+    assert shipped.keys() == load_file(ckpt / "model.safetensors").keys()
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="is not an mlsm export"):
@@ -209,6 +205,19 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(
     assert dictionary_hash(load_dictionary(dictionary_path)) in body and str(teacher_dir) in body
     provenance = json.loads((out / "mlsm.json").read_text())
     assert provenance["probe"] == str(probe_ckpt) and provenance["dictionary"]["k"] == 64
+    # the card says what the records say: the title names the objective once, the teacher's
+    # layer is the dictionary's (objective.layer -1), nothing reads "None", the run's
+    # hyperparameters are listed, and a teacher is never the base model, Hub id or not
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert body.lstrip().startswith("# MLSM encoder\n") and "None" not in body
+    assert f"{teacher_dir} (layer {provenance['dictionary']['layer']})" in body
+    assert f"- `optim.lr`: {cfg['optim']['lr']}" in body and "- `train.steps`: 3" in body
+    hub_teacher = {**provenance, "teacher": {"name": "sentence-transformers/all-MiniLM-L6-v2",
+                                             "layer": 3}}
+    assert "base_model" not in yaml.safe_load(model_card(hub_teacher, out).split("---\n")[1])
+    started = {**hub_teacher, "base_model": "bert-base-cased"}
+    assert yaml.safe_load(model_card(started, out).split("---\n")[1])["base_model"] \
+        == "bert-base-cased"
     with pytest.raises(UserError, match="not a probe of"):
         export_checkpoint(ckpt, tmp_path / "x", probe=ckpt)
 

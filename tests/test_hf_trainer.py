@@ -123,6 +123,15 @@ def test_one_trainer_step_is_one_pretrain_step(name, store_dir, teacher_dir, dic
             _same_update(a[key], b[key], key)
     info = json.loads((mine / "checkpoint.json").read_text())
     assert (info["step"], info["objective"], info["readiness"]) == (1, name, 1.0)
+    # the Trainer's own reporting carries mlsm's numbers: the objective's metrics (kl, nnz, ...)
+    # as metrics.jsonl logs them, and total_flos = the FLOPs `mlsm pretrain` counts per step
+    record, logged = read_metrics(run)[0], trainer.state.log_history[0]
+    own = set(record) - {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens",
+                         "n_targets", "batch_digest", "flops_per_step", "flops_per_s", "mfu"}
+    assert own and own <= set(logged), (own, logged)
+    for key in own:
+        assert logged[key] == pytest.approx(record[key], rel=1e-5, abs=1e-7), key
+    assert trainer.state.total_flos == pytest.approx(record["flops_per_step"], rel=1e-9)
 
 
 def test_collator_masks_as_mlsm(store_dir) -> None:
@@ -198,6 +207,7 @@ def test_example_script_runs(store_dir, tokenizer_dir, teacher_dir, dictionary_p
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "checkpoint.json").is_file() and (out / "heads.safetensors").is_file()
+    assert "generated_from_trainer" in (out / "README.md").read_text()  # create_model_card()
 
 
 def _same_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None:

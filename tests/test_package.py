@@ -3,6 +3,7 @@ carries every module (the installed `mlsm demo` needs nothing from the source tr
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -50,8 +51,9 @@ def test_changelog_has_this_version() -> None:
 
 def test_wheel_carries_every_module(tmp_path: Path) -> None:
     """`python -m build --wheel` (no isolation: offline) on a copy of the tree: the wheel holds
-    every module of src/mlsm, the `mlsm` entry point and the licence, at this version; src/mlsm
-    holds nothing but modules (package data would need declaring)."""
+    every module of src/mlsm, the `mlsm` entry point, the licence and the PEP 561 marker
+    (py.typed), at this version; src/mlsm holds nothing but modules and the package data
+    pyproject declares."""
     pytest.importorskip("build")
     for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy2(ROOT / name, tmp_path / name)
@@ -68,8 +70,13 @@ def test_wheel_carries_every_module(tmp_path: Path) -> None:
     src = tmp_path / "src"
     modules = {p.relative_to(src).as_posix() for p in src.rglob("*.py")}
     assert modules and modules <= names, sorted(modules - names)[:5]
-    other = [p for p in (src / "mlsm").rglob("*") if p.is_file() and p.suffix != ".py"]
-    assert not other, f"package data not declared in pyproject: {other[:3]}"
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["mlsm"]
+    other = [p.relative_to(src / "mlsm").as_posix() for p in (src / "mlsm").rglob("*")
+             if p.is_file() and p.suffix != ".py"]
+    assert set(other) == set(declared), f"package data not declared in pyproject: {other[:3]}"
+    assert {f"mlsm/{name}" for name in declared} <= names and "mlsm/py.typed" in names
     dist_info = f"{stem}-{mlsm.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
     entry = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
@@ -104,3 +111,56 @@ def test_installs_are_from_the_clone_under_the_name_the_docs_give() -> None:
                 from_index.append(f"{path.relative_to(ROOT)}: pip install{words}")
     assert not from_index, from_index
     assert name in yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))["message"]
+
+
+# the repository's own output folders, which no shipped test may expect to find
+_OUTPUTS = {"runs"}
+_CHAIN = re.compile(r'(?:ROOT|parents\[1\])((?:\s*/\s*"[^"]+")+)')
+
+
+def test_sdist_ships_what_its_tests_read_and_no_study_results(tmp_path: Path) -> None:
+    """`python -m build --sdist` (no isolation: offline) on a copy of the tree: the metadata has
+    authors, keywords and classifiers; the published study results (megabytes) stay out, the
+    package's type marker is in; and every repository path a shipped test names (ROOT / NAME /
+    ...) is in the sdist, so its tests run from it (tests of the repository itself, which read
+    benchmarks/ or the study pages, are not shipped)."""
+    pytest.importorskip("build")
+    import tarfile
+
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", "runs", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache",
+        "dist", "build"))
+    done = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation",
+                           "--outdir", str(tmp_path / "dist"), str(tree)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    (top,) = (tmp_path / "x").iterdir()
+    meta = (top / "PKG-INFO").read_text()
+    assert "Author: the mlsm developers" in meta and "Keywords:" in meta
+    assert "Classifier: Typing :: Typed" in meta and (top / "src" / "mlsm" / "py.typed").is_file()
+    results = [p for p in (top / "docs" / "results").rglob("*") if p.is_file()]
+    assert all(p.relative_to(top / "docs" / "results").parts[0] == "demo" for p in results)
+    docs = sum(p.stat().st_size for p in (top / "docs").rglob("*") if p.is_file())
+    assert docs < 2_000_000, f"docs/ weighs {docs:,} bytes in the sdist"
+    missing = []
+    for test in sorted((top / "tests").glob("*.py")):
+        for chain in _CHAIN.findall(test.read_text(encoding="utf-8")):
+            parts = re.findall(r'"([^"]+)"', chain)
+            if parts[0] not in _OUTPUTS and not (top.joinpath(*parts)).exists():
+                missing.append(f"{test.name}: {'/'.join(parts)}")
+    assert not missing, missing
+    assert (top / "tests" / "test_hf_trainer_hub.py").is_file()  # the package's tests ship
+    # from the unpacked sdist: every shipped test module imports, and the docs' links resolve
+    env = {**os.environ, "PYTHONPATH": str(top / "src")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_docs_truth.py", "-k", "relative_links"],
+                         cwd=top, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:]
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--collect-only"], cwd=top, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert listed.returncode == 0, listed.stdout[-2000:]

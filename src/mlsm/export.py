@@ -6,8 +6,14 @@ and probe (heads.safetensors + heads.json) when the objective has them, the run'
 YAML header is the Hub's metadata. Nothing needed only for resuming (optimizer state) is copied.
 
 Pre-training never trains the encoder's pooler (BERT's next-sentence head), so the checkpoint has
-none and `AutoModel` would report it missing; the export adds the pooler HF's own initialiser
-gives it under a fixed seed, so the folder loads without missing keys and the same way every time.
+none. A masked-LM export ships none either (its class, `AutoModelForMaskedLM`, has none: a shipped
+pooler would be reported unexpected on every load); an encoder-only export gets the pooler HF's own
+initialiser gives it under a fixed seed, so `AutoModel` loads it without missing keys and the same
+way every time.
+
+Any HF encoder folder exports too (one the plain `Trainer` saved, say): with no checkpoint.json,
+the card says what the folder itself tells (architecture, the Trainer's trainer_state.json) and
+marks the rest unknown.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from mlsm.fileio import building_dir
 from mlsm.hf import load_config
 from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
+from mlsm.model_card import model_card
 from mlsm.models.heads import read_latent_head
 
 EXPORT_FORMAT = "mlsm-export"
@@ -63,6 +70,34 @@ def open_checkpoint(spec: str | Path, fields: dict[str, str] | None = None) -> C
     return ck
 
 
+def _hf_folder_info(ck: Checkpoint) -> dict[str, Any]:
+    """What an HF model folder with no checkpoint.json tells of itself, in checkpoint.json's shape:
+    step and readiness from the Trainer's trainer_state.json when there is one, else nothing."""
+    folder = ck.folder
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} is neither an mlsm checkpoint (no checkpoint.json) nor an HF "
+                        "model folder (no config.json); pass a run directory, a "
+                        "<run>/checkpoints/step-* folder or a folder saved by save_pretrained")
+    if not any(shipped(f) and f.name.endswith(".safetensors") for f in folder.iterdir()):
+        raise UserError(f"{folder} has no model.safetensors; save the model with "
+                        "save_pretrained (safetensors, the default) and export that folder")
+    state: dict[str, Any] = {}
+    if (folder / TRAINER_STATE).is_file():
+        state = read_json(folder / TRAINER_STATE, "Trainer state", "delete it or pass the folder "
+                          "save_model wrote", fields={"global_step": "int?", "max_steps": "int?",
+                                                      "num_input_tokens_seen": "int?"})
+    step, total = state.get("global_step"), state.get("max_steps")
+    tokens = state.get("num_input_tokens_seen") or None
+    return {"step": step, "readiness": step / total if step is not None and total else None,
+            "tokens": tokens, "objective": None, "run": None, "config": {},
+            "trainer_state": {k: state[k] for k in _TRAINER_FIGURES if k in state}}
+
+
+TRAINER_STATE = "trainer_state.json"  # transformers.Trainer's, in each checkpoint-N folder
+_TRAINER_FIGURES = ("global_step", "max_steps", "num_train_epochs", "train_batch_size",
+                    "total_flos", "num_input_tokens_seen")
+
+
 def resolve_checkpoint(spec: str | Path) -> Path:
     """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
     return open_checkpoint(spec).folder
@@ -81,8 +116,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     if normalize and format != st.FORMAT:
         raise UserError("--normalize applies to --format sentence-transformers; add that flag "
                         "or drop --normalize")
-    ck = open_checkpoint(checkpoint, _READS)
-    folder, info = ck.folder, ck.info
+    ck = Checkpoint.open(checkpoint)
+    if ck.kind == "hf":  # any HF encoder folder: what it tells of itself
+        info = _hf_folder_info(ck)
+    else:
+        ck = open_checkpoint(checkpoint, _READS)
+        info = ck.info
+    folder = ck.folder
     out = Path(out)
     check_apart(out, "--out", {"checkpoint": folder, "--probe": probe, "--results": results},
                 contains=True)
@@ -101,20 +141,44 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
         for name in ("heads.safetensors", "heads.json"):
             if (heads_from.folder / name).is_file():
                 shutil.copy2(heads_from.folder / name, tmp / name)
-        pooler = _add_missing_base_weights(tmp)
+        masked_lm = _architecture(folder).endswith("ForMaskedLM")
+        # its class has no pooler: shipping one makes every AutoModelForMaskedLM load report it
+        pooler = [] if masked_lm else _add_missing_base_weights(tmp)
         provenance = _provenance(info, folder, probe_folder, pooler)
         # the facts readers need, as the checkpoints recorded them: no reader imports objectives
         provenance.update(latent_head=heads_from.latent_head, pll_refusal=ck.pll_refusal)
         if format == st.FORMAT:
             provenance["sentence_transformers"] = st.write_modules(
                 tmp, hidden_size=int(load_config(str(tmp)).hidden_size),  # any family's name
-                max_seq_length=int(info["config"].get("data", {}).get("max_len", 128)),
+                max_seq_length=_max_len(info, tmp),
                 normalize=normalize)
         (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
-        (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
+        if info["config"]:  # an HF folder has no mlsm config
+            (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
         (tmp / "README.md").write_text(
             model_card(provenance, tmp, results=results, license=license))
     return out
+
+
+def _max_len(info: dict[str, Any], folder: Path) -> int:
+    """The sequence length trained on (data.max_len), else the folder's own limit (the
+    tokenizer's model_max_length, the position table), else 128."""
+    data = info["config"].get("data", {})
+    if "max_len" in data:
+        return int(data["max_len"])
+    tokenizer = folder / "tokenizer_config.json"
+    limit = json.loads(tokenizer.read_text()).get("model_max_length") if tokenizer.is_file() \
+        else None
+    if isinstance(limit, int) and 0 < limit < 100_000:  # HF writes ~1e30 for "no limit"
+        return limit
+    return int(getattr(load_config(str(folder)), "max_position_embeddings", 128) or 128)
+
+
+def _architecture(folder: Path) -> str:
+    """The first class config.json's `architectures` names ("?" when it names none)."""
+    config = read_json(folder / "config.json", "model config", _FIX_CKPT,
+                       fields={"architectures": "list?"})
+    return next((a for a in config.get("architectures") or [] if isinstance(a, str)), "?")
 
 
 # what an HF model folder holds (config, weights, tokenizer): the only checkpoint files exported
@@ -222,9 +286,11 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         source = open_checkpoint(objective["checkpoint"], {
             "config.objective": "object", **{f"config.objective.{k}": "text?" for k in _OPTIONS},
             "config.objective.layer": "int?"}).section("objective")
-    config = read_json(folder / "config.json", "model config", _FIX_CKPT,
-                       fields={"architectures": "list?"})
-    arch = [a for a in config.get("architectures") or [] if isinstance(a, str)] or ["?"]
+    arch = [_architecture(folder)]
+    teacher = _teacher(source)
+    dictionary = _dictionary(source.get("dictionary", ""))
+    if teacher and teacher["layer"] is None and dictionary:  # -1: the dictionary's layer
+        teacher["layer"] = dictionary.get("layer")
     return {
         "format": EXPORT_FORMAT, "version": 1,
         "run": info.get("run"), "step": info.get("step"), "readiness": info.get("readiness"),
@@ -235,12 +301,44 @@ def _provenance(info: dict[str, Any], folder: Path, probe: Path | None,
         "architecture": arch[0], "masked_lm": arch[0].endswith("ForMaskedLM"),
         "git_revision": RunDir(info["run"]).revision_at(info.get("step")) if info.get("run")
         else None,
-        "teacher": _teacher(source), "dictionary": _dictionary(source.get("dictionary", "")),
+        "teacher": teacher, "dictionary": dictionary, "base_model": _hub_id(info.get("base_model")),
+        "hyperparameters": _hyperparameters(info),
         "data": _store(cfg.get("data", {}).get("store", "")),
         "targets": _targets(source.get("targets", "")),
         "probe": str(probe) if probe else None, "initialised_at_export": pooler,
         "pooler_seed": POOLER_SEED,
     }
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _hub_id(name: Any) -> str | None:
+    """`name` when it reads as a Hub model id (not a local path): the card's base_model."""
+    if not isinstance(name, str) or not _HUB_ID.fullmatch(name) or Path(name).exists():
+        return None
+    return name
+
+
+# the settings a reader needs to reproduce or judge a run, by config group (the card's list)
+_HYPERPARAMETERS = {
+    "optim": ("lr", "weight_decay", "betas", "eps", "schedule", "warmup", "min_lr_ratio", "clip",
+              "decay_all"),
+    "train": ("steps", "batch_size", "micro_batch_size", "seed", "precision"),
+    "data": ("max_len", "mask_rate", "mask_split", "seed"),
+}
+
+
+def _hyperparameters(info: dict[str, Any]) -> dict[str, Any]:
+    """The training hyperparameters as `group.key: value` (the Trainer's own figures for a
+    folder the plain Trainer saved)."""
+    cfg = info.get("config") or {}
+    found = {f"{group}.{key}": cfg[group][key] for group, keys in _HYPERPARAMETERS.items()
+             if isinstance(cfg.get(group), dict) for key in keys if key in cfg[group]}
+    if info.get("lr_scheduler"):  # the Trainer's scheduler (its name, not mlsm's)
+        found["trainer.lr_scheduler_type"] = info["lr_scheduler"]
+    found.update({f"trainer.{k}": v for k, v in (info.get("trainer_state") or {}).items()})
+    return found
 
 
 def _declares(objective: dict[str, Any], attribute: str) -> bool:
@@ -304,147 +402,6 @@ def _targets(path: str) -> dict[str, Any] | None:
                 "note": f"target store {'not found' if missing else 'unreadable'} at export time"}
     return {k: meta.get(k)
             for k in ("dictionary_hash", "store_fingerprint", "nnz", "max_len", "lam")}
-
-
-def hub_datasets(data: dict[str, Any] | None) -> list[str]:
-    """Hub dataset ids among the token store's sources (`hf:NAME[,CONFIG][@SPLIT]`)."""
-    names = []
-    for src in (data or {}).get("sources") or []:
-        if isinstance(src, str) and src.startswith("hf:"):
-            names.append(src[3:].split("@")[0].split(",")[0])
-    return sorted(set(names))
-
-
-def model_card(p: dict[str, Any], folder: Path, *, results: str | Path | None = None,
-               license: str = "unknown") -> str:
-    """README.md: the Hub's YAML metadata header, then provenance, results and how to use."""
-    header: dict[str, Any] = {
-        "library_name": "transformers", "license": license,
-        "tags": ["mlsm", f"objective:{p['objective']}",
-                 "masked-latent-semantic-modeling" if p.get("predicts_latent") else "encoder"],
-        "pipeline_tag": "fill-mask" if p["masked_lm"] else "feature-extraction",
-    }
-    datasets = hub_datasets(p["data"])
-    if datasets:
-        header["datasets"] = datasets
-    teacher = (p["teacher"] or {}).get("name")
-    if teacher and not Path(teacher).exists():  # a Hub id, not a local folder
-        header["base_model"] = teacher
-    body = card_body(p, folder, results)
-    if p.get("sentence_transformers"):
-        header = st.card_header(header)
-        body = body.replace("\n## How to use\n", "\n" + st.card_section(
-            p["sentence_transformers"]) + "\n## How to use\n", 1)
-    front = yaml.safe_dump(header, sort_keys=False)
-    return f"---\n{front}---\n\n{body}"
-
-
-def card_body(p: dict[str, Any], folder: Path, results: str | Path | None) -> str:
-    """The Markdown after the header: what the model is, where it came from, results, how to use."""
-    obj = p["objective"]
-    lines = [f"# mlsm {obj} encoder", "",
-             f"An encoder pre-trained with mlsm using the **{obj}** objective: "
-             f"step {p['step']} (readiness {p['readiness']:.0%}, {p['tokens']:,} tokens seen). "
-             "Generated by `mlsm export` from the checkpoint's own records.", "",
-             "## Provenance", "", "| item | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in _provenance_rows(p)]
-    if results:
-        lines += ["", "## Fine-tuning results", "", _results_table(results, p)]
-    lines += ["", "## How to use", "", _usage(p, folder), "", "## Files", ""]
-    lines += [f"- `{f.name}`" + _FILES.get(f.name, "")
-              for f in sorted(folder.iterdir()) if f.is_file()]
-    lines += ["- `README.md`: this card"] if not (folder / "README.md").exists() else []
-    return "\n".join(lines) + "\n"
-
-
-_FILES = {
-    "model.safetensors": ": encoder weights (with the vocabulary head for masked-LM objectives)",
-    "heads.safetensors": ": mlsm heads (latent head, probe, MAE decoder); "
-                         "`heads.json` says how to rebuild them",
-    "config.yaml": ": the run's resolved mlsm configuration "
-                   "(reproduce with `mlsm pretrain --config config.yaml`)",
-    "mlsm.json": ": provenance as data (fingerprints of teacher, dictionary and data)",
-}
-
-
-def _provenance_rows(p: dict[str, Any]) -> list[tuple[str, str]]:
-    options = {k: v for k, v in p["objective_config"].items() if k != "name"}
-    rows = [("objective", f"`{p['objective']}`" + (f" {json.dumps(options)}" if options else "")),
-            ("architecture", p["architecture"])]
-    if p["teacher"]:
-        rows.append(("teacher", f"{p['teacher']['name']} (layer {p['teacher']['layer']})"))
-    d = p["dictionary"]
-    if d:
-        rows.append(("dictionary", f"k={d.get('k')}, λ={d.get('lam')}, layer {d.get('layer')}, "
-                                   f"atoms sha256 `{d.get('hash')}`"))
-    data = p["data"]
-    if data:
-        rows.append(("data", f"token store `{data.get('fingerprint')}`: "
-                             f"{data.get('n_tokens') or 0:,} tokens from {data.get('sources')}"))
-    if p["targets"]:
-        rows.append(("stored targets", json.dumps(p["targets"])))
-    if p["probe"] or p["objective"] == "probe":
-        rows.append(("probe", "k → |V| linear probe included in heads.safetensors "
-                              "(the Hitchhikers' Guide, §4.3.1)"))
-    if p["initialised_at_export"]:
-        rows.append(("not trained", f"{', '.join(p['initialised_at_export'])}: HF initialiser, "
-                                    f"seed {p['pooler_seed']}, added at export"))
-    rows.append(("mlsm revision", f"`{p['git_revision']}`"))
-    return rows
-
-
-def _results_table(path: str | Path, p: dict[str, Any]) -> str:
-    """A study report (.md) verbatim, or the mean table of a results.jsonl (this model marked)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--results {path} not found; pass the results.jsonl of `mlsm finetune` "
-                        "or a report .md")
-    if path.suffix == ".md":
-        return path.read_text(encoding="utf-8").strip()
-    from mlsm.evaluate.stats import compare_runs
-
-    c = compare_runs(path)
-    cols = [f"{t} {m}" for t, m in c.columns]
-    out = ["Dev scores ×100, mean ± std over seeds (`mlsm compare`).", "",
-           "| model | " + " | ".join([*cols, c.avg_label()]) + " |", "|" + "---|" * (len(cols) + 2)]
-    for name, row in zip(c.models, c.mean_table(), strict=True):
-        meta = c.info.get(name, {})
-        mine = (meta.get("run"), meta.get("step")) == (p["run"], p["step"])
-        out.append(f"| {'**' + name + '** (this model)' if mine else name} | "
-                   + " | ".join(row) + " |")
-    return "\n".join(out)
-
-
-def _usage(p: dict[str, Any], folder: Path) -> str:
-    code = ["```python", "from transformers import AutoModel, AutoTokenizer", "",
-            'tokenizer = AutoTokenizer.from_pretrained("REPO")',
-            'encoder = AutoModel.from_pretrained("REPO")'
-            '  # last_hidden_state for features / fine-tuning']
-    if p["masked_lm"]:
-        code += ["", "from transformers import pipeline",
-                 'fill = pipeline("fill-mask", model="REPO")']
-    code += ["```", "", "Fine-tune and compare with mlsm: "
-             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
-    heads = Checkpoint.at(folder).heads_meta
-    if heads is not None:
-        names = ", ".join(heads)
-        code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
-                 "they are not part of the",
-                 "transformers model. With mlsm installed:", "", "```python"]
-        if Checkpoint.at(folder).latent_head in heads:  # whatever its name and form (naive)
-            code += ["from mlsm.models.heads import read_latent_head",
-                     'latent, _ = read_latent_head("LOCAL_FOLDER")'
-                     "  # (N, d) -> (N, k) latent logits"]
-        else:
-            code += ["from safetensors.torch import load_file",
-                     'heads = load_file("LOCAL_FOLDER/heads.safetensors")  # see heads.json']
-        if "probe" in names:
-            code += ["from mlsm.evaluate.probe import ProbeScorer"
-                     "  # probe(softmax(latent(h))) -> (N, |V|)",
-                     'scorer = ProbeScorer("LOCAL_FOLDER")'
-                     "  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`"]
-        code += ["```"]
-    return "\n".join(code)
 
 
 def push_to_hub(folder: str | Path, repo: str, *, private: bool = False) -> str:

@@ -21,13 +21,20 @@ One step equals one step of `mlsm pretrain` on the same batch (tests/test_hf_tra
   of mlsm's loop (loss_sum / n_targets over the global batch), not a mean of per-batch means.
 - Saving writes mlsm's checkpoint folder (the HF folder the objective declares, heads.safetensors,
   heads.json, checkpoint.json), so `mlsm probe / blimp / finetune / export` read Trainer
-  checkpoints; `resume_from_checkpoint` reads them back.
+  checkpoints; `resume_from_checkpoint` reads them back. They record the block length trained on
+  (an `MLSMDataset`'s data.max_len, else the rows' own length).
+- The Trainer's own hooks see mlsm's numbers: `model.config` is the student's (model cards,
+  `push_to_hub`), `total_flos` is mlsm's analytic count (`mlsm flops`, the "mlsm" accounting),
+  and the objective's metrics (MLSM: kl, target_entropy, nnz, top1_agreement, dropped) are
+  logged beside the loss, per target over the logging window, to `report_to` and `on_log`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +160,26 @@ class MLSMModule(TrainModule):
     """Student + objective, called with the collator's fields: what the Trainer trains and wraps
     (DDP, accelerate). Returns the objective's `ObjectiveOutput` (loss sum, target count)."""
 
+    main_input_name = "input_ids"  # what the Trainer counts tokens and FLOPs by
+
+    @property
+    def config(self) -> Any:
+        """The student's HF config: the Trainer's model card and Hub code read `model.config`."""
+        return self.student.config
+
     def forward(self, targets: Any = None, n_targets: Any = None, step: int = 0,
                 **fields: torch.Tensor) -> Any:  # type: ignore[override]
         batch = Batch(**{name: fields[name] for name in _BATCH_FIELDS}, step=step)
         return forward_step(self.student, self.objective, batch, targets)
+
+
+def _block_length(dataset: Any) -> int | None:
+    """The length of a dataset's first row (run_mlm's blocks all have it), or None when the
+    dataset cannot be indexed or has no `input_ids`."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None
 
 
 class MLSMTrainer(Trainer):
@@ -181,6 +204,9 @@ class MLSMTrainer(Trainer):
                                 "MLSMDataset's data (not data=) ")
             data = train_dataset.data
         self.data = data or DataConfig()
+        block = None if isinstance(train_dataset, MLSMDataset) else _block_length(train_dataset)
+        if block:  # checkpoints, token counts and position-bound heads use the real length
+            self.data = dataclasses.replace(self.data, max_len=block)
         self.objective_config = objective if not isinstance(objective, dict) else \
             resolve_objective(objective)
         store = train_dataset.store if isinstance(train_dataset, MLSMDataset) else None
@@ -200,6 +226,8 @@ class MLSMTrainer(Trainer):
                          train_dataset=train_dataset, processing_class=processing_class,
                          **kwargs)
         self.loss_is_scaled_for_ga = True  # each loss sum is divided by the global count
+        self._metric_sums: dict[str, torch.Tensor] = {}  # objective metrics since the last log
+        self._flops_per_row: dict[int, float | None] = {}
         if self._signature_columns is None:  # keep the columns the collator reads
             self._signature_columns = list(_COLUMNS)
 
@@ -230,6 +258,8 @@ class MLSMTrainer(Trainer):
             raise UserError(f"objective {self.objective_config.name!r} counted "
                             f"{int(out.n_targets)} targets but target_count said {expected}; "
                             "its target_count must match its loss (train it with mlsm pretrain)")
+        if model.training:  # logged with the loss (`log`); evaluation batches stay out
+            self._add_metrics(out)
         if num_items_in_batch is None:
             loss = out.loss_sum / out.n_targets.clamp(min=1)
         else:  # DDP averages gradients over ranks: undo it, as mlsm's loop does
@@ -243,6 +273,59 @@ class MLSMTrainer(Trainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    # ---------------------------------------------------------------- what the Trainer reports
+
+    def _add_metrics(self, out: Any) -> None:
+        sums = {"n_targets": out.n_targets.detach().float(),
+                **{k: v.detach().float() for k, v in out.metrics.items()}}
+        for key, value in sums.items():
+            self._metric_sums[key] = self._metric_sums.get(key, 0) + value
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, plus the objective's metrics at each training log: each summed over
+        the window's targets (all ranks) and divided by their count, as `mlsm pretrain` logs them
+        (equal to its metrics.jsonl at logging_steps=1)."""
+        if "loss" in logs and self._metric_sums:
+            names = sorted(self._metric_sums)
+            sums = torch.stack([self._metric_sums[k].reshape(()) for k in names]).to(
+                self.args.device)
+            if self.args.world_size > 1:  # every rank logs at the same step (the loss's gather)
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            totals = dict(zip(names, sums.tolist(), strict=True))
+            n = max(totals.pop("n_targets"), 1.0)
+            logs.update({k: v / n for k, v in totals.items()})
+            self._metric_sums = {}
+        super().log(logs, *args, **kwargs)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """mlsm's analytic FLOPs of this micro-batch (`mlsm flops`, the "mlsm" accounting: the
+        student's forward + backward and the teacher's forward, per sequence of this width),
+        so `total_flos` is the count `mlsm pretrain` logs as flops_per_step × steps. Objectives
+        `mlsm flops` does not model fall back to the Trainer's 6·N·params estimate."""
+        ids = inputs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            return super().floating_point_ops(inputs)
+        rows, width = ids.shape
+        if width not in self._flops_per_row:
+            self._flops_per_row[width] = self._row_flops(width)
+        per_row = self._flops_per_row[width]
+        return int(per_row * rows) if per_row is not None else \
+            super().floating_point_ops(inputs)
+
+    def _row_flops(self, width: int) -> float | None:
+        from mlsm.throughput import flops_per_step
+
+        cfg = self.run_config()
+        cfg.data = dataclasses.replace(cfg.data, max_len=width)
+        module = self.accelerator.unwrap_model(self.model)
+        try:
+            per_step = flops_per_step(cfg, module.student.config)
+        except (UserError, OSError, ValueError, KeyError) as exc:
+            print(f"mlsm: total_flos is the Trainer's estimate: cannot count this run's FLOPs "
+                  f"({exc})", file=sys.stderr, flush=True)
+            return None
+        return None if per_step is None else per_step / cfg.train.batch_size
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -261,18 +344,18 @@ class MLSMTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         ckpt.load_weights(Path(resume_from_checkpoint), self.accelerator.unwrap_model(self.model))
 
-    def checkpoint_info(self) -> dict[str, Any]:
-        """checkpoint.json: what mlsm's verbs read (step, readiness, objective, config, latent head,
-        PLL refusal) plus the Trainer's arguments."""
-        args, step = self.args, self.state.global_step
-        total = max(self.state.max_steps or args.max_steps, step, 1)
+    def run_config(self) -> RunConfig:
+        """This training as an mlsm run configuration (masking, objective, AdamW settings, the
+        global batch, the schedule's length and warmup)."""
+        args = self.args
+        total = max(self.state.max_steps or args.max_steps, self.state.global_step, 1)
         world = max(args.world_size, 1)
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
         # transformers 5 reads warmup_steps < 1 as a ratio; 4.x has warmup_ratio
         steps = args.warmup_steps or 0
         warmup = steps / total if steps >= 1 else steps or getattr(args, "warmup_ratio", 0)
         module = self.accelerator.unwrap_model(self.model)
-        cfg = RunConfig(
+        return RunConfig(
             data=self.data, model=ModelConfig(arch=module.student.config.model_type),
             objective=self.objective_config,
             optim=OptimConfig(lr=args.learning_rate, weight_decay=args.weight_decay,
@@ -281,10 +364,21 @@ class MLSMTrainer(Trainer):
             train=TrainConfig(steps=total, batch_size=batch,
                               micro_batch_size=args.per_device_train_batch_size,
                               out=str(args.output_dir), seed=args.seed, readiness=[1.0]))
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        """checkpoint.json: what mlsm's verbs read (step, readiness, objective, config, latent head,
+        PLL refusal) plus the Trainer's arguments and the weights training started from."""
+        args, step = self.args, self.state.global_step
+        cfg = self.run_config()
+        module = self.accelerator.unwrap_model(self.model)
+        # from_pretrained records its source; a model built from a config has none
+        start = getattr(module.student.config, "_name_or_path", "") or None
+        scheduler = args.lr_scheduler_type  # an Enum: its value ("linear")
         # with the facts readers need (latent head, PLL refusal), as mlsm's own loop writes them
         return ckpt.with_facts({
-            "step": step, "readiness": step / total, "objective": self.objective_config.name,
-            "run": str(args.output_dir), "tokens": step * batch * self.data.max_len,
+            "step": step, "readiness": step / cfg.train.steps, "objective": cfg.objective.name,
+            "run": str(args.output_dir),
+            "tokens": step * cfg.train.batch_size * cfg.data.max_len,
             "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
-            "lr_scheduler": str(args.lr_scheduler_type),
+            "base_model": start, "lr_scheduler": str(getattr(scheduler, "value", scheduler)),
             "training_args": json.loads(args.to_json_string())})
