@@ -179,14 +179,15 @@ def _refuses(fn: typing.Callable[[], object]) -> bool:
 
 @pytest.mark.parametrize("lam", LAMS)
 def test_every_place_that_takes_a_lambda_agrees_with_the_one_range(lam: float) -> None:
-    from mlsm.study.spec import check_arm_dictionary
+    from mlsm.study.spec import DictionarySpec, arm_dictionary_of
     from mlsm.teacher.online_dictionary import _check_options
 
     inside = 0 < lam < 1  # Berend 2023: unit atoms, unit states, so lam >= 1 codes nothing
     assert defaults.lam_range()[0](lam) == inside
     assert _refuses(lambda: lam_value(repr(lam))) == (not inside)
     assert _refuses(lambda: _check_options(4, lam)) == (not inside)
-    assert _refuses(lambda: check_arm_dictionary("a", {"lam": lam}, 10_000)) == (not inside)
+    group = DictionarySpec(n_vectors=10_000)
+    assert _refuses(lambda: arm_dictionary_of("a", {"lam": lam}, group)) == (not inside)
     # objective.lam: 0 leaves λ to the dictionary; otherwise the same range
     for name in ("mlsm", "mlsm_naive", "mtl", "mae_mlsm"):
         refused = _refuses(lambda n=name: config_from_dict({"objective": {"name": n, "lam": lam}}))

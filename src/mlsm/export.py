@@ -24,7 +24,13 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
+from mlsm.artifacts.checkpoint import (
+    COMPLETE,
+    EXPORT_MARKER,
+    Checkpoint,
+    list_checkpoints,
+    write_marker,
+)
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
@@ -110,7 +116,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
                 tmp, hidden_size=int(load_config(str(tmp)).hidden_size),  # any family's name
                 max_seq_length=int(info["config"].get("data", {}).get("max_len", 128)),
                 normalize=normalize)
-        (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
+        write_marker(tmp, provenance, EXPORT_MARKER)
         (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
         (tmp / "README.md").write_text(
             model_card(provenance, tmp, results=results, license=license))

@@ -30,7 +30,7 @@ from typing import Any
 
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.errors import UserError
-from mlsm.fileio import building_dir
+from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
 
 COMPLETE = "checkpoint.json"
@@ -65,11 +65,18 @@ def writing(folder: Path, info: dict[str, Any]) -> Iterator[Path]:
     try:
         with building_dir(folder, "tmp") as tmp:
             yield tmp
-            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
+            write_marker(tmp, info)
     except (OSError, RuntimeError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
         raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
                         "are intact — free space and rerun with --resume auto") from None
+
+
+def write_marker(folder: Path, info: dict[str, Any], name: str = COMPLETE) -> None:
+    """Write `info` as the folder's checkpoint.json (the completion marker) or, with
+    name=EXPORT_MARKER, an export's mlsm.json: the one writer of both files (the training loop
+    through `writing`, the HF Trainer integration, `mlsm export` and `mlsm migrate`)."""
+    atomic_write_text(folder / name, json.dumps(info, indent=2))
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -476,3 +483,43 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
     if found is None:
         raise UserError(f"{spec}: the run has no checkpoint at {what}; it has {run.describe()}")
     return found.path
+
+
+def readiness_checkpoints(spec: str | Path) -> list[Path]:
+    """Every readiness checkpoint of a run (``train.readiness``), in step order."""
+    base, suffix = split_spec(spec)
+    if suffix or not is_run_dir(base):
+        raise UserError(f"{spec}: --readiness all needs a run directory without @ suffix (a folder "
+                        "with checkpoints/), not a checkpoint")
+    run = open_run(base)
+    steps = sorted(readiness_steps(run.readiness, run.total_steps))
+    missing = [s for s in steps if run.at_step(s) is None]
+    if missing:
+        raise UserError(f"{base}: readiness checkpoints "
+                        f"{', '.join(f'step-{s}' for s in missing)} are "
+                        f"missing (unfinished run?); it has {run.describe()}")
+    return [run.at_step(s).path for s in steps]  # type: ignore[union-attr]
+
+
+def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
+                  readiness: str = "final") -> list[str]:
+    """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
+    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
+    models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`)
+    stay."""
+    if readiness == "final":
+        return [str(s) for s in specs]
+    if readiness != "all":
+        raise UserError(f"--readiness {readiness}: use final (the default) or all")
+    out = []
+    for spec in map(str, specs):
+        name, _, path = (("", "", spec) if "=" not in spec or Path(spec).is_dir()
+                         else spec.partition("="))
+        base, suffix = split_spec(path)
+        if suffix or not is_run_dir(base):
+            out.append(spec)
+            continue
+        for ckpt in readiness_checkpoints(path):
+            step = int(ckpt.name.removeprefix("step-"))
+            out.append(f"{name}@{step}={ckpt}" if name else str(ckpt))
+    return out

@@ -214,9 +214,9 @@ def _blimp_into(a: argparse.Namespace) -> None:
 def _unigram_control(model: str, store: str) -> object | None:
     """--unigram: 'none', a token store, or 'auto' (the tokens the model's pre-training run
     consumed, if known)."""
+    from mlsm.artifacts.checkpoint import resolve_checkpoint
     from mlsm.evaluate.readouts import ReadoutSpec, unigram_control
     from mlsm.evaluate.unigram import UnigramControl
-    from mlsm.runs import resolve_checkpoint
 
     if store == "none":
         return None

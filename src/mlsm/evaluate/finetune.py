@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from mlsm import tracking
+from mlsm.artifacts.checkpoint import expand_models
 from mlsm.artifacts.results_file import append_results, check_model_name, read_results
 from mlsm.errors import UserError
 from mlsm.evaluate import cell_reuse, protocol, qa, retrieval_cell
@@ -51,7 +52,6 @@ from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.hf import check_max_len
 from mlsm.inputs import check_apart
 from mlsm.progress import Progress
-from mlsm.runs import expand_models
 
 # the names other modules and tests import from here (their home is mlsm.evaluate.cell)
 __all__ = ["FinetuneConfig", "ModelRef", "build_head", "finetune", "pick_device", "prepare",
@@ -390,7 +390,7 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
              report_to: Sequence[str] = (), **settings: Any) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to `results`.
 
-    ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: `mlsm.runs`),
+    ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: run specs),
     optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
     directory (named ``name@<step>``). The settings — seeds, lrs, epochs, batch_size, max_len,
     data_dir, warmup_ratio, weight_decay, fixed_order, clip, eval_test, max_steps, head,

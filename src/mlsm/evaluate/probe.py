@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
-from mlsm.artifacts.checkpoint import Checkpoint
+from mlsm.artifacts.checkpoint import Checkpoint, is_run_dir, resolve_checkpoint
 from mlsm.artifacts.outputs import OutputKind, writing
 from mlsm.artifacts.probe_record import has_probe_record
 from mlsm.config import build_dataclass
@@ -30,7 +30,6 @@ from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
-from mlsm.runs import is_run_dir, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
 PROBE_KIND = OutputKind("mlsm probe run",
@@ -131,7 +130,7 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
 
     An MTL checkpoint (latent head + a trained vocabulary head, the Hitchhikers' Guide's Fig. 6
     "MLSM+MLM") is scored through its vocabulary head, like an MLM model; it needs no probe.
-    ``path`` may name a run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the
+    ``path`` may name a run (a run spec); an MLSM checkpoint without a probe is scored through the
     final checkpoint of its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A
     checkpoint whose objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
     Each file of the folder is read once.

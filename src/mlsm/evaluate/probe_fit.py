@@ -42,7 +42,7 @@ from mlsm.train import checkpoint as ckpt
 def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
                  overrides: list[str] | None = None) -> Any:
     """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder, or a run directory /
-    ``RUN@50%`` / ``RUN@step-N``: `mlsm.runs`)."""
+    ``RUN@50%`` / ``RUN@step-N``: `mlsm.artifacts.checkpoint`)."""
     ck = Checkpoint.open(checkpoint)
     folder = ck.folder
     if not ck.is_checkpoint:

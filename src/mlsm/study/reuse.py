@@ -20,7 +20,7 @@ from typing import Any
 from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
-from mlsm.defaults import TEACHER_LAYER, UNIGRAM_ESTIMATE
+from mlsm.defaults import UNIGRAM_ESTIMATE
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
 from mlsm.study.spec import arm_dictionary, readiness_label
 
@@ -96,12 +96,13 @@ def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
     teacher, layer, k, lam and the controls, atoms and teacher_init; n_vectors, max_len, seed and
     teacher_seed are only here)."""
     d, c = study.spec.arms[arm].dictionary, arm_dictionary(study.spec, arm)
+    assert d is not None  # only an arm with a dictionary has this stage
     # the settings a study could set before all of DictionaryConfig was its group, always; the
     # others only when not at their default, so the fingerprints of older studies stay the same
     later = {key: value for key, value in c.given().items()
              if key not in ("k", "lam", "n_vectors", "max_len", "seed")
              and not (key == "teacher_seed" and c.teacher_init == "pretrained")}  # unread then
-    return {"teacher": study.spec.dictionary.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
+    return {"teacher": study.spec.dictionary.teacher, "layer": d.layer,
             "k": c.k, "lam": float(c.lam), "n_vectors": c.n_vectors, "max_len": c.max_len,
             "seed": c.seed, **later}
 

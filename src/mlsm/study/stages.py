@@ -134,8 +134,8 @@ def _paper_probe(study: Study, arm: str, frac: float, out: Path) -> None:
     its held-out masked-token score next to the unigram's, as the plateau probe writes."""
     import torch
 
+    from mlsm.artifacts.checkpoint import list_checkpoints
     from mlsm.evaluate.probe import load_scorer, run_probe
-    from mlsm.train.checkpoint import list_checkpoints
 
     p = study.spec.probe
     if driver_threads(study):

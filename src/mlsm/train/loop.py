@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mlsm import locking, tracking
+from mlsm.artifacts.checkpoint import readiness_steps
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision
@@ -33,7 +34,6 @@ from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
 from mlsm.run_config import RunConfig, config_from_dict
-from mlsm.runs import readiness_steps
 from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
 from mlsm.train import device as dev
