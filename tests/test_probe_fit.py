@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from mlsm.evaluate.probe import load_scorer
-from mlsm.evaluate.probe_fit import heldout_steps, train_probe_to_plateau
+from mlsm.evaluate.heldout import heldout_steps
+from mlsm.evaluate.probe_fit import train_probe_to_plateau
 from mlsm.objectives.probe import probe_input
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain

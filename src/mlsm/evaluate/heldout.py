@@ -20,7 +20,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
 from mlsm.errors import UserError
+
+
+def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> list[int]:
+    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
+    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.at(checkpoint)
+    cfg = ck.section("train")
+    if not ck.is_checkpoint or "steps" not in cfg or "batch_size" not in cfg:
+        raise UserError(f"{ck.folder / COMPLETE} has no train config; pass an intact "
+                        "checkpoints/step-* folder")
+    # ceil(samples seen / batch_size)
+    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
+    return [first + j for j in range(n)]
 
 
 def binomial_p(k: int, n: int, p: float) -> float:
@@ -110,7 +124,6 @@ def heldout_source(checkpoint: Path, n_batches: int, batch_size: int,
     from mlsm.artifacts.checkpoint import Checkpoint
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
-    from mlsm.evaluate.probe_fit import heldout_steps
     from mlsm.run_config import config_from_dict
 
     ck = Checkpoint.at(checkpoint)

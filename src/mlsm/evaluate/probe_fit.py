@@ -27,6 +27,7 @@ from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
+from mlsm.evaluate.heldout import heldout_steps
 from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
 from mlsm.evaluate.unigram import unigram_log_probs
 from mlsm.inputs import field_problem
@@ -64,19 +65,6 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     if store:
         raw["data"] = {**raw["data"], "store": store}
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
-
-
-def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> list[int]:
-    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
-    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.at(checkpoint)
-    cfg = ck.section("train")
-    if not ck.is_checkpoint or "steps" not in cfg or "batch_size" not in cfg:
-        raise UserError(f"{ck.folder / COMPLETE} has no train config; pass an intact "
-                        "checkpoints/step-* folder")
-    # ceil(samples seen / batch_size)
-    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
-    return [first + j for j in range(n)]
 
 
 class _Features:
