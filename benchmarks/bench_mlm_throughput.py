@@ -107,9 +107,9 @@ def main() -> None:
 
 
 def mlm_flops_per_token(args: argparse.Namespace, bert: BertConfig) -> float:
-    """Training FLOPs per token of mlsm's MLM step on this model (mlsm.flops, "mlsm"
+    """Training FLOPs per token of mlsm's MLM step on this model (mlsm.train.flops, "mlsm"
     accounting)."""
-    from mlsm.flops import flops_for_run
+    from mlsm.train.flops import flops_for_run
     from mlsm.run_config import config_from_dict
 
     cfg = config_from_dict({"objective": {"name": "mlm"}, "data": {"max_len": args.seq},

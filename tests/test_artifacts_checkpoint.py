@@ -104,7 +104,7 @@ def test_facts_are_written_at_save_time_and_read_without_objectives(clm_run: Pat
 def test_a_checkpoint_without_the_facts_is_refused_naming_the_migration(
         clm_run: Path, tmp_path: Path) -> None:
     """No fallback: a process that imported the objectives reads no more than one that did not."""
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
 
     old = tmp_path / "old"
     shutil.copytree(Checkpoint.open(clm_run).folder, old)

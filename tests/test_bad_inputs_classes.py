@@ -454,7 +454,7 @@ def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
         found[name] = list_checkpoints(root / name)[-1][1]
     assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
     with pytest.MonkeyPatch.context() as legacy:
-        legacy.setattr("mlsm.evaluate.probe_fit.check_scored_by_pll", lambda folder: None)
+        legacy.setattr("mlsm.evaluate.probe.probe_fit.check_scored_by_pll", lambda folder: None)
         assert main(["probe", str(found["mae_mlsm"]), "--max-steps", "1", "--out",
                      str(root / "probe")]) == 0
     probe = list_checkpoints(root / "probe")[-1][1]
@@ -1296,8 +1296,8 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         score_pll,
         sparse_encode,
     )
-    from mlsm.evaluate.pll import load_masked_lm
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.pll import load_masked_lm
 
     def pll(sentences: list) -> None:
         model, tok = load_masked_lm(str(fix["teacher_dir"]))

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from mlsm.artifacts.checkpoint import readiness_checkpoints, resolve_checkpoint
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune import finetune
-from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
-from mlsm.evaluate.rank import load_encoder
-from mlsm.evaluate.stats import compare_runs
+from mlsm.evaluate.compare.stats import compare_runs
+from mlsm.evaluate.finetune.finetune import finetune
+from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.evaluate.zeroshot.rank import load_encoder
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 

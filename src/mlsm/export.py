@@ -407,7 +407,7 @@ def _results_table(path: str | Path, p: dict[str, Any]) -> str:
                         "or a report .md")
     if path.suffix == ".md":
         return path.read_text(encoding="utf-8").strip()
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.compare.stats import compare_runs
 
     c = compare_runs(path)
     cols = [f"{t} {m}" for t, m in c.columns]
@@ -445,7 +445,7 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
             code += ["from safetensors.torch import load_file",
                      'heads = load_file("LOCAL_FOLDER/heads.safetensors")  # see heads.json']
         if "probe" in names:
-            code += ["from mlsm.evaluate.probe import ProbeScorer"
+            code += ["from mlsm.evaluate.probe.probe import ProbeScorer"
                      "  # probe(softmax(latent(h))) -> (N, |V|)",
                      'scorer = ProbeScorer("LOCAL_FOLDER")'
                      "  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`"]

@@ -154,8 +154,8 @@ def finetune_settings(ft: Any) -> dict[str, Any]:
     length) is DEFAULT_MAX_LEN when no task is a retrieval task, so a study that leaves max_len
     unset keeps the stage fingerprint it had while 128 was the default; with a retrieval task
     it is 0 (the model's own length: other cells than at 128)."""
-    from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN
-    from mlsm.evaluate.tasks import get_task
+    from mlsm.evaluate.finetune.finetune_config import DEFAULT_MAX_LEN
+    from mlsm.evaluate.finetune.tasks import get_task
 
     values = dataclasses.asdict(ft)
     if not values["max_len"] and all(get_task(t).kind != "retrieval" for t in ft.tasks):

@@ -17,7 +17,15 @@ from typing import Any, Literal
 from mlsm.config import NON_NEGATIVE, POSITIVE, build_dataclass, field_with_default, merge, ranged
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
-from mlsm.dictionary_config import (
+from mlsm.errors import UserError
+from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
+from mlsm.evaluate.probe.probe_fit_config import PAPER_PROBE_STEPS, ProbeFitConfig, ProbeRecipe
+from mlsm.evaluate.readouts import ReadoutSpec
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
+from mlsm.inputs import read_yaml
+from mlsm.run_config import config_from_dict
+from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
+from mlsm.teacher.dictionary_config import (
     ATOM_KINDS,
     TEACHER_INITS,
     AtomKind,
@@ -25,14 +33,6 @@ from mlsm.dictionary_config import (
     TeacherInit,
     dictionary_config,
 )
-from mlsm.errors import UserError
-from mlsm.evaluate.blimp_config import BlimpConfig
-from mlsm.evaluate.finetune_config import FinetuneConfig
-from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS, ProbeFitConfig, ProbeRecipe
-from mlsm.evaluate.readouts import ReadoutSpec
-from mlsm.inputs import read_yaml
-from mlsm.run_config import config_from_dict
-from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
 
 _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
               "distinct fractions in (0, 1]")
@@ -149,7 +149,7 @@ class FinetuneSpec(FinetuneConfig):
     the defaults of `mlsm finetune`), plus the keys only a study has."""
 
     tasks: list[str] = field(default_factory=list)
-    """Task names (see `mlsm.evaluate.tasks`); empty = no fine-tuning."""
+    """Task names (see `mlsm.evaluate.finetune.tasks`); empty = no fine-tuning."""
     readiness: list[float] = ranged([1.0], _FRACTIONS)
     """Fractions of pre-training whose checkpoints are fine-tuned (a subset of `readiness`)."""
 
@@ -402,7 +402,7 @@ def arm_base(spec: StudySpec, arm: str) -> dict[str, Any]:
 
 def _check_tasks(tasks: list[str]) -> None:
     """finetune.tasks: known names, each once (a repeated task would be fine-tuned twice)."""
-    from mlsm.evaluate.tasks import get_task
+    from mlsm.evaluate.finetune.tasks import get_task
 
     names = [get_task(t).name for t in tasks]  # an unknown name is one line listing the tasks
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -414,7 +414,7 @@ def _check_preset(ft: FinetuneSpec) -> None:
     """finetune.preset: a known name, and none of the keys it fixes set otherwise."""
     if not ft.preset:
         return
-    from mlsm.evaluate.protocol import get_preset
+    from mlsm.evaluate.finetune.protocol import get_preset
 
     default = FinetuneSpec()
     clash = [k for k in get_preset(ft.preset).values if getattr(ft, k) != getattr(default, k)]

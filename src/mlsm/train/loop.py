@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlsm import locking, tracking
+from mlsm import locking
 from mlsm.artifacts.checkpoint import readiness_steps
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.rundir import RunDir
@@ -34,12 +34,13 @@ from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
 from mlsm.run_config import RunConfig, config_from_dict
-from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
 from mlsm.train import device as dev
+from mlsm.train import tracking
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
 from mlsm.train.signals import StopOnSignal
+from mlsm.train.throughput import FlopMeter, flop_meter
 
 
 def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:

@@ -17,7 +17,7 @@ from torch import nn
 
 from mlsm.artifacts.checkpoint import Checkpoint, resolve_checkpoint
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN, MODEL_MAX_LEN_CAP
+from mlsm.evaluate.finetune.finetune_config import DEFAULT_MAX_LEN, MODEL_MAX_LEN_CAP
 from mlsm.inputs import real_path
 
 LOG_EVERY = 10  # training steps between tracker points of a fine-tuning cell

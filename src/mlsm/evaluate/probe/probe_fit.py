@@ -27,9 +27,9 @@ from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
-from mlsm.evaluate.heldout import heldout_steps
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
-from mlsm.evaluate.unigram import unigram_log_probs
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.zeroshot.heldout import heldout_steps
+from mlsm.evaluate.zeroshot.unigram import unigram_log_probs
 from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import check_scored_by_pll

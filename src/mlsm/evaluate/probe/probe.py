@@ -1,7 +1,8 @@
 """`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
 
 By default the probe is trained until its loss on held-out chunks stops improving
-(`mlsm.evaluate.probe_fit`: the 10 % of the pre-training steps of the *Hitchhikers' Guide to Masked
+(`mlsm.evaluate.probe.probe_fit`: the 10 % of the pre-training steps of the *Hitchhikers' Guide to
+Masked
 Latent Semantic Modeling* (anonymous, under review; §4.3.1) leaves it untrained on short runs). With
 a fixed number of steps it reuses `pretrain` with the `probe` objective, so it gets the same
 batches, readiness checkpoints, resume and DDP as any run.
@@ -22,10 +23,10 @@ from mlsm.artifacts.probe_record import has_probe_record
 from mlsm.config import build_dataclass
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
-from mlsm.evaluate import probe_fit
-from mlsm.evaluate.pll import load_masked_lm
-from mlsm.evaluate.probe_fit import probe_config
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
+from mlsm.evaluate.probe import probe_fit
+from mlsm.evaluate.probe.probe_fit import probe_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
+from mlsm.evaluate.zeroshot.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
@@ -43,7 +44,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None,
     directory.
 
     recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
-    held-out loss plateau (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps`
+    held-out loss plateau (`mlsm.evaluate.probe.probe_fit`), which writes OUT/probe.json. With
+    `steps`
     (or overrides): that many steps through the pre-training loop. recipe "paper": the
     Hitchhikers' Guide's probe, 10,000 steps (`PAPER_PROBE_STEPS`, unless `steps` says otherwise)
     through the loop, readiness checkpoints at 10/25/50/100 %, no plateau stop.
