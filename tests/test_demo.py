@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.demo import demo_study, hub_reachable, select_eval_data
-from mlsm.demo import summary_lines
+from mlsm.demo import demo_study, hub_reachable, select_eval_data, summary_lines
 from mlsm.study.runner import Study
 
 

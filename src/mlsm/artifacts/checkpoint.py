@@ -380,7 +380,7 @@ def readiness_steps(fractions: list[float] | tuple[float, ...], total_steps: int
 
 
 @dataclass(frozen=True)
-class RunCheckpoint:
+class _Saved:
     """One complete checkpoint of a run."""
 
     step: int
@@ -388,16 +388,17 @@ class RunCheckpoint:
 
 
 @dataclass(frozen=True)
-class Run:
-    """A run directory: its complete checkpoints (oldest first), planned steps and readiness
-    list."""
+class _RunCheckpoints:
+    """What a run spec is resolved against: a run folder's complete checkpoints (oldest first),
+    planned steps and readiness list. Not a second type of run folder (that is
+    `mlsm.artifacts.rundir.RunDir`): a snapshot read from its checkpoint.json files."""
 
     path: Path
-    checkpoints: tuple[RunCheckpoint, ...]
+    checkpoints: tuple[_Saved, ...]
     total_steps: int
     readiness: tuple[float, ...]
 
-    def at_step(self, step: int) -> RunCheckpoint | None:
+    def at_step(self, step: int) -> _Saved | None:
         return next((c for c in self.checkpoints if c.step == step), None)
 
     def readiness_step(self, fraction: float) -> int:
@@ -415,13 +416,13 @@ def is_run_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "checkpoints").is_dir()
 
 
-# what open_run reads of each checkpoint.json (a hand-edited one is named, not a traceback)
+# what _complete_checkpoints reads of each checkpoint.json (a hand-edited one is named)
 _MARKER_FIELDS = {"step": "int", "readiness": "number?", "config.train.steps": "int?",
                   "config.train.readiness": "numbers?"}
 _FIX_MARKER = "restore it from a copy, or delete that checkpoint folder to use the others"
 
 
-def open_run(path: str | os.PathLike) -> Run:
+def _complete_checkpoints(path: str | os.PathLike) -> _RunCheckpoints:
     """Read a run directory's complete checkpoints; UserError when it has none."""
     root = Path(path)
     found, total, readiness = [], 0, (1.0,)
@@ -430,7 +431,7 @@ def open_run(path: str | os.PathLike) -> Run:
         if not marker.is_file():
             continue  # being written, or killed while writing: not a checkpoint
         info = read_json(marker, "checkpoint file", _FIX_MARKER, fields=_MARKER_FIELDS)
-        found.append(RunCheckpoint(info["step"], folder))
+        found.append(_Saved(info["step"], folder))
         train = (info.get("config") or {}).get("train") or {}
         if not train.get("steps") and not info.get("readiness"):
             raise UserError(f"checkpoint file {marker} names neither config.train.steps nor "
@@ -440,7 +441,7 @@ def open_run(path: str | os.PathLike) -> Run:
     if not found:
         raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
                         "yet; train it (mlsm pretrain) or pass a checkpoint folder")
-    return Run(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
+    return _RunCheckpoints(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
 
 
 def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
@@ -452,7 +453,7 @@ def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
     return Path(base), suffix
 
 
-def _final(run: Run) -> RunCheckpoint:
+def _final(run: _RunCheckpoints) -> _Saved:
     last = run.checkpoints[-1]
     if last.step < run.total_steps:
         raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
@@ -466,14 +467,14 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
     """The checkpoint folder a spec names (see the module doc); other paths come back unchanged."""
     base, suffix = split_spec(spec)
     if not suffix:
-        return _final(open_run(base)).path if is_run_dir(base) else base
+        return _final(_complete_checkpoints(base)).path if is_run_dir(base) else base
     if not is_run_dir(base):
         raise UserError(f"{spec}: {base} is not a run directory (no checkpoints/ folder); "
                         f"the @ suffix selects a checkpoint of a run: {SYNTAX}")
     match = _SUFFIX.fullmatch(suffix)
     if match is None:
         raise UserError(f"{spec}: unknown suffix @{suffix}; use {SYNTAX}")
-    run = open_run(base)
+    run = _complete_checkpoints(base)
     if match["step"] is not None:
         step, what = int(match["step"]), f"step {int(match['step'])}"
     else:
@@ -491,7 +492,7 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
     if suffix or not is_run_dir(base):
         raise UserError(f"{spec}: --readiness all needs a run directory without @ suffix (a folder "
                         "with checkpoints/), not a checkpoint")
-    run = open_run(base)
+    run = _complete_checkpoints(base)
     steps = sorted(readiness_steps(run.readiness, run.total_steps))
     missing = [s for s in steps if run.at_step(s) is None]
     if missing:

@@ -41,6 +41,7 @@ FIX = ("pass --recompute (Python: recompute=True) to train it again, the fresh r
 
 
 def cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """The one key of a fine-tuning cell (`CELL_KEY`), of a stored row or of a cell planned."""
     return tuple(float(row[k]) if k == "lr" else row[k] for k in CELL_KEY)
 
 

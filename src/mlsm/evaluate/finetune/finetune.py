@@ -450,8 +450,10 @@ def _plan(spec: TaskSpec, refs: list[ModelRef], cfg: FinetuneConfig, models: dic
         plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(
             models[ref.name], data, {**settings, "max_len": max_len})
         for lr, seed in itertools.product(cfg.lrs, cfg.seed_list()):
-            key = (ref.name, spec.name, seed, float(lr), cfg.epochs, cfg.batch_size, max_len,
-                   len(train))
+            key = cell_reuse.cell_key({"model": ref.name, "task": spec.name, "seed": seed,
+                                       "lr": lr, "epochs": cfg.epochs,
+                                       "batch_size": cfg.batch_size, "max_len": max_len,
+                                       "n_train": len(train)})
             where = f"{path}: cell {ref.name} {spec.name} seed {seed} lr {lr:g}"
             state, old = cell_reuse.reuse(stored.get(key, []), inputs, cfg.recompute, where)
             if state != "reuse":
