@@ -163,7 +163,6 @@ def _demo_text_files(out: Path) -> None:
 
     _, held = demo._write_corpus(out)
     write_pairs(held, out / "pairs")
-    demo._word_order_task(held, out, n=200)
     demo._heldout_store(held, out)
 
 

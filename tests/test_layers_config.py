@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from mlsm import config, defaults
-from mlsm.cli.args import lam_value
 from mlsm.config import GROUPS, field_check
 from mlsm.errors import UserError
 from mlsm.objectives import INTERNAL, OBJECTIVES
@@ -184,7 +183,6 @@ def test_every_place_that_takes_a_lambda_agrees_with_the_one_range(lam: float) -
 
     inside = 0 < lam < 1  # Berend 2023: unit atoms, unit states, so lam >= 1 codes nothing
     assert defaults.lam_range()[0](lam) == inside
-    assert _refuses(lambda: lam_value(repr(lam))) == (not inside)
     assert _refuses(lambda: _check_options(4, lam)) == (not inside)
     group = DictionarySpec(n_vectors=10_000)
     assert _refuses(lambda: arm_dictionary_of("a", {"lam": lam}, group)) == (not inside)

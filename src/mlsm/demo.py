@@ -116,30 +116,6 @@ def _heldout_store(held: list[str], out: Path) -> Path:
     return out / "heldout_store"
 
 
-def _word_order_task(held: list[str], out: Path, n: int = 1600) -> Path:
-    """SST-2-format task from held-out prose: label 1 = a real sentence, 0 = its words shuffled."""
-    root = out / "tasks"
-    folder = root / "WordOrder"
-    if (folder / "dev.tsv").exists():
-        return root
-    rng = random.Random(0)
-    sents = [s.strip().replace("\t", " ").replace("\n", " ") for d in held for s in d.split(". ")]
-    sents = [s for s in sents if 6 <= len(s.split()) <= 30]
-    rows = []
-    for s in sents[:n]:
-        words = s.split()
-        if rng.random() < 0.5:
-            rng.shuffle(words)
-            rows.append((" ".join(words), 0))
-        else:
-            rows.append((s, 1))
-    cut = int(0.8 * len(rows))
-    for name, part in (("train.tsv", rows[:cut]), ("dev.tsv", rows[cut:])):  # dev.tsv last
-        atomic_write_text(folder / name,
-                          "sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in part))
-    return root
-
-
 def _check_corpus(corpus: str) -> None:
     """--corpus names text files that exist (the study would find out only after minutes)."""
     from mlsm.data.sources import resolve_paths

@@ -69,11 +69,6 @@ def open_checkpoint(spec: str | Path, fields: dict[str, str] | None = None) -> C
     return ck
 
 
-def resolve_checkpoint(spec: str | Path) -> Path:
-    """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
-    return open_checkpoint(spec).folder
-
-
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
                       probe: str | Path | None = None, license: str = "unknown",
                       format: str = "hf", normalize: bool = False) -> Path:

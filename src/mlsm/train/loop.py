@@ -304,11 +304,6 @@ def _resolved(old: dict[str, Any]) -> dict[str, Any]:
         return old
 
 
-def _check_same_run(run_dir: Path, cfg: RunConfig, picked: Any) -> None:
-    """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
-    RunDir(run_dir).check_same_run(_plain(cfg), picked, _resolved)
-
-
 def input_fingerprints(cfg: RunConfig) -> dict[str, str]:
     """Content fingerprints of what the run reads, by the key naming it: the token store's own
     (`meta.json` fingerprint and size), the dictionary's atoms (`dictionary_hash`) and the files
