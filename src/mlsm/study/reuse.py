@@ -22,7 +22,7 @@ from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
-from mlsm.study.spec import arm_dictionary, readiness_label
+from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
 """Fingerprints of files and folders by (path, size and mtime of each file): a checkpoint is
@@ -95,8 +95,8 @@ def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
     """What the dictionary stage's result depends on besides the store (its file's name holds
     teacher, layer, k, lam and the controls, atoms and teacher_init; n_vectors, max_len, seed and
     teacher_seed are only here)."""
-    d, c = study.spec.arms[arm].dictionary, arm_dictionary(study.spec, arm)
-    assert d is not None  # only an arm with a dictionary has this stage
+    d = study.spec.arms[arm].dictionary or ArmDictionary()  # (an arm without one: the defaults)
+    c = arm_dictionary(study.spec, arm)
     # the settings a study could set before all of DictionaryConfig was its group, always; the
     # others only when not at their default, so the fingerprints of older studies stay the same
     later = {key: value for key, value in c.given().items()
