@@ -4,8 +4,8 @@ Both sides train the same randomly initialised BERT (same shape, same seed) on t
 (query, positive document) pairs with InfoNCE over in-batch negatives (mean pooling, cosine,
 τ = 0.05), AdamW with the same settings, a linear schedule, gradient clipping 1.0, the same batch
 size and max_len. The HF side is a `transformers.Trainer` whose ``compute_loss`` embeds the
-queries and documents and calls the same `mlsm.evaluate.finetune.retrieval.info_nce`; its collator pads
-queries and documents separately, as mlsm does. Data: the SciFact training qrels when
+queries and documents and calls the same `mlsm.evaluate.finetune.retrieval.info_nce`; its
+collator pads queries and documents separately, as mlsm does. Data: the SciFact training qrels when
 ../shared/data/scifact is present, else synthetic pairs. Rounds alternate the two sides; the
 median ratio of seconds per step (HF / mlsm) is printed with the machine, in wall
 and in CPU time (fair on a shared machine).
