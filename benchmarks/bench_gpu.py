@@ -5,7 +5,7 @@ On a CUDA machine it runs each objective at the Hitchhikers' Guide's student sha
 128 x 128, bf16 autocast, with a randomly initialised bert-base-shaped teacher cut at layer 10 and
 a k = 3072 dictionary fitted quickly on its states (the GPU machine reaches no hub; FLOPs and
 kernel shapes are those of the trained models, the codes' sparsity is not). It prints seconds per
-step, tokens/s, achieved FLOP/s and MFU against the device's peak (`mlsm.throughput`), and the
+step, tokens/s, achieved FLOP/s and MFU against the device's peak (`mlsm.train.throughput`), and the
 MLSM/MLM step-time ratio beside the analytic one (the Hitchhikers' Guide's Table 3 predicts
 102.7 % of MLM's FLOPs for MLSM_10).
 

@@ -107,10 +107,10 @@ def main() -> None:
 
 
 def mlm_flops_per_token(args: argparse.Namespace, bert: BertConfig) -> float:
-    """Training FLOPs per token of mlsm's MLM step on this model (mlsm.flops, "mlsm"
+    """Training FLOPs per token of mlsm's MLM step on this model (mlsm.train.flops, "mlsm"
     accounting)."""
-    from mlsm.flops import flops_for_run
     from mlsm.run_config import config_from_dict
+    from mlsm.train.flops import flops_for_run
 
     cfg = config_from_dict({"objective": {"name": "mlm"}, "data": {"max_len": args.seq},
                             "train": {"batch_size": args.batch}})

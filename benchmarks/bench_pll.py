@@ -1,4 +1,4 @@
-"""PLL scoring: mlsm.evaluate.pll.score_pll against minicons' MaskedLMScorer (anchor).
+"""PLL scoring: mlsm.evaluate.zeroshot.pll.score_pll against minicons' MaskedLMScorer (anchor).
 
 Same model, same BLiMP sentences, same thread count; each side runs in its own process so that
 peak RSS (resource.getrusage) is its own. Prints max |delta score|, sentences/s of each side, the
@@ -71,7 +71,7 @@ def _timed(score, sentences: list[str], warmup: int) -> tuple[list[float], float
 def worker_mlsm(args: argparse.Namespace, sentences: list[str]) -> dict:
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from mlsm.evaluate.pll import score_pll
+    from mlsm.evaluate.zeroshot.pll import score_pll
 
     _set_threads(args.threads)
     model = AutoModelForMaskedLM.from_pretrained(args.model).eval()

@@ -202,10 +202,10 @@ def main() -> int:
 
 
 def _step_flops(module, args: argparse.Namespace) -> float:
-    """Training FLOPs of one MLM step, mlsm's own count (mlsm.flops, heads at the selected
+    """Training FLOPs of one MLM step, mlsm's own count (mlsm.train.flops, heads at the selected
     positions), as `mlsm pretrain` and bench_mlm_throughput.py count it."""
-    from mlsm.flops import flops_for_run
     from mlsm.run_config import config_from_dict
+    from mlsm.train.flops import flops_for_run
 
     cfg = config_from_dict({"objective": {"name": "mlm"}, "data": {"max_len": args.seq},
                             "train": {"batch_size": args.batch}})

@@ -2,7 +2,7 @@
 `BertForQuestionAnswering` doing the same steps on the same model and the same windows.
 
 Both sides: one BERT built from a config with the same seed (no hub), the packaged MiniLM
-tokenizer, the windows of `mlsm.evaluate.qa.encode_windows` (start/end labels included),
+tokenizer, the windows of `mlsm.evaluate.finetune.qa.encode_windows` (start/end labels included),
 batch size, AdamW with weight decay 0.01, linear decay, gradient clipping 1.0, CPU. The rounds
 alternate the sides; each prints seconds per step, and the last line the median ratio
 (HF seconds / mlsm seconds: > 1 means mlsm is faster) and the machine.
@@ -29,8 +29,8 @@ SQUAD = CORPUS.parents[2] / "squad_v1.1/dev-v1.1.json.gz"
 
 def windows(args: argparse.Namespace, tok) -> list[dict]:
     """Training windows of the protocol's training part, as many as the steps need."""
-    from mlsm.evaluate.qa import encode_windows
-    from mlsm.evaluate.qa_data import read_squad_json, split_by_article
+    from mlsm.evaluate.finetune.qa import encode_windows
+    from mlsm.evaluate.finetune.qa_data import read_squad_json, split_by_article
 
     examples = split_by_article(read_squad_json(SQUAD), "train")[: args.steps * args.batch]
     return encode_windows(tok, examples, args.max_len)[: args.steps * args.batch]
@@ -46,9 +46,9 @@ def make_model(args: argparse.Namespace, vocab: int, folder: Path) -> None:
 
 
 def time_mlsm(folder: Path, tok, feats: list[dict], args: argparse.Namespace) -> float:
-    from mlsm.evaluate.cell import load_backbone as _load_backbone
-    from mlsm.evaluate.finetune import build_head, train_cell
-    from mlsm.evaluate.tasks import get_task
+    from mlsm.evaluate.finetune.cell import load_backbone as _load_backbone
+    from mlsm.evaluate.finetune.finetune import build_head, train_cell
+    from mlsm.evaluate.finetune.tasks import get_task
 
     spec = get_task("squad")
     backbone = _load_backbone(str(folder))

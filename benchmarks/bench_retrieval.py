@@ -4,8 +4,8 @@ Both sides train the same randomly initialised BERT (same shape, same seed) on t
 (query, positive document) pairs with InfoNCE over in-batch negatives (mean pooling, cosine,
 τ = 0.05), AdamW with the same settings, a linear schedule, gradient clipping 1.0, the same batch
 size and max_len. The HF side is a `transformers.Trainer` whose ``compute_loss`` embeds the
-queries and documents and calls the same `mlsm.evaluate.retrieval.info_nce`; its collator pads
-queries and documents separately, as mlsm does. Data: the SciFact training qrels when
+queries and documents and calls the same `mlsm.evaluate.finetune.retrieval.info_nce`; its
+collator pads queries and documents separately, as mlsm does. Data: the SciFact training qrels when
 ../shared/data/scifact is present, else synthetic pairs. Rounds alternate the two sides; the
 median ratio of seconds per step (HF / mlsm) is printed with the machine, in wall
 and in CPU time (fair on a shared machine).
@@ -27,8 +27,8 @@ import torch
 from transformers import BertConfig, BertModel, Trainer, TrainingArguments
 
 from mlsm.config import machine_description
-from mlsm.evaluate.retrieval import embed, info_nce, pad, tokenize
-from mlsm.evaluate.retrieval_cell import RetrievalPrepared, TrainQuery, train_bi_encoder
+from mlsm.evaluate.finetune.retrieval import embed, info_nce, pad, tokenize
+from mlsm.evaluate.finetune.retrieval_cell import RetrievalPrepared, TrainQuery, train_bi_encoder
 
 SCIFACT = Path(__file__).resolve().parents[2] / "shared/data/scifact"
 
@@ -36,8 +36,8 @@ SCIFACT = Path(__file__).resolve().parents[2] / "shared/data/scifact"
 def pairs(n: int, scifact: Path) -> list[TrainQuery]:
     """n training queries: SciFact's (first positive kept) when present, else synthetic."""
     if (scifact / "corpus.jsonl.gz").is_file():
-        from mlsm.evaluate.beir import read_beir
-        from mlsm.evaluate.retrieval_cell import training_queries
+        from mlsm.evaluate.finetune.beir import read_beir
+        from mlsm.evaluate.finetune.retrieval_cell import training_queries
 
         queries = training_queries(read_beir(scifact, "train"))
         return [TrainQuery(t.qid, t.text, t.positives[:1]) for t in queries][:n]

@@ -23,12 +23,12 @@ def corpus_store(tmp: str | Path):
 
 def measured_peaks() -> dict[str, float]:
     """The CPU's fp32 and bf16 GEMM rates at torch's current thread count, measured in this run
-    (mlsm.throughput.cpu_peak: a 2048^3 matmul, best of five; the peak cache keeps the higher of
-    this and what it holds), printed on one line: the denominators of the MFUs a benchmark
+    (mlsm.train.throughput.cpu_peak: a 2048^3 matmul, best of five; the peak cache keeps the
+    higher of this and what it holds), printed on one line: the denominators of the MFUs a benchmark
     prints."""
     import torch
 
-    from mlsm.throughput import cpu_peak
+    from mlsm.train.throughput import cpu_peak
 
     peaks = {p: cpu_peak(p, measure=True) for p in ("fp32", "bf16")}
     print(f"measured GEMM peak, {torch.get_num_threads()} threads: fp32 "

@@ -65,7 +65,8 @@ def store_dir(corpus_dir: Path, tokenizer_dir: Path,
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The CPU peak cache (mlsm.throughput.cpu_peak) of the test session in a folder of its own,
+    """The CPU peak cache (mlsm.train.throughput.cpu_peak) of the test session in a folder of its
+    own,
     not the user's ~/.cache (subprocesses inherit it)."""
     import os
 

@@ -104,7 +104,7 @@ def test_facts_are_written_at_save_time_and_read_without_objectives(clm_run: Pat
 def test_a_checkpoint_without_the_facts_is_refused_naming_the_migration(
         clm_run: Path, tmp_path: Path) -> None:
     """No fallback: a process that imported the objectives reads no more than one that did not."""
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
 
     old = tmp_path / "old"
     shutil.copytree(Checkpoint.open(clm_run).folder, old)
@@ -164,3 +164,24 @@ def test_resume_refuses_a_dictionary_relearned_in_place(mlm_run: Path, store_dir
     dictionary(1)  # re-learned: other atoms at the same path
     with pytest.raises(UserError, match=r"objective\.dictionary: .*another train\.out"):
         _run(store_dir, run, resume="auto", **extra)
+
+
+_MARKER_NAMES = re.compile(r"\b(COMPLETE|EXPORT_MARKER)\b|[\"'](checkpoint|mlsm)\.json[\"']")
+_FILE_IO = re.compile(r"\b(write_text|atomic_write_text|json\.dump|read_json|json\.loads|"
+                      r"read_text|open)\(")
+
+
+def test_checkpoint_json_is_written_and_parsed_in_one_module() -> None:
+    """checkpoint.json (and an export's mlsm.json) has one writer, `write_marker`, and one parser,
+    in `mlsm.artifacts.checkpoint`: no other module of the package names the file in a line that
+    reads or writes a file. (The export's own format check of a folder it wrote is the one
+    reader of mlsm.json left outside, by name.)"""
+    src = Path(__file__).resolve().parents[1] / "src" / "mlsm"
+    home = src / "artifacts" / "checkpoint.py"
+    found = [f"{path.relative_to(src)}:{n}: {line.strip()}"
+             for path in sorted(src.rglob("*.py")) if path != home
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if _MARKER_NAMES.search(line) and _FILE_IO.search(line)
+             and not (path.name == "export.py" and "EXPORT_FORMAT" in line)]
+    assert not found, "checkpoint markers read or written outside artifacts/checkpoint.py:\n" + \
+        "\n".join(found)

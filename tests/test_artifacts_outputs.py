@@ -107,7 +107,7 @@ def _verbs(capsys: pytest.CaptureFixture) -> dict[str, tuple]:
         "export": ("mlsm export", _heading("mlsm.json", '{"format": "mlsm-export"}'),
                    _kind_guard("mlsm.export", "EXPORT_KIND"), False, Rule.SAME_KIND),
         "probe": ("mlsm probe run", _heading("probe.json", "{}"),
-                  _kind_guard("mlsm.evaluate.probe", "PROBE_KIND"), False, Rule.SAME_KIND),
+                  _kind_guard("mlsm.evaluate.probe.probe", "PROBE_KIND"), False, Rule.SAME_KIND),
         "pretrain": ("mlsm run", _heading("run.json", '{"started": "now"}'), _pretrain, False,
                      Rule.NEW),
     }

@@ -205,18 +205,18 @@ def _loaders(good: Path) -> dict:
 
     from mlsm.config import ModelConfig
     from mlsm.data.corpus import load_tokenizer as corpus_tokenizer
-    from mlsm.evaluate.finetune import _load_backbone
-    from mlsm.evaluate.finetune import load_tokenizer as finetune_tokenizer
-    from mlsm.evaluate.pll import load_masked_lm
-    from mlsm.evaluate.probe import load_scorer
-    from mlsm.evaluate.rank import load_encoder
-    from mlsm.evaluate.tasks import get_task
-    from mlsm.flops import teacher_shape_config
+    from mlsm.evaluate.finetune.finetune import _load_backbone
+    from mlsm.evaluate.finetune.finetune import load_tokenizer as finetune_tokenizer
+    from mlsm.evaluate.finetune.tasks import get_task
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.pll import load_masked_lm
+    from mlsm.evaluate.zeroshot.rank import load_encoder
     from mlsm.hf import load_config, load_model, load_tokenizer
     from mlsm.models.backbone import _from_scratch_config, build_student
     from mlsm.objectives.kd import has_mlm_head
     from mlsm.objectives.mlsm_naive import load_full_teacher
     from mlsm.teacher.teacher import load_teacher
+    from mlsm.train.flops import teacher_shape_config
 
     tok = corpus_tokenizer(str(good))
     return {
@@ -529,7 +529,7 @@ def test_compare_skips_non_numeric_values_and_warns_once(capsys, tmp_path):
     assert code == 0, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "skipped 6 of 10" in lines[0], err
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.compare.stats import compare_runs
 
     cmp = compare_runs(results)
     assert all(math.isfinite(v) for v in cmp.mean.ravel())
@@ -608,7 +608,7 @@ def test_probe_overrides_anywhere(argv, monkeypatch):
         seen.update(kw, checkpoint=checkpoint)
         return Path("run")
 
-    monkeypatch.setattr("mlsm.evaluate.probe.run_probe", fake_run_probe)
+    monkeypatch.setattr("mlsm.evaluate.probe.probe.run_probe", fake_run_probe)
     assert cli.main(argv) == 0
     assert seen["checkpoint"] == "ckpt" and seen["steps"] == 5
     assert seen["overrides"] == ["optim.lr=1e-3", "train.seed=3"]
@@ -623,7 +623,7 @@ def test_unexpected_bug_keeps_its_traceback(capsys, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("an invariant broke")
 
-    monkeypatch.setattr("mlsm.evaluate.stats.compare_runs", broken)
+    monkeypatch.setattr("mlsm.evaluate.compare.stats.compare_runs", broken)
     code, err = main_err(capsys, ["compare", str(tmp_path / "r.jsonl")])
     assert code == 1
     assert "Traceback" in err and "an invariant broke" in err

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from mlsm.artifacts.checkpoint import list_checkpoints
 from mlsm.cli import main
 from mlsm.errors import UserError
-from mlsm.train import checkpoint as ckpt
 
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     ENV,
@@ -477,13 +477,13 @@ def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
                         ("clm", {})]:
         extra = {"objective.name": name, "train.steps": 1, **extra}
         assert main(["pretrain", *_run_args(store_dir, root / name, **extra)]) == 0
-        found[name] = ckpt.list_checkpoints(root / name)[-1][1]
+        found[name] = list_checkpoints(root / name)[-1][1]
     assert main(["export", str(found["mae_lm"]), "--out", str(root / "export")]) == 0
     with pytest.MonkeyPatch.context() as legacy:
-        legacy.setattr("mlsm.evaluate.probe_fit.check_scored_by_pll", lambda folder: None)
+        legacy.setattr("mlsm.evaluate.probe.probe_fit.check_scored_by_pll", lambda folder: None)
         assert main(["probe", str(found["mae_mlsm"]), "--max-steps", "1", "--out",
                      str(root / "probe")]) == 0
-    probe = ckpt.list_checkpoints(root / "probe")[-1][1]
+    probe = list_checkpoints(root / "probe")[-1][1]
     return {**found, "mae_lm export": root / "export", "probe of mae_mlsm": probe}
 
 
@@ -1202,7 +1202,7 @@ def _reuse_finetune_model_retrained_in_place(tmp, fix):
     """`rm -rf run` and pre-train again with another seed: same folder name, other weights."""
     run = [*_run_args(fix["store_dir"], tmp / "run", **{"train.steps": 1})]
     assert main(["pretrain", *run]) == 0
-    model = ckpt.list_checkpoints(tmp / "run")[-1][1]
+    model = list_checkpoints(tmp / "run")[-1][1]
     args, results = _finished(tmp, fix, model=model)
     shutil.rmtree(tmp / "run")
     assert main(["pretrain", *run, "train.seed=1"]) == 0
@@ -1252,7 +1252,7 @@ def _reuse_targets_teacher_retrained_in_place(tmp, fix):
         shutil.rmtree(tmp / "run", ignore_errors=True)
         shutil.rmtree(tmp / "teacher", ignore_errors=True)
         assert main(["pretrain", *run, *extra]) == 0
-        _copy(ckpt.list_checkpoints(tmp / "run")[-1][1], tmp / "teacher")
+        _copy(list_checkpoints(tmp / "run")[-1][1], tmp / "teacher")
 
     train_teacher()
     assert main(_dictionary({**fix, "teacher_dir": tmp / "teacher"}, tmp / "d.safetensors")) == 0
@@ -1322,8 +1322,8 @@ def _api_cases(fix: dict, tmp: Path) -> dict:
         score_pll,
         sparse_encode,
     )
-    from mlsm.evaluate.pll import load_masked_lm
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.pll import load_masked_lm
 
     def pll(sentences: list) -> None:
         model, tok = load_masked_lm(str(fix["teacher_dir"]))

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging as hf_logging
 
 from mlsm import fileio, locking
+from mlsm.artifacts.checkpoint import list_checkpoints, verify
 from mlsm.cli import main
 from mlsm.teacher.targets import TargetStore
 from mlsm.train import checkpoint as ckpt
@@ -63,7 +64,7 @@ def base_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 3-step run with checkpoints at steps 1, 2, 3."""
     out = tmp_path_factory.mktemp("base") / "run"
     assert main(["pretrain", *_run_args(store_dir, out)]) == 0
-    assert [s for s, _ in ckpt.list_checkpoints(out)] == [1, 2, 3]
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2, 3]
     return out
 
 
@@ -75,7 +76,7 @@ def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
     extra = {"objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
              "objective.teacher": str(teacher_dir), "train.steps": 2}
     assert main(["pretrain", *_run_args(store_dir, out, **extra)]) == 0
-    return ckpt.list_checkpoints(out)[-1][1]
+    return list_checkpoints(out)[-1][1]
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +357,7 @@ def _case_resume_named_torn_checkpoint(tmp, fx):
 
 def _case_resume_all_checkpoints_torn(tmp, fx):
     run = _run_copy(tmp, fx)
-    for _, folder in ckpt.list_checkpoints(run):
+    for _, folder in list_checkpoints(run):
         _truncate(folder / "training_state.pt")
     return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
             "no intact checkpoint", None)
@@ -497,7 +498,7 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
     assert first.returncode == 128 + signal.SIGTERM, err  # stopped with a checkpoint
-    assert ckpt.list_checkpoints(run) and not locking.is_locked(run)
+    assert list_checkpoints(run) and not locking.is_locked(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))
 
@@ -525,7 +526,7 @@ def test_ctrl_c_stops_pretraining_with_a_checkpoint_like_sigterm(store_dir: Path
     out, err = first.communicate(timeout=300)
     assert first.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in err and "stopped by signal" in out
-    saved = ckpt.list_checkpoints(run)
+    saved = list_checkpoints(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert saved and saved[-1][0] == steps[-1] < 2000 and not locking.is_locked(run)
 
@@ -565,7 +566,7 @@ def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Pat
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert ckpt.list_checkpoints(run) == []
+    assert list_checkpoints(run) == []
     assert main(["pretrain", "--resume", "auto", *args]) == 0
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
@@ -608,8 +609,8 @@ def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(error: Excepti
     line = _one_line_error(main(["pretrain", *_run_args(store_dir, run)]), capsys.readouterr().err)
     assert ("could not write checkpoint step-0000002" in line
             and "older checkpoints are intact" in line)
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [1]
-    ckpt.read_checkpoint(run / "checkpoints" / "step-0000001")  # whole
+    assert [s for s, _ in list_checkpoints(run)] == [1]
+    verify(run / "checkpoints" / "step-0000001")  # whole
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 
 

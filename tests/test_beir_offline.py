@@ -1,6 +1,6 @@
 """MTEB-style retrieval offline, on a local BEIR folder (docs/export.md): sentence-transformers'
-`InformationRetrievalEvaluator` fed by `mlsm.evaluate.beir.read_beir`, and mlsm's own zero-shot
-retrieval (`--tasks beir:NAME_zeroshot --data-dir`), give the same nDCG@10 for the same
+`InformationRetrievalEvaluator` fed by `mlsm.evaluate.finetune.beir.read_beir`, and mlsm's own
+zero-shot retrieval (`--tasks beir:NAME_zeroshot --data-dir`), give the same nDCG@10 for the same
 mean-pooled encoder."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ except ImportError:  # sentence-transformers < 6
     from sentence_transformers.evaluation import InformationRetrievalEvaluator
 
 from mlsm.artifacts.results_file import read_results  # noqa: E402
-from mlsm.evaluate.beir import read_beir  # noqa: E402
-from mlsm.evaluate.finetune import finetune  # noqa: E402
+from mlsm.evaluate.finetune.finetune import finetune  # noqa: E402
+from mlsm.evaluate.finetune.beir import read_beir  # noqa: E402
 from mlsm.integrations.sentence_transformers import write_modules  # noqa: E402
 from tests.test_retrieval import _beir, _model  # noqa: E402
 

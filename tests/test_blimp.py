@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mlsm.errors import UserError
-from mlsm.evaluate.blimp import evaluate_blimp, load_blimp, write_blimp_report
+from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, load_blimp, write_blimp_report
 from tests.test_pll import (
     VOCAB,
     brute_force_pll,

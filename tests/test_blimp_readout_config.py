@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 
 from mlsm.cli import build_parser
+from mlsm.cli.dataclass_flags import flag_values
 from mlsm.config import build_dataclass, field_check
-from mlsm.dataclass_flags import flag_values
 from mlsm.errors import UserError
-from mlsm.evaluate.blimp import evaluate_blimp
-from mlsm.evaluate.blimp_config import BlimpConfig, blimp_config
 from mlsm.evaluate.readouts import ReadoutSpec
+from mlsm.evaluate.zeroshot.blimp import evaluate_blimp
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
 from tests.test_blimp import UnigramScorer, blimp_dir, tok  # noqa: F401  (fixtures)
 from tests.test_pll import one_thread  # noqa: F401  (autouse fixture)
 
@@ -130,9 +130,9 @@ def test_every_setting_is_a_study_key(tmp_path: Path) -> None:
 def test_the_study_stage_scores_with_the_groups_settings(tmp_path: Path, monkeypatch) -> None:
     """Each set is scored with the group's settings; the per-set limit wins and `phenomena` is the
     first set's only. (evaluate_blimp itself is tested above; here, what the stage gives it.)"""
-    import mlsm.evaluate.blimp as blimp
-    import mlsm.evaluate.probe as probe
-    import mlsm.evaluate.unigram as unigram
+    import mlsm.evaluate.probe.probe as probe
+    import mlsm.evaluate.zeroshot.blimp as blimp
+    import mlsm.evaluate.zeroshot.unigram as unigram
     from mlsm.study import reuse, stages
 
     spec = _study(tmp_path, blimp={**BLIMP_OTHER, "data": ["one", "two"], "limits": [0, 7]})
@@ -196,7 +196,7 @@ def test_one_convention_a_new_setting_decides_until_marked() -> None:
 
 
 def test_a_fine_tuning_cell_fingerprint_holds_what_decides_its_scores() -> None:
-    from mlsm.evaluate.finetune_config import FinetuneConfig
+    from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
 
     base = FinetuneConfig().decisive("classification", True)
     for key, value in [("epochs", 1), ("max_steps", 9), ("batch_size", 8), ("head", "mean"),

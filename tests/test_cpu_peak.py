@@ -1,4 +1,4 @@
-"""MFU on a CPU against the measured GEMM peak of the precision in use (mlsm.throughput)."""
+"""MFU on a CPU against the measured GEMM peak of the precision in use (mlsm.train.throughput)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlsm import throughput
+from mlsm.train import throughput
 
 
 @pytest.fixture

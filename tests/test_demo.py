@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.demo import demo_study, hub_reachable, select_eval_data
-from mlsm.demo_report import summary_lines
+from mlsm.demo import demo_study, hub_reachable, select_eval_data, summary_lines
 from mlsm.study.runner import Study
 
 
@@ -131,7 +130,7 @@ def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_
     reported unigram baseline on the same targets (loss, top-1, p = 1): the baseline is computed
     on the targets the model is scored on."""
     from mlsm.data.corpus import TokenStore
-    from mlsm.evaluate.probe_fit import unigram_log_probs
+    from mlsm.evaluate.probe.probe_fit import unigram_log_probs
     from mlsm.run_config import config_from_dict
     from mlsm.study.stages import heldout_masked_tokens
     from mlsm.train.loop import pretrain
@@ -160,11 +159,10 @@ def _demo_text_files(out: Path) -> None:
     """Every file the demo writes before its study starts (each is skipped or rewritten when the
     demo is run again)."""
     from mlsm import demo
-    from mlsm.demo_report import write_pairs
+    from mlsm.demo import write_pairs
 
     _, held = demo._write_corpus(out)
     write_pairs(held, out / "pairs")
-    demo._word_order_task(held, out, n=200)
     demo._heldout_store(held, out)
 
 
@@ -185,7 +183,7 @@ def test_a_demo_killed_while_writing_leaves_no_torn_file(tmp_path: Path, monkeyp
     _demo_text_files(tmp_path / "whole")
     reference = _contents(tmp_path / "whole")
     real = Path.write_text
-    for kill_at in range(6):  # each of its six text writes, one per run
+    for kill_at in range(5):  # each of its five text writes, one per run
         calls = []
 
         def killed(self: Path, data: str, *args, _at=kill_at, _calls=calls, **kwargs) -> int:
@@ -241,7 +239,7 @@ def test_word_order_pairs_get_one_binomial_p_in_console_and_report(tmp_path) -> 
     from scipy.stats import binomtest
 
     from mlsm.demo import PAIR_SET
-    from mlsm.evaluate.paired import p_text
+    from mlsm.evaluate.compare.paired import p_text
     from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
     from mlsm.study.reuse import blimp_inputs

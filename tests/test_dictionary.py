@@ -316,7 +316,7 @@ def test_documents_sampling_reads_the_store_in_order_as_the_official_script(tiny
 def test_a_config_and_keywords_learn_the_same_and_every_setting_reaches_the_learner(tiny):
     """learn_dictionary(store, teacher, DictionaryConfig(...)) is the keyword call; every setting
     is used: the meta records them, and forget changes the atoms."""
-    from mlsm.dictionary_config import DictionaryConfig
+    from mlsm.teacher.dictionary_config import DictionaryConfig
 
     teacher = load_teacher(tiny / "teacher", layer=2)
     store = TokenStore.open(tiny / "store")

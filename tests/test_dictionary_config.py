@@ -1,5 +1,6 @@
 """Each dictionary setting is declared once (issue 33, item 3): every field of
-`mlsm.dictionary_config.DictionaryConfig` is a flag of `mlsm dictionary` (same default), a keyword
+`mlsm.teacher.dictionary_config.DictionaryConfig` is a flag of `mlsm dictionary` (same default), a
+keyword
 of `learn_dictionary` and a key of a study's `dictionary:` group, and a value given in any of the
 three reaches the config the learner runs with. No teacher is loaded: `learn_dictionary` builds its
 config before it looks at the teacher, so a refused teacher shows the keyword was accepted."""
@@ -12,10 +13,10 @@ import typing
 import pytest
 
 from mlsm.cli import build_parser
-from mlsm.dataclass_flags import flag_values
+from mlsm.cli.dataclass_flags import flag_values
 from mlsm.defaults import SAMPLINGS
-from mlsm.dictionary_config import DictionaryConfig
 from mlsm.errors import UserError
+from mlsm.teacher.dictionary_config import DictionaryConfig
 
 FIELDS = dataclasses.fields(DictionaryConfig)
 

@@ -207,8 +207,8 @@ def test_readme_lists_every_objective() -> None:
 def test_dictionary_options_table_matches_function_and_verb() -> None:
     import inspect
 
-    from mlsm.dictionary_config import DictionaryConfig
     from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.dictionary_config import DictionaryConfig
     from mlsm.teacher.teacher import load_teacher
 
     params = {*inspect.signature(learn_dictionary).parameters,  # store, teacher, config, out
@@ -411,7 +411,7 @@ def test_extending_objective_example_trains_and_equals_mlm_at_zero_smoothing(
 
 def test_extending_task_example_reads_its_files(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlsm.evaluate import tasks
+    from mlsm.evaluate.finetune import tasks
 
     monkeypatch.setattr(tasks, "TASKS", dict(tasks.TASKS))  # the example adds to the registry
     exec(compile(_python_blocks(ROOT / "docs" / "extending.md")[1], "extending.md", "exec"), {})
@@ -431,7 +431,7 @@ def test_extending_task_example_reads_its_files(tmp_path: Path,
 def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: Path,
                                                    dictionary_path: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlsm.evaluate.probe import run_probe
+    from mlsm.evaluate.probe.probe import run_probe
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
@@ -452,7 +452,7 @@ def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: P
 
 
 def test_power_table_is_what_detectable_dz_computes() -> None:
-    from mlsm.evaluate.paired import detectable_dz
+    from mlsm.evaluate.compare.paired import detectable_dz
 
     text = (ROOT / "docs" / "how-much-pretraining.md").read_text()
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)

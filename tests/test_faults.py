@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlsm.artifacts.checkpoint import list_checkpoints
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train import checkpoint as ckpt
@@ -110,7 +111,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_its_status(
     assert proc.returncode == status, out
     assert f"stopped by signal {signal.Signals(signum).name} after step" in out
     assert "continue with --resume auto" in out and "Traceback" not in out
-    found = ckpt.list_checkpoints(run)
+    found = list_checkpoints(run)
     assert found and 0 < found[-1][0] < 400 and found[-1][0] == _logged(run)
 
 
@@ -126,7 +127,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     with pytest.raises(UserError, match="non-finite loss at step") as info:
         pretrain(cfg)
     assert "\n" not in str(info.value)
-    found = ckpt.list_checkpoints(tmp_path / "nan")
+    found = list_checkpoints(tmp_path / "nan")
     assert found, "at least the first step's checkpoint was written before the blow-up"
     state = load_file(found[-1][1] / "model.safetensors")
     assert all(torch.isfinite(v).all() for v in state.values())
@@ -147,7 +148,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(
     run = tmp_path / "full"
     with pytest.raises(UserError, match="No space left on device"):
         pretrain(load_config(None, _overrides(store_dir, run)))
-    found = ckpt.list_checkpoints(run)
+    found = list_checkpoints(run)
     assert [s for s, _ in found] == [1, 2]
     for _, folder in found:
         assert all(
@@ -156,4 +157,4 @@ def test_failed_write_leaves_previous_checkpoint_intact(
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     monkeypatch.setattr(ckpt.torch, "save", real_save)
     pretrain(load_config(None, _overrides(store_dir, run)), resume="auto")  # and the run continues
-    assert ckpt.list_checkpoints(run)[-1][0] == STEPS
+    assert list_checkpoints(run)[-1][0] == STEPS

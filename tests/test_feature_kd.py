@@ -170,7 +170,7 @@ def test_pretrain_lowers_the_loss_and_saves_a_latent_head_of_teacher_width(fkd_r
 
 
 def test_plateau_probe_runs_on_a_feature_kd_checkpoint(fkd_run, tmp_path) -> None:
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     info = train_probe_to_plateau(fkd_run / "checkpoints" / "step-0000016", tmp_path / "probe",
                                   max_steps=30, eval_every=10, select_steps=10, patience=2,

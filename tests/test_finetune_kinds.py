@@ -12,8 +12,8 @@ import torch
 
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune import finetune
-from mlsm.evaluate.protocol import grid_path
+from mlsm.evaluate.finetune.finetune import finetune
+from mlsm.evaluate.finetune.protocol import grid_path
 from tests.test_finetune import _bert, _keyword_sst2, _small_fixtures
 from tests.test_qa import _squad_folder
 from tests.test_retrieval import _beir

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import mlsm.evaluate.finetune as ft
+import mlsm.evaluate.finetune.finetune as ft
 from mlsm.artifacts.results_file import read_results
-from mlsm.dataclass_flags import add_dataclass_flags, flag_values
+from mlsm.cli.dataclass_flags import add_dataclass_flags, flag_values
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune import finetune
-from mlsm.evaluate.finetune_config import FinetuneConfig
-from mlsm.evaluate.stats import compare_runs
+from mlsm.evaluate.compare.stats import compare_runs
+from mlsm.evaluate.finetune.finetune import finetune
+from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
 from mlsm.study.spec import FinetuneSpec
 from tests.test_finetune import _bert, _keyword_sst2
 
@@ -62,7 +62,7 @@ def test_every_setting_is_a_flag_with_its_default_and_a_study_key() -> None:
 
 
 def test_presets_are_values_of_the_config() -> None:
-    from mlsm.evaluate.protocol import PRESETS
+    from mlsm.evaluate.finetune.protocol import PRESETS
 
     for name, preset in PRESETS.items():
         cfg = FinetuneConfig.build({"preset": name, "epochs": 7})  # ranges checked, given wins

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-from mlsm.flops import flops_for_run, flops_table, format_table
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
 from mlsm.run_config import load_config
 from mlsm.teacher.teacher import Teacher
+from mlsm.train.flops import flops_for_run, flops_table, format_table
 
 B, T, K, RATE = 4, 32, 96, 0.15
 STUDENT = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256, "vocab_size": 200}
@@ -151,7 +151,7 @@ def test_relative_attention_flops_match_the_counter() -> None:
     """DeBERTa's c2p + p2c terms (counted in the paper accounting) against FlopCounterMode."""
     from transformers import DebertaV2Config, DebertaV2Model
 
-    from mlsm.flops import encoder_flops, relative_attention_flops, shape_of
+    from mlsm.train.flops import encoder_flops, relative_attention_flops, shape_of
 
     cfg = DebertaV2Config(
         vocab_size=100,
@@ -208,7 +208,7 @@ def test_paper_naive_head_is_the_hf_mlm_head_resized() -> None:
     """--accounting paper: the naive row's head is the official code's, HF's MLM head resized to
     |V| + k (its d × d transform included) at every position, counted by torch against the
     vocabulary head of the MLM row."""
-    from mlsm.flops import PAPER_BATCH
+    from mlsm.train.flops import PAPER_BATCH
 
     table = flops_table(STUDENT, TEACHER, T, B, RATE, K, layer=2, accounting="paper")
     paper = {r.objective.split(" (")[0]: r for r in table}
@@ -226,7 +226,7 @@ def test_mlsm_accounting_is_labelled_and_teacher_config_offline(capsys) -> None:
     from transformers import BertConfig
 
     from mlsm.cli import main
-    from mlsm.flops import teacher_shape_config
+    from mlsm.train.flops import teacher_shape_config
 
     cfg = teacher_shape_config("bert-base-cased")
     assert (

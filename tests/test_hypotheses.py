@@ -11,7 +11,7 @@ import pytest
 import scipy.stats
 
 from mlsm.errors import UserError
-from mlsm.evaluate.paired import (
+from mlsm.evaluate.compare.paired import (
     detectable_dz,
     holm,
     mean_ci,

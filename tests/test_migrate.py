@@ -111,7 +111,7 @@ def test_migrate_writes_the_facts_a_save_writes_and_pll_follows_them(
         runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """(b) After `mlsm migrate`, the MAE checkpoint is refused for its decoder, the MLM one is
     scored; each checkpoint.json is byte for byte the one today's save wrote."""
-    from mlsm.evaluate.pll import load_masked_lm, score_pll
+    from mlsm.evaluate.zeroshot.pll import load_masked_lm, score_pll
     from mlsm.objectives.mae_lm import MAELM
 
     mae_run, mae, mae_saved = _old(runs["mae_lm"], tmp_path / "mae")

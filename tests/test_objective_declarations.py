@@ -123,8 +123,8 @@ def test_declarations_match_what_the_objective_does(
     # latent_head: the head the probe reads (by this name) is one that predicts them
     assert not cls.predicts_latent or cls.latent_head in latent, (name, cls.latent_head, latent)
     # flops_row: a row of `mlsm flops`'s table for this run, or none
-    from mlsm.flops import flops_for_run
-    from mlsm.throughput import flops_row_of
+    from mlsm.train.flops import flops_for_run
+    from mlsm.train.throughput import flops_row_of
 
     overrides = {"objective.name": name} if name in TEACHERLESS else {
         f"objective.{k}": v for k, v in spec.items() if k != "checkpoint"}
@@ -222,7 +222,7 @@ def test_pll_refusal_iff_a_head_reads_a_decoder_or_the_encoder_trains_causally(
 def test_every_objective_row_of_the_flops_table_is_declared_by_one_objective(
     store_dir: Path, teacher_dir: Path, dictionary_path: Path, tmp_path: Path
 ) -> None:
-    from mlsm.flops import flops_for_run
+    from mlsm.train.flops import flops_for_run
 
     overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
                  "objective.dictionary": str(dictionary_path)}

@@ -120,8 +120,12 @@ def test_exports_are_declared_whatever_the_attach_order(store_dir: Path, tmp_pat
 def test_resume_accepts_a_run_saved_with_a_partial_objective(tmp_path: Path) -> None:
     """config.yaml written before objectives were saved in full (main up to 6892e60) holds only the
     options given; --resume compares resolved configs, so it is the same run."""
+    from mlsm.artifacts.rundir import RunDir
     from mlsm.errors import UserError
-    from mlsm.train.loop import _check_same_run
+    from mlsm.train.loop import _plain, _resolved
+
+    def _check_same_run(run_dir: Path, cfg: object, picked: None) -> None:  # as the loop's resume
+        RunDir(run_dir).check_same_run(_plain(cfg), picked, _resolved)
 
     cfg = config_from_dict({"objective": {"name": "mtl", "kappa": 0.25}})
     old = {**dataclasses.asdict(cfg), "objective": {"name": "mtl", "kappa": 0.25}}

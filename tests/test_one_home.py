@@ -127,9 +127,9 @@ def test_dictionary_defaults_have_one_home() -> None:
 
     from mlsm import defaults
     from mlsm.cli import build_parser
-    from mlsm.dataclass_flags import flag_values
-    from mlsm.dictionary_config import DictionaryConfig
+    from mlsm.cli.dataclass_flags import flag_values
     from mlsm.teacher.dictionary import Dictionary
+    from mlsm.teacher.dictionary_config import DictionaryConfig
     from mlsm.teacher.online_dictionary import learn_atoms
 
     parser, _ = build_parser()

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from mlsm.errors import UserError
-from mlsm.evaluate.pll import MaskedScorer, TokenScores, as_scorer, score_pll
+from mlsm.evaluate.zeroshot.pll import MaskedScorer, TokenScores, as_scorer, score_pll
 
 VOCAB = [
     "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "fox", "run", "walk",
@@ -257,7 +257,7 @@ def test_bad_input(bert, tok):
 
 
 def test_load_masked_lm(bert, tok, tmp_path):
-    from mlsm.evaluate.pll import load_masked_lm
+    from mlsm.evaluate.zeroshot.pll import load_masked_lm
 
     bert.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")

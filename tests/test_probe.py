@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from mlsm.config import DataConfig, ModelConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
-from mlsm.evaluate.pll import score_pll
-from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.evaluate.zeroshot.pll import score_pll
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule
 from mlsm.objectives.probe import Probe, ProbeConfig
@@ -178,9 +178,9 @@ def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
         store_dir, teacher_dir, dictionary_path, tmp_path, monkeypatch) -> None:
     """`mlsm probe --recipe paper`: the Hitchhikers' Guide's probe, a fixed 10,000 steps through
     the training loop with readiness checkpoints (the plateau probe stays the default)."""
-    import mlsm.evaluate.probe as probe_module
-    import mlsm.evaluate.probe_fit as fit_module
-    from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS
+    import mlsm.evaluate.probe.probe as probe_module
+    import mlsm.evaluate.probe.probe_fit as fit_module
+    from mlsm.evaluate.probe.probe_fit_config import PAPER_PROBE_STEPS
 
     mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
     seen: dict = {}

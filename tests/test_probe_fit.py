@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlsm.evaluate.probe import load_scorer
-from mlsm.evaluate.probe_fit import heldout_steps, train_probe_to_plateau
+from mlsm.evaluate.probe.probe import load_scorer
+from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
+from mlsm.evaluate.zeroshot.heldout import heldout_steps
 from mlsm.objectives.probe import probe_input
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
@@ -107,7 +108,7 @@ def test_exported_probe_scores_what_was_measured(
 def test_probe_fits_a_learnable_map_from_every_input(kind: str) -> None:
     """When the latent distribution determines the word, the probe must find it from any input kind
     (the untrained-probe bug: probabilities in [0, 1] moved the logits by lr per step at most)."""
-    from mlsm.evaluate.probe_fit import _Candidate
+    from mlsm.evaluate.probe.probe_fit import _Candidate
 
     gen = torch.Generator().manual_seed(0)
     k, vocab = 32, 50
@@ -176,7 +177,7 @@ def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
 
 def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
     """`mlsm probe RUN` then `mlsm blimp RUN`: load_scorer finds the plateau probe's checkpoint."""
-    from mlsm.evaluate.probe import ProbeScorer, run_probe
+    from mlsm.evaluate.probe.probe import ProbeScorer, run_probe
 
     out = run_probe(mlsm_ckpt)  # default: to a plateau, into <run>/probe-step-N
     info = json.loads((out / "probe.json").read_text())

@@ -1,5 +1,6 @@
 """Each setting of the plateau probe is declared once (issue 33, item 3): every field of
-`mlsm.evaluate.probe_fit_config.ProbeFitConfig` is a flag of `mlsm probe` (same default), a keyword
+`mlsm.evaluate.probe.probe_fit_config.ProbeFitConfig` is a flag of `mlsm probe` (same default), a
+keyword
 of `train_probe_to_plateau` and a key of a study's `probe:` group, and a value given in any of the
 three reaches the fit. The fit itself is replaced by a recorder where it would run: what it is
 given is the claim here (tests/test_probe_fit.py trains it)."""
@@ -13,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from mlsm.cli import build_parser
-from mlsm.dataclass_flags import flag_values
+from mlsm.cli.dataclass_flags import flag_values
 from mlsm.errors import UserError
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, probe_fit_config
 
 FIELDS = dataclasses.fields(ProbeFitConfig)
 OTHER = {"lr": 0.05, "inputs": ["logits", "probs"], "select_steps": 7, "max_steps": 9,
@@ -66,7 +67,7 @@ def test_a_flag_out_of_its_fields_range_is_refused(flag: str, capsys) -> None:
 
 @pytest.mark.parametrize("name", [f.name for f in FIELDS])
 def test_every_setting_is_a_keyword_of_the_fit(name: str, tmp_path: Path) -> None:
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     missing = tmp_path / "no-checkpoint"
     # the keyword is accepted: the refusal is the checkpoint's, after the settings were read
@@ -78,7 +79,7 @@ def test_every_setting_is_a_keyword_of_the_fit(name: str, tmp_path: Path) -> Non
 
 
 def test_the_fit_refuses_unknown_and_out_of_range_settings(tmp_path: Path) -> None:
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     with pytest.raises(UserError, match=r"unknown key train_probe_to_plateau\(\)\.max_step"):
         train_probe_to_plateau(tmp_path, tmp_path / "out", max_step=5)
@@ -111,7 +112,7 @@ def test_every_setting_is_a_study_probe_key(tmp_path: Path) -> None:
 
 
 def test_the_study_stage_fits_with_the_groups_settings(tmp_path: Path, monkeypatch) -> None:
-    import mlsm.evaluate.probe_fit as fit
+    import mlsm.evaluate.probe.probe_fit as fit
     from mlsm.study import reuse, stages
 
     spec = _study(tmp_path, {**STUDY_OTHER, "batch_size": 6})
@@ -158,7 +159,7 @@ def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
 
 
 def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeypatch) -> None:
-    import mlsm.evaluate.probe_fit as fit
+    import mlsm.evaluate.probe.probe_fit as fit
     from mlsm.cli import main
 
     seen: dict = {}
@@ -174,7 +175,7 @@ def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeyp
 def test_plateau_flags_with_the_training_loop_are_one_line(mlsm_ckpt: Path, tmp_path: Path,
                                                            loop: list[str], capsys,
                                                            monkeypatch) -> None:
-    import mlsm.evaluate.probe as probe
+    import mlsm.evaluate.probe.probe as probe
     from mlsm.cli import main
 
     ran: list = []  # a loop that would run is recorded, not trained (10,000 steps for paper)
@@ -191,7 +192,7 @@ def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
     batch size; a candidate per input kind; curves at multiples of eval_every up to max_steps;
     after select_steps only the winner trains; patience and min_delta stop it (min_delta also on
     its own); heldout_batches sets how many targets it is scored on."""
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     # min_delta 0.99 is never reached: every candidate stops after `patience` = 1 evaluation
     a = train_probe_to_plateau(mlsm_ckpt, tmp_path / "a", lr=0.05, inputs=("logits", "probs"),
@@ -223,7 +224,7 @@ def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_the_recipe_is_declared_once_for_flags_function_and_study(tmp_path: Path) -> None:
-    from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS, ProbeRecipe
+    from mlsm.evaluate.probe.probe_fit_config import PAPER_PROBE_STEPS, ProbeRecipe
     from mlsm.study.spec import ProbeSpec
 
     assert flag_values(_parse([]), ProbeRecipe) == {}
@@ -238,7 +239,7 @@ def test_the_recipe_is_declared_once_for_flags_function_and_study(tmp_path: Path
 
 
 def test_a_bad_recipe_is_one_line_from_flag_function_and_study(tmp_path: Path, capsys) -> None:
-    from mlsm.evaluate.probe import run_probe
+    from mlsm.evaluate.probe.probe import run_probe
 
     with pytest.raises(SystemExit):
         _parse(["--recipe", "fig6"])
@@ -258,7 +259,7 @@ def test_a_probe_that_never_beats_unigram_reports_the_input_it_trained(mlsm_ckpt
     """A step this large never beats the unigram start, so every candidate ties at it: the input
     reported is the one selection kept and trained on (its curve), whatever the order of
     `inputs` (it was the first of them, so a flaky test saw a winner without a curve)."""
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     info = train_probe_to_plateau(mlsm_ckpt, tmp_path / "p", ProbeFitConfig(
         lr=1e4, inputs=inputs, select_steps=1, max_steps=3, eval_every=2, patience=5,

@@ -16,8 +16,9 @@ from scipy import stats as sps
 
 from mlsm.artifacts.results_file import append_results, read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune import build_head, finetune, prepare, resolve_model, train_cell
-from mlsm.evaluate.protocol import (
+from mlsm.evaluate.compare.stats import SELECTED_LR, compare_runs
+from mlsm.evaluate.finetune.finetune import build_head, finetune, prepare, resolve_model, train_cell
+from mlsm.evaluate.finetune.protocol import (
     PRESETS,
     carve_validation,
     grid_path,
@@ -26,8 +27,7 @@ from mlsm.evaluate.protocol import (
     split_validation,
     validation_scores,
 )
-from mlsm.evaluate.stats import SELECTED_LR, compare_runs
-from mlsm.evaluate.tasks import get_task, load_task
+from mlsm.evaluate.finetune.tasks import get_task, load_task
 from tests.test_finetune import _bert, _keyword_sst2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -119,7 +119,7 @@ def test_max_steps_caps_a_run(tiny: Path, tmp_path: Path) -> None:
     spec = get_task("sst2")
     ref = resolve_model(str(tiny))
     prepared = prepare(ref, spec, load_task("sst2", "train", data), {}, 32)
-    from mlsm.evaluate.finetune import _load_backbone
+    from mlsm.evaluate.finetune.finetune import _load_backbone
 
     cfg = {"lr": 1e-3, "epochs": 2, "batch_size": 8, "warmup_ratio": 0.1, "weight_decay": 0.0,
            "max_steps": 7, "head": "mean"}

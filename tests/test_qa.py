@@ -27,16 +27,17 @@ from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate import qa
-from mlsm.evaluate.finetune import finetune, predict
-from mlsm.evaluate.qa_data import (
+from mlsm.evaluate.compare.stats import compare_runs
+from mlsm.evaluate.finetune import qa
+from mlsm.evaluate.finetune.finetune import finetune, predict
+from mlsm.evaluate.finetune.qa_data import (
     QAExample,
     from_hf_row,
     in_eval_part,
     read_squad_json,
     split_by_article,
 )
-from mlsm.evaluate.qa_metrics import (
+from mlsm.evaluate.finetune.qa_metrics import (
     best_threshold,
     exact_match,
     normalize_answer,
@@ -44,8 +45,7 @@ from mlsm.evaluate.qa_metrics import (
     squad_v2_metrics,
     token_f1,
 )
-from mlsm.evaluate.stats import compare_runs
-from mlsm.evaluate.tasks import get_task, load_task
+from mlsm.evaluate.finetune.tasks import get_task, load_task
 
 SHARED_SQUAD = Path(__file__).resolve().parents[2] / "shared/data/squad_v1.1/dev-v1.1.json.gz"
 WORDS = ["river", "stone", "castle", "green", "music", "winter", "garden", "silver", "paper",

@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertModel
 
 from mlsm.errors import UserError
-from mlsm.evaluate.rank import (
+from mlsm.evaluate.zeroshot.rank import (
     effective_rank,
     effective_rank_from_gram,
     layerwise_effective_rank,
@@ -145,7 +145,7 @@ def test_report_files(encoder, tok, tmp_path):
 
 
 def test_load_encoder(encoder, tok, tmp_path):
-    from mlsm.evaluate.rank import load_encoder
+    from mlsm.evaluate.zeroshot.rank import load_encoder
 
     encoder.save_pretrained(tmp_path / "enc")
     tok.save_pretrained(tmp_path / "enc")

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModel
 
-from mlsm.evaluate.heldout import heldout_masked_tokens
-from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
-from mlsm.evaluate.probe_fit import _FactoredCandidate, train_probe_to_plateau
+from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.evaluate.probe.probe_fit import _FactoredCandidate, train_probe_to_plateau
+from mlsm.evaluate.zeroshot.heldout import heldout_masked_tokens
 from mlsm.objectives.probe import probe_input
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain

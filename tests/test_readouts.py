@@ -13,8 +13,8 @@ import torch
 from scipy.stats import wilcoxon
 
 from mlsm.data.corpus import TokenStore
-from mlsm.evaluate.blimp import evaluate_blimp, phenomenon_tests
-from mlsm.evaluate.unigram import UnigramControl, pair_credit
+from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, phenomenon_tests
+from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from tests.conftest import make_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,7 +107,7 @@ def _tiny_encoder(tok, seed: int = 0):
 
 def test_encode_is_the_unbatched_mean_over_kept_tokens(store_dir) -> None:
     """Sorting, packing and padding do not change a sentence's features."""
-    from mlsm.evaluate.linear_probes import encode
+    from mlsm.evaluate.zeroshot.linear_probes import encode
 
     tok = TokenStore.open(store_dir).load_tokenizer()
     model = _tiny_encoder(tok)
@@ -150,8 +150,8 @@ def _glue(folder: Path) -> Path:
 
 
 def test_linear_probes_learn_beat_their_control_and_repeat_exactly(store_dir, tmp_path) -> None:
-    from mlsm.evaluate.linear_probes import available_tasks, probe_task
-    from mlsm.evaluate.tasks import load_task
+    from mlsm.evaluate.finetune.tasks import load_task
+    from mlsm.evaluate.zeroshot.linear_probes import available_tasks, probe_task
 
     glue = _glue(tmp_path / "glue")
     assert available_tasks(glue, ["sst2", "stsb", "cola"]) == ["sst2", "stsb"]
@@ -175,8 +175,8 @@ def test_pppl_is_each_token_masked_in_turn(teacher_dir) -> None:
     the unigram's perplexity is exp of its mean negative log-probability on them."""
     from transformers import AutoModelForMaskedLM
 
-    from mlsm.evaluate.heldout import heldout_source, pppl
-    from mlsm.evaluate.unigram import UnigramControl
+    from mlsm.evaluate.zeroshot.heldout import heldout_source, pppl
+    from mlsm.evaluate.zeroshot.unigram import UnigramControl
 
     model = AutoModelForMaskedLM.from_pretrained(teacher_dir).eval()
     source, steps, train = heldout_source(teacher_dir, 1, 2)

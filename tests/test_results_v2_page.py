@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.evaluate.paired import min_detectable_effect
+from mlsm.evaluate.compare.paired import min_detectable_effect
 from mlsm.study.spec import load_study
 
 from .pages import agree as _agree

@@ -14,10 +14,11 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate import retrieval
-from mlsm.evaluate.beir import BeirSplit, load_beir_hf, read_beir
-from mlsm.evaluate.finetune import finetune
-from mlsm.evaluate.retrieval import (
+from mlsm.evaluate.compare.stats import compare_runs
+from mlsm.evaluate.finetune import retrieval
+from mlsm.evaluate.finetune.beir import BeirSplit, load_beir_hf, read_beir
+from mlsm.evaluate.finetune.finetune import finetune
+from mlsm.evaluate.finetune.retrieval import (
     encode,
     encode_corpus,
     info_nce,
@@ -25,9 +26,8 @@ from mlsm.evaluate.retrieval import (
     mean_pool,
     search,
 )
-from mlsm.evaluate.retrieval_cell import pick_positives, training_queries
-from mlsm.evaluate.stats import compare_runs
-from mlsm.evaluate.tasks import get_task, task_folder
+from mlsm.evaluate.finetune.retrieval_cell import pick_positives, training_queries
+from mlsm.evaluate.finetune.tasks import get_task, task_folder
 from tests.conftest import _WORDS, SHARED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -381,7 +381,7 @@ def test_retrieval_length_defaults_to_the_models_own(tokenizer_dir: Path, tmp_pa
 
 
 def test_the_models_length_falls_back_from_positions_to_128(tmp_path: Path) -> None:
-    from mlsm.evaluate.cell import cell_max_len
+    from mlsm.evaluate.finetune.cell import cell_max_len
 
     def folder(name: str, config: dict, st: object = None) -> str:
         (tmp_path / name).mkdir()

@@ -1,4 +1,4 @@
-"""Run directories as model arguments (mlsm.runs).
+"""Run directories as model arguments (mlsm.artifacts.checkpoint).
 
 RUN, RUN@50% and RUN@step-N work in every evaluation entry point.
 """
@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlsm.artifacts.checkpoint import readiness_checkpoints, resolve_checkpoint
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune import finetune
-from mlsm.evaluate.probe import ProbeScorer, load_scorer, run_probe
-from mlsm.evaluate.rank import load_encoder
-from mlsm.evaluate.stats import compare_runs
+from mlsm.evaluate.compare.stats import compare_runs
+from mlsm.evaluate.finetune.finetune import finetune
+from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
+from mlsm.evaluate.zeroshot.rank import load_encoder
 from mlsm.run_config import load_config
-from mlsm.runs import readiness_checkpoints, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
 from .conftest import tiny_overrides

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mlsm.errors import UserError
-from mlsm.evaluate.pll import score_pll, score_token_ids
-from mlsm.evaluate.score import (
+from mlsm.evaluate.zeroshot.pll import score_pll, score_token_ids
+from mlsm.evaluate.zeroshot.score import (
     RESULT_METRIC,
     pppl,
     read_sentences,
@@ -179,7 +179,7 @@ def test_token_store_chunks_equal_brute_force(bert, tok, folder, tmp_path):
 def test_cli_writes_scores_summary_and_a_results_row(folder, tmp_path, capsys):
     from mlsm.artifacts.results_file import read_results
     from mlsm.cli import main
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.compare.stats import compare_runs
 
     text = tmp_path / "s.txt"
     text.write_text("\n".join(UNIQUE[:3]) + "\n")

@@ -13,8 +13,8 @@ import pytest
 from matplotlib.image import imread
 
 from mlsm.artifacts.results_file import append_results, read_results
-from mlsm.evaluate.report import make_report
-from mlsm.evaluate.stats import compare_runs, wilcoxon_p
+from mlsm.evaluate.compare.report import make_report
+from mlsm.evaluate.compare.stats import compare_runs, wilcoxon_p
 
 CELLS = [(task, metric, seed) for task, metric in (("sst2", "acc"), ("mrpc", "acc"), ("mrpc", "f1"))
          for seed in range(3)]  # 9 paired cells

@@ -447,7 +447,7 @@ def test_paper_probe_recipe_trains_fixed_steps_and_records_its_score(
     """probe.recipe paper: `probe.steps` steps through the training loop with readiness
     checkpoints, no plateau stop, then a probe.json the BLiMP stage reads."""
     from mlsm.artifacts.probe_record import read_probe_record
-    from mlsm.evaluate.probe import ProbeScorer, load_scorer
+    from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer
 
     _, blimp = _tiny_tasks(tmp_path)
     out = tmp_path / "study"

@@ -77,7 +77,7 @@ def test_print_follows_stages_and_arms(tmp_path, capsys) -> None:
 
 def test_print_fills_in_a_preset(tmp_path, capsys) -> None:
     """A study with a fine-tuning preset prints the settings finetune() runs with."""
-    from mlsm.evaluate.protocol import PRESETS
+    from mlsm.evaluate.finetune.protocol import PRESETS
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"arms": {"mlm": {}}, "out": str(tmp_path / "out"),

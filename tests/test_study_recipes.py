@@ -136,8 +136,8 @@ STUDY_OWNED = {"models", "tasks", "config", "results", "device", "readiness", "r
 
 
 def test_every_finetune_setting_is_settable_in_a_study() -> None:
-    from mlsm.evaluate.finetune import finetune
-    from mlsm.evaluate.finetune_config import FinetuneConfig
+    from mlsm.evaluate.finetune.finetune import finetune
+    from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
 
     assert set(inspect.signature(finetune).parameters) <= STUDY_OWNED  # settings: the config's
     fields = {f.name for f in dataclasses.fields(FinetuneSpec)}
@@ -147,8 +147,8 @@ def test_every_finetune_setting_is_settable_in_a_study() -> None:
 
 def test_the_study_passes_every_finetune_setting_through(tmp_path, monkeypatch) -> None:
     """Each FinetuneSpec field, set to a value other than its default, reaches finetune()."""
-    import mlsm.evaluate.finetune as ft_module
-    from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
+    import mlsm.evaluate.finetune.finetune as ft_module
+    from mlsm.evaluate.finetune.finetune_config import FinetuneConfig, config_of
     from mlsm.study import stages
 
     values = {"tasks": ["rte"], "data_dir": "/data", "readiness": [0.5], "seeds": 2,

@@ -13,14 +13,14 @@ from seqeval.metrics import f1_score as seqeval_f1
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
 from mlsm.errors import UserError
-from mlsm.evaluate.task_metrics import (
+from mlsm.evaluate.finetune.task_metrics import (
     metric_acc,
     metric_acc_f1,
     metric_entity_f1,
     metric_mcc,
     metric_pearson_spearman,
 )
-from mlsm.evaluate.tasks import CONLL_TAGS, TASKS, get_task, load_task
+from mlsm.evaluate.finetune.tasks import CONLL_TAGS, TASKS, get_task, load_task
 
 GLUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 
@@ -334,17 +334,3 @@ def test_hf_record_converters() -> None:
 def test_unreachable_hub_gives_user_error() -> None:
     with pytest.raises(UserError, match="--data-dir"):
         load_task("rte", "dev")
-
-
-def test_demo_word_order_task_loads(tmp_path: Path) -> None:
-    from mlsm.demo import _word_order_task
-    from mlsm.evaluate.tasks import load_task
-
-    held = [
-        "The cat sat on the warm mat near the door. A dog slept under the old wooden table all "
-        "day. "
-        * 4
-    ] * 20
-    root = _word_order_task(held, tmp_path, n=200)
-    train, dev = load_task("word_order", "train", root), load_task("word_order", "dev", root)
-    assert len(train) + len(dev) == 160 and {e.label for e in train} == {0, 1}

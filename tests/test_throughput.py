@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlsm.flops import flops_for_run
 from mlsm.models.backbone import build_student
 from mlsm.run_config import load_config
-from mlsm.throughput import FlopMeter, peak_from_name
+from mlsm.train.flops import flops_for_run
 from mlsm.train.loop import pretrain
+from mlsm.train.throughput import FlopMeter, peak_from_name
 
 from .conftest import tiny_overrides
 
@@ -78,7 +78,7 @@ def test_cpu_run_without_peak_logs_mfu_against_the_measured_peak(
         store_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """No train.peak_flops on a CPU: the measured GEMM rate of the run's precision (patched here
     to 1e12 so that the claim is exact) is the peak."""
-    from mlsm import throughput
+    from mlsm.train import throughput
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(throughput, "_PEAKS", {})

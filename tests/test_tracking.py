@@ -14,8 +14,8 @@ import pytest
 from mlsm.config import TRACKERS
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
-from mlsm.tracking import BACKENDS, open_tracker, require
 from mlsm.train.loop import pretrain
+from mlsm.train.tracking import BACKENDS, open_tracker, require
 
 from .conftest import tiny_overrides
 
@@ -96,7 +96,7 @@ def test_mlflow_run_holds_the_logged_metrics_offline(tmp_path: Path, mlflow_clie
 
 _TRACKIO_SCRIPT = """
 import json
-from mlsm.tracking import open_tracker
+from mlsm.train.tracking import open_tracker
 from trackio.sqlite_storage import SQLiteStorage
 with open_tracker(["trackio"], ".", {"train": {"steps": 2}}, "run-a") as tracker:
     tracker.log({"loss": 2.5}, 1)
@@ -130,7 +130,7 @@ def test_wandb_offline_run_is_written_without_network(
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no stored credentials
-    from mlsm.tracking import wandb_mode
+    from mlsm.train.tracking import wandb_mode
 
     assert wandb_mode() == "offline"
     with open_tracker(["wandb"], tmp_path, {"train": {"steps": 2}}, "run-a") as tracker:
@@ -147,7 +147,7 @@ def test_finetune_writes_one_tensorboard_run_per_cell(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from mlsm.artifacts.results_file import read_results
-    from mlsm.evaluate.finetune import finetune
+    from mlsm.evaluate.finetune.finetune import finetune
 
     from .test_finetune import _bert, _keyword_sst2
 

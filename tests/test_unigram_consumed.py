@@ -9,7 +9,7 @@ import pytest
 
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
-from mlsm.evaluate.unigram import UnigramControl, consumed_counts, run_unigram
+from mlsm.evaluate.zeroshot.unigram import UnigramControl, consumed_counts, run_unigram
 from mlsm.run_config import config_from_dict
 
 from .conftest import TINY_MODEL

@@ -39,7 +39,7 @@ Check = tuple[Callable[[Any], bool], str]
 POSITIVE: Check = (lambda v: v > 0, "positive")
 NON_NEGATIVE: Check = (lambda v: v >= 0, "0 or more")
 UNIT: Check = (lambda v: 0 <= v <= 1, "between 0 and 1")
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = mlsm.tracking.BACKENDS (test_tracking)
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = train.tracking.BACKENDS
 INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
 
 
@@ -178,7 +178,7 @@ class TrainConfig:
     peak_flops: float = ranged(0.0, NON_NEGATIVE)
     """Peak FLOP/s of one device, for the `mfu` metric; 0 = from the built-in GPU table, or on a
     CPU the measured GEMM rate of the run's precision at its thread count (measured once per
-    machine and cached: mlsm.throughput.cpu_peak)."""
+    machine and cached: mlsm.train.throughput.cpu_peak)."""
     signal_exit_zero: bool = False
     """Exit status of `mlsm pretrain` when SIGTERM or Ctrl-C (SIGINT) stopped it after its
     checkpoint: false = the shell's 128 + signal (143, 130), so a `set -e` script or a scheduler

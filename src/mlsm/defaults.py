@@ -43,9 +43,9 @@ def default_k(d: int) -> int:
 SAMPLINGS = ("windows", "documents")
 # what the k -> |V| probe reads of the latent head (mlsm.objectives.probe.probe_input)
 PROBE_INPUTS = ("probs", "logprobs", "logits")
-# how a checkpoint's unigram control is estimated (mlsm.evaluate.unigram.run_unigram), in the
-# fingerprints of the study stages that record it: rows of another estimate (before: a prefix of
-# the store) are computed again, never mixed with these
+# how a checkpoint's unigram control is estimated (mlsm.evaluate.zeroshot.unigram.run_unigram),
+# in the fingerprints of the study stages that record it: rows of another estimate (before: a
+# prefix of the store) are computed again, never mixed with these
 UNIGRAM_ESTIMATE = "tokens the run consumed"
 # heads a probe fits (mlsm.objectives.probe): MLSM's k -> |V|, and the two readout controls
 PROBE_HEADS = ("latent", "vocab", "factored")

@@ -30,7 +30,13 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
+from mlsm.artifacts.checkpoint import (
+    COMPLETE,
+    EXPORT_MARKER,
+    Checkpoint,
+    list_checkpoints,
+    write_marker,
+)
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
@@ -98,11 +104,6 @@ _TRAINER_FIGURES = ("global_step", "max_steps", "num_train_epochs", "train_batch
                     "total_flos", "num_input_tokens_seen")
 
 
-def resolve_checkpoint(spec: str | Path) -> Path:
-    """The checkpoint folder a user named: a checkpoint, or a run (RUN, RUN@50%, RUN@step-N)."""
-    return open_checkpoint(spec).folder
-
-
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str | Path | None = None,
                       probe: str | Path | None = None, license: str = "unknown",
                       format: str = "hf", normalize: bool = False) -> Path:
@@ -152,7 +153,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
                 tmp, hidden_size=int(load_config(str(tmp)).hidden_size),  # any family's name
                 max_seq_length=_max_len(info, tmp),
                 normalize=normalize)
-        (tmp / "mlsm.json").write_text(json.dumps(provenance, indent=2))
+        write_marker(tmp, provenance, EXPORT_MARKER)
         if info["config"]:  # an HF folder has no mlsm config
             (tmp / "config.yaml").write_text(yaml.safe_dump(info["config"], sort_keys=False))
         (tmp / "README.md").write_text(

@@ -17,7 +17,6 @@ checkpoint) refuses `--resume`. Migrate before starting anything on an old check
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,9 +32,9 @@ from mlsm.artifacts.checkpoint import (
     list_checkpoints,
     migration_target,
     recorded_facts,
+    write_marker,
 )
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
 from mlsm.locking import hold
 from mlsm.objectives import (
     INTERNAL,
@@ -107,7 +106,7 @@ def migrate_folder(folder: str | os.PathLike) -> Migrated:
         if held is not None:
             return Migrated(folder, marker, dict(zip(FACTS, held, strict=True)), written=False)
         facts = facts_for(ck, marker)
-        atomic_write_text(marker, json.dumps({**ck.info, **facts}, indent=2))
+        write_marker(folder, {**ck.info, **facts}, marker.name)
         return Migrated(folder, marker, facts, written=True)
 
 

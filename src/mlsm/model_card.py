@@ -140,7 +140,7 @@ def _results_table(path: str | Path, p: dict[str, Any]) -> str:
                         "or a report .md")
     if path.suffix == ".md":
         return path.read_text(encoding="utf-8").strip()
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.compare.stats import compare_runs
 
     c = compare_runs(path)
     cols = [f"{t} {m}" for t, m in c.columns]

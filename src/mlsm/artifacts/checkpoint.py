@@ -30,7 +30,7 @@ from typing import Any
 
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.errors import UserError
-from mlsm.fileio import building_dir
+from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
 
 COMPLETE = "checkpoint.json"
@@ -65,11 +65,18 @@ def writing(folder: Path, info: dict[str, Any]) -> Iterator[Path]:
     try:
         with building_dir(folder, "tmp") as tmp:
             yield tmp
-            (tmp / COMPLETE).write_text(json.dumps(info, indent=2))
+            write_marker(tmp, info)
     except (OSError, RuntimeError, SafetensorError) as exc:
         reason = (getattr(exc, "strerror", None) or str(exc) or type(exc).__name__).splitlines()[0]
         raise UserError(f"could not write checkpoint {folder.name} ({reason}); older checkpoints "
                         "are intact — free space and rerun with --resume auto") from None
+
+
+def write_marker(folder: Path, info: dict[str, Any], name: str = COMPLETE) -> None:
+    """Write `info` as the folder's checkpoint.json (the completion marker) or, with
+    name=EXPORT_MARKER, an export's mlsm.json: the one writer of both files (the training loop
+    through `writing`, the HF Trainer integration, `mlsm export` and `mlsm migrate`)."""
+    atomic_write_text(folder / name, json.dumps(info, indent=2))
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -373,7 +380,7 @@ def readiness_steps(fractions: list[float] | tuple[float, ...], total_steps: int
 
 
 @dataclass(frozen=True)
-class RunCheckpoint:
+class _Saved:
     """One complete checkpoint of a run."""
 
     step: int
@@ -381,16 +388,17 @@ class RunCheckpoint:
 
 
 @dataclass(frozen=True)
-class Run:
-    """A run directory: its complete checkpoints (oldest first), planned steps and readiness
-    list."""
+class _RunCheckpoints:
+    """What a run spec is resolved against: a run folder's complete checkpoints (oldest first),
+    planned steps and readiness list. Not a second type of run folder (that is
+    `mlsm.artifacts.rundir.RunDir`): a snapshot read from its checkpoint.json files."""
 
     path: Path
-    checkpoints: tuple[RunCheckpoint, ...]
+    checkpoints: tuple[_Saved, ...]
     total_steps: int
     readiness: tuple[float, ...]
 
-    def at_step(self, step: int) -> RunCheckpoint | None:
+    def at_step(self, step: int) -> _Saved | None:
         return next((c for c in self.checkpoints if c.step == step), None)
 
     def readiness_step(self, fraction: float) -> int:
@@ -408,13 +416,13 @@ def is_run_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "checkpoints").is_dir()
 
 
-# what open_run reads of each checkpoint.json (a hand-edited one is named, not a traceback)
+# what _complete_checkpoints reads of each checkpoint.json (a hand-edited one is named)
 _MARKER_FIELDS = {"step": "int", "readiness": "number?", "config.train.steps": "int?",
                   "config.train.readiness": "numbers?"}
 _FIX_MARKER = "restore it from a copy, or delete that checkpoint folder to use the others"
 
 
-def open_run(path: str | os.PathLike) -> Run:
+def _complete_checkpoints(path: str | os.PathLike) -> _RunCheckpoints:
     """Read a run directory's complete checkpoints; UserError when it has none."""
     root = Path(path)
     found, total, readiness = [], 0, (1.0,)
@@ -423,7 +431,7 @@ def open_run(path: str | os.PathLike) -> Run:
         if not marker.is_file():
             continue  # being written, or killed while writing: not a checkpoint
         info = read_json(marker, "checkpoint file", _FIX_MARKER, fields=_MARKER_FIELDS)
-        found.append(RunCheckpoint(info["step"], folder))
+        found.append(_Saved(info["step"], folder))
         train = (info.get("config") or {}).get("train") or {}
         if not train.get("steps") and not info.get("readiness"):
             raise UserError(f"checkpoint file {marker} names neither config.train.steps nor "
@@ -433,7 +441,7 @@ def open_run(path: str | os.PathLike) -> Run:
     if not found:
         raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
                         "yet; train it (mlsm pretrain) or pass a checkpoint folder")
-    return Run(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
+    return _RunCheckpoints(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
 
 
 def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
@@ -445,7 +453,7 @@ def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
     return Path(base), suffix
 
 
-def _final(run: Run) -> RunCheckpoint:
+def _final(run: _RunCheckpoints) -> _Saved:
     last = run.checkpoints[-1]
     if last.step < run.total_steps:
         raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
@@ -459,14 +467,14 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
     """The checkpoint folder a spec names (see the module doc); other paths come back unchanged."""
     base, suffix = split_spec(spec)
     if not suffix:
-        return _final(open_run(base)).path if is_run_dir(base) else base
+        return _final(_complete_checkpoints(base)).path if is_run_dir(base) else base
     if not is_run_dir(base):
         raise UserError(f"{spec}: {base} is not a run directory (no checkpoints/ folder); "
                         f"the @ suffix selects a checkpoint of a run: {SYNTAX}")
     match = _SUFFIX.fullmatch(suffix)
     if match is None:
         raise UserError(f"{spec}: unknown suffix @{suffix}; use {SYNTAX}")
-    run = open_run(base)
+    run = _complete_checkpoints(base)
     if match["step"] is not None:
         step, what = int(match["step"]), f"step {int(match['step'])}"
     else:
@@ -476,3 +484,43 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
     if found is None:
         raise UserError(f"{spec}: the run has no checkpoint at {what}; it has {run.describe()}")
     return found.path
+
+
+def readiness_checkpoints(spec: str | Path) -> list[Path]:
+    """Every readiness checkpoint of a run (``train.readiness``), in step order."""
+    base, suffix = split_spec(spec)
+    if suffix or not is_run_dir(base):
+        raise UserError(f"{spec}: --readiness all needs a run directory without @ suffix (a folder "
+                        "with checkpoints/), not a checkpoint")
+    run = _complete_checkpoints(base)
+    steps = sorted(readiness_steps(run.readiness, run.total_steps))
+    missing = [s for s in steps if run.at_step(s) is None]
+    if missing:
+        raise UserError(f"{base}: readiness checkpoints "
+                        f"{', '.join(f'step-{s}' for s in missing)} are "
+                        f"missing (unfinished run?); it has {run.describe()}")
+    return [run.at_step(s).path for s in steps]  # type: ignore[union-attr]
+
+
+def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
+                  readiness: str = "final") -> list[str]:
+    """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
+    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
+    models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`)
+    stay."""
+    if readiness == "final":
+        return [str(s) for s in specs]
+    if readiness != "all":
+        raise UserError(f"--readiness {readiness}: use final (the default) or all")
+    out = []
+    for spec in map(str, specs):
+        name, _, path = (("", "", spec) if "=" not in spec or Path(spec).is_dir()
+                         else spec.partition("="))
+        base, suffix = split_spec(path)
+        if suffix or not is_run_dir(base):
+            out.append(spec)
+            continue
+        for ckpt in readiness_checkpoints(path):
+            step = int(ckpt.name.removeprefix("step-"))
+            out.append(f"{name}@{step}={ckpt}" if name else str(ckpt))
+    return out

@@ -1,7 +1,8 @@
 """The probe record, PROBE_RUN/probe.json: which checkpoint holds a trained k -> |V| probe and how
 good it is on held-out masked tokens beside the unigram distribution.
 
-Written by the plateau fit (`mlsm.evaluate.probe_fit`) and by a study's paper-recipe probe; read by
+Written by the plateau fit (`mlsm.evaluate.probe.probe_fit`) and by a study's paper-recipe probe;
+read by
 `mlsm probe`'s summary line and a study's BLiMP and readout stages (which refuse a probe no better
 than the unigram), and fingerprinted by the study's reuse check. This module is its only door:
 nothing else names the file or parses it.

@@ -5,7 +5,7 @@ the rows of readouts and probes: the model, the value, and the cell it belongs t
 (``CELL_FIELDS``: task, metric, seed, lr, epochs, batch size, max_len, n_train). Rows are
 appended under a lock with fsync; a row torn by a killed writer is skipped with a warning, any
 other line that is not a row is one error naming FILE:LINE. Paired statistics over these rows
-live in ``mlsm.evaluate.stats``.
+live in ``mlsm.evaluate.compare.stats``.
 """
 
 from __future__ import annotations

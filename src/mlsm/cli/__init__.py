@@ -2,7 +2,7 @@
 
 Arguments are validated here, at the edge, by argparse `type=` functions (`positive_int`,
 `fraction`, `out_dir`, ...; the fine-tuning flags are generated from `FinetuneConfig` by
-`mlsm.dataclass_flags`): a bad value is one line naming the flag before any work starts.
+`mlsm.cli.dataclass_flags`): a bad value is one line naming the flag before any work starts.
 `main` turns a `UserError` into one line (exit 2) and keeps real bugs loud: an unexpected
 exception prints its traceback plus one line asking to report it (exit 1). docs/reliability.md.
 """

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import NoReturn
 
 from mlsm.config import INT_LIMIT
-from mlsm.defaults import lam_range
 
 
 def _number(text: str, kind: type) -> float:
@@ -41,29 +40,6 @@ def non_negative_int(text: str) -> int:
     value = int(_number(text, int))
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def lam_value(text: str) -> float:
-    """A sparse-coding λ, in the range `mlsm.defaults.lam_range` declares."""
-    value = _number(text, float)
-    ok, what = lam_range()
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
 
 

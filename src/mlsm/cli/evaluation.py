@@ -24,8 +24,8 @@ from mlsm.inputs import check_apart
 
 
 def add_probe(sub: argparse._SubParsersAction) -> Callable:
-    from mlsm.dataclass_flags import add_dataclass_flags
-    from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
+    from mlsm.cli.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
     p = sub.add_parser("probe",
                        help="train the k -> |V| linear probe of an MLSM checkpoint (for "
@@ -59,9 +59,9 @@ def add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 def _probe(a: argparse.Namespace) -> None:
     from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
-    from mlsm.dataclass_flags import flag_values
-    from mlsm.evaluate.probe import run_probe
-    from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe
+    from mlsm.cli.dataclass_flags import flag_values
+    from mlsm.evaluate.probe.probe import run_probe
+    from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
     run = run_probe(a.checkpoint, store=a.store, out=a.out, overrides=a.overrides,
                     resume=a.resume, **flag_values(a, ProbeRecipe),
@@ -76,8 +76,8 @@ def _probe(a: argparse.Namespace) -> None:
 
 
 def add_finetune(sub: argparse._SubParsersAction) -> Callable:
-    from mlsm.dataclass_flags import add_dataclass_flags
-    from mlsm.evaluate.finetune_config import FinetuneConfig
+    from mlsm.cli.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
 
     p = sub.add_parser("finetune",
                        help="fine-tune HF encoders on GLUE/WiC/CoNLL/SQuAD with paired seeds")
@@ -103,9 +103,9 @@ def add_finetune(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _finetune(a: argparse.Namespace) -> None:
-    from mlsm.dataclass_flags import flag_values
-    from mlsm.evaluate.finetune import finetune
-    from mlsm.evaluate.finetune_config import FinetuneConfig
+    from mlsm.cli.dataclass_flags import flag_values
+    from mlsm.evaluate.finetune.finetune import finetune
+    from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
     from mlsm.locking import hold
 
     with hold(a.results, "results file"):  # one grid per results file at a time
@@ -135,7 +135,7 @@ def add_compare(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _compare(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.stats import COMPARISON_KIND, compare_runs
+    from mlsm.evaluate.compare.stats import COMPARISON_KIND, compare_runs
 
     with writing(a.out, COMPARISON_KIND, keep=[a.results]) if a.out else contextlib.nullcontext():
         print(compare_runs(a.results, out_dir=a.out, select_lr=a.select_lr,
@@ -155,15 +155,15 @@ def add_report(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _report(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.report import REPORT_KIND, make_report
+    from mlsm.evaluate.compare.report import REPORT_KIND, make_report
 
     with writing(a.out, REPORT_KIND, keep=[a.results]):  # one writer per report folder
         print(f"report: {make_report(a.results, a.out, baseline=a.baseline, per_run=a.per_run)}")
 
 
 def add_blimp(sub: argparse._SubParsersAction) -> Callable:
-    from mlsm.dataclass_flags import add_dataclass_flags
-    from mlsm.evaluate.blimp_config import BlimpConfig
+    from mlsm.cli.dataclass_flags import add_dataclass_flags
+    from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 
     p = sub.add_parser("blimp", help="BLiMP accuracy by pseudo-log-likelihood (PLL)")
     p.add_argument("model",
@@ -183,7 +183,7 @@ def add_blimp(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _blimp(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.blimp import BLIMP_HEADING
+    from mlsm.evaluate.zeroshot.blimp import BLIMP_HEADING
 
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
     kind = report_kind("BLiMP report", {"blimp.md", "blimp.json"}.__contains__,
@@ -194,10 +194,10 @@ def _blimp(a: argparse.Namespace) -> None:
 
 
 def _blimp_into(a: argparse.Namespace) -> None:
-    from mlsm.dataclass_flags import flag_values
-    from mlsm.evaluate.blimp import evaluate_blimp, write_blimp_report
-    from mlsm.evaluate.blimp_config import BlimpConfig, blimp_config
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.cli.dataclass_flags import flag_values
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, write_blimp_report
+    from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
 
     config = blimp_config(None, flag_values(a, BlimpConfig), "mlsm blimp")
     model, tokenizer = load_scorer(a.model, device=a.device)
@@ -214,9 +214,9 @@ def _blimp_into(a: argparse.Namespace) -> None:
 def _unigram_control(model: str, store: str) -> object | None:
     """--unigram: 'none', a token store, or 'auto' (the tokens the model's pre-training run
     consumed, if known)."""
+    from mlsm.artifacts.checkpoint import resolve_checkpoint
     from mlsm.evaluate.readouts import ReadoutSpec, unigram_control
-    from mlsm.evaluate.unigram import UnigramControl
-    from mlsm.runs import resolve_checkpoint
+    from mlsm.evaluate.zeroshot.unigram import UnigramControl
 
     if store == "none":
         return None
@@ -264,8 +264,8 @@ def _score(a: argparse.Namespace) -> None:
 
 def _score_into(a: argparse.Namespace) -> None:
     from mlsm.artifacts.results_file import append_results
-    from mlsm.evaluate.probe import load_scorer
-    from mlsm.evaluate.score import results_row, score_corpus, warn_truncated, write_scores
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.score import results_row, score_corpus, warn_truncated, write_scores
 
     model, tokenizer = load_scorer(a.model, device=a.device)
     result = score_corpus(model, tokenizer, a.input, variant=a.variant, max_tokens=a.max_tokens,
@@ -282,7 +282,7 @@ def _score_into(a: argparse.Namespace) -> None:
 
 
 def add_readout(sub: argparse._SubParsersAction) -> Callable:
-    from mlsm.dataclass_flags import add_dataclass_flags
+    from mlsm.cli.dataclass_flags import add_dataclass_flags
     from mlsm.evaluate.readouts import ReadoutSpec
 
     p = sub.add_parser("readout", help="cheap readouts of a checkpoint: linear probes, minimal "
@@ -301,8 +301,8 @@ def add_readout(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _readout(a: argparse.Namespace) -> None:
+    from mlsm.cli.dataclass_flags import flag_values
     from mlsm.config import build_dataclass
-    from mlsm.dataclass_flags import flag_values
     from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, plot_rows, readout, write_rows
 
     given = flag_values(a, ReadoutSpec)
@@ -340,7 +340,7 @@ def add_rank(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _rank(a: argparse.Namespace) -> None:
-    from mlsm.evaluate.rank import RANK_HEADING, read_sentences
+    from mlsm.evaluate.zeroshot.rank import RANK_HEADING, read_sentences
 
     check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})
     kind = report_kind("rank report", {"rank.md", "rank.csv", "rank.json", "rank.png"}
@@ -352,7 +352,11 @@ def _rank(a: argparse.Namespace) -> None:
 
 
 def _rank_into(a: argparse.Namespace, sentences: list[str]) -> None:
-    from mlsm.evaluate.rank import layerwise_effective_rank, load_encoder, write_rank_report
+    from mlsm.evaluate.zeroshot.rank import (
+        layerwise_effective_rank,
+        load_encoder,
+        write_rank_report,
+    )
 
     model, tokenizer = load_encoder(a.model, device=a.device)
     table = layerwise_effective_rank(model, tokenizer, sentences, mask_rate=a.mask_rate,

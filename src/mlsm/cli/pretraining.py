@@ -16,10 +16,10 @@ from mlsm.cli.args import (
     positive_int,
 )
 from mlsm.defaults import TEACHER_LAYER
-from mlsm.dictionary_config import TEACHER_INITS
 from mlsm.errors import UserError
 from mlsm.inputs import check_apart
 from mlsm.limits import MAX_DOC_BYTES
+from mlsm.teacher.dictionary_config import TEACHER_INITS
 
 if TYPE_CHECKING:
     from mlsm.study.spec import StudySpec
@@ -106,8 +106,8 @@ def _train_tokenizer(a: argparse.Namespace) -> None:
 
 
 def add_dictionary(sub: argparse._SubParsersAction) -> Callable:
-    from mlsm.dataclass_flags import add_dataclass_flags
-    from mlsm.dictionary_config import DictionaryConfig
+    from mlsm.cli.dataclass_flags import add_dataclass_flags
+    from mlsm.teacher.dictionary_config import DictionaryConfig
 
     p = sub.add_parser("dictionary",
                        help="learn the MLSM dictionary on teacher states of a token store")
@@ -127,10 +127,10 @@ def add_dictionary(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _dictionary(a: argparse.Namespace) -> None:
+    from mlsm.cli.dataclass_flags import flag_values
     from mlsm.data.corpus import TokenStore
-    from mlsm.dataclass_flags import flag_values
-    from mlsm.dictionary_config import DictionaryConfig
     from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
+    from mlsm.teacher.dictionary_config import DictionaryConfig
     from mlsm.teacher.teacher import load_teacher
 
     check_apart(a.out, "--out", {"--store": a.store, "--teacher": a.teacher})
@@ -244,8 +244,8 @@ def add_flops(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _flops(a: argparse.Namespace) -> None:
-    from mlsm.flops import flops_for_run, format_table
     from mlsm.run_config import load_config
+    from mlsm.train.flops import flops_for_run, format_table
 
     cfg = load_config(a.config, a.overrides)
     rows = flops_for_run(cfg, teacher=a.teacher, k=a.k, layer=a.layer, vocab_size=a.vocab_size,

@@ -2,12 +2,13 @@
 
 Three kinds (docs/readouts.md), each read beside a control measured on the same items:
 - `probe`: frozen-encoder linear probes on the full GLUE training sets
-  (`mlsm.evaluate.linear_probes`); control: the majority / mean training label;
+  (`mlsm.evaluate.zeroshot.linear_probes`); control: the majority / mean training label;
 - `pairs`: minimal-pair sets (BLiMP, word-order pairs) by PLL, per phenomenon and overall, with the
   unigram-frequency control scored on the same pairs and the tests across phenomena
-  (`mlsm.evaluate.blimp.phenomenon_tests`);
+  (`mlsm.evaluate.zeroshot.blimp.phenomenon_tests`);
 - `masked`: held-out masked-token loss, top-1 and PPPL, beside the unigram's
-  (`mlsm.evaluate.heldout`). Latent (MLSM) models are read through their k -> |V| probe; without
+  (`mlsm.evaluate.zeroshot.heldout`). Latent (MLSM) models are read through their k -> |V| probe;
+  without
   one, `pairs` and `masked` write one row saying so.
 
 Rows are appended to OUT/readouts.jsonl; `plot_rows` draws every readout in it against steps and
@@ -15,7 +16,7 @@ against training FLOPs (`mlsm.evaluate.readout_plots`). A row: {"model", "checkp
 "readiness", "train_flops", "kind", "task", "metric", "value", "control", "control_kind", "n",
 ...}: `task` is the GLUE task, the pair set or "heldout"; pair rows of one phenomenon also carry
 "phenomenon"; "train_flops" = step x FLOPs per training batch
-(`mlsm.flops.flops_for_run`), so any readout can be plotted against compute.
+(`mlsm.train.flops.flops_for_run`), so any readout can be plotted against compute.
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def checkpoint_facts(folder: Path) -> dict[str, Any]:
         return facts
     facts["step"], facts["readiness"] = ck.step, ck.readiness
     try:
-        from mlsm.flops import flops_for_run
         from mlsm.run_config import config_from_dict
-        from mlsm.throughput import flops_row_of
+        from mlsm.train.flops import flops_for_run
+        from mlsm.train.throughput import flops_row_of
 
         cfg = config_from_dict(ck.config)
         row = flops_row_of(flops_for_run(cfg), cfg.objective.name)
@@ -115,7 +116,7 @@ def train_store(folder: Path, spec: ReadoutSpec) -> str:
 def unigram_control(folder: Path, spec: ReadoutSpec) -> Any:
     """The unigram control of a checkpoint: counted on the store `spec.store` names, else on the
     tokens the checkpoint's pre-training run consumed (`UnigramControl.consumed_by`)."""
-    from mlsm.evaluate.unigram import UnigramControl
+    from mlsm.evaluate.zeroshot.unigram import UnigramControl
 
     if spec.store:
         return UnigramControl.from_store(spec.store)
@@ -128,9 +129,9 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
             log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every readout of `spec.kinds` for one model (a checkpoint, RUN@50%, or an HF folder);
     `scorer_path` reads words through that folder (an MLSM checkpoint's probe)."""
+    from mlsm.artifacts.checkpoint import resolve_checkpoint
     from mlsm.config import git_revision
     from mlsm.errors import UserError
-    from mlsm.runs import resolve_checkpoint
 
     check_fields(spec, "readout")  # a spec built in Python has not met its ranges yet
     if spec.glue and "probe" in spec.kinds and not Path(spec.glue).is_dir():
@@ -153,8 +154,8 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
 
 
 def _probe_rows(folder: Path, spec: ReadoutSpec, log: Callable[[str], None]) -> list[dict]:
-    from mlsm.evaluate.linear_probes import available_tasks, probe_task
-    from mlsm.evaluate.rank import load_encoder
+    from mlsm.evaluate.zeroshot.linear_probes import available_tasks, probe_task
+    from mlsm.evaluate.zeroshot.rank import load_encoder
 
     model, tokenizer = load_encoder(str(folder))
     rows = []
@@ -176,7 +177,7 @@ def _word_rows(folder: Path, scorer_path: Path, spec: ReadoutSpec, kinds: list[s
     """Pairs and masked rows, or one row per kind saying why the model cannot be read in words
     (an MLSM checkpoint without a probe; MAE-LM)."""
     from mlsm.errors import UserError
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
 
     try:
         scorer, tokenizer = load_scorer(scorer_path)
@@ -194,7 +195,7 @@ def _word_rows(folder: Path, scorer_path: Path, spec: ReadoutSpec, kinds: list[s
 
 def _pair_rows(scorer: Any, tokenizer: Any, folder: Path, spec: ReadoutSpec,
                log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from mlsm.evaluate.blimp import evaluate_blimp
+    from mlsm.evaluate.zeroshot.blimp import evaluate_blimp
 
     control = unigram_control(folder, spec) if spec.pairs else None
     rows = []
@@ -218,7 +219,7 @@ def _pair_rows(scorer: Any, tokenizer: Any, folder: Path, spec: ReadoutSpec,
 
 def _masked_rows(scorer: Any, folder: Path, spec: ReadoutSpec,
                  log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from mlsm.evaluate.heldout import masked_token_scores, pppl
+    from mlsm.evaluate.zeroshot.heldout import masked_token_scores, pppl
 
     start = time.perf_counter()
     source, steps = _heldout(folder, spec)
@@ -253,7 +254,7 @@ def _heldout(folder: Path, spec: ReadoutSpec) -> tuple[Any, list[int]]:
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
     from mlsm.errors import UserError
-    from mlsm.evaluate.heldout import heldout_source
+    from mlsm.evaluate.zeroshot.heldout import heldout_source
     from mlsm.run_config import config_from_dict
 
     if Checkpoint.at(folder).is_checkpoint:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
+from mlsm.artifacts.checkpoint import write_marker
 from mlsm.config import (
     DataConfig,
     ModelConfig,
@@ -53,7 +54,6 @@ from mlsm.config import (
 from mlsm.data.batches import Batch, BatchSource, Masker
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
 from mlsm.models.backbone import Student
 from mlsm.objectives import (
     Context,
@@ -314,7 +314,7 @@ class MLSMTrainer(Trainer):
             super().floating_point_ops(inputs)
 
     def _row_flops(self, width: int) -> float | None:
-        from mlsm.throughput import flops_per_step
+        from mlsm.train.throughput import flops_per_step
 
         cfg = self.run_config()
         cfg.data = dataclasses.replace(cfg.data, max_len=width)
@@ -339,7 +339,7 @@ class MLSMTrainer(Trainer):
         module = self.accelerator.unwrap_model(self.model)
         ckpt.save_model_folder(module, self.processing_class, folder)
         torch.save(self.args, folder / "training_args.bin")
-        atomic_write_text(folder / ckpt.COMPLETE, json.dumps(self.checkpoint_info(), indent=2))
+        write_marker(folder, self.checkpoint_info())
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         ckpt.load_weights(Path(resume_from_checkpoint), self.accelerator.unwrap_model(self.model))

@@ -24,12 +24,12 @@ from mlsm.config import NON_NEGATIVE, POSITIVE, ranged
 from mlsm.data.batches import Batch
 from mlsm.data.corpus import require_same_tokenizer, tokenizer_hash
 from mlsm.defaults import lam_range
-from mlsm.dictionary_config import TEACHER_INITS, TeacherInit
 from mlsm.errors import UserError
 from mlsm.models.backbone import Student
 from mlsm.models.heads import LatentHead
 from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.teacher.dictionary import load_dictionary
+from mlsm.teacher.dictionary_config import TEACHER_INITS, TeacherInit
 from mlsm.teacher.sparse_coding import fista, sparse_encode
 from mlsm.teacher.targets import StoredTargets
 from mlsm.teacher.teacher import load_teacher

@@ -1,7 +1,7 @@
 """Each pre-registered comparison read at equal training FLOPs as well as at equal steps.
 
 At equal steps an arm with a teacher costs more than MLM: its frozen teacher runs a forward pass
-to layer l on every batch (counted by `mlsm.flops`; v2's MLSM l = 5 cost 1.44x MLM per batch).
+to layer l on every batch (counted by `mlsm.train.flops`; v2's MLSM l = 5 cost 1.44x MLM per batch).
 For each hypothesis `a` vs `b` this module gives the training FLOPs of both checkpoints, their
 ratio, and, where the study holds a checkpoint of the costlier arm at no more FLOPs than the
 other's (the largest such readiness point), the same test between those two checkpoints:
@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from mlsm.evaluate.paired import p_text
+from mlsm.evaluate.compare.paired import p_text
 from mlsm.study.hypotheses import Hypothesis, evaluate, split_model
 
 TOLERANCE = 1e-3

@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from mlsm import locking
+from mlsm.artifacts.checkpoint import readiness_step
 from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision, merge
-from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
 from mlsm.run_config import RunConfig, config_from_dict
-from mlsm.runs import readiness_step
 from mlsm.study.hypotheses import RECORD
-from mlsm.study.spec import StudySpec, arm_base, readiness_label
+from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label
 
 _VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"))
 """Config keys that may change between a run and its resumption (they do not change the result)."""
@@ -73,23 +72,23 @@ class Study:
 
     def dictionary_path(self, arm: str) -> Path | None:
         d = self.spec.arms[arm].dictionary
-        if not d:
+        if d is None:
             return None
         teacher = (self.spec.dictionary.teacher or "minilm").rstrip("/").replace("/", "_")
-        group = self.spec.dictionary  # the arm's k and lam, else the study's (arm_dictionary)
-        layer, lam = d.get("layer", TEACHER_LAYER), d.get("lam", group.lam)
-        name = f"{teacher}_l{layer}_k{d.get('k', group.k or 0)}_lam{lam:g}"
+        c = arm_dictionary(self.spec, arm)  # the arm's k, lam and controls, else the study's
+        name = f"{teacher}_l{d.layer}_k{c.k or 0}_lam{c.lam:g}"
         # the controls, each its own dictionary (a learned one keeps its name of before)
-        atoms, init = d.get("atoms", group.atoms), d.get("teacher_init", group.teacher_init)
-        name += "" if atoms == "learned" else f"_atoms-{atoms}"
-        name += "" if init == "pretrained" else f"_teacher-{init}-s{group.teacher_seed}"
+        name += "" if c.atoms == "learned" else f"_atoms-{c.atoms}"
+        name += "" if c.teacher_init == "pretrained" else \
+            f"_teacher-{c.teacher_init}-s{c.teacher_seed}"
         return self.root / "dictionaries" / f"{name}.safetensors"
 
     def targets_path(self, arm: str) -> Path | None:
         """The target store of the arm's dictionary (`dictionary.targets: true`), one per
         (dictionary, max_len): shared by every arm and seed using it; None = online targets."""
         path = self.dictionary_path(arm)
-        if path is None or not self.spec.arms[arm].dictionary.get("targets"):
+        d = self.spec.arms[arm].dictionary
+        if path is None or d is None or not d.targets:
             return None
         max_len = config_from_dict(arm_base(self.spec, arm)).data.max_len
         return self.root / "targets" / f"{path.stem}_len{max_len}"
@@ -136,10 +135,9 @@ class Study:
         given = a.objective  # what the arm sets itself wins over the study's dictionary
         objective: dict[str, Any] = {}
         path = self.dictionary_path(arm)
-        if path is not None:
+        if path is not None and a.dictionary is not None:
             targets = self.targets_path(arm)
-            study_set = {"dictionary": str(path),
-                         "layer": int(a.dictionary.get("layer", TEACHER_LAYER)),
+            study_set = {"dictionary": str(path), "layer": a.dictionary.layer,
                          "teacher": self.spec.dictionary.teacher,
                          "targets": str(targets) if targets else "", **self._teacher_init(arm)}
             objective = {k: v for k, v in study_set.items()  # "" = the recipe's
@@ -153,10 +151,10 @@ class Study:
     def _teacher_init(self, arm: str) -> dict[str, Any]:
         """objective.teacher_init / teacher_seed of an arm whose dictionary is of the random
         teacher; {} for the pre-trained one (the objective's default: configs stay as they were)."""
-        group = self.spec.dictionary
-        if self.spec.arms[arm].dictionary.get("teacher_init", group.teacher_init) == "pretrained":
+        c = arm_dictionary(self.spec, arm)
+        if c.teacher_init == "pretrained":
             return {}
-        return {"teacher_init": "random", "teacher_seed": group.teacher_seed}
+        return {"teacher_init": "random", "teacher_seed": c.teacher_seed}
 
     # --- bookkeeping ---------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -397,7 +395,7 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] 
 
 
 def pretrain_done(study: Study, arm: str) -> bool:
-    from mlsm.train.checkpoint import list_checkpoints
+    from mlsm.artifacts.checkpoint import list_checkpoints
 
     return study.steps(arm) in {s for s, _ in list_checkpoints(study.run_dir(arm))}
 

@@ -1,6 +1,6 @@
 """Pre-registered hypotheses of a study: declared in the study file, hashed into the study folder
 before any evaluation row exists, evaluated over results rows paired by pre-training seed, with
-Holm's correction across all of them (`mlsm.evaluate.paired`).
+Holm's correction across all of them (`mlsm.evaluate.compare.paired`).
 
 A hypothesis compares two models `a` and `b` ("ARM@P%", e.g. mlsm_l5@100%; `b` may be `control`:
 the control value each row of `a` carries, e.g. the unigram control of a minimal-pair readout) on
@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.errors import UserError
-from mlsm.evaluate.paired import (
+from mlsm.evaluate.compare.paired import (
     TESTS,
     holm,
     mean_ci,

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from mlsm.config import config_to_dict
-from mlsm.evaluate.finetune_config import config_of
+from mlsm.evaluate.finetune.finetune_config import config_of
 from mlsm.study.folder import Study, only_arms
 from mlsm.study.runner import STAGES
 from mlsm.study.spec import StudySpec, arm_dictionary, readiness_label

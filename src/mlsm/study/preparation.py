@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import differences
-from mlsm.defaults import TEACHER_LAYER, default_k
+from mlsm.defaults import default_k
 from mlsm.errors import UserError
 from mlsm.run_config import config_from_dict
 from mlsm.study import reuse
@@ -98,8 +98,9 @@ def learn_dictionary_for(study: Study, arm: str) -> str | None:
                     [path, path.with_suffix(".json")], lambda: _legacy_dictionary(study, arm)):
         return "skipped"
     d, ds = study.spec.arms[arm].dictionary, study.spec.dictionary
+    assert d is not None  # a dictionary path is only given for an arm with one
     c = arm_dictionary(study.spec, arm)
-    teacher = load_teacher(ds.teacher or None, int(d.get("layer", TEACHER_LAYER)),
+    teacher = load_teacher(ds.teacher or None, d.layer,
                            init=c.teacher_init, seed=c.teacher_seed)
     check_arm_dictionary(arm, d, ds.n_vectors, ds.k or default_k(teacher.hidden_size))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,9 @@ def build_targets_for(study: Study, arm: str) -> str | None:
         return "skipped"
     out.parent.mkdir(parents=True, exist_ok=True)
     check_targets_out(out)
-    layer = int(study.spec.arms[arm].dictionary.get("layer", TEACHER_LAYER))
+    arm_dict = study.spec.arms[arm].dictionary
+    assert arm_dict is not None
+    layer = arm_dict.layer
     c = arm_dictionary(study.spec, arm)
     with hold(out, "target store"):
         teacher = load_teacher(study.spec.dictionary.teacher or None, layer,

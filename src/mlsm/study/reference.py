@@ -13,6 +13,7 @@ from mlsm.config import field_docs
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.study.hypotheses import Hypothesis
 from mlsm.study.spec import (
+    ArmDictionary,
     ArmSpec,
     BlimpSpec,
     CorpusSpec,
@@ -28,6 +29,7 @@ GROUPS: list[tuple[str, str, type]] = [
     ("corpus", "corpus:", CorpusSpec),
     ("dictionary", "dictionary:", DictionarySpec),
     ("arms", "arms: {NAME: {...}} (one entry per arm)", ArmSpec),
+    ("arms.NAME.dictionary", "arms: {NAME: {dictionary: {...}}}", ArmDictionary),
     ("probe", "probe:", ProbeSpec),
     ("finetune", "finetune:", FinetuneSpec),
     ("blimp", "blimp:", BlimpSpec),

@@ -22,8 +22,8 @@ from matplotlib.figure import Figure
 from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.config import git_revision, machine_description
 from mlsm.errors import UserError
-from mlsm.evaluate.blimp import pair_set_test, tests_note
-from mlsm.evaluate.paired import p_text
+from mlsm.evaluate.compare.paired import p_text
+from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.inputs import field_problem, is_number, read_json
 from mlsm.study import reuse
@@ -86,8 +86,8 @@ def training_seconds(rows: list[dict[str, Any]]) -> float:
 def arm_compute(study: Study) -> list[dict[str, Any]]:
     """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
     time of the stage's last run and training time summed over every resumed segment."""
-    from mlsm.flops import flops_for_run
-    from mlsm.throughput import flops_row_of
+    from mlsm.train.flops import flops_for_run
+    from mlsm.train.throughput import flops_row_of
 
     times = _stage_times(study)
     out = []
@@ -186,8 +186,8 @@ def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
 
 def _finetune_section(study: Study, dest: Path) -> tuple[list[str], dict[str, Any]]:
     from mlsm.artifacts.results_file import read_results
-    from mlsm.evaluate.report import plot_readiness, plot_wilcoxon
-    from mlsm.evaluate.stats import compare_runs
+    from mlsm.evaluate.compare.report import plot_readiness, plot_wilcoxon
+    from mlsm.evaluate.compare.stats import compare_runs
 
     if not study.results.is_file() or not study.results.read_bytes().strip():
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
@@ -258,7 +258,7 @@ def blimp_comparisons(study: Study, blimp: list[dict[str, Any]]) -> list[dict[st
     Wilcoxon signed-rank over the phenomena, win counts and the mean difference."""
     import numpy as np
 
-    from mlsm.evaluate.stats import wilcoxon_p
+    from mlsm.evaluate.compare.stats import wilcoxon_p
 
     by_model = {f"{r['arm']}@{readiness_label(r['readiness'])}": next(iter(r["sets"].values()))
                 for r in blimp if r.get("sets")}

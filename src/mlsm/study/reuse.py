@@ -20,9 +20,9 @@ from typing import Any
 from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
-from mlsm.defaults import TEACHER_LAYER, UNIGRAM_ESTIMATE
+from mlsm.defaults import UNIGRAM_ESTIMATE
 from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
-from mlsm.study.spec import arm_dictionary, readiness_label
+from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
 """Fingerprints of files and folders by (path, size and mtime of each file): a checkpoint is
@@ -95,13 +95,14 @@ def dictionary_settings(study: Study, arm: str) -> dict[str, Any]:
     """What the dictionary stage's result depends on besides the store (its file's name holds
     teacher, layer, k, lam and the controls, atoms and teacher_init; n_vectors, max_len, seed and
     teacher_seed are only here)."""
-    d, c = study.spec.arms[arm].dictionary, arm_dictionary(study.spec, arm)
+    d = study.spec.arms[arm].dictionary or ArmDictionary()  # (an arm without one: the defaults)
+    c = arm_dictionary(study.spec, arm)
     # the settings a study could set before all of DictionaryConfig was its group, always; the
     # others only when not at their default, so the fingerprints of older studies stay the same
     later = {key: value for key, value in c.given().items()
              if key not in ("k", "lam", "n_vectors", "max_len", "seed")
              and not (key == "teacher_seed" and c.teacher_init == "pretrained")}  # unread then
-    return {"teacher": study.spec.dictionary.teacher, "layer": int(d.get("layer", TEACHER_LAYER)),
+    return {"teacher": study.spec.dictionary.teacher, "layer": d.layer,
             "k": c.k, "lam": float(c.lam), "n_vectors": c.n_vectors, "max_len": c.max_len,
             "seed": c.seed, **later}
 
@@ -153,8 +154,8 @@ def finetune_settings(ft: Any) -> dict[str, Any]:
     length) is DEFAULT_MAX_LEN when no task is a retrieval task, so a study that leaves max_len
     unset keeps the stage fingerprint it had while 128 was the default; with a retrieval task
     it is 0 (the model's own length: other cells than at 128)."""
-    from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN
-    from mlsm.evaluate.tasks import get_task
+    from mlsm.evaluate.finetune.finetune_config import DEFAULT_MAX_LEN
+    from mlsm.evaluate.finetune.tasks import get_task
 
     values = dataclasses.asdict(ft)
     if not values["max_len"] and all(get_task(t).kind != "retrieval" for t in ft.tasks):

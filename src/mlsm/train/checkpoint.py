@@ -16,24 +16,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 
-from mlsm.artifacts.checkpoint import (
-    COMPLETE,
-    DamagedCheckpoint,
-    list_checkpoints,
-    read_training_state,
-    remove_checkpoint,
-    writing,
-)
-from mlsm.artifacts.checkpoint import verify as read_checkpoint
+from mlsm.artifacts.checkpoint import DamagedCheckpoint, verify, writing
 from mlsm.errors import UserError
 from mlsm.hf import quiet
 from mlsm.models.backbone import load_student_weights
 from mlsm.objectives import checkpoint_facts
 from mlsm.objectives.base import TrainModule
-
-__all__ = ["COMPLETE", "DamagedCheckpoint", "list_checkpoints", "load_training_state",
-           "load_weights", "read_checkpoint", "read_training_state", "remove_checkpoint",
-           "save_checkpoint", "save_model_folder", "with_facts"]
 
 
 def save_model_folder(module: TrainModule, tokenizer: PreTrainedTokenizerBase,
@@ -91,7 +79,7 @@ def load_weights(folder: Path, module: TrainModule) -> None:
 def load_training_state(folder: Path, module: TrainModule) -> dict[str, Any]:
     """Restore student and head weights from `folder` and return its training state."""
     try:
-        _, state = read_checkpoint(folder)
+        _, state = verify(folder)
     except DamagedCheckpoint as exc:
         raise UserError(f"checkpoint {folder} is damaged ({exc}); resume from another "
                         "checkpoints/step-* folder") from None

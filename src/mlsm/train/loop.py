@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlsm import locking, tracking
+from mlsm import locking
+from mlsm.artifacts.checkpoint import readiness_steps
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision
@@ -33,13 +34,13 @@ from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
 from mlsm.run_config import RunConfig, config_from_dict
-from mlsm.runs import readiness_steps
-from mlsm.throughput import FlopMeter, flop_meter
 from mlsm.train import checkpoint as ckpt
 from mlsm.train import device as dev
+from mlsm.train import tracking
 from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from mlsm.train.schedule import lr_factor
 from mlsm.train.signals import StopOnSignal
+from mlsm.train.throughput import FlopMeter, flop_meter
 
 
 def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
@@ -301,11 +302,6 @@ def _resolved(old: dict[str, Any]) -> dict[str, Any]:
         return json.loads(json.dumps(config_to_dict(config_from_dict(old))))
     except UserError:  # an old option this version rejects: compare what was written
         return old
-
-
-def _check_same_run(run_dir: Path, cfg: RunConfig, picked: Any) -> None:
-    """Refuse to continue a run (or a checkpoint) with a config that changes the weights."""
-    RunDir(run_dir).check_same_run(_plain(cfg), picked, _resolved)
 
 
 def input_fingerprints(cfg: RunConfig) -> dict[str, str]:

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlsm import tracking
+from mlsm.artifacts.checkpoint import expand_models
 from mlsm.artifacts.results_file import append_results, check_model_name, read_results
 from mlsm.errors import UserError
-from mlsm.evaluate import cell_reuse, protocol, qa, retrieval_cell
-from mlsm.evaluate.cell import (
+from mlsm.evaluate.finetune import cell_reuse, protocol, qa, retrieval_cell
+from mlsm.evaluate.finetune.cell import (
     LOG_EVERY,
     ModelRef,
     cell_max_len,
@@ -46,14 +46,14 @@ from mlsm.evaluate.cell import (
     step_budget,
     training_order,
 )
-from mlsm.evaluate.finetune_config import FinetuneConfig, config_of
-from mlsm.evaluate.tasks import Example, TaskSpec, get_task, load_task
+from mlsm.evaluate.finetune.finetune_config import FinetuneConfig, config_of
+from mlsm.evaluate.finetune.tasks import Example, TaskSpec, get_task, load_task
 from mlsm.hf import check_max_len
 from mlsm.inputs import check_apart
 from mlsm.progress import Progress
-from mlsm.runs import expand_models
+from mlsm.train import tracking
 
-# the names other modules and tests import from here (their home is mlsm.evaluate.cell)
+# the names other modules and tests import from here (their home is mlsm.evaluate.finetune.cell)
 __all__ = ["FinetuneConfig", "ModelRef", "build_head", "finetune", "pick_device", "prepare",
            "resolve_model", "run_cell", "train_cell", "training_order", "_load_backbone"]
 _load_backbone = load_backbone
@@ -178,7 +178,7 @@ def train_cell(backbone: nn.Module, head: TaskHead, tokenizer: Any, spec: TaskSp
 
     cfg["fixed_order"]: every seed trains on seed 0's data order (the Hitchhikers' Guide §4.2: seeds
     differ in the head only); cfg["clip"]: gradient-norm clipping, 0 = none. tracker: an
-    `mlsm.tracking.Tracker` that gets the training loss and lr every LOG_EVERY steps."""
+    `mlsm.train.tracking.Tracker` that gets the training loss and lr every LOG_EVERY steps."""
     torch.manual_seed(seed)  # dropout masks; the data order has its own generator
     order = training_order(len(feats), 0 if cfg.get("fixed_order") else seed, spec.name,
                            cfg["epochs"])
@@ -321,8 +321,8 @@ def prepare(model: ModelRef, spec: TaskSpec, train: list[Example], evals: dict[s
 def run_cell(model: ModelRef, spec: TaskSpec, data: Prepared, seed: int, cfg: dict[str, Any],
              device: torch.device, tracker: Any = None) -> list[dict[str, Any]]:
     """One fine-tuning run (model, task, seed, lr) → one result row per metric (also sent to
-    `tracker`, an `mlsm.tracking.Tracker`, as eval/<metric> at the last step)."""
-    if spec.kind == "retrieval":  # a bi-encoder without a head: mlsm.evaluate.retrieval_cell
+    `tracker`, an `mlsm.train.tracking.Tracker`, as eval/<metric> at the last step)."""
+    if spec.kind == "retrieval":  # a bi-encoder without a head: retrieval_cell
         return retrieval_cell.run_cell(model, spec, data, seed, cfg, device, tracker)  # type: ignore
     start = time.time()
     backbone = load_backbone(model.path).to(device)
@@ -390,7 +390,7 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
              report_to: Sequence[str] = (), **settings: Any) -> Path:
     """Fine-tune every model on every task for every seed and lr; append dev metrics to `results`.
 
-    ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: `mlsm.runs`),
+    ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: run specs),
     optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
     directory (named ``name@<step>``). The settings — seeds, lrs, epochs, batch_size, max_len,
     data_dir, warmup_ratio, weight_decay, fixed_order, clip, eval_test, max_steps, head,
@@ -399,7 +399,8 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
     (keywords win). ``report_to``: trackers, one run per cell; ``device``: auto, cpu, cuda...
 
     A cell already in `results` is reused only when its fingerprint (model folder content, task
-    data content, every setting that decides it: `mlsm.evaluate.cell_reuse`) equals the current
+    data content, every setting that decides it: `mlsm.evaluate.finetune.cell_reuse`) equals the
+    current
     one, so an interrupted grid resumes; another fingerprint is one line before any training,
     unless ``recompute=True``. Two grids on one results file append each cell once. Returns the
     results path.
@@ -449,8 +450,10 @@ def _plan(spec: TaskSpec, refs: list[ModelRef], cfg: FinetuneConfig, models: dic
         plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(
             models[ref.name], data, {**settings, "max_len": max_len})
         for lr, seed in itertools.product(cfg.lrs, cfg.seed_list()):
-            key = (ref.name, spec.name, seed, float(lr), cfg.epochs, cfg.batch_size, max_len,
-                   len(train))
+            key = cell_reuse.cell_key({"model": ref.name, "task": spec.name, "seed": seed,
+                                       "lr": lr, "epochs": cfg.epochs,
+                                       "batch_size": cfg.batch_size, "max_len": max_len,
+                                       "n_train": len(train)})
             where = f"{path}: cell {ref.name} {spec.name} seed {seed} lr {lr:g}"
             state, old = cell_reuse.reuse(stored.get(key, []), inputs, cfg.recompute, where)
             if state != "reuse":

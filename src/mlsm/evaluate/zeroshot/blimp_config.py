@@ -1,7 +1,7 @@
 """The settings of minimal-pair scoring by PLL, declared once.
 
 `BlimpConfig` is the one declaration: the flags of `mlsm blimp` are generated from its fields
-(`mlsm.dataclass_flags`), `evaluate_blimp(model, tokenizer, data, config, **settings)` takes it,
+(`mlsm.cli.dataclass_flags`), `evaluate_blimp(model, tokenizer, data, config, **settings)` takes it,
 and a study's `blimp:` group (`mlsm.study.spec.BlimpSpec`) is a subclass that adds only the study's
 own keys (which pair sets, which checkpoints). Each field's range sits beside it
 (`metadata["check"]`); `metadata["decides"] = False` marks the settings that cannot change a score

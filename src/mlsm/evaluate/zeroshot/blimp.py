@@ -4,12 +4,14 @@ BLiMP (Warstadt et al. 2020, TACL 8) has 67 paradigms ("phenomena", column `UID`
 pairs each; each paradigm has a `field` (morphology, syntax, semantics, syntax_semantics) and a
 `linguistics_term` (the paper's 12-13 phenomenon groups). A pair counts as correct when the model
 prefers the grammatical sentence: PLL(good) > PLL(bad) (Salazar et al. 2020, §4.2); an exact tie
-counts half (`mlsm.evaluate.unigram.pair_credit`: the unigram control ties on every word-order
+counts half (`mlsm.evaluate.zeroshot.unigram.pair_credit`: the unigram control ties on every
+word-order
 pair, and both are scored alike). Reported: accuracy per phenomenon, per field (mean over the
 field's phenomena), per `linguistics_term` (the paper's phenomenon groups) and overall (mean over
 phenomena, as in the BLiMP paper and §4.3.1 of the *Hitchhikers' Guide to Masked Latent
 Semantic Modeling*, anonymous, under review). With a unigram control
-(`mlsm.evaluate.unigram`) the same pairs are scored by it too, and the model is tested across
+(`mlsm.evaluate.zeroshot.unigram`) the same pairs are scored by it too, and the model is tested
+across
 phenomena, not pooled pairs (`phenomenon_tests`): the pairs of one phenomenon come from one
 template, so they are not independent draws and a pooled binomial test overstates the evidence
 (issue #32).
@@ -31,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
-from mlsm.evaluate.blimp_config import BlimpConfig, blimp_config
-from mlsm.evaluate.pll import score_pll
-from mlsm.evaluate.unigram import UnigramControl, pair_credit
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
+from mlsm.evaluate.zeroshot.pll import score_pll
+from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
 
@@ -204,12 +206,12 @@ def phenomenon_tests(model: dict[str, float], control: dict[str, float] | None =
                      ) -> dict[str, Any]:
     """Tests across phenomena (one accuracy per phenomenon is one observation): Wilcoxon
     signed-rank of the accuracies against 50 % and, with a control scored on the same pairs,
-    of model − control paired by phenomenon (`mlsm.evaluate.stats.wilcoxon_p`: scipy's, zero
+    of model − control paired by phenomenon (`mlsm.evaluate.compare.stats.wilcoxon_p`: scipy's, zero
     differences dropped; 1.0 when every phenomenon ties). One-sided p: the model is better;
     two-sided p: it differs. r: Pearson correlation of the two over phenomena."""
     import numpy as np
 
-    from mlsm.evaluate.stats import wilcoxon_p
+    from mlsm.evaluate.compare.stats import wilcoxon_p
 
     uids = sorted(model)
     x = np.array([model[u] for u in uids], dtype=float)
@@ -265,7 +267,7 @@ def pair_set_test(name: str, entry: dict[str, Any]) -> SetTest:
     rate of the unigram control on the same pairs; any other set: the Wilcoxon signed-rank tests
     across phenomena its entry holds (`phenomenon_tests`). An entry written before those tests:
     the pooled binomial p against 50 % it holds. A missing p is NaN."""
-    from mlsm.evaluate.heldout import binomial_p
+    from mlsm.evaluate.zeroshot.heldout import binomial_p
     from mlsm.inputs import is_number
 
     nan, tests = float("nan"), entry.get("tests")

@@ -122,7 +122,7 @@ def available_tasks(data_dir: str | Path, names: Sequence[str]) -> list[str]:
     """The tasks of `names` whose training and dev files are under data_dir (QNLI has no train
     split in ../shared/data/glue)."""
     from mlsm.errors import UserError
-    from mlsm.evaluate.tasks import get_task, task_folder
+    from mlsm.evaluate.finetune.tasks import get_task, task_folder
 
     out = []
     for name in names:
@@ -140,7 +140,7 @@ def probe_task(model: Any, tokenizer: Any, task: str, data_dir: str | Path,
                max_train: int | None = None, max_len: int = 128) -> list[dict[str, Any]]:
     """Fit one task's linear probe on frozen features; one row per metric of the task:
     {"task", "metric", "value", "control", "control_kind", "n", "n_train", "hyper", "seconds"}."""
-    from mlsm.evaluate.tasks import get_task, load_task
+    from mlsm.evaluate.finetune.tasks import get_task, load_task
 
     start = time.perf_counter()
     spec = get_task(task)

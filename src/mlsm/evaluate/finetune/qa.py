@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from mlsm.errors import UserError
-from mlsm.evaluate.qa_data import QAExample
-from mlsm.evaluate.qa_metrics import squad_v1_metrics, squad_v2_metrics
+from mlsm.evaluate.finetune.qa_data import QAExample
+from mlsm.evaluate.finetune.qa_metrics import squad_v1_metrics, squad_v2_metrics
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The settings of a fine-tuning grid, declared once.
 
 `FinetuneConfig` is the one declaration: the flags of `mlsm finetune` are generated from its fields
-(`mlsm.dataclass_flags`), `finetune(models, tasks, config, **settings)` takes it, and a study's
+(`mlsm.cli.dataclass_flags`), `finetune(models, tasks, config, **settings)` takes it, and a study's
 `finetune:` section (`mlsm.study.spec.FinetuneSpec`) is a subclass that adds only the study's own
 keys. Each field's range sits beside it (`metadata["check"]`, read by `build_dataclass` and by the
 flag parser); `metadata["decides"] = False` marks the settings that cannot change a cell's scores
 (which cells run, where the data is, whether to redo them); the others go into each cell's
-fingerprint (`mlsm.config.deciding`, `mlsm.evaluate.cell_reuse`). Imports no torch: the CLI
+fingerprint (`mlsm.config.deciding`, `mlsm.evaluate.finetune.cell_reuse`). Imports no torch: the CLI
 builds its parser from it before anything heavy is loaded.
 """
 
@@ -135,7 +135,7 @@ class FinetuneConfig:
         lists, paths text; a preset's values fill the settings not given; every range checked."""
         values = {k: _plain(v) for k, v in values.items()}
         if values.get("preset"):
-            from mlsm.evaluate.protocol import get_preset
+            from mlsm.evaluate.finetune.protocol import get_preset
 
             fixed = get_preset(values["preset"]).values
             values = {**{k: _plain(v) for k, v in fixed.items()}, **values}

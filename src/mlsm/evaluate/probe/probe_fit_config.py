@@ -1,13 +1,14 @@
 """The settings of the plateau probe fit, declared once.
 
 `ProbeFitConfig` is the one declaration: the flags of `mlsm probe` are generated from its fields
-(`mlsm.dataclass_flags`), `train_probe_to_plateau(checkpoint, out, config, **settings)` takes it,
+(`mlsm.cli.dataclass_flags`), `train_probe_to_plateau(checkpoint, out, config, **settings)` takes
+it,
 and a study's `probe:` group (`mlsm.study.spec.ProbeSpec`) is a subclass that adds the paper
 recipe's keys and its own batch size. Each field's range sits beside it (`metadata["check"]`, read
 by `build_dataclass` and by the flag parser). Named apart from the probe *objective*'s
 `mlsm.objectives.probe.ProbeConfig` (the objective group of a probe run), which the fit also uses.
 
-Imports no torch (`mlsm.evaluate.probe_fit` does): the CLI builds its parser from it before
+Imports no torch (`mlsm.evaluate.probe.probe_fit` does): the CLI builds its parser from it before
 anything heavy is loaded.
 """
 
@@ -71,7 +72,7 @@ class ProbeFitConfig:
     """Width k of a factored head; 0 = the checkpoint's latent k (4 x d without a latent head)."""
     lr: float = ranged(0.2, (lambda v: v > 0, "positive"))
     """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
-    roughly how far one step may move a logit (see mlsm.evaluate.probe_fit)."""
+    roughly how far one step may move a logit (see mlsm.evaluate.probe.probe_fit)."""
     inputs: list[str] = field(default_factory=lambda: list(PROBE_INPUTS), metadata={
         "check": _INPUTS, "metavar": "KIND,KIND"})
     """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""

@@ -1,5 +1,5 @@
 """Fine-tuning tasks: one registry entry per task, loaders for local files and HF datasets (the
-metrics are `mlsm.evaluate.task_metrics`).
+metrics are `mlsm.evaluate.finetune.task_metrics`).
 
 The task list and metrics follow the evaluation protocol of the *Hitchhikers' Guide to Masked Latent
 Semantic Modeling* (anonymous, under review; §4.2): GLUE + WiC + CoNLL-2003. Local files are read in
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from mlsm.errors import UserError
-from mlsm.evaluate import qa
-from mlsm.evaluate.qa_data import from_hf_row, squad_reader
-from mlsm.evaluate.task_metrics import (
+from mlsm.evaluate.finetune import qa
+from mlsm.evaluate.finetune.qa_data import from_hf_row, squad_reader
+from mlsm.evaluate.finetune.task_metrics import (
     metric_acc,
     metric_acc_f1,
     metric_entity_f1,
@@ -271,8 +271,8 @@ class TaskSpec:
 
     name: str
     # "cls" (first-token classification), "reg" (regression), "token" (per-word tags),
-    # "qa" (extractive QA: start/end logits per token, `mlsm.evaluate.qa`)
-    # "retrieval" (a BEIR folder: bi-encoder, mlsm.evaluate.retrieval_cell)
+    # "qa" (extractive QA: start/end logits per token, `mlsm.evaluate.finetune.qa`)
+    # "retrieval" (a BEIR folder: bi-encoder, mlsm.evaluate.finetune.retrieval_cell)
     kind: str
     labels: tuple[str, ...]  # label names by id; empty for regression
     metric: Callable[..., dict[str, float]]
@@ -311,17 +311,17 @@ def _glue(config: str) -> tuple[tuple[str, str | None], ...]:
 
 
 def _scored_elsewhere(*_: Any) -> dict[str, float]:
-    raise UserError("a retrieval task is scored by mlsm.evaluate.retrieval.ir_metrics")
+    raise UserError("a retrieval task is scored by mlsm.evaluate.finetune.retrieval.ir_metrics")
 
 
 def _not_examples(folder: Path, split: str) -> list[Example]:
     raise UserError(f"{folder}: a retrieval task has no examples to load; fine-tune it with "
-                    "`mlsm finetune` or read it with mlsm.evaluate.beir.read_beir")
+                    "`mlsm finetune` or read it with mlsm.evaluate.finetune.beir.read_beir")
 
 
 def retrieval_task(name: str) -> TaskSpec:
     """A BEIR retrieval task: fine-tune on qrels/train, score on qrels/test (metrics
-    mlsm.evaluate.retrieval.METRICS); NAME_zeroshot: score the checkpoint as it is."""
+    mlsm.evaluate.finetune.retrieval.METRICS); NAME_zeroshot: score the checkpoint as it is."""
     zero = name.lower().endswith("_zeroshot")
     base = name[:-len("_zeroshot")] if zero else name
     hub = ((base, None),) if "/" in base else ()  # an HF dataset path in the BEIR layout

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlsm.artifacts.checkpoint import Checkpoint
+from mlsm.artifacts.checkpoint import Checkpoint, resolve_checkpoint
 from mlsm.errors import UserError
-from mlsm.evaluate.finetune_config import DEFAULT_MAX_LEN, MODEL_MAX_LEN_CAP
+from mlsm.evaluate.finetune.finetune_config import DEFAULT_MAX_LEN, MODEL_MAX_LEN_CAP
 from mlsm.inputs import real_path
-from mlsm.runs import resolve_checkpoint
 
 LOG_EVERY = 10  # training steps between tracker points of a fine-tuning cell
 
@@ -41,7 +40,7 @@ def resolve_model(spec: str | Path) -> ModelRef:
 
     Default name: ``<run>@<step>`` if known, else the folder name.
 
-    ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
+    ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.artifacts.checkpoint`)."""
     text = str(spec)
     name, _, path = (("", "", text) if "=" not in text or Path(text).is_dir()
                      else text.partition("="))

@@ -2,7 +2,7 @@
 
 Each takes predictions and gold labels and returns {metric name: value}; values are fractions.
 scikit-learn computes MCC, accuracy and F1, SciPy the correlations, and seqeval entity F1 under
-the CoNLL-2003 convention. The task registry (`mlsm.evaluate.tasks`) names one per task.
+the CoNLL-2003 convention. The task registry (`mlsm.evaluate.finetune.tasks`) names one per task.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Retrieval cells of the fine-tuning grid (`mlsm finetune --tasks scifact,beir:NAME,...`).
 
 A retrieval task (``TaskSpec.kind == "retrieval"``) fine-tunes the bare encoder as a bi-encoder
-(`mlsm.evaluate.retrieval`: mean pooling, InfoNCE with in-batch negatives) on the training qrels
+(`mlsm.evaluate.finetune.retrieval`: mean pooling, InfoNCE with in-batch negatives) on the training
+qrels
 and scores the test qrels by exact search over the whole corpus; a ``_zeroshot`` task skips the
 training. Cells pair across models the way classification cells do: for seed s on task t the
 positive chosen for each training query (when it has several) and the data order come from
@@ -27,8 +28,8 @@ import torch
 
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.beir import BeirSplit, load_beir_hf, read_beir
-from mlsm.evaluate.cell import (
+from mlsm.evaluate.finetune.beir import BeirSplit, load_beir_hf, read_beir
+from mlsm.evaluate.finetune.cell import (
     LOG_EVERY,
     ModelRef,
     linear_schedule,
@@ -38,7 +39,7 @@ from mlsm.evaluate.cell import (
     step_budget,
     training_order,
 )
-from mlsm.evaluate.retrieval import (
+from mlsm.evaluate.finetune.retrieval import (
     TEMPERATURE,
     embed,
     encode_corpus,
@@ -47,7 +48,7 @@ from mlsm.evaluate.retrieval import (
     pad,
     tokenize,
 )
-from mlsm.evaluate.tasks import TaskSpec, task_folder
+from mlsm.evaluate.finetune.tasks import TaskSpec, task_folder
 from mlsm.progress import Progress
 
 

@@ -30,7 +30,7 @@ import torch
 from mlsm.artifacts.fingerprint import require_same, settings_fingerprint
 from mlsm.artifacts.results_file import append_results, read_results
 from mlsm.errors import UserError
-from mlsm.evaluate.stats import SELECTED_LR, best_lr
+from mlsm.evaluate.compare.stats import SELECTED_LR, best_lr
 
 VAL_SUFFIX = "_val"  # metric suffix of the carved validation split
 

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from mlsm.artifacts.outputs import guard_output, report_kind
 from mlsm.errors import UserError
-from mlsm.evaluate.stats import (
+from mlsm.evaluate.compare.stats import (
     COMPARISON_FILES,
     COMPARISON_HEADINGS,
     RUN_MEAN,

@@ -1,6 +1,6 @@
 """Achieved FLOP/s and model FLOPs utilisation (MFU) of a pre-training run.
 
-FLOPs per optimizer step are the analytic count of `mlsm.flops` (`mlsm flops`, the
+FLOPs per optimizer step are the analytic count of `mlsm.train.flops` (`mlsm flops`, the
 "mlsm" accounting: matmuls of the student's forward + backward and of the teacher's forward, the
 global batch); sparse coding is not counted, as MFU conventionally counts model FLOPs only
 (Chowdhery et al. 2022, PaLM, Appendix B). Over a logging window of n steps taking t seconds:
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mlsm.flops import flops_for_run
+from mlsm.train.flops import flops_for_run
 
 # (regex on torch.cuda.get_device_name, dense BF16/FP16 tensor FLOP/s, source); first match wins.
 # NVIDIA datasheets list "with sparsity" figures too: those are 2x the dense ones used here.

@@ -1,7 +1,8 @@
 """The settings of dictionary learning, declared once.
 
 `DictionaryConfig` is the one declaration: the flags of `mlsm dictionary` are generated from its
-fields (`mlsm.dataclass_flags`), `learn_dictionary(store, teacher, config, **settings)` takes it,
+fields (`mlsm.cli.dataclass_flags`), `learn_dictionary(store, teacher, config, **settings)` takes
+it,
 and a study's `dictionary:` group (`mlsm.study.spec.DictionarySpec`) is a subclass that adds the
 study's teacher and its own smaller `n_vectors` default. Each field's range sits beside it
 (`metadata["check"]`, read by `build_dataclass` and by the flag parser). The teacher and its layer
@@ -9,7 +10,7 @@ are not here: they are `load_teacher`'s, and `learn_dictionary` takes the loaded
 have been loaded with `teacher_init` / `teacher_seed` (the two controls' switches sit here so that
 `mlsm dictionary` and a study's `dictionary:` group take them like every other setting).
 
-Imports no torch (it sits below `mlsm.teacher`, whose package imports torch): the CLI builds its
+Imports no torch (`mlsm.teacher` loads its other modules on first use): the CLI builds its
 parser from it before anything heavy is loaded.
 """
 

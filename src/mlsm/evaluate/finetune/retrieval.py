@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from mlsm.evaluate.beir import BeirSplit, Qrels
+from mlsm.evaluate.finetune.beir import BeirSplit, Qrels
 from mlsm.fileio import atomic_write
 from mlsm.progress import Progress
 

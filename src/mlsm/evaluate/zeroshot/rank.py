@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
+from mlsm.artifacts.checkpoint import resolve_checkpoint
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.hf import first_line
-from mlsm.runs import resolve_checkpoint
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
 # Tolerance on the cumulative energy ratio so that a spectrum reaching tau exactly (up to rounding)
@@ -239,7 +239,7 @@ def layerwise_effective_rank(
 def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of an HF encoder folder (AutoModel), eval mode; UserError if unreadable.
 
-    ``path`` may also be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.runs`)."""
+    ``path`` may also be a run directory, ``RUN@50%`` or ``RUN@step-N``."""
     from transformers import AutoModel
 
     from mlsm.hf import load_model, load_tokenizer, quiet_head_mismatch

@@ -27,8 +27,9 @@ from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, probe_fit_config
-from mlsm.evaluate.unigram import unigram_log_probs
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.zeroshot.heldout import heldout_steps
+from mlsm.evaluate.zeroshot.unigram import unigram_log_probs
 from mlsm.inputs import field_problem
 from mlsm.models.backbone import build_student
 from mlsm.models.heads import check_scored_by_pll
@@ -42,7 +43,7 @@ from mlsm.train import checkpoint as ckpt
 def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out: str = "",
                  overrides: list[str] | None = None) -> Any:
     """The RunConfig of a probe run on `checkpoint` (an MLSM checkpoint folder, or a run directory /
-    ``RUN@50%`` / ``RUN@step-N``: `mlsm.runs`)."""
+    ``RUN@50%`` / ``RUN@step-N``: `mlsm.artifacts.checkpoint`)."""
     ck = Checkpoint.open(checkpoint)
     folder = ck.folder
     if not ck.is_checkpoint:
@@ -64,19 +65,6 @@ def probe_config(checkpoint: str | Path, *, store: str = "", steps: int = 0, out
     if store:
         raw["data"] = {**raw["data"], "store": store}
     return config_from_dict(merge(raw, parse_overrides(overrides or [])))
-
-
-def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> list[int]:
-    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
-    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.at(checkpoint)
-    cfg = ck.section("train")
-    if not ck.is_checkpoint or "steps" not in cfg or "batch_size" not in cfg:
-        raise UserError(f"{ck.folder / COMPLETE} has no train config; pass an intact "
-                        "checkpoints/step-* folder")
-    # ceil(samples seen / batch_size)
-    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
-    return [first + j for j in range(n)]
 
 
 class _Features:

@@ -33,7 +33,7 @@ from mlsm.artifacts.fingerprint import (
     settings_fingerprint,
 )
 from mlsm.errors import UserError
-from mlsm.evaluate.tasks import TaskSpec, task_folder
+from mlsm.evaluate.finetune.tasks import TaskSpec, task_folder
 
 CELL_KEY = ("model", "task", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
 FIX = ("pass --recompute (Python: recompute=True) to train it again, the fresh rows superseding "
@@ -41,6 +41,7 @@ FIX = ("pass --recompute (Python: recompute=True) to train it again, the fresh r
 
 
 def cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """The one key of a fine-tuning cell (`CELL_KEY`), of a stored row or of a cell planned."""
     return tuple(float(row[k]) if k == "lr" else row[k] for k in CELL_KEY)
 
 

@@ -3,7 +3,8 @@
 PLL(W) = Σ_t log P(w_t | W with w_t masked)                  (Salazar et al. 2020, §2, Eq. 2)
 PPPL(C) = exp(−(1/N) Σ_{W ∈ C} PLL(W)), N = the scored tokens of C      (Salazar et al. 2020, §2.3)
 
-The scoring itself is `mlsm.evaluate.pll` (batched masked copies, head at the masked position
+The scoring itself is `mlsm.evaluate.zeroshot.pll` (batched masked copies, head at the masked
+position
 only); this module reads the inputs with bounded memory, cuts long ones to a token budget, and
 writes the per-sentence JSON lines, the summary and (optionally) a results row.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mlsm.errors import UserError
-from mlsm.evaluate.pll import VARIANTS, score_token_ids
+from mlsm.evaluate.zeroshot.pll import VARIANTS, score_token_ids
 from mlsm.fileio import atomic_write, atomic_write_json
 
 CHARS_PER_TOKEN = 32  # a line is read at most max_tokens × this many characters (memory bound)
@@ -179,7 +180,7 @@ def store_chunks(store: Any, max_tokens: int, limit: int | None) -> Iterator[Sco
 
 def default_max_tokens(model: Any, tokenizer: Any) -> int:
     """The longest sequence the model takes, less the tokenizer's special tokens."""
-    from mlsm.evaluate.pll import _model_max_len, as_scorer
+    from mlsm.evaluate.zeroshot.pll import _model_max_len, as_scorer
 
     limit = _model_max_len(tokenizer, as_scorer(model)) or 512
     return max(1, limit - tokenizer.num_special_tokens_to_add())

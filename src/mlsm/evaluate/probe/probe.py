@@ -1,7 +1,8 @@
 """`mlsm probe`: train the k -> |V| linear probe of an MLSM checkpoint, and score text with it.
 
 By default the probe is trained until its loss on held-out chunks stops improving
-(`mlsm.evaluate.probe_fit`: the 10 % of the pre-training steps of the *Hitchhikers' Guide to Masked
+(`mlsm.evaluate.probe.probe_fit`: the 10 % of the pre-training steps of the *Hitchhikers' Guide to
+Masked
 Latent Semantic Modeling* (anonymous, under review; §4.3.1) leaves it untrained on short runs). With
 a fixed number of steps it reuses `pretrain` with the `probe` objective, so it gets the same
 batches, readiness checkpoints, resume and DDP as any run.
@@ -16,21 +17,20 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
-from mlsm.artifacts.checkpoint import Checkpoint
+from mlsm.artifacts.checkpoint import Checkpoint, is_run_dir, resolve_checkpoint
 from mlsm.artifacts.outputs import OutputKind, writing
 from mlsm.artifacts.probe_record import has_probe_record
 from mlsm.config import build_dataclass
 from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
-from mlsm.evaluate import probe_fit
-from mlsm.evaluate.pll import load_masked_lm
-from mlsm.evaluate.probe_fit import probe_config
-from mlsm.evaluate.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
+from mlsm.evaluate.probe import probe_fit
+from mlsm.evaluate.probe.probe_fit import probe_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
+from mlsm.evaluate.zeroshot.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
-from mlsm.runs import is_run_dir, resolve_checkpoint
 from mlsm.train.loop import pretrain
 
 PROBE_KIND = OutputKind("mlsm probe run",
@@ -44,7 +44,8 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None,
     directory.
 
     recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
-    held-out loss plateau (`mlsm.evaluate.probe_fit`), which writes OUT/probe.json. With `steps`
+    held-out loss plateau (`mlsm.evaluate.probe.probe_fit`), which writes OUT/probe.json. With
+    `steps`
     (or overrides): that many steps through the pre-training loop. recipe "paper": the
     Hitchhikers' Guide's probe, 10,000 steps (`PAPER_PROBE_STEPS`, unless `steps` says otherwise)
     through the loop, readiness checkpoints at 10/25/50/100 %, no plateau stop.
@@ -131,7 +132,7 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
 
     An MTL checkpoint (latent head + a trained vocabulary head, the Hitchhikers' Guide's Fig. 6
     "MLSM+MLM") is scored through its vocabulary head, like an MLM model; it needs no probe.
-    ``path`` may name a run (`mlsm.runs`); an MLSM checkpoint without a probe is scored through the
+    ``path`` may name a run (a run spec); an MLSM checkpoint without a probe is scored through the
     final checkpoint of its probe run (``<run>/probe-step-N``, where `mlsm probe` puts it). A
     checkpoint whose objective is not `scored_by_pll` (MAE-LM, MAE-MLSM) is refused in one line.
     Each file of the folder is read once.

@@ -4,7 +4,7 @@ A masked LM that ignores context can still reach the unigram distribution's loss
 the most frequent token); what it learned from context is the distance below that plateau. Both
 are computed on the same targets: the positions a run's own masking selects in held-out chunks (a
 store of held-out documents, or the chunks right after the run's last batch). MLSM models are read
-through their k -> |V| probe (`mlsm.evaluate.probe.ProbeScorer`).
+through their k -> |V| probe (`mlsm.evaluate.probe.probe.ProbeScorer`).
 
 PPPL (Salazar et al. 2020, §2.3): exp(−(1/N) Σ_t log P(w_t | W∖t)) over the N non-special tokens
 of held-out chunks, each token masked in turn; the unigram's PPPL on the same tokens is
@@ -20,7 +20,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
 from mlsm.errors import UserError
+
+
+def heldout_steps(checkpoint: Path | Checkpoint, batch_size: int, n: int) -> list[int]:
+    """Steps (of a run with `batch_size` sequences a step) whose batches hold only samples after
+    the last one the checkpoint's pre-training run consumed: held-out chunks (within one epoch)."""
+    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.at(checkpoint)
+    cfg = ck.section("train")
+    if not ck.is_checkpoint or "steps" not in cfg or "batch_size" not in cfg:
+        raise UserError(f"{ck.folder / COMPLETE} has no train config; pass an intact "
+                        "checkpoints/step-* folder")
+    # ceil(samples seen / batch_size)
+    first = -(-int(cfg["steps"]) * int(cfg["batch_size"]) // batch_size)
+    return [first + j for j in range(n)]
 
 
 def binomial_p(k: int, n: int, p: float) -> float:
@@ -38,7 +52,7 @@ def masked_token_scores(scorer: Any, source: Any, steps: list[int], batch_size: 
                         unigram: torch.Tensor) -> dict[str, Any]:
     """Loss (nats) and top-1 of `scorer` on the selected positions of batches `steps` of a
     `BatchSource`, and of the unigram log-probabilities (V,) on the same targets."""
-    from mlsm.evaluate.pll import as_scorer
+    from mlsm.evaluate.zeroshot.pll import as_scorer
 
     scorer = as_scorer(scorer)
     loss, correct, uni_loss, uni_correct, n = 0.0, 0, 0.0, 0, 0
@@ -64,7 +78,7 @@ def pppl(scorer: Any, source: Any, steps: list[int], batch_size: int, unigram: t
          mask_id: int, copies_per_pass: int = 128) -> dict[str, float]:
     """Pseudo-perplexity of the non-special tokens of batches `steps` (each masked in turn, one
     copy of its sequence per token) and the unigram's perplexity on the same tokens."""
-    from mlsm.evaluate.pll import as_scorer
+    from mlsm.evaluate.zeroshot.pll import as_scorer
 
     scorer = as_scorer(scorer)
     total, uni, n = 0.0, 0.0, 0
@@ -96,7 +110,7 @@ def heldout_masked_tokens(scorer: Any, checkpoint: Path, n_batches: int, batch_s
     store: a token store of held-out documents (batches 0, 1, ... of it); None = the chunks right
     after the pre-training run's last batch, which are held out only while the run stays within
     its first epoch of the corpus."""
-    from mlsm.evaluate.unigram import unigram_log_probs
+    from mlsm.evaluate.zeroshot.unigram import unigram_log_probs
 
     source, steps, _ = heldout_source(checkpoint, n_batches, batch_size, store)
     unigram = unigram_log_probs(checkpoint)  # (V,): of the run's own tokens; by target ids only
@@ -110,7 +124,6 @@ def heldout_source(checkpoint: Path, n_batches: int, batch_size: int,
     from mlsm.artifacts.checkpoint import Checkpoint
     from mlsm.data.batches import BatchSource
     from mlsm.data.corpus import TokenStore
-    from mlsm.evaluate.probe_fit import heldout_steps
     from mlsm.run_config import config_from_dict
 
     ck = Checkpoint.at(checkpoint)
