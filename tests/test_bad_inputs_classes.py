@@ -1261,6 +1261,66 @@ def _reuse_pretrain_dictionary_pair_of_two_learnings(tmp, fix):
             [weights, tmp / "d.json"], "are of different dictionaries")
 
 
+# ------------------------------------------- reuse that read less than it depends on (#52)
+# A reuse decision reads what it depends on: every byte of a file (never a sample), the target
+# of a link, the teacher's weights for a dictionary. Each was fooled by a name or a part.
+
+
+def _beir(folder: Path, qrels: Path) -> Path:
+    """A BEIR scifact folder whose qrels/ is a link to `qrels` (a folder kept elsewhere)."""
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells grow"}\n'
+           '{"_id": "d2", "title": "", "text": "rivers run"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    folder.joinpath("qrels").symlink_to(qrels, target_is_directory=True)
+    return folder
+
+
+def _reuse_finetune_task_data_subfolder_link_swapped(tmp, fix):
+    """The task folder's qrels/ is a link; pointed at other judgements, the finished zero-shot
+    cell must not be reused (the walk did not follow links: the qrels were never hashed)."""
+    for name, doc in (("qa", "d1"), ("qb", "d2")):
+        _write(tmp / name / "test.tsv", f"query-id\tcorpus-id\tscore\nq1\t{doc}\t1\n")
+    folder = _beir(tmp / "beir" / "scifact", tmp / "qa")
+    args = ["finetune", str(fix["teacher_dir"]), "--tasks", "scifact_zeroshot", "--data-dir",
+            str(tmp / "beir"), "--results", str(tmp / "res.jsonl"), "--max-len", "16"]
+    assert main(args) == 0
+    (folder / "qrels").unlink()
+    (folder / "qrels").symlink_to(tmp / "qb", target_is_directory=True)
+    return args, [tmp / "res.jsonl"], ("(task data: '", "pass --recompute")
+
+
+def _reuse_targets_dictionary_json_stripped_of_its_teacher(tmp, fix):
+    """The .json beside the atoms with the teacher's weights fingerprint deleted: the check
+    against the teacher then passed any teacher of the shape, though the atoms' own header
+    records it."""
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = json.loads(fix["dictionary_path"].with_suffix(".json").read_text())
+    del meta["teacher_weights"]
+    _write(tmp / "d.json", json.dumps(meta))
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights, tmp / "d.json"],
+            ("are of different dictionaries", "teacher_weights"))
+
+
+def _other_teacher_of_this_shape(tmp: Path, fix: dict) -> Path:
+    """A copy of the fixture teacher with every weight nudged: same shape, another teacher."""
+    from safetensors.torch import load_file, save_file
+
+    teacher = _copy(fix["teacher_dir"], tmp / "teacher_b")
+    weights = load_file(teacher / "model.safetensors")
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
+              teacher / "model.safetensors", metadata={"format": "pt"})
+    return teacher
+
+
+def _reuse_pretrain_naive_dictionary_of_another_teacher(tmp, fix):
+    """`mlsm_naive` (the official code's recipe) checked d and layer only: a dictionary learned
+    on another teacher of the same shape trained on, where `mlsm` refuses in one line."""
+    extra = {"objective.name": "mlsm_naive", "objective.dictionary": str(fix["dictionary_path"]),
+             "objective.teacher": str(_other_teacher_of_this_shape(tmp, fix)), "train.steps": 1}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)], [tmp / "teacher_b"],
+            "learned on another teacher of this shape")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_"))}
 

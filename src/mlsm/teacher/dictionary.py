@@ -310,8 +310,9 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
                         f"dictionaries; {fix}")
     # the weights carry the meta they were written with: a value of the .json that differs
     # from it, or an atoms digest the .json lacks (a .json of an older write), is another write;
-    # a key removed by hand is not (its reader says what is missing)
-    keys = (set(meta) & set(embedded)) | ({"atoms_sha256"} & set(embedded))
+    # another key removed by hand is not (its reader says what is missing), but the teacher's
+    # identity is: a .json stripped of it would pass the teacher check of any teacher
+    keys = (set(meta) & set(embedded)) | ({"atoms_sha256", *IDENTITY} & set(embedded))
     differ = sorted(key for key in keys if meta.get(key) != embedded.get(key))
     if differ:  # a write killed between the two files, or two writers: not one dictionary
         raise UserError(f"dictionary {weights} and its meta {meta_path.name} are of different "
@@ -321,6 +322,10 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     if not bool(atoms.any()):  # every sparse code against it would be zero
         raise UserError(f"dictionary {weights} has only zero atoms; {fix}")
     return Dictionary(atoms, meta)
+
+
+IDENTITY = ("teacher", "layer", "teacher_init", "teacher_seed", "teacher_weights")
+"""The meta keys that say which teacher a dictionary belongs to (`Teacher.identity`)."""
 
 
 def dictionary_meta(path: str | Path) -> dict[str, Any]:
