@@ -16,7 +16,8 @@ the earlier one under a marker (`_swap_in`), so a kill leaves the earlier public
 folder the rerun recognises and repairs. Everything it copies is written whole (atomic
 replace) or appended row by row under a lock by the study, so a copy taken while the study
 runs is the study at some moment, never a torn file (a row torn by a killed writer is skipped
-by every reader). The model checkpoints, token store and target store stay where they are: they are gigabytes, and the report does not read them.
+by every reader). The model checkpoints, token store and target store stay where they are:
+they are gigabytes, and the report does not read them.
 """
 
 from __future__ import annotations
