@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
+from mlsm.artifacts.checkpoint import COMPLETE, SAVING, Checkpoint
+from mlsm.artifacts.rundir import RunDir
 from mlsm.config import (
     DataConfig,
     ModelConfig,
@@ -46,7 +48,7 @@ from mlsm.config import (
 from mlsm.data.batches import Batch, BatchSource, Masker
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write_text
+from mlsm.fileio import atomic_write_text, fsync_path
 from mlsm.models.backbone import Student
 from mlsm.objectives import (
     Context,
@@ -199,6 +201,7 @@ class MLSMTrainer(Trainer):
         super().__init__(model=module, args=args, data_collator=collator,
                          train_dataset=train_dataset, processing_class=processing_class,
                          **kwargs)
+        self._inputs = self._input_fingerprints()  # recorded by every save (the resume check)
         self.loss_is_scaled_for_ga = True  # each loss sum is divided by the global count
         if self._signature_columns is None:  # keep the columns the collator reads
             self._signature_columns = list(_COLUMNS)
@@ -253,13 +256,33 @@ class MLSMTrainer(Trainer):
             return
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        info = self.checkpoint_info()
+        # a save over an earlier one writes file by file: marked until its checkpoint.json is
+        # in, so a kill between leaves a folder readers refuse, not a mix they trust
+        atomic_write_text(folder / SAVING, "a save is writing this folder\n")
+        for stale in (COMPLETE, "heads.safetensors", "heads.json"):  # an earlier save's
+            (folder / stale).unlink(missing_ok=True)
         module = self.accelerator.unwrap_model(self.model)
         ckpt.save_model_folder(module, self.processing_class, folder)
         torch.save(self.args, folder / "training_args.bin")
-        atomic_write_text(folder / ckpt.COMPLETE, json.dumps(self.checkpoint_info(), indent=2))
+        atomic_write_text(folder / COMPLETE, json.dumps(info, indent=2))
+        (folder / SAVING).unlink()
+        fsync_path(folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        ckpt.load_weights(Path(resume_from_checkpoint), self.accelerator.unwrap_model(self.model))
+        """The weights of `resume_from_checkpoint`, after `mlsm pretrain --resume`'s inputs
+        check: its recorded input fingerprints must equal the inputs' now (a dictionary, store
+        or teacher rebuilt in place since is refused in one line)."""
+        folder = Path(resume_from_checkpoint)
+        info = Checkpoint.at(folder).info
+        RunDir(folder).check_inputs(self._input_fingerprints(), (folder, info))
+        ckpt.load_weights(folder, self.accelerator.unwrap_model(self.model))
+
+    def _input_fingerprints(self) -> dict[str, str]:
+        """What the training reads, by content (`mlsm.train.loop.input_fingerprints`)."""
+        from mlsm.train.loop import input_fingerprints
+
+        return input_fingerprints(RunConfig(data=self.data, objective=self.objective_config))
 
     def checkpoint_info(self) -> dict[str, Any]:
         """checkpoint.json: what mlsm's verbs read (step, readiness, objective, config, latent head,
@@ -283,7 +306,8 @@ class MLSMTrainer(Trainer):
                               out=str(args.output_dir), seed=args.seed, readiness=[1.0]))
         # with the facts readers need (latent head, PLL refusal), as mlsm's own loop writes them
         return ckpt.with_facts({
-            "step": step, "readiness": step / total, "objective": self.objective_config.name,
+            "inputs": self._inputs, "step": step, "readiness": step / total,
+            "objective": self.objective_config.name,
             "run": str(args.output_dir), "tokens": step * batch * self.data.max_len,
             "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
             "lr_scheduler": str(args.lr_scheduler_type),
