@@ -1321,12 +1321,83 @@ def _reuse_pretrain_naive_dictionary_of_another_teacher(tmp, fix):
             "learned on another teacher of this shape")
 
 
+# --------------------------------------------------------------------------- bounds (#52)
+# Every reader of a user file bounds what it holds before any work: a document, a whole JSON
+# file, a nesting depth, a grade. Each ran out of memory, hit Python's recursion limit or a C
+# extension's int before; now one line names the limit (`mlsm.limits`).
+
+
+def _squad(tmp: Path, dev: str) -> list[str]:
+    folder = tmp / "data" / "squad_v1.1"
+    _write(folder / "dev-v1.1.json", dev)
+    _write(folder / "train-v1.1.json", dev)
+    return ["finetune", "--tasks", "squad", "--data-dir", str(tmp / "data"), "--results",
+            str(tmp / "results.jsonl"), "--max-len", "32"]
+
+
+def _squad_article(context: str) -> str:
+    return json.dumps({"data": [{"title": "T", "paragraphs": [{"context": context, "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "cat", "answer_start": 4}]}]}]}]})
+
+
+def _bounds_finetune_squad_context_beyond_the_document_bound(tmp, fix):
+    from mlsm.limits import MAX_DOC_BYTES
+
+    args = _squad(tmp, _squad_article("The cat " + "sat " * (MAX_DOC_BYTES // 4)))
+    return ([args[0], str(fix["teacher_dir"]), *args[1:]], [tmp / "data"],
+            ("a context of 'T' is", f"{MAX_DOC_BYTES:,}"))
+
+
+def _bounds_finetune_squad_file_nested_too_deep(tmp, fix):
+    args = _squad(tmp, '{"data": ' + "[" * 100_000)
+    return ([args[0], str(fix["teacher_dir"]), *args[1:]], [tmp / "data"],
+            "v1.1.json:1 is not JSON (nested deeper than the parser follows")
+
+
+def _beir_args(tmp: Path, fix: dict) -> list[str]:
+    return ["finetune", str(fix["teacher_dir"]), "--tasks", "scifact_zeroshot", "--data-dir",
+            str(tmp / "beir"), "--results", str(tmp / "results.jsonl"), "--max-len", "16"]
+
+
+def _bounds_finetune_beir_document_beyond_the_document_bound(tmp, fix):
+    from mlsm.limits import MAX_DOC_BYTES
+
+    folder = tmp / "beir" / "scifact"
+    long = json.dumps({"_id": "d2", "title": "", "text": "cells " * (MAX_DOC_BYTES // 6 + 1)})
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n' + long + "\n")
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    return _beir_args(tmp, fix), [folder], ("corpus.jsonl:2 is longer than", f"{MAX_DOC_BYTES:,}")
+
+
+def _bounds_finetune_qrels_grade_absurd(tmp, fix):
+    folder = tmp / "beir" / "scifact"
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1e30\n")
+    return _beir_args(tmp, fix), [folder], ("test.tsv:2: grade 1e+30 is beyond", "1,000")
+
+
+def _bounds_score_jsonl_line_nested_too_deep(tmp, fix):
+    # deep enough for the parser's recursion limit, short enough for the line's read bound
+    text = _write(tmp / "in.jsonl", '{"text": "a b"}\n{"text": ' + "[" * 1000 + "\n")
+    return (["score", str(fix["teacher_dir"]), str(text), "--out", str(tmp / "o.jsonl")], [text],
+            "in.jsonl:2 is not JSON (nested deeper")
+
+
+def _bounds_blimp_line_nested_too_deep(tmp, fix):
+    data = _blimp_dir(tmp, "[" * 100_000)
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(tmp / "b")],
+            [data], "nested deeper than the parser follows")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
-         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_"))}
+         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
+                             "_bounds_"))}
 
 
 def test_every_class_is_tried_on_several_verbs() -> None:
-    for kind in ("content", "values", "consistency", "paths", "reuse"):
+    for kind in ("content", "values", "consistency", "paths", "reuse", "bounds"):
         verbs = {name.split("_")[1] for name in CASES if name.startswith(kind)}
         assert len(verbs) >= 3, (kind, verbs)
 

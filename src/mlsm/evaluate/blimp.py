@@ -36,6 +36,7 @@ from mlsm.evaluate.pll import score_pll
 from mlsm.evaluate.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
+from mlsm.inputs import loads
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -84,7 +85,7 @@ def _read_file(path: Path) -> list[BlimpPair]:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                row = loads(line)
                 if (not isinstance(row, dict) or not isinstance(row.get("sentence_good"), str)
                         or not isinstance(row.get("sentence_bad"), str)):
                     raise UserError(

@@ -36,6 +36,7 @@ from typing import Any, TextIO
 from mlsm.errors import UserError
 from mlsm.evaluate.pll import VARIANTS, score_token_ids
 from mlsm.fileio import atomic_write, atomic_write_json
+from mlsm.inputs import loads
 
 CHARS_PER_TOKEN = 32  # a line is read at most max_tokens × this many characters (memory bound)
 READ_CHARS = 1 << 20  # the skipped tail of an over-long line is read this much at a time
@@ -129,7 +130,7 @@ def _json_text(path: Path, number: int, line: str, cut: bool, text_field: str) -
         raise UserError(f"{path}:{number} is a JSON line longer than the read bound; raise "
                         "--max-tokens or split that record")
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{number} is not JSON ({exc.msg}); one JSON object per line, "
                         f"the sentence in field {text_field!r}") from None
@@ -279,7 +280,7 @@ def read_scores(out: str | Path) -> ScoreResult:
     fix = f"run the same `mlsm score ... --out {out}` again: it rewrites both"
     try:
         data = out.read_bytes()
-        summary = json.loads(summary_path(out).read_text(encoding="utf-8"))
+        summary = loads(summary_path(out).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"the scores at {out} have no readable summary beside them "
                         f"({type(exc).__name__}): a run was stopped while writing them; {fix}"
@@ -288,7 +289,7 @@ def read_scores(out: str | Path) -> ScoreResult:
             summary.get("rows_sha256") != hashlib.sha256(data).hexdigest():
         raise UserError(f"{out} and {summary_path(out).name} are of different runs (the rows' "
                         f"digest is not the summary's rows_sha256); {fix}")
-    rows = [json.loads(line) for line in data.decode("utf-8").splitlines()]
+    rows = [loads(line) for line in data.decode("utf-8").splitlines()]
     return ScoreResult(rows, summary)
 
 
