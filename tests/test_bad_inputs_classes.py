@@ -787,6 +787,17 @@ def _paths_export_out_inside_checkpoint(tmp, fix):
             "lies inside the input checkpoint")
 
 
+def _paths_export_tokenizer_links_outside_the_checkpoint(tmp, fix):
+    """A tokenizer file that is a link to a file elsewhere (a user's private vocabulary) was
+    copied into the folder meant for publication."""
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    secret = _write(tmp / "private" / "tokenizer.json", (ckpt / "tokenizer.json").read_text())
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    return (["export", str(ckpt), "--out", str(tmp / "export")], [ckpt, secret.parent],
+            ("tokenizer.json is a link to", "outside the checkpoint folder"))
+
+
 def _paths_report_out_holds_users_report(tmp, fix):
     results = _write(tmp / "r.jsonl", _rows())
     mine = _write(tmp / "rep" / "report.md", "# My own report\n")
