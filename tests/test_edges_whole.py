@@ -114,3 +114,33 @@ def test_score_rows_and_summary_land_as_one_unit(tmp_path: Path,
         score.read_scores(out)
     score.write_scores(_scored(5), out)  # the rerun repairs
     assert len(score.read_scores(out).rows) == 5
+
+
+# --------------------------------------------------------------------------- a full disk
+
+_FULL_DISK_SAVE = """
+import resource, signal, sys, torch
+from safetensors.torch import save_file
+from mlsm.fileio import atomic_write
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    atomic_write(sys.argv[1], lambda tmp: save_file({"e": torch.zeros(10_000)}, tmp))
+except OSError as exc:
+    print(exc.errno, exc.filename)
+"""
+
+
+def test_a_full_disk_under_safetensors_meets_the_os_error_edge(tmp_path: Path) -> None:
+    """The retrieval cache (and every .safetensors written through atomic_write) on a full
+    disk: safetensors raises its own SafetensorError ("... (os error 28)"), which reached the
+    CLI as a bug's traceback; it is read back as the OSError it carries, naming the file."""
+    import errno
+    import subprocess
+    import sys
+
+    target = tmp_path / "cache" / "key.safetensors"
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK_SAVE, str(target)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == [str(errno.EFBIG), str(target)], done.stderr[-800:]
+    assert not list((tmp_path / "cache").iterdir())  # no temporary left
