@@ -240,6 +240,22 @@ def _values_pretrain_seed_negative(tmp, fix):
             "train.seed must be 0 or more, got -1")
 
 
+def _values_pretrain_out_with_a_line_break(tmp, fix):
+    """train.out=RUN<newline>b was YAML-folded into the folder "RUN b": a run written where the
+    user never said."""
+    (tmp / "work").mkdir()
+    return (["pretrain", *_run_args(fix["store_dir"], Path(f"{tmp / 'work' / 'run'}\nb"))],
+            [tmp / "work"], "the value holds a line break")
+
+
+def _values_pretrain_config_out_with_a_line_break(tmp, fix):
+    config = _write(tmp / "work" / "run.yaml", 'train: {out: "' + str(tmp / "work" / "r") +
+                    '\\nb"}\n')
+    args = [a for a in _run_args(fix["store_dir"], tmp / "unused") if not a.startswith("train.out")]
+    return (["pretrain", "--config", str(config), *args], [tmp / "work"],
+            "no line break or other control character")
+
+
 def _values_pretrain_batch_size_huge(tmp, fix):
     return (["pretrain", *_run_args(fix["store_dir"], tmp / "run",
                                     **{"train.batch_size": _HUGE})], [],
