@@ -380,6 +380,14 @@ def _values_probe_max_steps_zero(tmp, fix):
     return ["probe", str(fix["mlsm_ckpt"]), "--max-steps", "0"], [fix["mlsm_ckpt"]], "--max-steps"
 
 
+def _values_dictionary_k_beyond_the_distinct_states(tmp, fix):
+    """k = 64 on a store of one 3-word document: 50 draws of its few states, the 64 atoms
+    resampled duplicates, exit 0."""
+    assert main(_prepare(fix, _write(tmp / "tiny.txt", "the cat sees\n"), out=tmp / "tiny")) == 0
+    args = [*_dictionary(fix, tmp / "d", store=tmp / "tiny"), "--k", "32", "--n-vectors", "64"]
+    return args, [tmp / "tiny"], ("distinct vectors, fewer than the 32 atoms", "lower --k")
+
+
 def _values_dictionary_sampling_unknown(tmp, fix):
     return ([*_dictionary(fix, tmp / "d.safetensors"), "--sampling", "lines"],
             [fix["store_dir"]], "windows or documents")
