@@ -275,6 +275,18 @@ def _values_rank_seed_huge(tmp, fix):
              "--seed", _HUGE], [text], "argument --seed: 99999999999999999999 is out of range")
 
 
+_LONG_SENTENCE = " ".join(["the cat sees a dog ."] * 120)  # 720 words: past 512 positions
+
+
+def _values_rank_max_length_beyond_the_positions(tmp, fix):
+    """Cut at --max-length 1000, a 720-word sentence indexed past the 512 position embeddings:
+    IndexError, a traceback. (Without the flag it is cut at the model's positions, exit 0.)"""
+    text = _write(tmp / "x.txt", _LONG_SENTENCE + "\n")
+    return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(tmp / "r"),
+             "--max-length", "1000"], [text], ("--max-length 1000 is more than the model's",
+                                               "positions"))
+
+
 def _values_dictionary_max_len_huge(tmp, fix):
     args = _dictionary(fix, tmp / "d.safetensors")
     args[args.index("--max-len") + 1] = _HUGE

@@ -144,3 +144,17 @@ def test_a_full_disk_under_safetensors_meets_the_os_error_edge(tmp_path: Path) -
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == [str(errno.EFBIG), str(target)], done.stderr[-800:]
     assert not list((tmp_path / "cache").iterdir())  # no temporary left
+
+
+def test_rank_cuts_a_long_sentence_at_the_models_positions(teacher_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """No --max-length: a sentence longer than the model's positions is cut there (the default
+    was 128 whatever the model took)."""
+    from mlsm.evaluate.rank import layerwise_effective_rank, load_encoder
+
+    model, tokenizer = load_encoder(str(teacher_dir))
+    model.config.max_position_embeddings = 40  # a model of 40 positions (its table is longer)
+    table = layerwise_effective_rank(model, tokenizer, [" ".join(["the cat sees"] * 50)],
+                                     mask_rate=0.0)
+    assert table.meta["max_length"] == 40 and table.counts["unmasked"] == 38
+
