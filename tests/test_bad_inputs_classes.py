@@ -261,6 +261,22 @@ def _values_pretrain_seed_negative(tmp, fix):
             "train.seed must be 0 or more, got -1")
 
 
+def _values_pretrain_out_with_a_line_break(tmp, fix):
+    """train.out=RUN<newline>b was YAML-folded into the folder "RUN b": a run written where the
+    user never said."""
+    (tmp / "work").mkdir()
+    return (["pretrain", *_run_args(fix["store_dir"], Path(f"{tmp / 'work' / 'run'}\nb"))],
+            [tmp / "work"], "the value holds a line break")
+
+
+def _values_pretrain_config_out_with_a_line_break(tmp, fix):
+    config = _write(tmp / "work" / "run.yaml", 'train: {out: "' + str(tmp / "work" / "r") +
+                    '\\nb"}\n')
+    args = [a for a in _run_args(fix["store_dir"], tmp / "unused") if not a.startswith("train.out")]
+    return (["pretrain", "--config", str(config), *args], [tmp / "work"],
+            "no line break or other control character")
+
+
 def _values_pretrain_batch_size_huge(tmp, fix):
     return (["pretrain", *_run_args(fix["store_dir"], tmp / "run",
                                     **{"train.batch_size": _HUGE})], [],
@@ -278,6 +294,18 @@ def _values_rank_seed_huge(tmp, fix):
     text = _write(tmp / "x.txt", "the cat sees a dog .\n")
     return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(tmp / "r"),
              "--seed", _HUGE], [text], "argument --seed: 99999999999999999999 is out of range")
+
+
+_LONG_SENTENCE = " ".join(["the cat sees a dog ."] * 120)  # 720 words: past 512 positions
+
+
+def _values_rank_max_length_beyond_the_positions(tmp, fix):
+    """Cut at --max-length 1000, a 720-word sentence indexed past the 512 position embeddings:
+    IndexError, a traceback. (Without the flag it is cut at the model's positions, exit 0.)"""
+    text = _write(tmp / "x.txt", _LONG_SENTENCE + "\n")
+    return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(tmp / "r"),
+             "--max-length", "1000"], [text], ("--max-length 1000 is more than the model's",
+                                               "positions"))
 
 
 def _values_dictionary_max_len_huge(tmp, fix):
@@ -388,6 +416,14 @@ def _values_compare_seed_is_a_list(tmp, fix):
 
 def _values_probe_max_steps_zero(tmp, fix):
     return ["probe", str(fix["mlsm_ckpt"]), "--max-steps", "0"], [fix["mlsm_ckpt"]], "--max-steps"
+
+
+def _values_dictionary_k_beyond_the_distinct_states(tmp, fix):
+    """k = 64 on a store of one 3-word document: 50 draws of its few states, the 64 atoms
+    resampled duplicates, exit 0."""
+    assert main(_prepare(fix, _write(tmp / "tiny.txt", "the cat sees\n"), out=tmp / "tiny")) == 0
+    args = [*_dictionary(fix, tmp / "d", store=tmp / "tiny"), "--k", "32", "--n-vectors", "64"]
+    return args, [tmp / "tiny"], ("distinct vectors, fewer than the 32 atoms", "lower --k")
 
 
 def _values_dictionary_sampling_unknown(tmp, fix):
@@ -811,6 +847,17 @@ def _paths_export_out_inside_checkpoint(tmp, fix):
     ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
     return (["export", str(ckpt), "--out", str(ckpt / "export")], [ckpt],
             "lies inside the input checkpoint")
+
+
+def _paths_export_tokenizer_links_outside_the_checkpoint(tmp, fix):
+    """A tokenizer file that is a link to a file elsewhere (a user's private vocabulary) was
+    copied into the folder meant for publication."""
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    secret = _write(tmp / "private" / "tokenizer.json", (ckpt / "tokenizer.json").read_text())
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    return (["export", str(ckpt), "--out", str(tmp / "export")], [ckpt, secret.parent],
+            ("tokenizer.json is a link to", "outside the checkpoint folder"))
 
 
 def _paths_report_out_holds_users_report(tmp, fix):
@@ -1287,12 +1334,143 @@ def _reuse_pretrain_dictionary_pair_of_two_learnings(tmp, fix):
             [weights, tmp / "d.json"], "are of different dictionaries")
 
 
+# ------------------------------------------- reuse that read less than it depends on (#52)
+# A reuse decision reads what it depends on: every byte of a file (never a sample), the target
+# of a link, the teacher's weights for a dictionary. Each was fooled by a name or a part.
+
+
+def _beir(folder: Path, qrels: Path) -> Path:
+    """A BEIR scifact folder whose qrels/ is a link to `qrels` (a folder kept elsewhere)."""
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells grow"}\n'
+           '{"_id": "d2", "title": "", "text": "rivers run"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    folder.joinpath("qrels").symlink_to(qrels, target_is_directory=True)
+    return folder
+
+
+def _reuse_finetune_task_data_subfolder_link_swapped(tmp, fix):
+    """The task folder's qrels/ is a link; pointed at other judgements, the finished zero-shot
+    cell must not be reused (the walk did not follow links: the qrels were never hashed)."""
+    for name, doc in (("qa", "d1"), ("qb", "d2")):
+        _write(tmp / name / "test.tsv", f"query-id\tcorpus-id\tscore\nq1\t{doc}\t1\n")
+    folder = _beir(tmp / "beir" / "scifact", tmp / "qa")
+    args = ["finetune", str(fix["teacher_dir"]), "--tasks", "scifact_zeroshot", "--data-dir",
+            str(tmp / "beir"), "--results", str(tmp / "res.jsonl"), "--max-len", "16"]
+    assert main(args) == 0
+    (folder / "qrels").unlink()
+    (folder / "qrels").symlink_to(tmp / "qb", target_is_directory=True)
+    return args, [tmp / "res.jsonl"], ("(task data: '", "pass --recompute")
+
+
+def _reuse_targets_dictionary_json_stripped_of_its_teacher(tmp, fix):
+    """The .json beside the atoms with the teacher's weights fingerprint deleted: the check
+    against the teacher then passed any teacher of the shape, though the atoms' own header
+    records it."""
+    weights = Path(shutil.copy(fix["dictionary_path"], tmp / "d.safetensors"))
+    meta = json.loads(fix["dictionary_path"].with_suffix(".json").read_text())
+    del meta["teacher_weights"]
+    _write(tmp / "d.json", json.dumps(meta))
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights, tmp / "d.json"],
+            ("are of different dictionaries", "teacher_weights"))
+
+
+def _other_teacher_of_this_shape(tmp: Path, fix: dict) -> Path:
+    """A copy of the fixture teacher with every weight nudged: same shape, another teacher."""
+    from safetensors.torch import load_file, save_file
+
+    teacher = _copy(fix["teacher_dir"], tmp / "teacher_b")
+    weights = load_file(teacher / "model.safetensors")
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
+              teacher / "model.safetensors", metadata={"format": "pt"})
+    return teacher
+
+
+def _reuse_pretrain_naive_dictionary_of_another_teacher(tmp, fix):
+    """`mlsm_naive` (the official code's recipe) checked d and layer only: a dictionary learned
+    on another teacher of the same shape trained on, where `mlsm` refuses in one line."""
+    extra = {"objective.name": "mlsm_naive", "objective.dictionary": str(fix["dictionary_path"]),
+             "objective.teacher": str(_other_teacher_of_this_shape(tmp, fix)), "train.steps": 1}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)], [tmp / "teacher_b"],
+            "learned on another teacher of this shape")
+
+
+# --------------------------------------------------------------------------- bounds (#52)
+# Every reader of a user file bounds what it holds before any work: a document, a whole JSON
+# file, a nesting depth, a grade. Each ran out of memory, hit Python's recursion limit or a C
+# extension's int before; now one line names the limit (`mlsm.limits`).
+
+
+def _squad(tmp: Path, dev: str) -> list[str]:
+    folder = tmp / "data" / "squad_v1.1"
+    _write(folder / "dev-v1.1.json", dev)
+    _write(folder / "train-v1.1.json", dev)
+    return ["finetune", "--tasks", "squad", "--data-dir", str(tmp / "data"), "--results",
+            str(tmp / "results.jsonl"), "--max-len", "32"]
+
+
+def _squad_article(context: str) -> str:
+    return json.dumps({"data": [{"title": "T", "paragraphs": [{"context": context, "qas": [
+        {"id": "q1", "question": "Where?", "answers": [{"text": "cat", "answer_start": 4}]}]}]}]})
+
+
+def _bounds_finetune_squad_context_beyond_the_document_bound(tmp, fix):
+    from mlsm.limits import MAX_DOC_BYTES
+
+    args = _squad(tmp, _squad_article("The cat " + "sat " * (MAX_DOC_BYTES // 4)))
+    return ([args[0], str(fix["teacher_dir"]), *args[1:]], [tmp / "data"],
+            ("a context of 'T' is", f"{MAX_DOC_BYTES:,}"))
+
+
+def _bounds_finetune_squad_file_nested_too_deep(tmp, fix):
+    args = _squad(tmp, '{"data": ' + "[" * 100_000)
+    return ([args[0], str(fix["teacher_dir"]), *args[1:]], [tmp / "data"],
+            "v1.1.json:1 is not JSON (nested deeper than the parser follows")
+
+
+def _beir_args(tmp: Path, fix: dict) -> list[str]:
+    return ["finetune", str(fix["teacher_dir"]), "--tasks", "scifact_zeroshot", "--data-dir",
+            str(tmp / "beir"), "--results", str(tmp / "results.jsonl"), "--max-len", "16"]
+
+
+def _bounds_finetune_beir_document_beyond_the_document_bound(tmp, fix):
+    from mlsm.limits import MAX_DOC_BYTES
+
+    folder = tmp / "beir" / "scifact"
+    long = json.dumps({"_id": "d2", "title": "", "text": "cells " * (MAX_DOC_BYTES // 6 + 1)})
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n' + long + "\n")
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    return _beir_args(tmp, fix), [folder], ("corpus.jsonl:2 is longer than", f"{MAX_DOC_BYTES:,}")
+
+
+def _bounds_finetune_qrels_grade_absurd(tmp, fix):
+    folder = tmp / "beir" / "scifact"
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1e30\n")
+    return _beir_args(tmp, fix), [folder], ("test.tsv:2: grade 1e+30 is beyond", "1,000")
+
+
+def _bounds_score_jsonl_line_nested_too_deep(tmp, fix):
+    # deep enough for the parser's recursion limit, short enough for the line's read bound
+    text = _write(tmp / "in.jsonl", '{"text": "a b"}\n{"text": ' + "[" * 1000 + "\n")
+    return (["score", str(fix["teacher_dir"]), str(text), "--out", str(tmp / "o.jsonl")], [text],
+            "in.jsonl:2 is not JSON (nested deeper")
+
+
+def _bounds_blimp_line_nested_too_deep(tmp, fix):
+    data = _blimp_dir(tmp, "[" * 100_000)
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(tmp / "b")],
+            [data], "nested deeper than the parser follows")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
-         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_"))}
+         if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
+                             "_bounds_"))}
 
 
 def test_every_class_is_tried_on_several_verbs() -> None:
-    for kind in ("content", "values", "consistency", "paths", "reuse"):
+    for kind in ("content", "values", "consistency", "paths", "reuse", "bounds"):
         verbs = {name.split("_")[1] for name in CASES if name.startswith(kind)}
         assert len(verbs) >= 3, (kind, verbs)
 

@@ -21,8 +21,8 @@ except ImportError:  # sentence-transformers < 6
     from sentence_transformers.evaluation import InformationRetrievalEvaluator
 
 from mlsm.artifacts.results_file import read_results  # noqa: E402
-from mlsm.evaluate.finetune.finetune import finetune  # noqa: E402
 from mlsm.evaluate.finetune.beir import read_beir  # noqa: E402
+from mlsm.evaluate.finetune.finetune import finetune  # noqa: E402
 from mlsm.integrations.sentence_transformers import write_modules  # noqa: E402
 from tests.test_retrieval import _beir, _model  # noqa: E402
 

@@ -220,3 +220,55 @@ def _same_update(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
     loose = diff > 1e-6 + 1e-5 * b.float().abs()
     assert int(loose.sum()) <= max(1, a.numel() // 1000), (key, int(loose.sum()), a.numel())
     assert float(diff.max()) <= 2 * LR, (key, float(diff.max()))
+
+
+def test_a_save_killed_over_an_earlier_one_is_refused_and_saving_again_repairs(
+        store_dir, teacher_dir, dictionary_path, tmp_path, monkeypatch) -> None:
+    """save_model() over an earlier save writes file by file: a kill between left new weights
+    beside the earlier checkpoint.json and heads, read as one checkpoint."""
+    from mlsm.artifacts.checkpoint import Checkpoint
+    from mlsm.errors import UserError
+    from mlsm.train import checkpoint as ckpt
+
+    cfg = _cfg(store_dir, tmp_path / "unused", OBJECTIVES["mlsm"](dictionary_path, teacher_dir))
+    trainer, _ = _trainer(cfg, tmp_path / "hf")
+    folder = tmp_path / "final"
+    trainer.save_model(str(folder))
+    assert Checkpoint.open(folder).step == 0
+    trainer.train()
+    real = ckpt.save_model_folder
+
+    def killed(module, tokenizer, where):  # noqa: ANN001
+        module.exported_model().save_pretrained(where, safe_serialization=True)
+        raise KeyboardInterrupt  # the weights written, the heads and checkpoint.json not
+
+    monkeypatch.setattr(ckpt, "save_model_folder", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_model(str(folder))
+    with pytest.raises(UserError, match="save it again") as info:
+        Checkpoint.open(folder)
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(ckpt, "save_model_folder", real)
+    trainer.save_model(str(folder))
+    assert Checkpoint.open(folder).step == 1
+
+
+def test_trainer_resume_refuses_a_dictionary_relearned_in_place(
+        store_dir, teacher_dir, dictionary_path, tmp_path) -> None:
+    """`mlsm pretrain --resume` refuses inputs rebuilt in place; `train(resume_from_checkpoint=)`
+    trained on, on other targets. Same record (checkpoint.json `inputs`), same check."""
+    import shutil
+
+    from mlsm.errors import UserError
+    from mlsm.teacher.dictionary import Dictionary, load_dictionary, save_dictionary
+
+    dictionary = Path(shutil.copy(dictionary_path, tmp_path / "d.safetensors"))
+    shutil.copy(dictionary_path.with_suffix(".json"), tmp_path / "d.json")
+    cfg = _cfg(store_dir, tmp_path / "unused", OBJECTIVES["mlsm"](dictionary, teacher_dir))
+    trainer, _ = _trainer(cfg, tmp_path / "hf", steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    old = load_dictionary(dictionary)
+    save_dictionary(Dictionary(old.atoms.flip(1).contiguous(), old.meta), dictionary)  # re-learned
+    again, _ = _trainer(cfg, tmp_path / "again", steps=2)
+    with pytest.raises(UserError, match=r"objective\.dictionary: .*rebuilt in place"):
+        again.train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-1"))

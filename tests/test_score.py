@@ -5,6 +5,7 @@ scorer."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import tracemalloc
@@ -194,10 +195,19 @@ def test_cli_writes_scores_summary_and_a_results_row(folder, tmp_path, capsys):
     assert summary["pppl"] == pytest.approx(
         math.exp(-sum(r["pll"] for r in rows) / sum(r["n_tokens"] for r in rows)))
     (row_a, row_b) = read_results(results)
-    assert (row_a["task"], row_a["metric"]) == ("pppl:s.txt", RESULT_METRIC)
+    task = "pppl:s.txt@" + hashlib.sha256(text.read_bytes()).hexdigest()[:12]
+    assert (row_a["task"], row_a["metric"]) == (task, RESULT_METRIC)
     assert row_a["value"] == pytest.approx(-math.log(summary["pppl"]))
     cmp = compare_runs(results)
-    assert cmp.columns == [("pppl:s.txt", RESULT_METRIC)] and cmp.n_pairs[0, 1] == 1
+    assert cmp.columns == [(task, RESULT_METRIC)] and cmp.n_pairs[0, 1] == 1
+    # another file of the same name is another task: its PPPL is never paired with s.txt's
+    other = tmp_path / "elsewhere" / "s.txt"
+    other.parent.mkdir()
+    other.write_text("\n".join(UNIQUE[3:6]) + "\n")
+    assert main(["score", str(folder), str(other), "--out", str(tmp_path / "o2.jsonl"),
+                 "--results", str(results), "--name", "c", "--variant", "within_word_l2r"]) == 0
+    cmp = compare_runs(results)
+    assert len(cmp.columns) == 2 and cmp.n_pairs[0, 2] == cmp.n_pairs[1, 2] == 0
     assert main(["score", str(folder), str(tmp_path / "missing.txt"), "--out",
                  str(tmp_path / "x.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err

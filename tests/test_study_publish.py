@@ -104,3 +104,41 @@ def test_publishing_again_replaces_the_earlier_copy_and_keeps_hidden_entries(
     assert (dest / ".git").is_dir()
     h1 = json.loads((dest / "summary.json").read_text())["hypotheses"][0]
     assert h1["n"] == 1 and h1["p"] is None
+
+
+def test_a_kill_while_publishing_keeps_the_earlier_copy_whole_and_a_rerun_repairs(
+        seeded, tmp_path, monkeypatch) -> None:
+    """A kill between the copies left a mix of the old and the new publication, without
+    report.md, which the rerun then refused as a folder not its own. The next publication is
+    built beside (hidden) and swapped in; a kill in the swap is repaired by the rerun."""
+    from mlsm.study import publish, report
+
+    spec = load_study(seeded)
+    dest = tmp_path / "published"
+    publish_report(spec, dest, log=lambda s: None)
+    earlier = _state(dest)
+
+    def killed(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "write_report", killed)  # dies after the evidence is copied
+    with pytest.raises(KeyboardInterrupt):
+        publish_report(spec, dest, log=lambda s: None)
+    assert {k: v for k, v in _state(dest).items() if not k.startswith(".")} == earlier
+    monkeypatch.undo()
+    real_rename, moved = Path.rename, []
+
+    def rename_then_die(self: Path, target: Path) -> Path:
+        if self.parent.name == publish.STAGING and moved:
+            raise KeyboardInterrupt  # the old entries gone, one of the new in
+        moved.append(self)
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        publish_report(spec, dest, log=lambda s: None)
+    monkeypatch.undo()
+    assert cli.main(["study", "report", str(seeded), "--to", str(dest)]) == 0  # repairs
+    assert (dest / "report.md").is_file() and not (dest / publish.SWAPPING).exists()
+    assert not (dest / publish.STAGING).exists()
+    assert set(_state(dest)) == set(earlier)

@@ -154,8 +154,10 @@ class TrainConfig:
     device: str = ranged("auto", (lambda v: bool(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v)),
                                   "auto, cpu, mps, cuda or cuda:N"))
     """cpu, cuda, cuda:N or auto."""
-    out: str = ranged("runs/run", (lambda v: bool(v) and not Path(v).is_file(),
-                                   "a folder (not empty, not an existing file)"))
+    out: str = ranged("runs/run", (lambda v: bool(v) and str(v).isprintable()
+                                   and not Path(v).is_file(),
+                                   "a folder (not empty, not an existing file, no line break or "
+                                   "other control character in its name)"))
     """Run directory: config.yaml, run.json, metrics.jsonl, checkpoints/."""
     readiness: list[float] = ranged([0.1, 0.25, 0.5, 1.0],
                                     (lambda v: all(0 < f <= 1 for f in v), "fractions in (0, 1]"))
@@ -315,6 +317,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise UserError(f"override {pair!r} conflicts with "
                                 f"{'.'.join(parents[: i + 1])}={node!r} given before")
+        if not text.isprintable():  # YAML folds "a\nb" into "a b": another path, silently
+            raise UserError(f"override {key}={ascii(text)[1:-1]}: the value holds a line break "
+                            "or another control character; a value is one line, and a path is "
+                            "taken literally: pass one without them")
         try:
             node[leaf] = yaml.safe_load(text) if text else ""
         except yaml.YAMLError as exc:

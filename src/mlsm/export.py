@@ -135,6 +135,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     if left_out:  # a pickle or a .py found in a checkpoint is not published
         print(f"mlsm: note: left out of the export: {', '.join(left_out)} (only the files an "
               "HF model folder needs are shipped)", file=sys.stderr)
+    _check_links(folder, [f for f in folder.iterdir() if shipped(f)])
+    _check_links(heads_from.folder, [heads_from.folder / n for n in ("heads.safetensors",
+                                                                     "heads.json")])
     with writing(out, EXPORT_KIND), building_dir(out, "export") as tmp:  # one writer
         for f in folder.iterdir():
             if shipped(f):
@@ -189,6 +192,17 @@ SHIPPED = {"config.json", "generation_config.json", "model.safetensors",
            "merges.txt", "spm.model", "sentencepiece.bpe.model", "tokenizer.model"}
 _OWN = {"training_state.pt", "checkpoint.json", "heads.safetensors", "heads.json"}  # mlsm's
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _check_links(folder: Path, files: list[Path]) -> None:
+    """Refuse a file to publish that is a link resolving outside its checkpoint folder (a
+    tokenizer.json linked to a file elsewhere would copy that file into the publication)."""
+    root = folder.resolve()
+    for path in files:
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise UserError(f"{path} is a link to {path.resolve()}, outside the checkpoint "
+                            f"folder {folder}; an export publishes only the checkpoint's own "
+                            "files: replace the link by a copy of the file, or remove it")
 
 
 def shipped(path: Path) -> bool:

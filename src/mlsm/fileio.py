@@ -13,6 +13,7 @@ import ctypes.util
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -66,12 +67,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Non
     fsync_path(path.parent)
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) report one
+
+
 def name_the_file(exc: BaseException, path: Path) -> BaseException:
     """An OSError from a write (disk full, EFBIG, EIO) names no file when it comes from a plain
     write(); give it the target's name, so the CLI reports it as the user's environment in one
-    line ("No space left on device: PATH") rather than as a bug."""
+    line ("No space left on device: PATH") rather than as a bug. A library that wraps the OS
+    error in its own type (safetensors' SafetensorError: "... (os error 28)") is read back as the
+    OSError it carries, so it meets the same edge."""
     if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
         return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
+    found = None if isinstance(exc, OSError) else _OS_ERROR.search(str(exc))
+    if isinstance(exc, Exception) and found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code), str(path))
     return exc
 
 

@@ -13,6 +13,7 @@ import difflib
 import errno
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,18 @@ def read_text(path: str | os.PathLike, what: str, fix: str) -> str:
         raise UserError(f"{what} {p} is not UTF-8 text (byte {exc.start}); {fix}") from None
 
 
+def loads(text: str | bytes) -> Any:
+    """json.loads, with input nested deeper than Python's parser can follow (`[[[[...` a
+    hundred thousand deep) raised as the JSONDecodeError every reader already turns into its one
+    line, not as a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else ""
+        raise json.JSONDecodeError(f"nested deeper than the parser follows (about "
+                                   f"{sys.getrecursionlimit()} levels)", doc, 0) from None
+
+
 def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict,
               fields: Mapping[str, str] | None = None) -> Any:
     """A JSON file whose top level is a `kind` (a mapping by default) and whose `fields` have the
@@ -50,7 +63,7 @@ def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict,
     p = Path(path)
     text = read_text(p, what, fix)
     try:
-        data = json.loads(text)
+        data = loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{what} {p} is torn or not JSON (line {exc.lineno}, column "
                         f"{exc.colno}: {exc.msg}); {fix}") from None

@@ -13,7 +13,16 @@ MAX_DOC_BYTES = 16 << 20
 """The longest document read from a corpus source, in bytes of UTF-8 (`prepare` /
 `train-tokenizer --max-doc-bytes`): a line of a .jsonl or text file, a text document without a
 blank line for that long past its unit, a record of an hf: dataset. A 200 MB line took 8.5 GB in
-the tokeniser."""
+the tokeniser. Evaluation data is held to it too, in characters: a line of a BEIR file (a
+document, a query), a SQuAD context or question."""
+
+MAX_JSON_FILE_BYTES = 1 << 30
+"""The largest JSON document read whole (a SQuAD train/dev file: the official ones are 30-40 MB),
+in bytes, checked before it is read (gzipped: as it is decompressed)."""
+
+MAX_QRELS_GRADE = 1_000
+"""The largest relevance grade (in absolute value) of a qrels line: BEIR's are 0-2, TREC's up to
+4; a grade of 1e30 reached pytrec_eval's C int and died in SystemError."""
 
 MAX_SENTENCE_CHARS = 20_000
 """The longest sentence PLL scores, in characters (`mlsm blimp --max-sentence-chars`), checked

@@ -34,6 +34,9 @@ from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
 
 COMPLETE = "checkpoint.json"
+SAVING = ".mlsm-saving"
+"""Present while a save writes into an existing folder file by file (`MLSMTrainer.save_model`):
+removed after its checkpoint.json, so a folder a kill left half old, half new is refused."""
 EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
 HF_LATENT_HEAD = "latent"  # the heads.json name an HF folder that is not ours is read under
 FACTS = ("latent_head", "pll_refusal")  # what a marker records for its readers
@@ -244,6 +247,10 @@ class Checkpoint:
     def at(cls, folder: str | os.PathLike) -> Checkpoint:
         """The facts of one folder (no spec resolution)."""
         folder = Path(folder)
+        if (folder / SAVING).exists():
+            raise UserError(f"{folder} was being saved when its writer stopped ({SAVING} is "
+                            "there): its files are of two saves; save it again "
+                            "(trainer.save_model(FOLDER)) or use another checkpoint")
         if (folder / COMPLETE).is_file():
             return cls._checkpoint(folder)
         if (folder / EXPORT_MARKER).is_file():

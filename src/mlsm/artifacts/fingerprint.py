@@ -8,40 +8,83 @@ changes it. A mismatch is one line saying which inputs or settings differ, with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
 
-HASH_WHOLE_BELOW = 64 << 20  # files up to this size are hashed whole
-EDGE_BYTES = 1 << 20  # larger files: their head and tail ...
-SAMPLES, SAMPLE_BYTES = 62, 64 << 10  # ... and this many blocks spread evenly in between
+CACHE_FROM = 64 << 20  # digests of files this large are kept on disk (smaller ones re-read)
+BLOCK = 1 << 20  # bytes read at a time
 # files that change without changing what a model folder computes: the optimizer's state, locks
 VOLATILE = ("training_state.pt", ".lock")
+_MEMO: dict[tuple[int, ...], str] = {}  # stat key -> digest, for this process
+# a file changed this recently is never cached: timestamps tick in jiffies (ms), so a rewrite
+# just after the hash could keep the same mtime and ctime ("racy git")
+RACY_NS = 2_000_000_000
 
+
+def stat_key(st: os.stat_result) -> tuple[int, ...]:
+    """What says a file is unchanged since it was hashed: device, inode, size, mtime and ctime
+    (ns). ctime cannot be set back by a user (`touch -d` sets mtime, and moves ctime), so a
+    rewrite that keeps size and mtime still changes the key."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def cache_dir() -> Path:
+    """Where digests of large files are kept between processes: $MLSM_CACHE_DIR/digests, else
+    $XDG_CACHE_HOME/mlsm/digests, else ~/.cache/mlsm/digests."""
+    root = os.environ.get("MLSM_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlsm"
+    return Path(root) / "digests"
+
+
+def _cache_file(key: tuple[int, ...]) -> Path:
+    return cache_dir() / hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+def _cached(key: tuple[int, ...]) -> str | None:
+    try:
+        text = _cache_file(key).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
+
+
+def _keep(key: tuple[int, ...], digest: str) -> None:
+    """Remember a large file's digest on disk. The cache only saves time: a full disk, a
+    read-only home or any other failure to write it leaves the command to go on unharmed."""
+    from mlsm.fileio import atomic_write_text
+
+    with contextlib.suppress(OSError):
+        atomic_write_text(_cache_file(key), digest + "\n")
 
 
 def content_digest(path: Path) -> str:
-    """sha256 of the file's bytes when it is small; else of its head, tail and evenly spread
-    sampled blocks (a fixed ~6 MiB whatever the size, so a 100 GB corpus costs no full read)."""
-    size = path.stat().st_size
+    """sha256 of every byte of the file (a link: of its target), never of a part. Kept per
+    process, and on disk for large files, under `stat_key`: a file is read again only when its
+    inode, size, mtime or ctime changed. A file that changed while it was read is not kept."""
+    key = stat_key(os.stat(path))
+    found = _MEMO.get(key) or (_cached(key) if key[2] >= CACHE_FROM else None)
+    if found:
+        _MEMO[key] = found
+        return found
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        if size <= HASH_WHOLE_BELOW:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-            return h.hexdigest()
-        step = (size - 2 * EDGE_BYTES - SAMPLE_BYTES) // (SAMPLES + 1)
-        spans = [(0, EDGE_BYTES), (size - EDGE_BYTES, EDGE_BYTES)]
-        spans += [(EDGE_BYTES + (i + 1) * step, SAMPLE_BYTES) for i in range(SAMPLES)]
-        for offset, length in spans:
-            fh.seek(offset)
-            h.update(fh.read(length))
-    return "sampled:" + h.hexdigest()
+        for block in iter(lambda: fh.read(BLOCK), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    settled = time.time_ns() - max(key[3], key[4]) > RACY_NS
+    if settled and stat_key(os.stat(path)) == key:
+        _MEMO[key] = digest
+        if key[2] >= CACHE_FROM:
+            _keep(key, digest)
+    return digest
 
 
 def settings_fingerprint(settings: Any) -> str:
@@ -52,11 +95,33 @@ def settings_fingerprint(settings: Any) -> str:
 
 
 def _files(folder: Path) -> Iterable[Path]:
-    """The regular files directly in `folder` that decide what it computes, by name."""
+    """The regular files directly in `folder` that decide what it computes, by name (a link is
+    followed: its target's bytes are what a reader gets)."""
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         if entry.is_file() and not entry.name.startswith(".") and \
                 not entry.name.endswith(VOLATILE):
             yield Path(entry.path)
+
+
+def tree_files(folder: str | os.PathLike) -> dict[str, Path]:
+    """relative name -> path of every file below `folder` (hidden ones left out), following
+    links to folders as a reader of the tree does, so a swapped link is another content; a link
+    back to a folder already walked (a loop) is walked once."""
+    out: dict[str, Path] = {}
+    seen: set[str] = set()
+    root = Path(folder)
+    for here, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            path = Path(here, name)
+            if path.is_file():
+                out[path.relative_to(root).as_posix()] = path
+    return out
 
 
 def folder_fingerprint(folder: str | os.PathLike) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from mlsm.artifacts.outputs import article
 from mlsm.errors import UserError
 from mlsm.fileio import name_the_file
+from mlsm.inputs import loads
 
 try:
     import fcntl
@@ -60,7 +61,7 @@ def read_jsonl(path: str | os.PathLike, what: str, fix: str,
         if not line.strip():
             continue
         try:
-            found.rows.append((number, json.loads(line)))
+            found.rows.append((number, loads(line)))
         except json.JSONDecodeError as exc:
             if is_torn(line, exc):
                 found.torn.append(number)

@@ -333,7 +333,8 @@ def add_rank(sub: argparse._SubParsersAction) -> Callable:
                    help="energy fraction (Meng et al. Def. 2.1)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--max-sentences", type=positive_int, default=None, help="use the first N lines")
-    p.add_argument("--max-length", type=positive_int, default=128, help="truncate longer sentences")
+    p.add_argument("--max-length", type=positive_int, default=None,
+                   help="truncate longer sentences (default: the model's positions, at most 128)")
     p.add_argument("--center", action="store_true", help="subtract the mean representation")
     p.add_argument("--device", default=None, type=device)
     return _rank

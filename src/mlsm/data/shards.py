@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 
 from mlsm.errors import UserError
 from mlsm.hf import first_line
+from mlsm.inputs import loads
 
 # (kind, file label for messages, number of the first line, payload):
 #   kind "text": whole raw lines of a blank-line separated text file (bytes)
@@ -91,7 +92,7 @@ def _jsonl_texts(unit: Unit, text_field: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = loads(line)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise UserError(f"{label}:{lineno} is not valid JSON ({first_line(exc)}); "
                             "fix the line or use a .txt file") from None
@@ -387,7 +388,7 @@ def _worker_main(conn: Any, tokenizer_json: str, text_field: str, dtype: str,
                 raise failed
             data = Path(payload).read_bytes()
             os.unlink(payload)
-            body = json.loads(data) if kind == "docs" else data
+            body = loads(data) if kind == "docs" else data
             ids, lengths = tokenise_unit((kind, label, line, body))
             ids.tofile(part)
             conn.send((seq, len(ids), lengths))

@@ -43,7 +43,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
-from mlsm.artifacts.checkpoint import write_marker
+from mlsm.artifacts.checkpoint import COMPLETE, SAVING, Checkpoint, write_marker
+from mlsm.artifacts.rundir import RunDir
 from mlsm.config import (
     DataConfig,
     ModelConfig,
@@ -54,6 +55,7 @@ from mlsm.config import (
 from mlsm.data.batches import Batch, BatchSource, Masker
 from mlsm.data.corpus import TokenStore, require_mask_token
 from mlsm.errors import UserError
+from mlsm.fileio import atomic_write_text, fsync_path
 from mlsm.models.backbone import Student
 from mlsm.objectives import (
     Context,
@@ -225,6 +227,7 @@ class MLSMTrainer(Trainer):
         super().__init__(model=module, args=args, data_collator=collator,
                          train_dataset=train_dataset, processing_class=processing_class,
                          **kwargs)
+        self._inputs = self._input_fingerprints()  # recorded by every save (the resume check)
         self.loss_is_scaled_for_ga = True  # each loss sum is divided by the global count
         self._metric_sums: dict[str, torch.Tensor] = {}  # objective metrics since the last log
         self._flops_per_row: dict[int, float | None] = {}
@@ -336,13 +339,33 @@ class MLSMTrainer(Trainer):
             return
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        info = self.checkpoint_info()
+        # a save over an earlier one writes file by file: marked until its checkpoint.json is
+        # in, so a kill between leaves a folder readers refuse, not a mix they trust
+        atomic_write_text(folder / SAVING, "a save is writing this folder\n")
+        for stale in (COMPLETE, "heads.safetensors", "heads.json"):  # an earlier save's
+            (folder / stale).unlink(missing_ok=True)
         module = self.accelerator.unwrap_model(self.model)
         ckpt.save_model_folder(module, self.processing_class, folder)
         torch.save(self.args, folder / "training_args.bin")
-        write_marker(folder, self.checkpoint_info())
+        write_marker(folder, info)
+        (folder / SAVING).unlink()
+        fsync_path(folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        ckpt.load_weights(Path(resume_from_checkpoint), self.accelerator.unwrap_model(self.model))
+        """The weights of `resume_from_checkpoint`, after `mlsm pretrain --resume`'s inputs
+        check: its recorded input fingerprints must equal the inputs' now (a dictionary, store
+        or teacher rebuilt in place since is refused in one line)."""
+        folder = Path(resume_from_checkpoint)
+        info = Checkpoint.at(folder).info
+        RunDir(folder).check_inputs(self._input_fingerprints(), (folder, info))
+        ckpt.load_weights(folder, self.accelerator.unwrap_model(self.model))
+
+    def _input_fingerprints(self) -> dict[str, str]:
+        """What the training reads, by content (`mlsm.train.loop.input_fingerprints`)."""
+        from mlsm.train.loop import input_fingerprints
+
+        return input_fingerprints(RunConfig(data=self.data, objective=self.objective_config))
 
     def run_config(self) -> RunConfig:
         """This training as an mlsm run configuration (masking, objective, AdamW settings, the
@@ -376,8 +399,8 @@ class MLSMTrainer(Trainer):
         scheduler = args.lr_scheduler_type  # an Enum: its value ("linear")
         # with the facts readers need (latent head, PLL refusal), as mlsm's own loop writes them
         return ckpt.with_facts({
-            "step": step, "readiness": step / cfg.train.steps, "objective": cfg.objective.name,
-            "run": str(args.output_dir),
+            "inputs": self._inputs, "step": step, "readiness": step / cfg.train.steps,
+            "objective": cfg.objective.name, "run": str(args.output_dir),
             "tokens": step * cfg.train.batch_size * cfg.data.max_len,
             "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
             "base_model": start, "lr_scheduler": str(getattr(scheduler, "value", scheduler)),

@@ -31,7 +31,7 @@ from mlsm.objectives.base import Context, Objective, ObjectiveOutput
 from mlsm.objectives.kd import has_mlm_head
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.sparse_coding import fista
-from mlsm.teacher.teacher import default_teacher_path
+from mlsm.teacher.teacher import default_teacher_path, load_teacher
 
 
 @dataclass
@@ -85,15 +85,9 @@ class MLSMNaive(Objective):
         if not 0 <= self.layer <= n_layers:
             raise UserError(f"teacher layer {self.layer} does not exist: the teacher has layers "
                             f"0..{n_layers}; set objective.layer")
-        if self.dictionary.d != model.config.hidden_size:
-            raise UserError(f"the dictionary has d={self.dictionary.d} but the teacher's hidden "
-                            f"size is {model.config.hidden_size}; learn a dictionary with this "
-                            "teacher")
-        dict_layer = self.dictionary.meta.get("layer")
-        if dict_layer is not None and int(dict_layer) != self.layer:
-            raise UserError(f"the dictionary was learned on layer {dict_layer} but "
-                            f"objective.layer={self.layer}; use layer={dict_layer} or learn a "
-                            "new dictionary")
+        # the checks of every other latent objective (d, layer, init, the teacher's weights):
+        # the truncated Teacher is loaded once more for them, then dropped
+        self.dictionary.check_teacher(load_teacher(cfg.teacher or None, self.layer))
         self._teacher = (model.to(ctx.device),)  # a tuple: frozen, not a submodule of the objective
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)

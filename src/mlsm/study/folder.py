@@ -27,7 +27,7 @@ from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import read_json, read_yaml
+from mlsm.inputs import loads, read_json, read_yaml
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label
@@ -344,7 +344,7 @@ def _cpu_now() -> tuple[float, float]:
 def _model_arm(line: str) -> str | None:
     """The arm of a results.jsonl row's model (ARM@READINESS), None for a line that is not one."""
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError:
         return None
     model = row.get("model") if isinstance(row, dict) else None

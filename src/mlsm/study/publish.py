@@ -11,14 +11,18 @@ nothing in the study folder, so it needs no lock on it and can run beside the st
   preregistration.json, and of every run its metrics.jsonl (metrics/ARM.jsonl) and probe records
   (probes/ARM@P%.json, the % written as "pct").
 
-Everything it copies is written whole (atomic replace) or appended row by row under a lock by the
-study, so a copy taken while the study runs is the study at some moment, never a torn file
-(a row torn by a killed writer is skipped by every reader). The model checkpoints, token store
-and target store stay where they are: they are gigabytes, and the report does not read them.
+The publication lands whole: it is built in DIR/.mlsm-publish-staging and then renamed over
+the earlier one under a marker (`_swap_in`), so a kill leaves the earlier publication, or a
+folder the rerun recognises and repairs. Everything it copies is written whole (atomic
+replace) or appended row by row under a lock by the study, so a copy taken while the study
+runs is the study at some moment, never a torn file (a row torn by a killed writer is skipped
+by every reader). The model checkpoints, token store and target store stay where they are:
+they are gigabytes, and the report does not read them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -27,7 +31,7 @@ from pathlib import Path
 from mlsm.artifacts.outputs import report_kind, writing
 from mlsm.artifacts.probe_record import has_probe_record, record_path
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write
+from mlsm.fileio import atomic_write, fsync_path
 from mlsm.inputs import real_path
 from mlsm.study.folder import REPORT_OUTPUTS, Study
 from mlsm.study.hypotheses import RECORD
@@ -35,9 +39,14 @@ from mlsm.study.reuse import stale_finetuning
 from mlsm.study.spec import StudySpec, readiness_label
 
 _COPIED = ("blimp", "readouts", "metrics", "probes", "results.jsonl", "stages.jsonl", RECORD)
-KIND = report_kind("published study report", {*REPORT_OUTPUTS, *_COPIED}.__contains__,
-                   {"report.md": "# Study `"})
-"""What DIR may hold: the report's files and the copied evidence (a user's .git is left alone)."""
+STAGING = ".mlsm-publish-staging"  # the next publication, built whole inside DIR (hidden)
+SWAPPING = ".mlsm-publish-swapping"  # present while the old entries are swapped for the new
+_HEADED = report_kind("published study report", {*REPORT_OUTPUTS, *_COPIED}.__contains__,
+                      {"report.md": "# Study `"})
+KIND = dataclasses.replace(_HEADED, ours=lambda folder: (folder / SWAPPING).exists()
+                           or bool(_HEADED.ours and _HEADED.ours(folder)))
+"""What DIR may hold: the report's files and the copied evidence (a user's .git is left alone);
+a folder a kill left half swapped (its SWAPPING marker) is ours too, so a rerun repairs it."""
 
 
 def evidence(study: Study) -> Iterator[tuple[Path, str]]:
@@ -84,12 +93,30 @@ def publish_report(spec: StudySpec, dest: str | os.PathLike,
 
     with writing(dest, KIND, flag="--to"):
         dest.mkdir(parents=True, exist_ok=True)
-        _clear(dest)  # an earlier copy's rows or plots the study no longer has must not stay
+        stage = dest / STAGING
+        shutil.rmtree(stage, ignore_errors=True)  # what a killed publication left
+        stage.mkdir()
         for source, name in evidence(study):
-            target = dest / name
+            target = stage / name
             target.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
-        return write_report(study, dest)
+        write_report(study, stage)
+        _swap_in(stage, dest)
+        return dest / "report.md"
+
+
+def _swap_in(stage: Path, dest: Path) -> None:
+    """Replace the earlier publication in `dest` by the finished one in `stage`. Only renames
+    (fast), under the SWAPPING marker: after a kill here, the marker makes the half-swapped
+    folder recognisably ours and the rerun publishes it whole again."""
+    atomic_write(dest / SWAPPING, lambda tmp: Path(tmp).write_text("publishing\n"))
+    _clear(dest)  # an earlier copy's rows or plots the study no longer has must not stay
+    for entry in sorted(stage.iterdir(), key=lambda e: e.name == "report.md"):  # it last
+        entry.rename(dest / entry.name)
+    stage.rmdir()
+    fsync_path(dest)
+    (dest / SWAPPING).unlink()
+    fsync_path(dest)
 
 
 def _clear(dest: Path) -> None:

@@ -17,7 +17,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint, settings_fingerprint
+from mlsm.artifacts.fingerprint import (
+    content_digest,
+    folder_fingerprint,
+    settings_fingerprint,
+    stat_key,
+)
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
@@ -30,9 +35,10 @@ hashed once per process, and again only when a file in it changed."""
 
 
 def _stat_key(path: Path) -> tuple:
+    """The folder's (or file's) files by name and `stat_key` (inode, size, mtime, ctime): a
+    rewrite in place that keeps size and mtime is still another key."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                                  for f in files if f.is_file()))
+    return (str(path.resolve()), *((f.name, stat_key(f.stat())) for f in files if f.is_file()))
 
 
 def checkpoint_fingerprint(folder: Path) -> str | None:

@@ -176,6 +176,7 @@ def _learn(store: Any, teacher: Teacher, c: DictionaryConfig,
            out: str | Path | None) -> Dictionary:
     X = collect_vectors(teacher, store, c.n_vectors, max_len=c.max_len, seed=c.seed,
                         sampling=c.sampling).to(teacher.device)
+    _check_distinct(X, c.k)
     start = time.perf_counter()
     D = learn_atoms(X, c.k, c.lam, n_iter=c.n_iter, batch_size=c.batch_size, forget=c.forget,
                     seed=c.seed)
@@ -187,6 +188,20 @@ def _learn(store: Any, teacher: Teacher, c: DictionaryConfig,
                  seed=c.seed, seconds=seconds, objective=dictionary_objective(sample, D, c.lam),
                  n_eval=sample.shape[0], sampling=c.sampling, atoms="learned")
     return _result(Dictionary(D.cpu(), meta), out)
+
+
+def _check_distinct(X: torch.Tensor, k: int) -> None:
+    """Refuse k atoms learned on fewer distinct states than k (a store of 5 tokens gives the same
+    few states again and again: the atoms past them are resampled duplicates, not a dictionary).
+    Rows are told apart by a random projection (identical rows always collide, others almost
+    never), which costs one matrix-vector product, not a sort of the whole matrix."""
+    direction = torch.randn(X.shape[1], dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(0)).to(X.device)
+    distinct = int(torch.unique(X.double() @ direction).numel())
+    if distinct < k:
+        raise UserError(f"the teacher states collected hold only {distinct:,} distinct vectors, "
+                        f"fewer than the {k:,} atoms to learn (--k): the store is too small; "
+                        "prepare a larger store or lower --k")
 
 
 def _random(store: Any, teacher: Teacher, c: DictionaryConfig,
@@ -310,8 +325,9 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
                         f"dictionaries; {fix}")
     # the weights carry the meta they were written with: a value of the .json that differs
     # from it, or an atoms digest the .json lacks (a .json of an older write), is another write;
-    # a key removed by hand is not (its reader says what is missing)
-    keys = (set(meta) & set(embedded)) | ({"atoms_sha256"} & set(embedded))
+    # another key removed by hand is not (its reader says what is missing), but the teacher's
+    # identity is: a .json stripped of it would pass the teacher check of any teacher
+    keys = (set(meta) & set(embedded)) | ({"atoms_sha256", *IDENTITY} & set(embedded))
     differ = sorted(key for key in keys if meta.get(key) != embedded.get(key))
     if differ:  # a write killed between the two files, or two writers: not one dictionary
         raise UserError(f"dictionary {weights} and its meta {meta_path.name} are of different "
@@ -321,6 +337,10 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
     if not bool(atoms.any()):  # every sparse code against it would be zero
         raise UserError(f"dictionary {weights} has only zero atoms; {fix}")
     return Dictionary(atoms, meta)
+
+
+IDENTITY = ("teacher", "layer", "teacher_init", "teacher_seed", "teacher_weights")
+"""The meta keys that say which teacher a dictionary belongs to (`Teacher.identity`)."""
 
 
 def dictionary_meta(path: str | Path) -> dict[str, Any]:

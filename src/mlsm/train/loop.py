@@ -309,8 +309,10 @@ def input_fingerprints(cfg: RunConfig) -> dict[str, str]:
     (`meta.json` fingerprint and size), the dictionary's atoms (`dictionary_hash`) and the files
     of the target store, teacher, probed checkpoint and initial weights. Equal after a copy or a
     move; different after a rebuild with other content."""
-    store = TokenStore.open(cfg.data.store)
-    found = {"data.store": f"{store.meta.get('fingerprint')}/{store.n_tokens}"}
+    found = {}
+    if cfg.data.store:  # a Trainer fed by a dataset of its own reads no store
+        store = TokenStore.open(cfg.data.store)
+        found["data.store"] = f"{store.meta.get('fingerprint')}/{store.n_tokens}"
     dictionary = getattr(cfg.objective, "dictionary", None)
     if isinstance(dictionary, str) and dictionary:
         from mlsm.teacher.dictionary import load_dictionary

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
+from mlsm.inputs import loads
+from mlsm.limits import MAX_DOC_BYTES, MAX_QRELS_GRADE
 
 Qrels = dict[str, dict[str, int]]  # query id -> {document id: relevance grade}
 
@@ -37,12 +39,19 @@ class BeirSplit:
 
 
 def _open_text(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 text file, gzipped or not; one line on an unreadable file."""
+    """(line number, line) of a UTF-8 text file, gzipped or not; one line on an unreadable file
+    or on a line longer than MAX_DOC_BYTES characters (read that far only, never held whole: a
+    200 MB document ran the process out of memory)."""
     opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
     number = 0
     try:
         with opener(path, "rt", encoding="utf-8", newline="") as f:
-            for number, line in enumerate(f, 1):  # noqa: B007 (number is read in the except)
+            while line := f.readline(MAX_DOC_BYTES + 1):
+                number += 1
+                if len(line) > MAX_DOC_BYTES:
+                    raise UserError(f"{path}:{number} is longer than {MAX_DOC_BYTES:,} "
+                                    "characters, the bound of a document or query "
+                                    "(mlsm.limits.MAX_DOC_BYTES); split or cut that line")
                 yield number, line.rstrip("\r\n")
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:
         raise UserError(f"{path}:{number + 1} cannot be read as UTF-8 text "
@@ -63,7 +72,7 @@ def _json_rows(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, dict[
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{number} is not JSON ({exc.msg}); each line must be one "
                             f"JSON object with {', '.join(fields)}") from None
@@ -128,6 +137,9 @@ def check_qrels(rows: Iterable[tuple[int, str, str, int]], where: str, docs: set
         if did not in docs:
             raise UserError(f"{where}:{number}: corpus-id {did!r} is not in {names[0]}; fix the "
                             f"id, or add that document to {names[0]}")
+        if abs(grade) > MAX_QRELS_GRADE:  # 1e30 died in pytrec_eval's C int (SystemError)
+            raise UserError(f"{where}:{number}: grade {grade:.3g} is beyond +-{MAX_QRELS_GRADE:,}"
+                            " (mlsm.limits.MAX_QRELS_GRADE; BEIR grades are 0-2); fix that line")
         qrels.setdefault(qid, {})[did] = grade
     if not any(g > 0 for judged in qrels.values() for g in judged.values()):
         raise UserError(f"{where}: no line with a score above 0 (no relevant document); a qrels "

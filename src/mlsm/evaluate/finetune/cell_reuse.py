@@ -5,7 +5,8 @@ pairs on. Its rows record a fingerprint of everything else that decides its scor
 
 - ``model``: the model folder's content (`folder_fingerprint`: each file's name and bytes), so
   another model under the same name, or a folder retrained in place, is not the stored one;
-- ``data``: the task folder's files (`content_digest` of each, recursively); tasks read from HF
+- ``data``: the task folder's files (`content_digest` of each, recursively, links to files
+  and folders followed); tasks read from HF
   ``datasets`` are named, not hashed;
 - ``settings``: every `FinetuneConfig` setting marked ``decides`` that the task reads (also
   written beside it in clear, so a refusal can name them).
@@ -19,7 +20,6 @@ and its fresh rows (``supersedes``: the old fingerprint) are appended after the 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ from mlsm.artifacts.fingerprint import (
     folder_fingerprint,
     require_same,
     settings_fingerprint,
+    tree_files,
 )
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune.tasks import TaskSpec, task_folder
@@ -50,14 +51,8 @@ def data_fingerprint(spec: TaskSpec, data_dir: str | Path | None) -> str:
     ``hf:<task>`` for HF datasets, which are named, not hashed."""
     if not data_dir:
         return f"hf:{spec.name}"
-    folder = task_folder(spec, data_dir)
-    files = {}
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(n for n in names if not n.startswith(".")):
-            path = Path(root, name)
-            files[path.relative_to(folder).as_posix()] = content_digest(path)
-    return settings_fingerprint(files)
+    files = tree_files(task_folder(spec, data_dir))  # links followed: their targets' bytes
+    return settings_fingerprint({name: content_digest(path) for name, path in files.items()})
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
+from mlsm.inputs import loads
+from mlsm.limits import MAX_DOC_BYTES, MAX_JSON_FILE_BYTES
 
 # The CPU-scale protocol (docs/finetune.md, "Extractive QA"): with only a dev file, an article
 # goes to the evaluation part when the hash of its title falls below this fraction, else to the
@@ -72,10 +74,19 @@ def check_answer(ex: QAExample, where: Callable[[], str]) -> None:
 
 
 def _read_raw(path: Path) -> str:
+    """The whole file, at most MAX_JSON_FILE_BYTES (checked before it is read; gzipped: as it
+    is decompressed, so a small .gz of gigabytes stops at the bound)."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return f.read()
+        with opener(path, "rb") as f:
+            data = f.read(MAX_JSON_FILE_BYTES + 1) if path.suffix == ".gz" or \
+                path.stat().st_size <= MAX_JSON_FILE_BYTES else b"x" * (MAX_JSON_FILE_BYTES + 1)
+        if len(data) > MAX_JSON_FILE_BYTES:
+            raise UserError(f"{path} is larger than {MAX_JSON_FILE_BYTES:,} bytes (the bound of "
+                            "a JSON file read whole, mlsm.limits.MAX_JSON_FILE_BYTES); an "
+                            "official SQuAD file is 30-40 MB: split it, or point --data-dir at "
+                            "the official files")
+        return data.decode("utf-8")
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:
         raise UserError(f"{path} is not a SQuAD JSON file ({' '.join(str(exc).split())}); "
                         "point --data-dir at the official train/dev JSON files") from None
@@ -93,6 +104,16 @@ def _field(obj: Any, key: str, kind: type, path: Path, at: str) -> Any:
     return value
 
 
+def _bounded(text: str, path: Path, what: str) -> str:
+    """`text` when it is at most MAX_DOC_BYTES characters (a 20 MB context ran the tokeniser's
+    windows out of memory), else one line with the limit."""
+    if len(text) > MAX_DOC_BYTES:
+        raise UserError(f"{path}: {what} is {len(text):,} characters, more than the "
+                        f"{MAX_DOC_BYTES:,} a document may hold (mlsm.limits.MAX_DOC_BYTES); "
+                        "split it into paragraphs of their own")
+    return text
+
+
 def _question(qa: Any, title: str, context: str, path: Path, raw: str) -> QAExample:
     qid = _field(qa, "id", str, path, f"a question of {title!r}: ")
     answers = []
@@ -103,7 +124,9 @@ def _question(qa: Any, title: str, context: str, path: Path, raw: str) -> QAExam
         raise UserError(f"{_where(path, raw, qid)}: question {qid} is_impossible but has "
                         "answers; an unanswerable question has \"answers\": [] (spans go in "
                         "plausible_answers)")
-    ex = QAExample(qid, title, _field(qa, "question", str, path, f"question {qid}: "), context,
+    question = _bounded(_field(qa, "question", str, path, f"question {qid}: "), path,
+                        f"question {qid}")
+    ex = QAExample(qid, title, question, context,
                    tuple(answers))
     check_answer(ex, lambda: _where(path, raw, qid))
     return ex
@@ -114,7 +137,7 @@ def read_squad_json(path: str | Path) -> list[QAExample]:
     path = Path(path)
     raw = _read_raw(path)
     try:
-        doc = json.loads(raw)
+        doc = loads(raw)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno} is not JSON ({exc.msg}, column {exc.colno}); "
                         "point --data-dir at the official SQuAD JSON files") from None
@@ -122,7 +145,8 @@ def read_squad_json(path: str | Path) -> list[QAExample]:
     for article in _field(doc, "data", list, path, ""):
         title = str(_field(article, "title", str, path, "an article: "))
         for para in _field(article, "paragraphs", list, path, f"article {title!r}: "):
-            context = _field(para, "context", str, path, f"a paragraph of {title!r}: ")
+            context = _bounded(_field(para, "context", str, path, f"a paragraph of {title!r}: "),
+                               path, f"a context of {title!r}")
             qas = _field(para, "qas", list, path, f"a paragraph of {title!r}: ")
             out.extend(_question(qa, title, context, path, raw) for qa in qas)
     seen: set[str] = set()

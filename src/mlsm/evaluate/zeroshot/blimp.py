@@ -38,6 +38,7 @@ from mlsm.evaluate.zeroshot.pll import score_pll
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
+from mlsm.inputs import loads
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -86,7 +87,7 @@ def _read_file(path: Path) -> list[BlimpPair]:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                row = loads(line)
                 if (not isinstance(row, dict) or not isinstance(row.get("sentence_good"), str)
                         or not isinstance(row.get("sentence_bad"), str)):
                     raise UserError(

@@ -145,7 +145,10 @@ def _encode(
     """Tokenise with special tokens; return distinct items and, per sentence, its item index."""
     if variant == "within_word_l2r" and not getattr(tokenizer, "is_fast", False):
         raise UserError("variant within_word_l2r needs word boundaries: load a fast tokenizer")
-    enc = tokenizer(list(sentences), add_special_tokens=True, return_special_tokens_mask=True)
+    # verbose=False: the length check below is the one line; transformers' own warning about
+    # a sequence longer than the model is noise before it
+    enc = tokenizer(list(sentences), add_special_tokens=True, return_special_tokens_mask=True,
+                    verbose=False)
     items: list[_Item] = []
     seen: dict[tuple, int] = {}
     which: list[int] = []

@@ -201,14 +201,16 @@ def layerwise_effective_rank(
     tau: float = 0.9,
     center: bool = False,
     batch_size: int = 32,
-    max_length: int = 128,
+    max_length: int | None = None,
     device: str | torch.device | None = None,
 ) -> RankTable:
     """rank_tau per layer of token representations, unmasked and with `mask_rate` [MASK] (Fig. 1).
 
     model: any HF encoder (AutoModel or a *ForMaskedLM; hidden states via output_hidden_states).
-    Sentences longer than max_length tokens are truncated. Masked positions are drawn from a
-    generator seeded with `seed`, sentence by sentence, so they do not depend on batch_size.
+    Sentences longer than max_length tokens are truncated (None: the model's positions, at most
+    DEFAULT_MAX_LENGTH; more than the model's positions is refused in one line). Masked
+    positions are drawn from a generator seeded with `seed`, sentence by sentence, so they do
+    not depend on batch_size.
     """
     if not sentences:
         raise UserError("no sentences to compute effective rank on: pass a non-empty text file")
@@ -217,6 +219,7 @@ def layerwise_effective_rank(
     if mask_rate > 0 and getattr(tokenizer, "mask_token_id", None) is None:
         raise UserError("the tokenizer has no [MASK] token: use mask_rate=0 or a "
                         "masked-LM tokenizer")
+    max_length = _max_length(model, tokenizer, max_length)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -234,6 +237,23 @@ def layerwise_effective_rank(
         counts={c: acc.count[c] for c in conds}, center=center,
         meta={"n_sentences": len(sentences), "seed": seed, "max_length": max_length},
     )
+
+
+DEFAULT_MAX_LENGTH = 128  # tokens with the special ones, where the model takes as many
+
+
+def _max_length(model: Any, tokenizer: Any, asked: int | None) -> int:
+    """The truncation length: `asked`, refused beyond the model's positions (a longer sentence
+    indexed past its position embeddings: a traceback); None: as many as it takes, <= 128."""
+    from mlsm.evaluate.zeroshot.pll import _model_max_len
+
+    limit = _model_max_len(tokenizer, model)
+    if asked is None:
+        return DEFAULT_MAX_LENGTH if limit is None else min(DEFAULT_MAX_LENGTH, limit)
+    if limit is not None and asked > limit:
+        raise UserError(f"--max-length {asked} is more than the model's {limit} positions; "
+                        f"pass --max-length {limit} or less (longer sentences are cut there)")
+    return asked
 
 
 def load_encoder(path: str, device: str | torch.device | None = None) -> tuple[Any, Any]:

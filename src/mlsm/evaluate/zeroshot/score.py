@@ -24,6 +24,7 @@ warning line counts them.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
 import sys
@@ -36,10 +37,12 @@ from typing import Any, TextIO
 from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.pll import VARIANTS, score_token_ids
 from mlsm.fileio import atomic_write, atomic_write_json
+from mlsm.inputs import loads
 
 CHARS_PER_TOKEN = 32  # a line is read at most max_tokens × this many characters (memory bound)
 READ_CHARS = 1 << 20  # the skipped tail of an over-long line is read this much at a time
-TASK_PREFIX = "pppl:"  # results rows of `--results`: task "pppl:<input name>"
+TASK_PREFIX = "pppl:"  # results rows of `--results`: task "pppl:<input name>@<content digest>"
+TASK_DIGEST = 12  # hex digits of the input's content digest in the task name
 RESULT_METRIC = "neg_log_pppl"  # −log PPPL = Σ PLL / N: higher is better, as compare assumes
 
 
@@ -128,7 +131,7 @@ def _json_text(path: Path, number: int, line: str, cut: bool, text_field: str) -
         raise UserError(f"{path}:{number} is a JSON line longer than the read bound; raise "
                         "--max-tokens or split that record")
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{number} is not JSON ({exc.msg}); one JSON object per line, "
                         f"the sentence in field {text_field!r}") from None
@@ -239,7 +242,8 @@ def score_corpus(model: Any, tokenizer: Any, source: str | Path, *, variant: str
              "truncated": s.truncated} for s, t in zip(seqs, terms, strict=True)]
     plls, counts = [r["pll"] for r in rows], [r["n_tokens"] for r in rows]
     value = pppl(plls, counts)
-    summary = {"input": str(source), "variant": variant, "max_tokens": cap,
+    summary = {"input": str(source), "input_sha256": input_digest(source), "variant": variant,
+               "max_tokens": cap,
                "n_sentences": len(rows), "n_tokens": sum(counts),
                "n_truncated": sum(r["truncated"] for r in rows), "pppl": value,
                "neg_log_pppl": -math.log(value), "mean_pll": math.fsum(plls) / len(rows),
@@ -258,23 +262,55 @@ def summary_path(out: str | Path) -> Path:
 
 
 def write_scores(result: ScoreResult, out: str | Path) -> dict[str, Path]:
-    """The rows as JSON lines at `out`, then the summary beside it; each written atomically."""
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in result.rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-    atomic_write(out, write)
-    atomic_write_json(summary_path(out), result.summary)
+    """The rows as JSON lines at `out`, then the summary beside it, as one unit: the summary is
+    the manifest, written last, and records the rows' sha256 (`rows_sha256`). The old summary is
+    removed before the rows are replaced, so after a kill at any point there is either no
+    summary or one that matches the rows (`read_scores` requires it); a rerun repairs."""
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in result.rows)
+    summary = {**result.summary, "rows_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    summary_path(out).unlink(missing_ok=True)
+    atomic_write(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    atomic_write_json(summary_path(out), summary)
     return {"scores": Path(out), "summary": summary_path(out)}
 
 
+def read_scores(out: str | Path) -> ScoreResult:
+    """The rows and summary `write_scores` wrote at `out`; one line when they are not one
+    unit (a run killed while writing them, or one file of another run)."""
+    out = Path(out)
+    fix = f"run the same `mlsm score ... --out {out}` again: it rewrites both"
+    try:
+        data = out.read_bytes()
+        summary = loads(summary_path(out).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"the scores at {out} have no readable summary beside them "
+                        f"({type(exc).__name__}): a run was stopped while writing them; {fix}"
+                        ) from None
+    if not isinstance(summary, dict) or \
+            summary.get("rows_sha256") != hashlib.sha256(data).hexdigest():
+        raise UserError(f"{out} and {summary_path(out).name} are of different runs (the rows' "
+                        f"digest is not the summary's rows_sha256); {fix}")
+    rows = [loads(line) for line in data.decode("utf-8").splitlines()]
+    return ScoreResult(rows, summary)
+
+
+def input_digest(source: str | Path) -> str:
+    """What the scores were computed on, by content: the file's sha256, or a token store's
+    `folder_fingerprint` (its files by name and content)."""
+    from mlsm.artifacts.fingerprint import content_digest, folder_fingerprint
+
+    path = Path(source)
+    return folder_fingerprint(path) if path.is_dir() else content_digest(path)
+
+
 def results_row(result: ScoreResult, model: str, name: str) -> dict[str, Any]:
-    """A `results.jsonl` row that `compare`/`report` read: task "pppl:<input name>", metric
+    """A `results.jsonl` row that `compare`/`report` read: task "pppl:<input name>@<digest>"
+    (keyed by the input's content: two files of one name are two tasks, never paired), metric
     RESULT_METRIC (−log PPPL, higher is better; compare shows it ×100), one seed, lr 0
     (nothing was fine-tuned)."""
     s = result.summary
-    task = TASK_PREFIX + Path(str(s["input"]).rstrip("/")).name.replace("|", "_")
+    task = (TASK_PREFIX + Path(str(s["input"]).rstrip("/")).name.replace("|", "_") + "@"
+            + s["input_sha256"][:TASK_DIGEST])
     return {"model": name, "path": model, "task": task, "metric": RESULT_METRIC,
             "value": s["neg_log_pppl"], "pppl": s["pppl"], "variant": s["variant"],
             "seed": 0, "lr": 0.0, "epochs": None, "batch_size": None,
