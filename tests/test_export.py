@@ -207,6 +207,10 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(
         header["pipeline_tag"] == "feature-extraction" and "base_model" not in header
     )  # a local teacher is no Hub id
     assert dictionary_hash(load_dictionary(dictionary_path)) in body and str(teacher_dir) in body
+    # the card's warning is true: AutoModelForMaskedLM (what fill-mask loads) finds no MLM head
+    assert 'no masked-LM head: `pipeline("fill-mask")` would run a randomly initialised' in body
+    _, info = _load(AutoModelForMaskedLM, out)
+    assert any(k.startswith("cls.predictions") for k in info["missing_keys"])
     provenance = json.loads((out / "mlsm.json").read_text())
     assert provenance["probe"] == str(probe_ckpt) and provenance["dictionary"]["k"] == 64
     with pytest.raises(UserError, match="not a probe of"):

@@ -144,8 +144,8 @@ def test_quickstart_runs_as_written(quickstart: Path) -> None:
     rows = read_results(quickstart / "results.jsonl")
     # --readiness all: steps 1 and 2 of the 2-step runs (10, 25 and 50 % all round to step 1)
     assert sorted({(r["model"], Path(r["run"]).name, r["step"], r["readiness"]) for r in rows}) == [
-        ("mlm@1", "tiny-mlm", 1, 0.5), ("mlm@2", "tiny-mlm", 2, 1.0),
-        ("mlsm@1", "tiny-mlsm", 1, 0.5), ("mlsm@2", "tiny-mlsm", 2, 1.0)]
+        ("mlm@step-1", "tiny-mlm", 1, 0.5), ("mlm@step-2", "tiny-mlm", 2, 1.0),
+        ("mlsm@step-1", "tiny-mlsm", 1, 0.5), ("mlsm@step-2", "tiny-mlsm", 2, 1.0)]
     assert {r["seed"] for r in rows} == {0, 1} and {r["task"] for r in rows} == {"cola"}
     for path in ("runs/compare/comparison.md", "runs/report/readiness.png", "runs/report/report.md",
                  "runs/tiny-mlsm/probe-step-0000002/probe.json",

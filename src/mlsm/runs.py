@@ -58,7 +58,8 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
 def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
                   readiness: str = "final") -> list[str]:
     """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
-    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
+    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@step-<N>``
+    (the run-spec syntax: ``@50`` read as a percent); other
     models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`)
     stay."""
     if readiness == "final":
@@ -75,5 +76,5 @@ def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
             continue
         for ckpt in readiness_checkpoints(path):
             step = int(ckpt.name.removeprefix("step-"))
-            out.append(f"{name}@{step}={ckpt}" if name else str(ckpt))
+            out.append(f"{name}@step-{step}={ckpt}" if name else str(ckpt))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from mlsm.cli import early
 from mlsm.cli.args import (
     device,
     non_negative_int,
@@ -123,6 +124,7 @@ def add_dictionary(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _dictionary(a: argparse.Namespace) -> None:
+    early.store(a.store)
     from mlsm.data.corpus import TokenStore
     from mlsm.dataclass_flags import flag_values
     from mlsm.dictionary_config import DictionaryConfig
@@ -170,6 +172,7 @@ def add_targets(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _targets(a: argparse.Namespace) -> None:
+    early.store(a.store)
     from mlsm.locking import hold
     from mlsm.teacher.dictionary import load_dictionary
     from mlsm.teacher.targets import TargetStore, build_target_store, check_targets_out
@@ -205,6 +208,7 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _pretrain(a: argparse.Namespace) -> None:
+    early.run_config(a.config, a.overrides)
     from mlsm.errors import Stopped
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain_run
@@ -251,8 +255,12 @@ def _flops(a: argparse.Namespace) -> None:
 
 def add_export(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("export",
-                       help="Hub-ready folder + model card from a checkpoint (optionally push it)")
-    p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
+                       help="Hub-ready folder + model card from a run or checkpoint (optionally "
+                       "push it)",
+                       description="Write a Hub-ready folder (weights, tokenizer, heads, model "
+                       "card) from a run: mlsm export runs/my-mlsm --out exports/my-mlsm")
+    p.add_argument("checkpoint", metavar="RUN", help="a run (RUN: its final checkpoint, "
+                   "RUN@50%%, RUN@step-N) or one of its <run>/checkpoints/step-* folders")
     p.add_argument("--out", required=True, type=out_dir,
                    help="folder to write (an earlier export there is replaced)")
     p.add_argument("--results", default=None,
@@ -273,6 +281,14 @@ def add_export(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _export(a: argparse.Namespace) -> None:
+    from mlsm.artifacts.export_marker import EXPORT_KIND
+    from mlsm.artifacts.outputs import guard_output
+
+    ck = early.mlsm_checkpoint(a.checkpoint, "pass a run directory or a "
+                               "<run>/checkpoints/step-* folder")
+    check_apart(a.out, "--out", {"checkpoint": ck.folder, "--probe": a.probe,
+                                 "--results": a.results}, contains=True)
+    guard_output(a.out, EXPORT_KIND)  # before torch imports (export_checkpoint checks again)
     from mlsm.export import export_checkpoint, push_to_hub
 
     out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe,

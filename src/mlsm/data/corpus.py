@@ -42,7 +42,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir, remove_stale_builds
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
-from mlsm.inputs import field_problem, real_path
+from mlsm.inputs import field_problem, real_path, store_missing
 from mlsm.limits import MAX_DOC_BYTES
 from mlsm.progress import Progress
 
@@ -123,9 +123,9 @@ class TokenStore:
     def open(cls, path: str | Path) -> TokenStore:
         """Open a store, checking that its files agree with meta.json (a one-line error if not)."""
         path = Path(path)
-        if not path.is_dir():
-            raise UserError(f"token store {path} not found (or not a folder); make one with "
-                            f"`mlsm prepare SOURCES --tokenizer TOK --out {path}`")
+        missing = store_missing(path)
+        if missing:
+            raise UserError(missing)
         meta = _read_meta(path)
         if meta.get("format") != STORE_FORMAT:
             raise UserError(f"{path} is not an mlsm token store (meta.json has no format "
