@@ -103,3 +103,36 @@ def test_long_jobs_report_through_progress(
     learn_atoms(torch.randn(64, 8, generator=torch.Generator().manual_seed(0)), k=16, batch_size=16)
     err = capsys.readouterr().err
     assert re.findall(r"^dictionary: (\d+)/4 batch", err, re.M)[:4] == ["1", "2", "3", "4"]
+
+
+def test_a_study_stage_names_its_model_in_every_progress_line(tmp_path: Path) -> None:
+    """The library's bars know their task ("PLL"), not the model a study scores: the stage that
+    runs them names itself and its model first, also for two stages running at once in threads."""
+    import threading
+
+    from mlsm.demo import demo_study
+    from mlsm.study.folder import Study
+
+    spec = demo_study(tmp_path / "out", "c.txt", tmp_path / "p", tmp_path / "h", None, None,
+                      8, 4, 1, 3)
+    study = Study(spec, log=lambda s: None)
+    outs = {m: io.StringIO() for m in ("mlsm@100%", "mlm@100%")}
+    barrier = threading.Barrier(2)
+
+    def score(model: str) -> None:
+        barrier.wait()  # both stages are inside their scope at once
+        with Progress(2, "PLL", "copy", stream=outs[model], interval=1e-9) as bar:
+            bar.update(2)
+
+    threads = [threading.Thread(target=study.stage, args=("blimp", lambda m=m: score(m), m))
+               for m in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for model, out in outs.items():
+        lines = out.getvalue().splitlines()
+        assert lines and all(ln.startswith(f"blimp:{model} PLL: ") for ln in lines), lines
+    with Progress(1, "PLL", stream=(after := io.StringIO()), interval=1e-9) as bar:
+        bar.update(1)
+    assert after.getvalue().startswith("PLL: ")  # outside a stage: the bar's own name

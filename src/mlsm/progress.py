@@ -12,13 +12,29 @@ through `Progress`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 DEFAULT_SECONDS = 30.0
 ENV = "MLSM_PROGRESS_SECONDS"
+_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("mlsm_progress_owner", default="")
+
+
+@contextlib.contextmanager
+def owned_by(what: str) -> Iterator[None]:
+    """Every `Progress` made inside names `what` first (`blimp:mlsm@100% PLL: 120/400 copy`):
+    the library's bars know their task, not which model of a study they score. A context
+    variable, so stages running at once in threads each name their own."""
+    token = _OWNER.set(what)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
 
 
 def interval_seconds(value: float | None = None) -> float:
@@ -64,6 +80,8 @@ class Progress:
     def __init__(self, total: int | None, desc: str, unit: str = "it", *, initial: int = 0,
                  enabled: bool | None = None, stream: IO[str] | None = None,
                  interval: float | None = None, leave: bool = True) -> None:
+        owner = _OWNER.get()
+        desc = f"{owner} {desc}" if owner else desc
         self.total, self.desc, self.unit = total, desc, unit
         self.n = self.start_n = initial
         self.stream = stream if stream is not None else sys.stderr

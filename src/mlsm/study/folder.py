@@ -28,6 +28,7 @@ from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import read_json, read_yaml
+from mlsm.progress import owned_by
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.runs import readiness_step
 from mlsm.study.hypotheses import RECORD
@@ -198,7 +199,8 @@ class Study:
         self._child_cpu.inputs = None  # what the stage notes of its inputs (`note_inputs`)
         self.log(f"[study] {key}: start")
         try:
-            outcome = fn()
+            with owned_by(key):  # its progress lines name the stage and model
+                outcome = fn()
         except Exception as exc:  # one arm's failure must not stop the others
             extra.update(self._fingerprint_record())
             seconds = time.time() - start
