@@ -62,6 +62,9 @@ def add_prepare(sub: argparse._SubParsersAction) -> Callable:
                    help="replace an existing store of other inputs")
     p.add_argument("--num-proc", type=positive_int, default=None,
                    help="tokenising processes (default: every CPU available; same store)")
+    p.add_argument("--max-docs", type=non_negative_int, default=0, metavar="N",
+                   help="tokenise only the first N documents, for a first try on a large corpus "
+                   "(the rest is never read; default 0: all)")
     _max_doc_bytes_flag(p)
     return _prepare
 
@@ -71,7 +74,7 @@ def _prepare(a: argparse.Namespace) -> None:
 
     store = prepare_corpus(a.sources, a.tokenizer, a.out, text_field=a.text_field,
                            overwrite=a.overwrite, num_proc=a.num_proc,
-                           max_doc_bytes=a.max_doc_bytes)
+                           max_doc_bytes=a.max_doc_bytes, max_docs=a.max_docs or None)
     print(f"token store {store.path}: {store.n_tokens:,} tokens in {store.n_docs:,} documents")
 
 
@@ -128,15 +131,27 @@ def _dictionary(a: argparse.Namespace) -> None:
     from mlsm.data.corpus import TokenStore
     from mlsm.dataclass_flags import flag_values
     from mlsm.dictionary_config import DictionaryConfig
-    from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
+    from mlsm.teacher.dictionary import (
+        check_dictionary_out,
+        check_vector_memory,
+        learn_dictionary,
+    )
+    from mlsm.teacher.dictionary_cost import announce
     from mlsm.teacher.teacher import load_teacher
 
     check_apart(a.out, "--out", {"--store": a.store, "--teacher": a.teacher})
     check_dictionary_out(a.out)  # before minutes of work
-    c = DictionaryConfig.build(flag_values(a, DictionaryConfig), "mlsm dictionary")
+    given = flag_values(a, DictionaryConfig)
+    c = DictionaryConfig.build(given, "mlsm dictionary")
     teacher = load_teacher(a.teacher, a.layer, device=a.device, init=c.teacher_init,
                            seed=c.teacher_seed)
-    d = learn_dictionary(TokenStore.open(a.store), teacher, c, out=a.out)
+    store = TokenStore.open(a.store)
+    if c.atoms == "learned":  # a sample that cannot fit is refused before it is measured
+        check_vector_memory(c.n_vectors, teacher.hidden_size)
+    cost = announce(store, teacher, c, a.device, "n_vectors" in given)  # hours: said first
+    if cost:
+        print(cost, flush=True)
+    d = learn_dictionary(store, teacher, c, out=a.out)
     made = (f"objective {d.meta['objective']:.5f}" if d.meta.get("objective") is not None
             else f"{d.meta.get('atoms')} atoms")
     print(f"dictionary d={d.d} k={d.k} {made} (teacher {teacher.init}) -> {a.out}")
