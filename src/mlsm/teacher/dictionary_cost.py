@@ -2,9 +2,10 @@
 
 The defaults are paper scale (2,000,000 teacher states): hours on a laptop CPU, minutes on a GPU.
 Rather than a formula whose constants would be wrong on the next machine, the cost is measured:
-the teacher runs on a small sample of the store and the online learner makes a few updates on it,
-each timed, and the whole is extrapolated linearly (both stages are linear in their counts: the
-teacher in the states collected, the learner in its mini-batches).
+the teacher runs on a small sample of the store (after a warm-up batch) and the online learner
+runs one update and then four, whose difference is the cost of an update without the start-up;
+the whole is extrapolated linearly (the teacher is linear in the states collected, the learner in
+its mini-batches).
 """
 
 from __future__ import annotations
@@ -22,34 +23,43 @@ from mlsm.teacher.teacher import Teacher
 
 WORTH_MEASURING = 100_000
 """Below this many states the work takes minutes at most: no measurement, no line."""
-SAMPLE_UPDATES = 2
 
 
 @dataclass(frozen=True)
 class Rates:
-    """Measured seconds per teacher state and per update of the online learner."""
+    """Measured seconds per teacher state, per update of the online learner, and the learner's
+    start-up (its initial atoms)."""
 
     per_state: float
     per_update: float
+    start_up: float = 0.0
 
 
 def measure_rates(store: Any, teacher: Teacher, c: DictionaryConfig) -> Rates:
-    """Time the teacher on a sample of the store and `SAMPLE_UPDATES` updates of the learner."""
+    """Time the teacher on a sample of the store and the learner on it (see the module doc)."""
     k = c.k or 4 * teacher.hidden_size
     n = max(2 * c.batch_size, k)  # the learner starts from k of the sample's vectors
+    collect_vectors(teacher, store, 32, max_len=c.max_len, seed=c.seed, sampling=c.sampling)
     start = time.perf_counter()
     X = collect_vectors(teacher, store, n, max_len=c.max_len, seed=c.seed, sampling=c.sampling)
     per_state = (time.perf_counter() - start) / n
-    start = time.perf_counter()
-    learn_atoms(X.to(teacher.device), k, c.lam, n_iter=SAMPLE_UPDATES, batch_size=c.batch_size,
-                seed=c.seed, progress=False)
-    return Rates(per_state, (time.perf_counter() - start) / SAMPLE_UPDATES)
+    X = X.to(teacher.device)
+    took = []
+    for updates in (1, 1, 4):  # the first warms the thread pools up, untimed
+        start = time.perf_counter()
+        learn_atoms(X, k, c.lam, n_iter=updates, batch_size=c.batch_size, seed=c.seed,
+                    progress=False)
+        took.append(time.perf_counter() - start)
+    # a busy machine can make the difference of two timings near zero: an update costs at least
+    # half of its share of the 4-update run
+    per_update = max((took[2] - took[1]) / 3, took[2] / 8)
+    return Rates(per_state, per_update, max(0.0, took[1] - per_update))
 
 
 def estimate_seconds(rates: Rates, c: DictionaryConfig) -> float:
     """Seconds for `c`: its states through the teacher, then its updates of the learner."""
     updates = c.n_iter or math.ceil(c.n_vectors / c.batch_size)
-    return rates.per_state * c.n_vectors + rates.per_update * updates
+    return rates.per_state * c.n_vectors + rates.start_up + rates.per_update * updates
 
 
 def cost_line(rates: Rates, c: DictionaryConfig, device: str, n_vectors_given: bool) -> str:
