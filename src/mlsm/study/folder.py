@@ -34,7 +34,8 @@ from mlsm.runs import readiness_step
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, readiness_label
 
-_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"))
+_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"),
+             ("train", "eval_every"), ("train", "eval_batches"))  # none changes a weight
 """Config keys that may change between a run and its resumption (they do not change the result)."""
 
 
