@@ -67,6 +67,8 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
                                  "not found"),
     "pretrain, no such store": (lambda t, c: ["pretrain", f"data.store={t / 'st'}"],
                                 "token store"),
+    "pretrain --text, no such text": (lambda t, c: ["pretrain", "--text", str(t / "mine.txt")],
+                                      "not found"),
 }
 
 

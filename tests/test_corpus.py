@@ -159,3 +159,17 @@ def test_max_docs_keeps_the_first_documents_of_the_whole_store(
     assert np.array_equal(part.tokens, whole.tokens[:whole.offsets[kept]])
     assert np.array_equal(part.offsets, whole.offsets[:kept + 1])
     assert part.meta["fingerprint"] != whole.meta["fingerprint"] and "max_docs" not in whole.meta
+
+
+def test_max_docs_never_reads_past_its_documents(corpus_dir: Path, tokenizer_dir: Path,
+                                                 tmp_path: Path) -> None:
+    """The rest of the corpus is not read: a damaged file after the first N documents does not
+    stop `--max-docs N` (the whole corpus is refused on it)."""
+    broken = tmp_path / "z.txt.gz"
+    broken.write_bytes(gzip.compress(("a sentence .\n\n" * 50).encode())[:-20])  # truncated
+    sources = [str(corpus_dir / "a.txt"), str(broken)]
+    with pytest.raises(UserError, match="damaged or truncated"):
+        prepare_corpus(sources, str(tokenizer_dir), tmp_path / "all", num_proc=1)
+    part = prepare_corpus(sources, str(tokenizer_dir), tmp_path / "s", chunk_docs=8,
+                          num_proc=1, max_docs=12)
+    assert part.n_docs == 12

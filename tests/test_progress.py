@@ -30,10 +30,26 @@ def test_plain_lines_carry_step_total_rate_eta_and_last_loss() -> None:
     parsed = [LINE.match(ln) for ln in lines]
     assert all(parsed), lines
     steps = [int(m.group(1)) for m in parsed]
-    assert steps == [1, 2, 3, 4, 5, 5]  # one per update, then the final count at close
+    assert steps == [1, 2, 3, 4, 5]  # one per update; close adds no second "5/5" line
     assert [m.group(2) for m in parsed][:5] == ["20.0", "40.0", "60.0", "80.0", "100.0"]
     assert [float(m.group(4)) for m in parsed][:5] == [2.0, 1.75, 1.5, 1.25, 1.0]
     assert "\r" not in out.getvalue()  # a log file gets whole lines, never bar fragments
+
+
+def test_close_prints_the_final_count_only_when_no_line_showed_it(monkeypatch) -> None:
+    """A job whose last updates fell inside the interval ends with its final count; one whose
+    last line showed it already prints nothing more (the same line twice reads as stuck)."""
+    import itertools
+
+    # readings: start; update 1 (check, line, its time); update 2 (check); then close
+    clock = itertools.chain([0.0, 11.0, 11.0, 11.0, 12.0], itertools.repeat(13.0))
+    monkeypatch.setattr("mlsm.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    with Progress(5, "job", "step", stream=out, interval=10) as bar:
+        bar.update(1, loss=1.0)  # t = 11: a line (1/5)
+        bar.update(1, loss=1.0)  # t = 12: inside the interval, no line
+    counts = [int(LINE.match(ln).group(1)) for ln in out.getvalue().splitlines()]
+    assert counts == [1, 2]
 
 
 def test_no_line_before_the_interval_has_passed() -> None:

@@ -89,6 +89,7 @@ class Progress:
         self.postfix: dict[str, Any] = {}
         self.bar: Any = None
         self.lines = 0  # plain lines written
+        self.n_line = initial  # the count the last plain line showed
         self.closed = False
         self.t0 = self.t_line = time.monotonic()
         self.enabled = enabled is not False
@@ -139,16 +140,18 @@ class Progress:
     def _line(self) -> None:
         print(self.line(), file=self.stream, flush=True)
         self.lines += 1
+        self.n_line = self.n
         self.t_line = time.monotonic()
 
     def close(self) -> None:
-        """End the report; a job that printed plain lines prints a last one with the final count."""
+        """End the report; a job that printed plain lines prints a last one with the final count,
+        unless its last line showed it already (the same line twice read as a stuck job)."""
         if self.closed:
             return
         self.closed = True
         if self.bar is not None:
             self.bar.close()
-        elif self.lines:
+        elif self.lines and self.n != self.n_line:
             self._line()
 
 

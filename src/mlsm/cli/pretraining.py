@@ -212,8 +212,17 @@ def _targets(a: argparse.Namespace) -> None:
 
 
 def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("pretrain", help="pre-train a student (MLM, MLSM, KD, ...)")
+    p = sub.add_parser("pretrain", help="pre-train a student (MLM, MLSM, KD, ...)",
+                       description="Pre-train a student from a recipe (--config, overrides), or "
+                       "from text in one command: mlsm pretrain --text FILE builds the token "
+                       "store, the dictionary and, for MLSM, the probe with small-machine "
+                       "defaults, reusing what exists (docs/tutorial.md)")
     p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--text", nargs="+", metavar="FILE",
+                   help="text files / folders: build store, dictionary, run and probe "
+                   "(mlsm.from_text; the run goes to train.out, default runs/<first file's name>)")
+    p.add_argument("--objective", choices=["mlsm", "mlm"], default="mlsm",
+                   help="with --text: the objective (default mlsm)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: 'auto' (newest checkpoint in train.out) or a "
                    "checkpoint folder")
@@ -223,6 +232,9 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _pretrain(a: argparse.Namespace) -> None:
+    if a.text:
+        _pretrain_text(a)
+        return
     early.run_config(a.config, a.overrides)
     from mlsm.errors import Stopped
     from mlsm.run_config import load_config
@@ -234,6 +246,19 @@ def _pretrain(a: argparse.Namespace) -> None:
     print(f"run directory: {run}")
     if signum is not None:  # stopped early with a checkpoint: not a finished run
         raise Stopped(exit_status(signum, cfg.train.signal_exit_zero))
+
+
+def _pretrain_text(a: argparse.Namespace) -> None:
+    if a.config or a.resume:
+        raise UserError("--text builds its own recipe and resumes by itself; drop "
+                        f"{'--config' if a.config else '--resume'} (or drop --text)")
+    from mlsm.data.sources import resolve_paths
+
+    for source in a.text:  # one line before the heavy imports
+        resolve_paths(source)
+    from mlsm.from_text import pretrain_from_text
+
+    print(f"run directory: {pretrain_from_text(a.text, a.objective, a.overrides)}")
 
 
 def add_flops(sub: argparse._SubParsersAction) -> Callable:

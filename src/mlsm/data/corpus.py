@@ -408,7 +408,8 @@ def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok
         "tokenizer_hash": tok_hash, "tokenizer": getattr(tok, "name_or_path", ""),
         "sources": sources, "text_field": text_field,
         "fingerprint": fp, "input_fingerprint": fp,
-        **({} if max_docs is None else {"max_docs": max_docs}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if max_docs is not None:  # a store without the limit keeps its meta.json as it was
+        meta["max_docs"] = max_docs
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))
