@@ -79,6 +79,8 @@ def _verbs(capsys: pytest.CaptureFixture) -> dict[str, tuple]:
     def cli(*args: object) -> Callable[[Path, Path], str]:
         def run(out: Path, tmp: Path) -> str:
             text = tmp / "src.txt"
+            for name in ("no-model", "no-store"):  # past the checks of `mlsm.cli.early`: the
+                (tmp / name).mkdir(exist_ok=True)  # output guard is what is tested here
             if not text.exists():
                 _write(text, "the cat sees a dog .\na bird sings .\n" * 20)
             return _cli(capsys, *[str(a).format(out=out, tmp=tmp, text=text) for a in args])
@@ -342,6 +344,7 @@ def test_a_second_readout_on_one_output_refuses_and_adds_no_row(tmp_path, capsys
     _lines(out / "readouts.jsonl", '{"kind": "probe"}')
     before = (out / "readouts.jsonl").read_bytes()
     hold_lock(out / "readouts.jsonl")
+    (tmp_path / "no-model").mkdir()  # past `mlsm.cli.early`: the lock is what is tested
     _second_writer(capsys, ["readout", tmp_path / "no-model", "--out", out, "--kinds", "masked"])
     assert (out / "readouts.jsonl").read_bytes() == before
 
@@ -353,6 +356,7 @@ def test_a_second_score_on_one_output_refuses(tmp_path, capsys, hold_lock, held)
     paths = {"out": tmp_path / "scores.jsonl", "results": tmp_path / "results.jsonl"}
     paths["results"].write_text("")
     hold_lock(paths[held])
+    (tmp_path / "no-model").mkdir()  # past `mlsm.cli.early`: the lock is what is tested
     _second_writer(capsys, ["score", tmp_path / "no-model", text, "--out", paths["out"],
                             "--results", paths["results"]])
     assert not paths["out"].exists() and paths["results"].read_text() == ""

@@ -609,6 +609,7 @@ def test_probe_overrides_anywhere(argv, monkeypatch):
         return Path("run")
 
     monkeypatch.setattr("mlsm.evaluate.probe.probe.run_probe", fake_run_probe)
+    monkeypatch.setattr("mlsm.cli.early.mlsm_checkpoint", lambda *a: None)  # "ckpt" is a name
     assert cli.main(argv) == 0
     assert seen["checkpoint"] == "ckpt" and seen["steps"] == 5
     assert seen["overrides"] == ["optim.lr=1e-3", "train.seed=3"]

@@ -142,3 +142,34 @@ def test_real_corpus_valid_split(tmp_path: Path) -> None:
     path = SHARED / "corpus" / "enwiki_2015_prefix" / "valid.jsonl.gz"
     store = prepare_corpus(str(path), str(default_teacher_path()), tmp_path / "s")
     assert store.n_docs == 48 and store.n_tokens > 150_000
+
+
+@pytest.mark.parametrize("num_proc, n", [(1, 1), (1, 37), (2, 37), (2, 80), (2, 500)])
+def test_max_docs_keeps_the_first_documents_of_the_whole_store(
+    corpus_dir: Path, tokenizer_dir: Path, store_dir: Path, tmp_path: Path, num_proc: int, n: int
+) -> None:
+    """`--max-docs N` is the whole store's first N documents, token for token (a cut inside a
+    unit, across files, with workers, or past the corpus' end), under its own fingerprint; the
+    store without a limit keeps its fingerprint."""
+    whole = TokenStore.open(store_dir)
+    part = prepare_corpus(str(corpus_dir), str(tokenizer_dir), tmp_path / "s", chunk_docs=8,
+                          num_proc=num_proc, max_docs=n)
+    kept = min(n, whole.n_docs)
+    assert part.n_docs == kept and part.n_tokens == whole.offsets[kept]
+    assert np.array_equal(part.tokens, whole.tokens[:whole.offsets[kept]])
+    assert np.array_equal(part.offsets, whole.offsets[:kept + 1])
+    assert part.meta["fingerprint"] != whole.meta["fingerprint"] and "max_docs" not in whole.meta
+
+
+def test_max_docs_never_reads_past_its_documents(corpus_dir: Path, tokenizer_dir: Path,
+                                                 tmp_path: Path) -> None:
+    """The rest of the corpus is not read: a damaged file after the first N documents does not
+    stop `--max-docs N` (the whole corpus is refused on it)."""
+    broken = tmp_path / "z.txt.gz"
+    broken.write_bytes(gzip.compress(("a sentence .\n\n" * 50).encode())[:-20])  # truncated
+    sources = [str(corpus_dir / "a.txt"), str(broken)]
+    with pytest.raises(UserError, match="damaged or truncated"):
+        prepare_corpus(sources, str(tokenizer_dir), tmp_path / "all", num_proc=1)
+    part = prepare_corpus(sources, str(tokenizer_dir), tmp_path / "s", chunk_docs=8,
+                          num_proc=1, max_docs=12)
+    assert part.n_docs == 12

@@ -334,3 +334,36 @@ def test_a_config_and_keywords_learn_the_same_and_every_setting_reaches_the_lear
     # keywords override the config's
     less = learn_dictionary(store, teacher, DictionaryConfig(**settings), forget=1.0)
     assert not torch.equal(less.atoms, by_config.atoms)
+
+
+def test_the_estimate_is_linear_in_states_and_updates() -> None:
+    """The cost extrapolates two measured rates: doubling the states doubles both parts (one
+    pass of updates over them), a fixed --n-iter keeps the learner's part."""
+    from mlsm.teacher.dictionary_config import DictionaryConfig
+    from mlsm.teacher.dictionary_cost import Rates, estimate_seconds
+
+    r = Rates(per_state=1e-3, per_update=0.5)
+    one = DictionaryConfig(n_vectors=100_000, batch_size=500)
+    assert estimate_seconds(r, one) == pytest.approx(100 + 200 * 0.5)
+    assert estimate_seconds(r, DictionaryConfig(n_vectors=200_000, batch_size=500)) == \
+        pytest.approx(2 * estimate_seconds(r, one))
+    assert estimate_seconds(r, DictionaryConfig(n_vectors=200_000, batch_size=500, n_iter=10)) \
+        == pytest.approx(200 + 5)
+
+
+def test_mlsm_dictionary_says_its_cost_before_collecting_a_state(
+        store_dir, teacher_dir, tmp_path, capsys, monkeypatch) -> None:
+    """Without --n-vectors (2,000,000 states: hours on a CPU) the first line printed is the
+    measured estimate, before the first of the states is collected."""
+    import mlsm.teacher.dictionary as dictionary
+    from mlsm.cli import main
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # as a user seeing the estimate would
+    monkeypatch.setattr(dictionary, "collect_vectors", stop)
+    rc = main(["dictionary", "--store", str(store_dir), "--teacher", str(teacher_dir),
+               "--layer", "1", "--k", "64", "--out", str(tmp_path / "d.safetensors")])
+    assert rc == 130
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("mlsm dictionary: about ") and "on this CPU for 2,000,000 teacher " \
+        "states (the paper-scale default of --n-vectors)" in first, first

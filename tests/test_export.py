@@ -17,7 +17,7 @@ from mlsm.cli import main
 from mlsm.errors import UserError
 from mlsm.evaluate.probe.probe import ProbeScorer, run_probe
 from mlsm.export import export_checkpoint, push_to_hub
-from mlsm.model_card import model_card
+from mlsm.integrations.model_card import model_card
 from mlsm.run_config import load_config
 from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.targets import dictionary_hash
@@ -203,6 +203,10 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(
         header["pipeline_tag"] == "feature-extraction" and "base_model" not in header
     )  # a local teacher is no Hub id
     assert dictionary_hash(load_dictionary(dictionary_path)) in body and str(teacher_dir) in body
+    # the card's warning is true: AutoModelForMaskedLM (what fill-mask loads) finds no MLM head
+    assert 'no masked-LM head: `pipeline("fill-mask")` would run a randomly initialised' in body
+    _, info = _load(AutoModelForMaskedLM, out)
+    assert any(k.startswith("cls.predictions") for k in info["missing_keys"])
     provenance = json.loads((out / "mlsm.json").read_text())
     assert provenance["probe"] == str(probe_ckpt) and provenance["dictionary"]["k"] == 64
     # the card says what the records say: the title names the objective once, the teacher's

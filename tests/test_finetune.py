@@ -306,7 +306,7 @@ def test_checkpoint_json_from_a_run_and_bad_json(tmp_path: Path) -> None:
             "run": str(tmp_path / "runs" / "mlsm-a"),
         },
     )
-    assert resolve_model(folder).name == "mlsm-a@50"
+    assert resolve_model(folder).name == "mlsm-a@step-50"
     (folder / "checkpoint.json").write_text("{step: 50", encoding="utf-8")
     with pytest.raises(UserError, match="checkpoint.json"):
         resolve_model(folder)

@@ -185,6 +185,27 @@ def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
     assert isinstance(scorer, ProbeScorer) and scorer.input == info["input"]
 
 
+def test_probe_hint_names_the_run_blimp_scores_it_through(mlsm_ckpt: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """`mlsm probe RUN`'s closing hint names RUN as the user typed it (as the README does), not the
+    probe's deep checkpoint folder, and that model argument reaches the probe just trained."""
+    import shlex
+    import shutil
+
+    from mlsm.cli import main
+    from mlsm.evaluate.probe.probe import ProbeScorer
+
+    run = Path(shutil.copytree(mlsm_ckpt.parent.parent, tmp_path / "runs" / "mine"))
+    assert main(["probe", str(run), "--max-steps", "4"]) == 0
+    hint = capsys.readouterr().out.strip().rpartition("score with `")[2].rstrip("`")
+    argv = shlex.split(hint)
+    assert argv[:3] == ["mlsm", "blimp", str(run)] and argv[3:] == ["--out", "runs/blimp-mine"]
+    scorer, _ = load_scorer(argv[2])
+    probe = json.loads((run / "probe-step-0000030" / "probe.json").read_text())["checkpoint"]
+    assert isinstance(scorer, ProbeScorer)
+    assert torch.equal(scorer.probe.weight, ProbeScorer(run / probe).probe.weight)
+
+
 def test_a_probe_that_gets_worse_keeps_its_best_weights(mlsm_ckpt: Path, tmp_path: Path) -> None:
     """A far too large lr makes the held-out loss rise after the start: early stopping must hand
     back the best weights seen (here the unigram start), not the last ones."""

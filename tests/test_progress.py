@@ -30,10 +30,26 @@ def test_plain_lines_carry_step_total_rate_eta_and_last_loss() -> None:
     parsed = [LINE.match(ln) for ln in lines]
     assert all(parsed), lines
     steps = [int(m.group(1)) for m in parsed]
-    assert steps == [1, 2, 3, 4, 5, 5]  # one per update, then the final count at close
+    assert steps == [1, 2, 3, 4, 5]  # one per update; close adds no second "5/5" line
     assert [m.group(2) for m in parsed][:5] == ["20.0", "40.0", "60.0", "80.0", "100.0"]
     assert [float(m.group(4)) for m in parsed][:5] == [2.0, 1.75, 1.5, 1.25, 1.0]
     assert "\r" not in out.getvalue()  # a log file gets whole lines, never bar fragments
+
+
+def test_close_prints_the_final_count_only_when_no_line_showed_it(monkeypatch) -> None:
+    """A job whose last updates fell inside the interval ends with its final count; one whose
+    last line showed it already prints nothing more (the same line twice reads as stuck)."""
+    import itertools
+
+    # readings: start; update 1 (check, line, its time); update 2 (check); then close
+    clock = itertools.chain([0.0, 11.0, 11.0, 11.0, 12.0], itertools.repeat(13.0))
+    monkeypatch.setattr("mlsm.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    with Progress(5, "job", "step", stream=out, interval=10) as bar:
+        bar.update(1, loss=1.0)  # t = 11: a line (1/5)
+        bar.update(1, loss=1.0)  # t = 12: inside the interval, no line
+    counts = [int(LINE.match(ln).group(1)) for ln in out.getvalue().splitlines()]
+    assert counts == [1, 2]
 
 
 def test_no_line_before_the_interval_has_passed() -> None:
@@ -103,3 +119,36 @@ def test_long_jobs_report_through_progress(
     learn_atoms(torch.randn(64, 8, generator=torch.Generator().manual_seed(0)), k=16, batch_size=16)
     err = capsys.readouterr().err
     assert re.findall(r"^dictionary: (\d+)/4 batch", err, re.M)[:4] == ["1", "2", "3", "4"]
+
+
+def test_a_study_stage_names_its_model_in_every_progress_line(tmp_path: Path) -> None:
+    """The library's bars know their task ("PLL"), not the model a study scores: the stage that
+    runs them names itself and its model first, also for two stages running at once in threads."""
+    import threading
+
+    from mlsm.demo import demo_study
+    from mlsm.study.folder import Study
+
+    spec = demo_study(tmp_path / "out", "c.txt", tmp_path / "p", tmp_path / "h", None, None,
+                      8, 4, 1, 3)
+    study = Study(spec, log=lambda s: None)
+    outs = {m: io.StringIO() for m in ("mlsm@100%", "mlm@100%")}
+    barrier = threading.Barrier(2)
+
+    def score(model: str) -> None:
+        barrier.wait()  # both stages are inside their scope at once
+        with Progress(2, "PLL", "copy", stream=outs[model], interval=1e-9) as bar:
+            bar.update(2)
+
+    threads = [threading.Thread(target=study.stage, args=("blimp", lambda m=m: score(m), m))
+               for m in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for model, out in outs.items():
+        lines = out.getvalue().splitlines()
+        assert lines and all(ln.startswith(f"blimp:{model} PLL: ") for ln in lines), lines
+    with Progress(1, "PLL", stream=(after := io.StringIO()), interval=1e-9) as bar:
+        bar.update(1)
+    assert after.getvalue().startswith("PLL: ")  # outside a stage: the bar's own name

@@ -53,6 +53,8 @@ DOCS_RUN = {
         "mlsm blimp runs/tiny-mlm@50% --data ../shared/data/blimp --phenomena "
         "anaphor_gender_agreement --limit 20 --out runs/blimp-mlm-50",
     ),
+    # the whole tutorial, text to exported model, with the Quickstart's small sizes
+    ("tutorial.md", "TEXT=${TEXT:-my_text.txt}          # your text"),
 }
 
 
@@ -111,6 +113,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         gzip.open(corpus, "wt", encoding="utf-8") as dst,
     ):
         dst.writelines(itertools.islice(src, CORPUS_DOCS))
+    # the tutorial's "own text": the same documents as plain text, blank-line separated
+    with gzip.open(corpus, "rt", encoding="utf-8") as src:
+        text = "\n\n".join(json.loads(line)["text"].strip() for line in src)
+    (root / "my_text.txt").write_text(text + "\n", encoding="utf-8")
     # `python` and `mlsm` as a reader has them after `pip install -e .`, running this checkout
     bin_dir = root / "bin"
     bin_dir.mkdir()
@@ -121,6 +127,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         **os.environ,
         **SMALL,
         "CORPUS": str(corpus),
+        "TEXT": str(root / "my_text.txt"),
         "HF_HUB_OFFLINE": "1",
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join(
@@ -144,8 +151,8 @@ def test_quickstart_runs_as_written(quickstart: Path) -> None:
     rows = read_results(quickstart / "results.jsonl")
     # --readiness all: steps 1 and 2 of the 2-step runs (10, 25 and 50 % all round to step 1)
     assert sorted({(r["model"], Path(r["run"]).name, r["step"], r["readiness"]) for r in rows}) == [
-        ("mlm@1", "tiny-mlm", 1, 0.5), ("mlm@2", "tiny-mlm", 2, 1.0),
-        ("mlsm@1", "tiny-mlsm", 1, 0.5), ("mlsm@2", "tiny-mlsm", 2, 1.0)]
+        ("mlm@step-1", "tiny-mlm", 1, 0.5), ("mlm@step-2", "tiny-mlm", 2, 1.0),
+        ("mlsm@step-1", "tiny-mlsm", 1, 0.5), ("mlsm@step-2", "tiny-mlsm", 2, 1.0)]
     assert {r["seed"] for r in rows} == {0, 1} and {r["task"] for r in rows} == {"cola"}
     for path in ("runs/compare/comparison.md", "runs/report/readiness.png", "runs/report/report.md",
                  "runs/tiny-mlsm/probe-step-0000002/probe.json",
@@ -175,3 +182,19 @@ def test_docs_commands_run(
 ) -> None:
     (block,) = [b for f, b in _docs_blocks() if (f, _first_line(b)) == (doc, first)]
     _run_bash(block, quickstart, workspace[1], timeout=300)
+    if doc == "tutorial.md":  # what the page says each step leaves
+        _tutorial_outcome(quickstart)
+
+
+def _tutorial_outcome(work: Path) -> None:
+    from transformers import AutoModel
+
+    log = (work / "runs/my-mlsm/metrics.jsonl").read_text()
+    metrics = [json.loads(x) for x in log.splitlines()]
+    assert "val_loss" in metrics[-1] and "val_top1_agreement" in metrics[-1]
+    assert (work / "runs/my-mlsm-scores.jsonl").read_text().strip()
+    export = work / "exports/my-mlsm"
+    assert (export / "heads.safetensors").is_file() and "probe" in json.loads(
+        (export / "heads.json").read_text())
+    _, info = AutoModel.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"]

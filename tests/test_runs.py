@@ -98,14 +98,15 @@ def test_finetune_readiness_all_rows_carry_step_and_readiness(
              data_dir=data, results=results, device="cpu", readiness="all")
     rows = read_results(results)
     assert [(r["model"], r["step"], r["readiness"]) for r in rows] == [
-        ("mlm@1", 1, 0.125), ("mlm@2", 2, 0.25), ("mlm@4", 4, 0.5), ("mlm@8", 8, 1.0),
+        ("mlm@step-1", 1, 0.125), ("mlm@step-2", 2, 0.25), ("mlm@step-4", 4, 0.5),
+        ("mlm@step-8", 8, 1.0),
         ("ref", 2, 0.25),
     ]
     assert {Path(r["run"]).name for r in rows} == {"tiny-mlm"}  # what report.py groups a curve by
-    assert compare_runs(results).info["mlm@4"]["readiness"] == 0.5
+    assert compare_runs(results).info["mlm@step-4"]["readiness"] == 0.5
     finetune([f"{mlm_run}@25%"], ["sst2"], seeds=(0,), epochs=1, batch_size=8, data_dir=data,
              results=results, device="cpu")
-    assert read_results(results)[-1]["model"] == "tiny-mlm@2"  # no name: <run>@<step>, as before
+    assert read_results(results)[-1]["model"] == "tiny-mlm@step-2"  # no name: <run>@step-<N>
 
 
 def test_rank_loader_takes_a_run_spec(mlm_run: Path) -> None:

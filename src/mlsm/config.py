@@ -169,6 +169,14 @@ class TrainConfig:
     """How many of the periodic (non-readiness) checkpoints to keep."""
     log_every: int = ranged(10, POSITIVE)
     """Write a metrics.jsonl line every N steps."""
+    eval_every: int = ranged(0, NON_NEGATIVE)
+    """Validate every N steps and at the last one (0 = never): the held-out loss of the run's own
+    objective and its metrics (MLM: masked top-1 `accuracy`) on `eval_batches` batches of the
+    chunks right after the run's last batch, the ones the study's held-out readouts use, logged as
+    `val_loss`, `val_<metric>` in metrics.jsonl and the trackers (as run_mlm.py's
+    eval_strategy=steps). Changes no weight: a study treats it as volatile."""
+    eval_batches: int = ranged(4, POSITIVE)
+    """Batches of `batch_size` sequences each validation reads (with `eval_every`)."""
     seed: int = 0
     """Model-init and dropout seed (the data order has its own, data.seed)."""
     threads: int = ranged(0, (lambda v: 0 <= v <= 1024, "0 (all cores) to 1024"))
@@ -371,6 +379,18 @@ def git_revision() -> str:
     if out.returncode != 0:
         return "unknown"
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def invocation() -> str:
+    """The mlsm command this process runs, as typed (`mlsm demo --out runs/demo`), so a report can
+    say which command made it; '' when mlsm was not started as its command (the Python API)."""
+    import shlex
+    import sys
+
+    start = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if start.name != "mlsm" and not (start.name == "__main__.py" and start.parent.name == "mlsm"):
+        return ""
+    return shlex.join(["mlsm", *sys.argv[1:]])
 
 
 def machine_description() -> str:

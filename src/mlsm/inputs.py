@@ -222,3 +222,31 @@ def check_apart(out: str | os.PathLike, flag: str, inputs: Mapping[str, Any],
                    else "holds")
             raise UserError(f"{flag} {out} {how} the input {name} {value}; write the output "
                             "somewhere else (nothing was written)")
+
+
+def beside(path: str | os.PathLike) -> str:
+    """' (did you mean X?)' for an existing folder whose name is close to the first missing part
+    of `path` (runs/stor -> runs/store), or '': a mistyped path is usually one letter off."""
+    p = Path(path).expanduser()
+    parts = p.parts
+    for i, name in enumerate(parts):
+        parent = Path(*parts[:i]) if i else Path(".")
+        if (parent / name).exists():
+            continue
+        try:
+            folders = [e.name for e in parent.iterdir() if e.is_dir()]
+        except OSError:
+            return ""
+        close = difflib.get_close_matches(name, folders, n=1, cutoff=0.6)
+        guess = Path(*parts[:i], close[0], *parts[i + 1:]) if close else None
+        return f" (did you mean {guess}?)" if guess is not None and guess.is_dir() else ""
+    return ""
+
+
+def store_missing(path: str | os.PathLike) -> str | None:
+    """The one line for a token store path that is no folder (None when it is one): checked by
+    `TokenStore.open` and, before torch imports, by the verbs that take --store."""
+    if Path(path).is_dir():
+        return None
+    return (f"token store {path} not found (or not a folder){beside(path)}; make one with "
+            f"`mlsm prepare SOURCES --tokenizer TOK --out {path}`")

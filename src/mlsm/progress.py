@@ -12,13 +12,29 @@ through `Progress`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 DEFAULT_SECONDS = 30.0
 ENV = "MLSM_PROGRESS_SECONDS"
+_OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("mlsm_progress_owner", default="")
+
+
+@contextlib.contextmanager
+def owned_by(what: str) -> Iterator[None]:
+    """Every `Progress` made inside names `what` first (`blimp:mlsm@100% PLL: 120/400 copy`):
+    the library's bars know their task, not which model of a study they score. A context
+    variable, so stages running at once in threads each name their own."""
+    token = _OWNER.set(what)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
 
 
 def interval_seconds(value: float | None = None) -> float:
@@ -64,6 +80,8 @@ class Progress:
     def __init__(self, total: int | None, desc: str, unit: str = "it", *, initial: int = 0,
                  enabled: bool | None = None, stream: IO[str] | None = None,
                  interval: float | None = None, leave: bool = True) -> None:
+        owner = _OWNER.get()
+        desc = f"{owner} {desc}" if owner else desc
         self.total, self.desc, self.unit = total, desc, unit
         self.n = self.start_n = initial
         self.stream = stream if stream is not None else sys.stderr
@@ -71,6 +89,7 @@ class Progress:
         self.postfix: dict[str, Any] = {}
         self.bar: Any = None
         self.lines = 0  # plain lines written
+        self.n_line = initial  # the count the last plain line showed
         self.closed = False
         self.t0 = self.t_line = time.monotonic()
         self.enabled = enabled is not False
@@ -121,16 +140,18 @@ class Progress:
     def _line(self) -> None:
         print(self.line(), file=self.stream, flush=True)
         self.lines += 1
+        self.n_line = self.n
         self.t_line = time.monotonic()
 
     def close(self) -> None:
-        """End the report; a job that printed plain lines prints a last one with the final count."""
+        """End the report; a job that printed plain lines prints a last one with the final count,
+        unless its last line showed it already (the same line twice read as a stuck job)."""
         if self.closed:
             return
         self.closed = True
         if self.bar is not None:
             self.bar.close()
-        elif self.lines:
+        elif self.lines and self.n != self.n_line:
             self._line()
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.artifacts.outputs import OutputKind
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
@@ -38,6 +39,19 @@ SAVING = ".mlsm-saving"
 """Present while a save writes into an existing folder file by file (`MLSMTrainer.save_model`):
 removed after its checkpoint.json, so a folder a kill left half old, half new is refused."""
 EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
+EXPORT_FORMAT = "mlsm-export"  # the `format` field of an export's mlsm.json
+
+
+def is_export(out: Path) -> bool:
+    """Whether `out` holds an export mlsm wrote (its mlsm.json names `EXPORT_FORMAT`); torch-free,
+    so `mlsm export` refuses an --out holding something else before the heavy imports."""
+    try:
+        return read_json(out / EXPORT_MARKER, "export marker", "").get("format") == EXPORT_FORMAT
+    except UserError:  # missing, torn or foreign: not an export of ours
+        return False
+
+
+EXPORT_KIND = OutputKind("mlsm export", ours=is_export)  # `mlsm export --out`: replaced whole
 HF_LATENT_HEAD = "latent"  # the heads.json name an HF folder that is not ours is read under
 FACTS = ("latent_head", "pll_refusal")  # what a marker records for its readers
 MIGRATE = "mlsm migrate"  # the verb that writes them into a marker of mlsm 0.1.0
@@ -512,7 +526,8 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
 def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
                   readiness: str = "final") -> list[str]:
     """Model arguments of `finetune` (``[NAME=]SPEC``) after ``--readiness``: ``final`` keeps them,
-    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@<step>``; other
+    ``all`` replaces every run directory by its readiness checkpoints, named ``NAME@step-<N>``
+    (the run-spec syntax: ``@50`` read as a percent); other
     models (checkpoint folders, ``RUN@...``, public models: reference lines in `mlsm report`)
     stay."""
     if readiness == "final":
@@ -529,5 +544,5 @@ def expand_models(specs: list[str | Path] | tuple[str | Path, ...],
             continue
         for ckpt in readiness_checkpoints(path):
             step = int(ckpt.name.removeprefix("step-"))
-            out.append(f"{name}@{step}={ckpt}" if name else str(ckpt))
+            out.append(f"{name}@step-{step}={ckpt}" if name else str(ckpt))
     return out

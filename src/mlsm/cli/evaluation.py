@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlsm.artifacts.outputs import guard_output, report_kind, writing, writing_file
+from mlsm.cli import early
 from mlsm.cli.args import (
     device,
     fraction,
@@ -58,6 +59,8 @@ def add_probe(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _probe(a: argparse.Namespace) -> None:
+    early.mlsm_checkpoint(a.checkpoint, "pass an mlsm run or its checkpoints/step-* folder")
+    early.store(a.store)
     from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
     from mlsm.cli.dataclass_flags import flag_values
     from mlsm.evaluate.probe.probe import run_probe
@@ -70,9 +73,20 @@ def _probe(a: argparse.Namespace) -> None:
         p = read_probe_record(run)
         print(f"probe ({p['input']}, {p['steps']} steps): held-out loss "
               f"{p['heldout_loss']:.3f} nats, top-1 {100 * p['heldout_top1']:.1f} % (unigram "
-              f"{p['unigram_loss']:.3f}) -> score with `mlsm blimp {p['checkpoint']} --out blimp`")
+              f"{p['unigram_loss']:.3f}) -> score with `{_blimp_hint(a, p['checkpoint'])}`")
     else:
         print(f"probe run: {run} (score its checkpoints with `mlsm blimp`)")
+
+
+def _blimp_hint(a: argparse.Namespace, probe: str) -> str:
+    """The command that scores with the probe just trained: the model as the user named it (a run,
+    as the README writes it) where `mlsm blimp` finds this probe through it (the latent probe in
+    its default place), else the probe's own checkpoint folder."""
+    from mlsm.artifacts.checkpoint import Checkpoint
+
+    found = not a.out and a.head in (None, "latent")
+    run = Checkpoint.open(a.checkpoint).folder.parent.parent.name
+    return f"mlsm blimp {a.checkpoint if found else probe} --out runs/blimp-{run}"
 
 
 def add_finetune(sub: argparse._SubParsersAction) -> Callable:
@@ -103,6 +117,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _finetune(a: argparse.Namespace) -> None:
+    early.models(a.models, a.readiness)
     from mlsm.cli.dataclass_flags import flag_values
     from mlsm.evaluate.finetune.finetune import finetune
     from mlsm.evaluate.finetune.finetune_config import FinetuneConfig
@@ -183,6 +198,9 @@ def add_blimp(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _blimp(a: argparse.Namespace) -> None:
+    early.scorer(a.model)
+    if a.unigram not in ("auto", "none"):
+        early.store(a.unigram, "--unigram")
     from mlsm.evaluate.zeroshot.blimp import BLIMP_HEADING
 
     check_apart(a.out, "--out", {"--data": a.data, "MODEL": a.model})
@@ -255,6 +273,7 @@ def add_score(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _score(a: argparse.Namespace) -> None:
+    early.scorer(a.model)
     check_apart(a.out, "--out", {"INPUT": a.input, "MODEL": a.model, "--results": a.results})
     # one writer per output: a second `score` on the same --out or --results refuses at once
     with writing_file(a.out, "scores file"), (
@@ -301,6 +320,7 @@ def add_readout(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _readout(a: argparse.Namespace) -> None:
+    early.model(a.model)
     from mlsm.cli.dataclass_flags import flag_values
     from mlsm.config import build_dataclass
     from mlsm.evaluate.readouts import READOUTS_FILE, ReadoutSpec, plot_rows, readout, write_rows
@@ -341,6 +361,7 @@ def add_rank(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _rank(a: argparse.Namespace) -> None:
+    early.model(a.model)
     from mlsm.evaluate.zeroshot.rank import RANK_HEADING, read_sentences
 
     check_apart(a.out, "--out", {"--text": a.text, "MODEL": a.model})

@@ -8,6 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mlsm.cli import early
 from mlsm.cli.args import (
     device,
     non_negative_int,
@@ -65,6 +66,9 @@ def add_prepare(sub: argparse._SubParsersAction) -> Callable:
                    help="replace an existing store of other inputs")
     p.add_argument("--num-proc", type=positive_int, default=None,
                    help="tokenising processes (default: every CPU available; same store)")
+    p.add_argument("--max-docs", type=non_negative_int, default=0, metavar="N",
+                   help="tokenise only the first N documents, for a first try on a large corpus "
+                   "(the rest is never read; default 0: all)")
     _max_doc_bytes_flag(p)
     return _prepare
 
@@ -74,7 +78,7 @@ def _prepare(a: argparse.Namespace) -> None:
 
     store = prepare_corpus(a.sources, a.tokenizer, a.out, text_field=a.text_field,
                            overwrite=a.overwrite, num_proc=a.num_proc,
-                           max_doc_bytes=a.max_doc_bytes)
+                           max_doc_bytes=a.max_doc_bytes, max_docs=a.max_docs or None)
     print(f"token store {store.path}: {store.n_tokens:,} tokens in {store.n_docs:,} documents")
 
 
@@ -127,18 +131,31 @@ def add_dictionary(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _dictionary(a: argparse.Namespace) -> None:
+    early.store(a.store)
     from mlsm.cli.dataclass_flags import flag_values
     from mlsm.data.corpus import TokenStore
-    from mlsm.teacher.dictionary import check_dictionary_out, learn_dictionary
+    from mlsm.teacher.dictionary import (
+        check_dictionary_out,
+        check_vector_memory,
+        learn_dictionary,
+    )
     from mlsm.teacher.dictionary_config import DictionaryConfig
+    from mlsm.teacher.dictionary_cost import announce
     from mlsm.teacher.teacher import load_teacher
 
     check_apart(a.out, "--out", {"--store": a.store, "--teacher": a.teacher})
     check_dictionary_out(a.out)  # before minutes of work
-    c = DictionaryConfig.build(flag_values(a, DictionaryConfig), "mlsm dictionary")
+    given = flag_values(a, DictionaryConfig)
+    c = DictionaryConfig.build(given, "mlsm dictionary")
     teacher = load_teacher(a.teacher, a.layer, device=a.device, init=c.teacher_init,
                            seed=c.teacher_seed)
-    d = learn_dictionary(TokenStore.open(a.store), teacher, c, out=a.out)
+    store = TokenStore.open(a.store)
+    if c.atoms == "learned":  # a sample that cannot fit is refused before it is measured
+        check_vector_memory(c.n_vectors, teacher.hidden_size)
+    cost = announce(store, teacher, c, a.device, "n_vectors" in given)  # hours: said first
+    if cost:
+        print(cost, flush=True)
+    d = learn_dictionary(store, teacher, c, out=a.out)
     made = (f"objective {d.meta['objective']:.5f}" if d.meta.get("objective") is not None
             else f"{d.meta.get('atoms')} atoms")
     print(f"dictionary d={d.d} k={d.k} {made} (teacher {teacher.init}) -> {a.out}")
@@ -174,6 +191,7 @@ def add_targets(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _targets(a: argparse.Namespace) -> None:
+    early.store(a.store)
     from mlsm.locking import hold
     from mlsm.teacher.dictionary import load_dictionary
     from mlsm.teacher.targets import TargetStore, build_target_store, check_targets_out
@@ -198,8 +216,18 @@ def _targets(a: argparse.Namespace) -> None:
 
 
 def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
-    p = sub.add_parser("pretrain", help="pre-train a student (MLM, MLSM, KD, ...)")
+    p = sub.add_parser("pretrain", help="pre-train a student (MLM, MLSM, KD, ...)",
+                       description="Pre-train a student from a recipe (--config, overrides), or "
+                       "from text in one command: mlsm pretrain --text FILE builds the token "
+                       "store, the dictionary and, for MLSM, the probe with small-machine "
+                       "defaults, reusing what exists (docs/tutorial.md)")
     p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--text", nargs="+", metavar="FILE",
+                   help="text files / folders: build store, dictionary, run and probe "
+                   "(mlsm.cli.from_text; the run goes to train.out, default "
+                   "runs/<first file's name>)")
+    p.add_argument("--objective", choices=["mlsm", "mlm"], default="mlsm",
+                   help="with --text: the objective (default mlsm)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: 'auto' (newest checkpoint in train.out) or a "
                    "checkpoint folder")
@@ -209,6 +237,10 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _pretrain(a: argparse.Namespace) -> None:
+    if a.text:
+        _pretrain_text(a)
+        return
+    early.run_config(a.config, a.overrides)
     from mlsm.errors import Stopped
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain_run
@@ -219,6 +251,19 @@ def _pretrain(a: argparse.Namespace) -> None:
     print(f"run directory: {run}")
     if signum is not None:  # stopped early with a checkpoint: not a finished run
         raise Stopped(exit_status(signum, cfg.train.signal_exit_zero))
+
+
+def _pretrain_text(a: argparse.Namespace) -> None:
+    if a.config or a.resume:
+        raise UserError("--text builds its own recipe and resumes by itself; drop "
+                        f"{'--config' if a.config else '--resume'} (or drop --text)")
+    from mlsm.data.sources import resolve_paths
+
+    for source in a.text:  # one line before the heavy imports
+        resolve_paths(source)
+    from mlsm.cli.from_text import pretrain_from_text
+
+    print(f"run directory: {pretrain_from_text(a.text, a.objective, a.overrides)}")
 
 
 def add_flops(sub: argparse._SubParsersAction) -> Callable:
@@ -255,8 +300,12 @@ def _flops(a: argparse.Namespace) -> None:
 
 def add_export(sub: argparse._SubParsersAction) -> Callable:
     p = sub.add_parser("export",
-                       help="Hub-ready folder + model card from a checkpoint (optionally push it)")
-    p.add_argument("checkpoint", help="checkpoint folder (<run>/checkpoints/step-*)")
+                       help="Hub-ready folder + model card from a run or checkpoint (optionally "
+                       "push it)",
+                       description="Write a Hub-ready folder (weights, tokenizer, heads, model "
+                       "card) from a run: mlsm export runs/my-mlsm --out exports/my-mlsm")
+    p.add_argument("checkpoint", metavar="RUN", help="a run (RUN: its final checkpoint, "
+                   "RUN@50%%, RUN@step-N) or one of its <run>/checkpoints/step-* folders")
     p.add_argument("--out", required=True, type=out_dir,
                    help="folder to write (an earlier export there is replaced)")
     p.add_argument("--results", default=None,
@@ -277,6 +326,14 @@ def add_export(sub: argparse._SubParsersAction) -> Callable:
 
 
 def _export(a: argparse.Namespace) -> None:
+    from mlsm.artifacts.checkpoint import EXPORT_KIND
+    from mlsm.artifacts.outputs import guard_output
+
+    ck = early.mlsm_checkpoint(a.checkpoint, "pass a run directory, a <run>/checkpoints/step-* "
+                               "folder or a folder saved by save_pretrained", hf_folder=True)
+    check_apart(a.out, "--out", {"checkpoint": ck.folder, "--probe": a.probe,
+                                 "--results": a.results}, contains=True)
+    guard_output(a.out, EXPORT_KIND)  # before torch imports (export_checkpoint checks again)
     from mlsm.export import export_checkpoint, push_to_hub
 
     out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe,

@@ -42,7 +42,7 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir, remove_stale_builds
 from mlsm.hf import first_line
 from mlsm.hf import load_tokenizer as hf_load_tokenizer
-from mlsm.inputs import field_problem, real_path
+from mlsm.inputs import field_problem, real_path, store_missing
 from mlsm.limits import MAX_DOC_BYTES
 from mlsm.progress import Progress
 
@@ -123,9 +123,9 @@ class TokenStore:
     def open(cls, path: str | Path) -> TokenStore:
         """Open a store, checking that its files agree with meta.json (a one-line error if not)."""
         path = Path(path)
-        if not path.is_dir():
-            raise UserError(f"token store {path} not found (or not a folder); make one with "
-                            f"`mlsm prepare SOURCES --tokenizer TOK --out {path}`")
+        missing = store_missing(path)
+        if missing:
+            raise UserError(missing)
         meta = _read_meta(path)
         if meta.get("format") != STORE_FORMAT:
             raise UserError(f"{path} is not an mlsm token store (meta.json has no format "
@@ -209,8 +209,9 @@ def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
 
 
 def _write_store(tmp: Path, units: Iterator[Unit], tok: PreTrainedTokenizerBase, text_field: str,
-                 num_proc: int) -> tuple[int, int]:
-    """Tokenise `units` (on `num_proc` processes) into tmp/tokens.bin and tmp/offsets.bin."""
+                 num_proc: int, max_docs: int | None = None) -> tuple[int, int]:
+    """Tokenise `units` (on `num_proc` processes) into tmp/tokens.bin and tmp/offsets.bin; with
+    `max_docs`, the first that many documents only (the rest of the corpus is never read)."""
     dtype = "uint16" if len(tok) < 65536 else "uint32"
     n_tokens, n_docs = 0, 0
     # unbuffered: worker parts are appended to it by the kernel (`shards._append_file`)
@@ -222,12 +223,19 @@ def _write_store(tmp: Path, units: Iterator[Unit], tok: PreTrainedTokenizerBase,
         bar = Progress(None, "tokenising", "doc")
         with contextlib.closing(parts):  # an error or a signal stops its workers at once
             for n_ids, lengths in parts:  # in document order, one unit at a time
+                if max_docs is not None and n_docs + len(lengths) >= max_docs:
+                    lengths = lengths[:max_docs - n_docs]
+                    n_ids = int(np.sum(lengths))
                 (n_tokens + np.cumsum(lengths)).tofile(foff)
                 n_tokens += n_ids
                 n_docs += len(lengths)
                 bar.update(len(lengths))
                 bar.set_postfix(tokens=n_tokens)
+                if n_docs == max_docs:
+                    break
         bar.close()
+        if max_docs is not None:  # the last unit's documents past the limit, and any unit a
+            ftok.truncate(n_tokens * np.dtype(dtype).itemsize)  # worker appended meanwhile
         os.fsync(ftok.fileno())
         foff.flush()
         os.fsync(foff.fileno())
@@ -244,13 +252,16 @@ def prepare_corpus(
     chunk_docs: int = 512,
     num_proc: int | None = None,
     max_doc_bytes: int = MAX_DOC_BYTES,
+    max_docs: int | None = None,
 ) -> TokenStore:
     """Tokenise `sources` with `tokenizer` into a token store at `out` and return it.
 
     A no-op when `out` already holds a store of the same inputs. `tokenizer` is a fast HF
     tokenizer or a folder / hub id; it must have a mask token (the store feeds masked objectives).
     `num_proc` tokenising processes (default: every CPU this process may use) write the same
-    store, byte for byte, as one. A document longer than `max_doc_bytes` is refused.
+    store, byte for byte, as one. A document longer than `max_doc_bytes` is refused. `max_docs`:
+    the first that many documents of the sources only, for a first try that must not tokenise a
+    whole corpus (part of the store's fingerprint; None, the default, leaves it as it was).
     """
     if isinstance(sources, str | Path):
         sources = [str(sources)]
@@ -270,6 +281,8 @@ def prepare_corpus(
     require_mask_token(tok)
     tok_hash = tokenizer_hash(tok)
     fp = fingerprint(sources, tok_hash, text_field)
+    if max_docs is not None:  # a prefix is other inputs; stores without a limit keep their fp
+        fp = hashlib.sha256(f"{fp} max_docs={max_docs}".encode()).hexdigest()[:16]
     with writing(out, STORE_KIND):
         existing = _existing_store(out, overwrite)
         if existing is not None and not overwrite:
@@ -280,7 +293,7 @@ def prepare_corpus(
                             "to replace it or choose another --out")
         num_proc = default_num_proc() if num_proc is None else num_proc
         _build_store(out, sources, tok, tok_hash, text_field, fp, (chunk_docs, max_doc_bytes),
-                     num_proc)
+                     num_proc, max_docs)
     return TokenStore.open(out)
 
 
@@ -365,24 +378,26 @@ def _existing_store(out: Path, overwrite: bool) -> TokenStore | None:
 
 
 def _build_store(out: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
-                 text_field: str, fp: str, chunks: tuple[int, int], num_proc: int) -> None:
+                 text_field: str, fp: str, chunks: tuple[int, int], num_proc: int,
+                 max_docs: int | None = None) -> None:
     """Write the store into a hidden sibling and swap it into place when complete (the caller
     holds the store's lock, so a build folder left by a killed run is removed first)."""
     remove_stale_builds(out, "partial")
     try:
         with building_dir(out, "partial") as tmp:
-            _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunks, num_proc)
+            _fill_store(tmp, sources, tok, tok_hash, text_field, fp, chunks, num_proc, max_docs)
     except OSError as exc:
         raise UserError(f"could not write token store {out} ({exc.strerror or exc}); nothing was "
                         "replaced — free space and re-run") from None
 
 
 def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok_hash: str,
-                text_field: str, fp: str, chunks: tuple[int, int], num_proc: int) -> None:
+                text_field: str, fp: str, chunks: tuple[int, int], num_proc: int,
+                max_docs: int | None = None) -> None:
     """Write tokens, offsets, tokenizer and meta.json of a store into the folder `tmp`.
     chunks: (documents per unit, longest document in bytes)."""
     units = iter_units(sources, text_field, *chunks)
-    n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc)
+    n_tokens, n_docs = _write_store(tmp, units, tok, text_field, num_proc, max_docs)
     if n_tokens == 0:
         raise UserError(f"no text found in {', '.join(sources)}; check the paths and --text-field")
     tok.save_pretrained(tmp / "tokenizer")
@@ -395,4 +410,6 @@ def _fill_store(tmp: Path, sources: list[str], tok: PreTrainedTokenizerBase, tok
         "fingerprint": fp, "input_fingerprint": fp,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if max_docs is not None:  # a store without the limit keeps its meta.json as it was
+        meta["max_docs"] = max_docs
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))

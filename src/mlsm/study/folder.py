@@ -28,11 +28,13 @@ from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import loads, read_json, read_yaml
+from mlsm.progress import owned_by
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label
 
-_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"))
+_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"),
+             ("train", "eval_every"), ("train", "eval_batches"))  # none changes a weight
 """Config keys that may change between a run and its resumption (they do not change the result)."""
 
 
@@ -199,7 +201,8 @@ class Study:
         self._child_cpu.inputs = None  # what the stage notes of its inputs (`note_inputs`)
         self.log(f"[study] {key}: start")
         try:
-            outcome = fn()
+            with owned_by(key):  # its progress lines name the stage and model
+                outcome = fn()
         except Exception as exc:  # one arm's failure must not stop the others
             extra.update(self._fingerprint_record())
             seconds = time.time() - start

@@ -20,9 +20,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.artifacts.jsonl import read_jsonl
-from mlsm.config import git_revision, machine_description
+from mlsm.config import git_revision, invocation, machine_description
 from mlsm.errors import UserError
-from mlsm.evaluate.compare.paired import p_text
+from mlsm.evaluate.compare.paired import p_text, too_few
 from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.inputs import field_problem, is_number, read_json
@@ -236,12 +236,11 @@ def _headline(study: Study, cmp: Any, pairing: str) -> list[str]:
             i, j = cmp.models.index(a), cmp.models.index(b)
             has_two = getattr(cmp, "pvalues_two_sided", None) is not None
             two = cmp.pvalues_two_sided[i, j] if has_two else math.nan
-            diff = (f"{100 * cmp.ci[i, j, 0]:+.2f} [{100 * cmp.ci[i, j, 1]:+.2f}, "
-                    f"{100 * cmp.ci[i, j, 2]:+.2f}]"
-                    if getattr(cmp, "ci", None) is not None else "—")
+            few = too_few(cmp.n_pairs[i, j])  # one seed: no p-value, no interval, no "+nan"
+            ps = [few or p_text(p) for p in (cmp.pvalues[i, j], cmp.pvalues[j, i], two)]
             rows.append(f"| {a} | {b} | {int(cmp.wins[i, j])}/{int(cmp.n_pairs[i, j])} | "
-                        f"{int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | {cmp.pvalues[i, j]:.3g} "
-                        f"| {cmp.pvalues[j, i]:.3g} | {two:.3g} | {diff} |")
+                        f"{int(cmp.wins[j, i])}/{int(cmp.n_pairs[i, j])} | {' | '.join(ps)} | "
+                        f"{cmp.diff_text(i, j)} |")
     if not rows:
         return []
     return [f"## Headline comparisons, {pairing}\n",
@@ -345,8 +344,8 @@ def _unscored_rows(study: Study) -> list[str]:
             if study.unscored_reason(arm, frac)]
 
 
-def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
-            blimp_pairs: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
+def _cost_tables(compute: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
+    """Compute per arm, the wall time of every stage, and what failed."""
     lines = ["## Compute per arm\n",
              "Pre-training wall: the stage's last uninterrupted run. Training time: the logged "
              "windows of `metrics.jsonl` summed over every resumed segment (saves left out).\n",
@@ -357,9 +356,23 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
               f"{c['tokens']:,} | {_fmt(c['flops_per_batch'], 1e9, 0)} | "
               f"{c['pretrain_seconds']:.0f} | {c['training_seconds']:.0f} | "
               f"{_fmt(c['final_loss'], 1, 3)} |" for c in compute]
+    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
+              "|---|---|---:|"]
+    lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
+    failed = {k: v for k, v in study.status().items() if v.get("state") == "failed"}
+    if failed:
+        lines += ["", "## Failed\n"] + [f"- `{k}`: {v.get('error', '')}" for k, v in failed.items()]
+    return lines
+
+
+def _zero_shot_tables(blimp: list[dict[str, Any]], blimp_pairs: list[dict[str, Any]],
+                      study: Study) -> list[str]:
+    """The pair sets and held-out masked tokens: no fine-tuning, so the low-noise readouts of a
+    small study (the demo's signal), first in the report."""
+    lines: list[str] = []
     names = list(dict.fromkeys(n for r in blimp for n in r.get("sets", {})))
     if len(names) > 1:
-        lines += ["", "## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
+        lines += ["## Minimal-pair sets (PLL accuracy %; chance 50 %)\n",
                   "unigram: the add-one unigram of the tokens the run consumed, on the same "
                   f"pairs; {tests_note(names)}\n",
                   "| model | " + " | ".join(f"{n} | unigram | p vs unigram | p vs 50 %"
@@ -388,14 +401,7 @@ def _tables(compute: list[dict[str, Any]], blimp: list[dict[str, Any]],
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     lines += [_blimp_line(r) for r in blimp]
     lines += _unscored_rows(study)
-    lines += _blimp_pair_lines(blimp_pairs, first)
-    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
-              "|---|---|---:|"]
-    lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
-    failed = {k: v for k, v in study.status().items() if v.get("state") == "failed"}
-    if failed:
-        lines += ["", "## Failed\n"] + [f"- `{k}`: {v.get('error', '')}" for k, v in failed.items()]
-    return lines
+    return lines + _blimp_pair_lines(blimp_pairs, first)
 
 
 def hypotheses_section(study: Study, compute: list[dict[str, Any]] | None = None
@@ -446,25 +452,27 @@ def write_report(study: Study, dest: Path | None = None) -> Path:
     where = (f"in the study folder `{root.name}`" if dest == root else
              f"from the study folder `{root.name}` as it was at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (`--to`)")
+    command = invocation() or "mlsm.study.write_report (Python)"
     parts = [f"# Study `{study.spec.name}`\n",
-             f"Generated by `mlsm study report` {where}; mlsm "
-             f"{git_revision()}; machine: "
-             f"{machine_description()}. Arms pre-trained: {', '.join(done) or 'none yet'} of "
-             f"{', '.join(study.spec.arms)}.\n"]
+             f"Generated by `{command}` {where}; mlsm {git_revision()}; machine: "
+             f"{machine_description()}. {_arms_done(done, list(study.spec.arms))}\n"]
     if study.spec.notes:
         parts.append("## Fixed hyper-parameters and why\n\n" + study.spec.notes.strip() + "\n")
     hyp_lines, hyp_summary = hypotheses_section(study, compute)
     parts.append("\n".join(hyp_lines))
+    # zero-shot first: at small scale the pairs and held-out tokens carry the signal that
+    # fine-tuning (at its floor) does not
+    parts.append("\n".join(_zero_shot_tables(blimp, blimp_pairs, study)) + "\n")
+    png = plot_blimp_flops(blimp, compute, dest / "blimp_flops.png")
+    if png:
+        parts.append(f"## `{first_pair_set(blimp)}` pair accuracy vs FLOPs per batch (as the "
+                     f"Hitchhikers' Guide's Fig. 6)\n\n![blimp vs flops]({png})\n")
     png = plot_pretraining(study, dest / "pretraining.png")
     if png:
         parts.append(f"## Pre-training loss\n\n![pre-training]({png})\n")
     ft_parts, ft_summary = _finetune_section(study, dest)
     parts += ft_parts
-    png = plot_blimp_flops(blimp, compute, dest / "blimp_flops.png")
-    if png:
-        parts.append(f"## `{first_pair_set(blimp)}` pair accuracy vs FLOPs per batch (as the "
-                     f"Hitchhikers' Guide's Fig. 6)\n\n![blimp vs flops]({png})\n")
-    parts.append("\n".join(_tables(compute, blimp, blimp_pairs, times, study)) + "\n")
+    parts.append("\n".join(_cost_tables(compute, times, study)) + "\n")
     from mlsm.study.readout_report import readout_section
 
     readout_parts, readouts = readout_section(study, dest)
@@ -481,6 +489,15 @@ def write_report(study: Study, dest: Path | None = None) -> Path:
     path = dest / "report.md"
     atomic_write_text(path, "\n".join(parts))
     return path
+
+
+def _arms_done(done: list[str], arms: list[str]) -> str:
+    """"All 2 arms pre-trained (mlsm, mlm)." or "1 of 2 arms pre-trained (mlsm); not yet: mlm."."""
+    if len(done) == len(arms):
+        return f"All {len(arms)} arms pre-trained ({', '.join(arms)})."
+    missing = [a for a in arms if a not in done]
+    return (f"{len(done)} of {len(arms)} arms pre-trained ({', '.join(done) or 'none yet'}); "
+            f"not yet: {', '.join(missing)}.")
 
 
 def _strict(value: Any) -> Any:

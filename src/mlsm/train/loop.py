@@ -41,6 +41,7 @@ from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distr
 from mlsm.train.schedule import lr_factor
 from mlsm.train.signals import StopOnSignal
 from mlsm.train.throughput import FlopMeter, flop_meter
+from mlsm.train.validation import due, validate, validation_steps
 
 
 def pretrain(cfg: RunConfig, resume: str | None = None) -> Path:
@@ -118,6 +119,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
     if dist_info.is_main:
         meter = flop_meter(cfg, student.config, device, dist_info.world)
     tracker = _open_tracker(cfg, run_dir, dist_info, start if resume else None)
+    held_out = validation_steps(cfg.train.steps, cfg.train.eval_batches)  # train.eval_every
     bar = Progress(cfg.train.steps, "pretrain", "step", initial=start, enabled=dist_info.is_main)
     t_last, s_last = time.perf_counter(), start
     stopper, stopped_by = StopOnSignal(), None
@@ -140,7 +142,15 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
             optimizer.zero_grad(set_to_none=True)
             bar.update(1, loss=loss)  # every progress line shows the latest loss
             done = step + 1
-            if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
+            val = {}  # every rank validates (its sums are all-reduced); rank 0 logs them
+            if due(done, cfg.train.eval_every, cfg.train.steps):
+                t_val = time.perf_counter()
+                val = validate(module, source, held_out, (cfg.train.batch_size, micro), autocast,
+                               device, dist_info)
+                t_last += time.perf_counter() - t_val  # tokens/s and MFU count training only
+                bar.set_postfix(val_loss=f"{val['val_loss']:.4g}")
+            if dist_info.is_main and (done % cfg.train.log_every == 0 or done == cfg.train.steps
+                                      or val):
                 now = time.perf_counter()
                 window, seconds = done - s_last, max(now - t_last, 1e-9)
                 tps = tokens_per_step * window / seconds
@@ -148,7 +158,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
                 bar.set_postfix(tok_s=f"{tps:,.0f}")
                 flops = meter.metrics(window, seconds)  # flops_per_s, mfu
                 record = _log(run_dir, done, loss, lr, grad_norm, tps, totals, tokens_per_step,
-                              flops)
+                              {**flops, **val})
                 tracker.log({k: v for k, v in record.items() if k != "batch_digest"}, done)
             if done in save_steps:
                 _checkpoint(run_dir, done, cfg, module, tokenizer, (optimizer, scaler), dist_info,

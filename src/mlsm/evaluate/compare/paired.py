@@ -35,6 +35,14 @@ def p_text(p: Any) -> str:
     return f"{p:.3g}" if is_number(p) and math.isfinite(p) else "—"
 
 
+def too_few(n_pairs: float) -> str | None:
+    """'n/a (1 pair)' for a paired p-value or interval with fewer than two pairs to stand on (one
+    pair: Wilcoxon's p is 0.5 or 1 whatever the scores, the bootstrap interval NaN), so a table
+    never prints such a p or "+nan"; None when there are enough."""
+    n = int(n_pairs)
+    return f"n/a ({n} pair{'' if n == 1 else 's'})" if n < 2 else None
+
+
 def paired_p(a: Sequence[float], b: Sequence[float], test: Test,
              alternative: Alternative) -> float:
     """p of `test` on the pairs (a_i, b_i), alternative about a - b (greater: a > b). NaN with

@@ -30,6 +30,7 @@ from scipy import stats as sps
 from mlsm.artifacts.outputs import guard_output, report_kind
 from mlsm.artifacts.results_file import CELL_FIELDS, TEST_SUFFIX, is_test_metric, read_scores
 from mlsm.errors import UserError
+from mlsm.evaluate.compare.paired import too_few
 from mlsm.fileio import atomic_write, atomic_write_text
 
 SIGNIFICANCE = 0.01  # the Hitchhikers' Guide marks p < 0.01
@@ -89,8 +90,9 @@ class Comparison:
         ``*`` at (i, j): i better than j, p < 0.01.
         """
         m = len(self.models)
-        return [[("—" if i == j or math.isnan(self.pvalues[i, j]) else
-                  f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}")
+        return [[("—" if i == j else too_few(self.n_pairs[i, j]) or (
+                  "—" if math.isnan(self.pvalues[i, j]) else
+                  f"{self.pvalues[i, j]:.3g}{'*' if self.pvalues[i, j] < SIGNIFICANCE else ''}"))
                  for j in range(m)] for i in range(m)]
 
     def common_columns(self) -> np.ndarray:
@@ -162,13 +164,21 @@ class Comparison:
         if self.ci is None:
             return []
         m = len(self.models)
-        rows = [[("—" if i == j or math.isnan(self.ci[i, j, 0]) else
-                  f"{100 * self.ci[i, j, 0]:+.2f} "
-                  f"[{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
-                 for j in range(m)] for i in range(m)]
+        rows = [[self.diff_text(i, j) for j in range(m)] for i in range(m)]
         title = ("## Mean paired difference row − column ×100, "
                  f"{100 * self.ci_level:.0f} % bootstrap CI")
         return [title, "", _md(["model", *self.models], self.models, rows), ""]
+
+    def diff_text(self, i: int, j: int) -> str:
+        """Mean difference ×100 [low, high] of row i − column j; n/a with fewer than 2 pairs."""
+        if i == j:
+            return "—"
+        if too_few(self.n_pairs[i, j]):
+            return too_few(self.n_pairs[i, j])  # type: ignore[return-value]
+        if self.ci is None or math.isnan(self.ci[i, j, 0]):
+            return "—"
+        return (f"{100 * self.ci[i, j, 0]:+.2f} "
+                f"[{100 * self.ci[i, j, 1]:+.2f}, {100 * self.ci[i, j, 2]:+.2f}]")
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """``comparison.md``, ``means.csv``, ``pvalues.csv`` (one-sided, row better than column),

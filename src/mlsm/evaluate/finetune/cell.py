@@ -38,7 +38,7 @@ class ModelRef:
 def resolve_model(spec: str | Path) -> ModelRef:
     """``"path"`` or ``"name=path"`` -> ModelRef.
 
-    Default name: ``<run>@<step>`` if known, else the folder name.
+    Default name: ``<run>@step-<N>`` if known, else the folder name.
 
     ``path`` may be a run directory, ``RUN@50%`` or ``RUN@step-N`` (`mlsm.artifacts.checkpoint`)."""
     text = str(spec)
@@ -53,9 +53,10 @@ def resolve_model(spec: str | Path) -> ModelRef:
         meta = Checkpoint.at(folder).info  # the one reader of checkpoint.json
     step = meta.get("step")
     run = meta.get("run")
-    # our runs store the run directory as "run": name checkpoints <run dir name>@<step>
+    # our runs store the run directory as "run": name checkpoints <run dir name>@step-<N>, the
+    # run-spec syntax (a bare @50 reads as 50 %)
     if not name:
-        name = (f"{Path(str(run)).name}@{step}" if run is not None and step is not None
+        name = (f"{Path(str(run)).name}@step-{step}" if run is not None and step is not None
                 else real_path(folder).name)
     readiness = meta.get("readiness")
     return ModelRef(name, str(folder), None if step is None else int(step),

@@ -392,7 +392,7 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
 
     ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: run specs),
     optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
-    directory (named ``name@<step>``). The settings — seeds, lrs, epochs, batch_size, max_len,
+    directory (named ``name@step-<N>``). The settings — seeds, lrs, epochs, batch_size, max_len,
     data_dir, warmup_ratio, weight_decay, fixed_order, clip, eval_test, max_steps, head,
     val_fraction, preset, temperature, max_train_examples, recompute — are the fields of
     `FinetuneConfig` (docstrings and defaults there): pass a `config`, keywords, or both

@@ -162,9 +162,15 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
     if p["masked_lm"]:
         code += ["", "from transformers import pipeline",
                  'fill = pipeline("fill-mask", model="REPO")']
-    code += ["```", "", "Fine-tune and compare with mlsm: "
-             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     heads = Checkpoint.at(folder).heads_meta
+    code += ["```", ""]
+    if not p["masked_lm"]:  # transformers would not refuse: it initialises the missing head
+        code += ['This folder has no masked-LM head: `pipeline("fill-mask")` would run a '
+                 "randomly initialised one and predict noise."
+                 + (" Score words through the probe below." if "probe" in (heads or {}) else ""),
+                 ""]
+    code += ["Fine-tune and compare with mlsm: "
+             "`mlsm finetune NAME=LOCAL_FOLDER --tasks cola,sst2,...`."]
     if heads is not None:
         names = ", ".join(heads)
         code += ["", f"The mlsm heads ({names}) are in `heads.safetensors`; "
@@ -178,7 +184,7 @@ def _usage(p: dict[str, Any], folder: Path) -> str:
             code += ["from safetensors.torch import load_file",
                      'heads = load_file("LOCAL_FOLDER/heads.safetensors")  # see heads.json']
         if "probe" in names:
-            code += ["from mlsm.evaluate.probe import ProbeScorer"
+            code += ["from mlsm.evaluate.probe.probe import ProbeScorer"
                      "  # probe(softmax(latent(h))) -> (N, |V|)",
                      'scorer = ProbeScorer("LOCAL_FOLDER")'
                      "  # PLL / BLiMP: `mlsm blimp LOCAL_FOLDER --out blimp/`"]
