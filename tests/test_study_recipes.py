@@ -77,10 +77,10 @@ def test_paper_study_covers_table_1_and_table_2(tmp_path) -> None:
     their names."""
     spec = load_study(PAPER_STUDY, out=str(tmp_path / "study"))
     study = Study(spec, log=lambda s: None, create=False)
-    cells = {(study.arm_config(a).objective.layer, spec.arms[a].dictionary["k"])
+    cells = {(study.arm_config(a).objective.layer, spec.arms[a].dictionary.k)
              for a in spec.arms if study.arm_config(a).objective.name == "mlsm"}
     assert {(layer, 3072) for layer in LAYERS} | {(10, k) for k in KS} == cells
-    latent = [a for a in spec.arms if spec.arms[a].dictionary]
+    latent = [a for a in spec.arms if spec.arms[a].dictionary is not None]
     assert len({study.dictionary_path(a) for a in latent}) == len(LAYERS) + len(KS) - 1
 
 
