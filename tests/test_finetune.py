@@ -169,7 +169,7 @@ def test_training_order_depends_on_seed_and_task_only() -> None:
 def test_resolve_model_reads_checkpoint_json(tiny: Path, tmp_path: Path) -> None:
     ref = resolve_model(tiny)
     assert (ref.name, ref.step, ref.readiness, ref.objective, ref.run) == (
-        "r1@100", 100, 0.5, "mlm", "r1",
+        "r1@step-100", 100, 0.5, "mlm", "r1",
     )
     assert resolve_model(f"mine={tiny}").name == "mine"
     with pytest.raises(UserError, match="config.json"):

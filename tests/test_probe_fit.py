@@ -203,7 +203,7 @@ def test_probe_hint_names_the_run_blimp_scores_it_through(mlsm_ckpt: Path, tmp_p
     scorer, _ = load_scorer(argv[2])
     probe = json.loads((run / "probe-step-0000030" / "probe.json").read_text())["checkpoint"]
     assert isinstance(scorer, ProbeScorer)
-    assert torch.equal(scorer.probe.weight, ProbeScorer(run / probe).probe.weight)
+    assert torch.equal(scorer.probe.weight, load_scorer(probe)[0].probe.weight)
 
 
 def test_a_probe_that_gets_worse_keeps_its_best_weights(mlsm_ckpt: Path, tmp_path: Path) -> None:

@@ -66,9 +66,9 @@ def add_prepare(sub: argparse._SubParsersAction) -> Callable:
                    help="replace an existing store of other inputs")
     p.add_argument("--num-proc", type=positive_int, default=None,
                    help="tokenising processes (default: every CPU available; same store)")
-    p.add_argument("--max-docs", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--max-docs", type=non_negative_int, default=None, metavar="N",
                    help="tokenise only the first N documents, for a first try on a large corpus "
-                   "(the rest is never read; default 0: all)")
+                   "(the rest is never read; default: all)")
     _max_doc_bytes_flag(p)
     return _prepare
 
@@ -226,7 +226,7 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
                    help="text files / folders: build store, dictionary, run and probe "
                    "(mlsm.cli.from_text; the run goes to train.out, default "
                    "runs/<first file's name>)")
-    p.add_argument("--objective", choices=["mlsm", "mlm"], default="mlsm",
+    p.add_argument("--objective", default="mlsm",
                    help="with --text: the objective (default mlsm)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: 'auto' (newest checkpoint in train.out) or a "
