@@ -20,8 +20,6 @@ Skips (exit 0) when the corpus or the packaged teacher is absent.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -32,27 +30,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import CORPUS, step_bench_args
+from common import prefix_store, step_bench_args
 
 PHASES = ("student forward", "teacher forward", "sparse coding", "backward", "optimizer")
 
 
 def _store_and_dictionary(tmp: Path, args: argparse.Namespace):
-    from mlsm.data.corpus import TokenStore, prepare_corpus
+    from mlsm.data.corpus import TokenStore
     from mlsm.teacher.dictionary import learn_dictionary
-    from mlsm.teacher.teacher import default_teacher_path, load_teacher
+    from mlsm.teacher.teacher import load_teacher
 
-    text = tmp / "text" / "docs.jsonl"
-    text.parent.mkdir()
-    need_chars = 6 * args.seq * args.batch * (args.rounds + 1)
-    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
-        got = 0
-        for line in src:
-            dst.write(line)
-            got += len(json.loads(line).get("text", ""))
-            if got >= need_chars:
-                break
-    store = prepare_corpus(str(text.parent), str(default_teacher_path()), tmp / "store")
+    store = prefix_store(tmp, 6 * args.seq * args.batch * (args.rounds + 1))
     learn_dictionary(TokenStore.open(store.path), load_teacher(None, 5), k=1536, lam=0.05,
                      n_vectors=args.dict_vectors, max_len=args.seq, out=tmp / "dict")
     return store

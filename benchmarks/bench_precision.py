@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -35,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import CORPUS, measured_peaks, skip_reason
+from common import measured_peaks, prefix_store, skip_reason
 
 # First matching substring wins; names are torch's aten op names (profiler "self" time).
 KINDS = (
@@ -59,20 +57,8 @@ def _setup(tmp: Path, args: argparse.Namespace):
     """A token store of enough enwiki text for the rounds, and the batches of each round."""
     from mlsm.config import DataConfig
     from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import prepare_corpus
-    from mlsm.teacher.teacher import default_teacher_path
 
-    need_chars = 6 * args.seq * args.batch * (args.rounds + 2)
-    text = tmp / "text" / "docs.jsonl"
-    text.parent.mkdir()
-    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
-        got = 0
-        for line in src:
-            dst.write(line)
-            got += len(json.loads(line).get("text", ""))
-            if got >= need_chars:
-                break
-    store = prepare_corpus(str(text.parent), str(default_teacher_path()), tmp / "store")
+    store = prefix_store(tmp, 6 * args.seq * args.batch * (args.rounds + 2))
     source = BatchSource(store, DataConfig(store=str(store.path), max_len=args.seq),
                          store.load_tokenizer())
     batches = [source.batch(np.arange(s * args.batch, (s + 1) * args.batch), s)

@@ -15,7 +15,6 @@ Skips (exit 0) when the corpus below or the packaged teacher is absent.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -26,28 +25,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import CORPUS, step_bench_args
+from common import prefix_store, step_bench_args
 
 
 def _setup(tmp: Path, args: argparse.Namespace):
     """Token store (MiniLM tokenizer), dictionary (k=1536, layer 5) and target store in tmp."""
-    from mlsm.data.corpus import TokenStore, prepare_corpus
+    from mlsm.data.corpus import TokenStore
     from mlsm.teacher.dictionary import learn_dictionary
     from mlsm.teacher.targets import build_target_store
     from mlsm.teacher.teacher import default_teacher_path, load_teacher
 
     teacher_path = default_teacher_path()
-    need_chars = 6 * args.seq * args.batch * (args.rounds + 1)  # ~4-6 chars per token, margin
-    text = tmp / "text" / "docs.jsonl"
-    text.parent.mkdir()
-    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
-        got = 0
-        for line in src:
-            dst.write(line)
-            got += len(json.loads(line).get("text", ""))
-            if got >= need_chars:
-                break
-    store = prepare_corpus(str(text.parent), str(teacher_path), tmp / "store")
+    store = prefix_store(tmp, 6 * args.seq * args.batch * (args.rounds + 1))
     teacher = load_teacher(None, 5)
     t0 = time.perf_counter()
     dictionary = learn_dictionary(TokenStore.open(store.path), teacher, k=1536, lam=0.05,

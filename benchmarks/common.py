@@ -12,6 +12,27 @@ CORPUS = (
 )
 
 
+def prefix_store(tmp: str | Path, need_chars: int):
+    """Token store (packaged teacher's tokenizer) in tmp/store of CORPUS's first documents, as
+    many as hold `need_chars` characters of text: what a step benchmark's rounds consume."""
+    import gzip
+    import json
+
+    from mlsm.data.corpus import prepare_corpus
+    from mlsm.teacher.teacher import default_teacher_path
+
+    text = Path(tmp) / "text" / "docs.jsonl"
+    text.parent.mkdir()
+    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
+        got = 0
+        for line in src:
+            dst.write(line)
+            got += len(json.loads(line).get("text", ""))
+            if got >= need_chars:
+                break
+    return prepare_corpus(str(text.parent), str(default_teacher_path()), Path(tmp) / "store")
+
+
 def corpus_store(tmp: str | Path):
     """Token store of CORPUS with the packaged teacher's tokenizer in tmp, and that tokenizer."""
     from mlsm.data.corpus import prepare_corpus
