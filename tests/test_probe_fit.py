@@ -289,3 +289,28 @@ def test_probe_fit_equals_a_plain_adam_reference(mlsm_ckpt: Path, store_dir: Pat
     assert torch.allclose(got.probe.weight, w, rtol=1e-3, atol=1e-5)
     assert torch.allclose(got.probe.bias, b, rtol=1e-3, atol=1e-4)
     assert held_loss(w, b) == pytest.approx(info["heldout_loss"], rel=1e-4)
+
+
+def test_a_probe_trained_again_is_the_one_its_run_resolves_to(mlsm_ckpt: Path,
+                                                            tmp_path: Path) -> None:
+    """A second plateau fit into the same probe run, whose best is an earlier step than the first
+    fit's, is what `load_scorer(RUN)` scores through: the first fit's later step-N is not left
+    behind as the probe run's "final" checkpoint (it was, once, by test order alone)."""
+    import shutil
+
+    from mlsm.artifacts.checkpoint import list_checkpoints
+    from mlsm.evaluate.probe.probe import run_probe
+
+    run = Path(shutil.copytree(mlsm_ckpt.parent.parent, tmp_path / "run"))
+    out = run_probe(run, max_steps=60, eval_every=10, select_steps=20, patience=100, min_delta=0.0,
+                    heldout_batches=2, batch_size=8)
+    first = json.loads((out / "probe.json").read_text())
+    assert first["steps"] > 0
+    # a far too large lr only gets worse than the unigram start: the second fit's best is step 0
+    again = run_probe(run, inputs=["logits"], lr=500.0, max_steps=20, eval_every=10,
+                      heldout_batches=2, batch_size=8)
+    record = json.loads((again / "probe.json").read_text())
+    assert again == out and record["steps"] == 0
+    assert [f for _, f in list_checkpoints(out)] == [Path(record["checkpoint"])]
+    scorer, _ = load_scorer(run)
+    assert torch.equal(scorer.probe.weight, load_scorer(record["checkpoint"])[0].probe.weight)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
+from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints, remove_checkpoint
 from mlsm.artifacts.probe_record import write_probe_record
 from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
@@ -295,7 +295,18 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
             "candidates": {c.kind: {"steps": c.steps, "heldout_loss": c.best,
                                     "curve": c.curve} for c in cands}}
     write_probe_record(out, info)
+    _drop_other_checkpoints(out, saved)
     return info
+
+
+def _drop_other_checkpoints(out: Path, saved: Path) -> None:
+    """A probe run trained again keeps only the checkpoint its new record names: an earlier fit's
+    step-N (a later step than this fit's best) would otherwise be what `load_scorer(RUN)` and
+    `mlsm export` resolve as the probe run's final checkpoint. Pruned after the record is written,
+    so a crash midway never leaves a record without its checkpoint."""
+    for _, folder in list_checkpoints(out):
+        if folder.resolve() != saved.resolve():
+            remove_checkpoint(folder)
 
 
 def _train(cands: list[_Candidate], held: list, first: tuple[torch.Tensor, torch.Tensor],
