@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train import device as dev
@@ -44,12 +45,25 @@ def test_bf16_agrees_with_fp32_over_several_steps(store_dir: Path, tmp_path: Pat
     bf16 = _losses(_run(store_dir, tmp_path / "bf16", **{"train.precision": "bf16"}))
     assert len(fp32) == len(bf16) == 6
     assert bf16 != fp32  # autocast did run in bf16
+    for precision in ("fp32", "bf16"):  # run.json says what each run trained in
+        assert RunDir(tmp_path / precision).segment_values("precision") == [precision]
     for a, b in zip(fp32, bf16, strict=True):
         assert abs(a - b) <= BF16_REL * abs(a), (fp32, bf16)
 
 
 def test_bf16_resume_is_exact(store_dir: Path, tmp_path: Path) -> None:
     check_resume(store_dir, tmp_path, at=3, **{"train.precision": "bf16"})
+
+
+def test_auto_precision_is_resolved_printed_and_recorded(store_dir: Path, tmp_path: Path,
+                                                         capfd: pytest.CaptureFixture) -> None:
+    """`train.precision=auto` on a CPU trains in fp32: the run says so on stderr and records the
+    resolved precision (not "auto") and the device in run.json, for a study report to compare."""
+    run = _run(store_dir, tmp_path / "auto", **{"train.precision": "auto", "train.steps": 2})
+    assert "training in fp32 on cpu (train.precision=auto)" in capfd.readouterr().err
+    marker = RunDir(run)
+    assert marker.segment_values("precision") == ["fp32"]
+    assert marker.segment_values("device") == ["cpu"]
 
 
 def test_fp16_is_refused_on_cpu_and_scaled_on_cuda(store_dir: Path, tmp_path: Path) -> None:

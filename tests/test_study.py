@@ -292,6 +292,22 @@ def test_whole_study_writes_a_report_with_every_section(
     assert (out / "summary.json").is_file() and (out / "pretraining.png").is_file()
     # what a study writes is all in the list that keeps a corpus source out of its outputs
     assert {p.name for p in out.iterdir()} <= set(OUTPUTS), sorted(p.name for p in out.iterdir())
+    _check_precision_column(spec, out, text)
+
+
+def _check_precision_column(spec, out: Path, text: str) -> None:
+    """Each arm's precision comes from its run.json (what the run trained in, auto resolved);
+    arms that trained in different precisions are named in one warning line."""
+    from mlsm.study.report import write_report
+
+    compute = json.loads((out / "summary.json").read_text())["compute"]
+    assert {c["arm"]: c["precision"] for c in compute} == {"mlm": "fp32", "mlsm": "fp32"}
+    assert "different precisions" not in text
+    marker = out / "runs" / "mlsm" / "run.json"
+    record = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**record, "precision": "bf16"}))
+    text = write_report(Study(spec, log=lambda s: None)).read_text()
+    assert "**Arms trained in different precisions** (mlm: fp32, mlsm: bf16)" in text
 
 
 def _check_readouts(out: Path, text: str) -> None:

@@ -65,6 +65,18 @@ class RunDir:
             return None
         return marker if isinstance(marker, dict) and "started" in marker else None
 
+    def segment_values(self, key: str) -> list[Any]:
+        """`key` (e.g. "precision") as the run's start and each resumed segment recorded it, in
+        order; None for a segment that recorded none (written before the key existed). [] without
+        a readable run.json: a figure for reports, not a check."""
+        marker = self.marker()
+        if marker is None:
+            return []
+        resumed = marker.get("resumed")
+        segments = [marker, *(r for r in (resumed if isinstance(resumed, list) else [])
+                              if isinstance(r, dict))]
+        return [seg.get(key) for seg in segments]
+
     def revision_at(self, step: Any) -> str | None:
         """The mlsm revision that trained up to `step`: the run's start, or the last segment
         resumed before that step (run.json `resumed`); None without a run.json. A torn one is

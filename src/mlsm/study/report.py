@@ -20,6 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from mlsm.artifacts.jsonl import read_jsonl
+from mlsm.artifacts.rundir import RunDir
 from mlsm.config import git_revision, invocation, machine_description
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.paired import p_text, too_few
@@ -106,8 +107,30 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
                     "tokens": step * cfg.train.batch_size * cfg.data.max_len,
                     "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "training_seconds": training_seconds(rows),
-                    "final_loss": rows[-1]["loss"] if rows else math.nan})
+                    "final_loss": rows[-1]["loss"] if rows else math.nan,
+                    "precision": _precision(study, arm)})
     return out
+
+
+def _precision(study: Study, arm: str) -> str:
+    """The precision(s) the arm's run trained in, as its run.json segments recorded them."""
+    seen = RunDir(study.run_dir(arm)).segment_values("precision")
+    known = sorted({p for p in seen if isinstance(p, str)})
+    if any(not isinstance(p, str) for p in seen):
+        known.append("not recorded")
+    return " + ".join(known) if seen else "—"
+
+
+def _precision_warning(compute: list[dict[str, Any]]) -> list[str]:
+    """A line when arms (or one arm's resumed segments) trained in different precisions: their
+    differences then mix the objective with the arithmetic."""
+    recorded = {c["arm"]: c.get("precision", "—") for c in compute}
+    kinds = {p for p in recorded.values() if p not in ("—", "not recorded")}
+    if len(kinds) <= 1:
+        return []
+    listed = ", ".join(f"{a}: {p}" for a, p in recorded.items())
+    return ["", f"**Arms trained in different precisions** ({listed}): a difference between "
+                "them mixes the objective with the arithmetic.\n"]
 
 
 def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
@@ -349,13 +372,15 @@ def _cost_tables(compute: list[dict[str, Any]], times: dict, study: Study) -> li
     lines = ["## Compute per arm\n",
              "Pre-training wall: the stage's last uninterrupted run. Training time: the logged "
              "windows of `metrics.jsonl` summed over every resumed segment (saves left out).\n",
-             "| arm | objective | steps | tokens | GFLOPs / batch | "
+             "| arm | objective | precision | steps | tokens | GFLOPs / batch | "
              "pre-training wall (s) | training time (s) | final loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {c['arm']} | {c['objective']} | {c['steps_done']}/{c['steps']} | "
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {c['arm']} | {c['objective']} | {c.get('precision', '—')} | "
+              f"{c['steps_done']}/{c['steps']} | "
               f"{c['tokens']:,} | {_fmt(c['flops_per_batch'], 1e9, 0)} | "
               f"{c['pretrain_seconds']:.0f} | {c['training_seconds']:.0f} | "
               f"{_fmt(c['final_loss'], 1, 3)} |" for c in compute]
+    lines += _precision_warning(compute)
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]

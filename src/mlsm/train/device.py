@@ -24,19 +24,27 @@ def resolve_device(pref: str, info: DistInfo) -> torch.device:
     return torch.device(pref)
 
 
-def autocast_for(precision: str, device: torch.device) -> Any:
-    """The autocast context of `train.precision` (auto: bf16 on CUDA that has it, else fp32).
-    Weights, optimizer state and gradients stay fp32; matmuls run in bf16/fp16."""
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision a run trains in: `train.precision`, with auto resolved (bf16 on CUDA that
+    has it, else fp32). Printed at a run's start and recorded in its run.json, so two runs
+    compared side by side never differ in precision unseen."""
     if precision == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         precision = "bf16" if bf16 else "fp32"
-    if precision == "fp32":
-        return nullcontext()
     if precision == "fp16" and device.type != "cuda":
         raise UserError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in dtypes:
+    if precision not in ("fp32", "bf16", "fp16"):
         raise UserError(f"train.precision={precision!r} is unknown; use auto, fp32, bf16 or fp16")
+    return precision
+
+
+def autocast_for(precision: str, device: torch.device) -> Any:
+    """The autocast context of `train.precision` (`resolve_precision`). Weights, optimizer state
+    and gradients stay fp32; matmuls run in bf16/fp16."""
+    precision = resolve_precision(precision, device)
+    if precision == "fp32":
+        return nullcontext()
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     return torch.autocast(device.type, dtype=dtypes[precision])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -108,7 +109,12 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
     scaler = dev.grad_scaler(cfg.train.precision, device)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    start, inputs = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler)
+    precision = dev.resolve_precision(cfg.train.precision, device)
+    if dist_info.is_main:  # one line, so a log says what a run's numbers were computed in
+        print(f"mlsm: training in {precision} on {device.type} "
+              f"(train.precision={cfg.train.precision})", file=sys.stderr, flush=True)
+    start, inputs = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler,
+                               {"device": device.type, "precision": precision})
     if cfg.train.compile:
         dev.compile_student(module)
     model = _wrap_ddp(module, dist_info, device)
@@ -265,12 +271,13 @@ def _save_steps(cfg: RunConfig) -> set[int]:
 
 def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainModule,
                optimizer: torch.optim.Optimizer, info: DistInfo,
-               scaler: torch.amp.GradScaler | None = None) -> tuple[int, dict[str, str]]:
+               scaler: torch.amp.GradScaler | None = None,
+               facts: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
     """Create or re-open the run directory; on resume restore state. Returns the next step and
     the fingerprints of the run's inputs (each checkpoint records them).
 
     Nothing in run_dir is written before the resume is validated (same run, same inputs, intact
-    checkpoint)."""
+    checkpoint). `facts` (device, resolved precision) go into run.json's segment."""
     run = RunDir(run_dir)
     run.check_folder(resume)
     picked = run.pick(resume, announce=info.is_main) if resume else None
@@ -295,7 +302,7 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
     barrier(info)  # every rank has checked run_dir before rank 0 writes into it
     if info.is_main:
         segment = {"git_revision": git_revision(), "world_size": info.world,
-                   "threads": torch.get_num_threads()}
+                   "threads": torch.get_num_threads(), **(facts or {})}
         run.start(config_to_dict(cfg), step, segment, inputs)
     return step, inputs
 
