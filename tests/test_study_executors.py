@@ -513,3 +513,31 @@ def test_lines_logged_from_threads_at_once_stay_whole(tmp_path) -> None:
     for t in threads:
         t.join()
     assert sorted("".join(written).splitlines()) == sorted(lines)
+
+
+def test_an_arm_training_in_a_subprocess_shows_its_progress_in_the_study_log(tmp_path) -> None:
+    """The arm's own progress bar goes to its log file; the study's log (the demo's console)
+    gets a line each time the run's metrics pass another tenth of its steps. A resumed run's
+    old rows are where it starts, not progress; a torn last row is skipped."""
+    from mlsm.study.executors import _ProgressLines
+
+    spec = study_from_dict({"name": "p", "out": str(tmp_path / "study"),
+                            "arms": {"m": {"objective": {"name": "mlm"}}}})
+    said: list[str] = []
+    study = Study(spec, log=said.append)
+    metrics = study.run_dir("m") / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (10, 20)))
+    watch = _ProgressLines(study, "m", steps=100)
+    watch()  # resumed at step 20: where it starts, said by the run itself
+    for step in range(25, 101, 5):
+        with metrics.open("a") as fh:
+            fh.write(json.dumps({"step": step, "loss": 10.0 - step / 100}) + "\n")
+        watch()
+        watch()  # looking again without progress says nothing
+    with metrics.open("a") as fh:
+        fh.write('{"step": 1')  # torn by a crash
+    watch()
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in said]
+    assert steps == [30, 40, 50, 60, 70, 80, 90, 100], said
+    assert said[-1] == "[study] pretrain:m: step 100/100, loss 9.000"

@@ -233,6 +233,22 @@ class RunDir:
             raise UserError(f"cannot append to {self.metrics} ({exc.strerror or exc}); free "
                             "space and rerun with --resume auto") from None
 
+    def last_logged(self) -> dict[str, Any] | None:
+        """The newest whole metrics.jsonl row (a progress figure for a watcher of a run another
+        process trains; a torn last line is skipped), or None before the first."""
+        try:
+            lines = self.metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return None
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                return row
+        return None
+
     def checkpoint_folder(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step-{step:07d}"
 

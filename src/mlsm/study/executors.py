@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, save_config
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
@@ -75,8 +76,9 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
     command = [sys.executable, "-m", "mlsm", "pretrain", "--config", str(path), "--resume", "auto"]
+    watch = _ProgressLines(study, arm, cfg.train.steps)
     with log.open("a") as fh:
-        code, cpu = _call_measured(command, fh, env)
+        code, cpu = _call_measured(command, fh, env, watch)
     study.add_child_cpu(cpu)
     # a signalled run saves a checkpoint and exits 128 + the signal (0 with train.signal_exit_zero);
     # one killed by it before the CLI's handlers were in place: minus the signal (Popen's way)
@@ -90,13 +92,44 @@ def _subprocess_arm(study: Study, arm: str) -> str | None:
     return None
 
 
-def _call_measured(command: list[str], fh: Any, env: dict[str, str]) -> tuple[int, float]:
+class _ProgressLines:
+    """The study log's view of an arm training in a subprocess (whose own progress bar goes to
+    its log file): one line each time the run's metrics pass another tenth of its steps."""
+
+    def __init__(self, study: Study, arm: str, steps: int):
+        self.study, self.arm, self.steps = study, arm, max(1, steps)
+        self.run = RunDir(study.run_dir(arm))
+        self.tenths = -1  # the tenth last said; the first look only notes where a resume starts
+
+    def __call__(self) -> None:
+        row = self.run.last_logged()
+        if row is None:
+            return
+        tenths = min(10, row["step"] * 10 // self.steps)
+        if tenths > self.tenths >= 0:
+            loss = row.get("loss")
+            said = f", loss {loss:.3f}" if isinstance(loss, (int, float)) else ""
+            self.study.log(f"[study] pretrain:{self.arm}: step {row['step']}/{self.steps}{said}")
+        self.tenths = max(self.tenths, tenths)
+
+
+def _call_measured(command: list[str], fh: Any, env: dict[str, str],
+                   watch: Callable[[], None] | None = None,
+                   every_s: float = 2.0) -> tuple[int, float]:
     """Run `command` to its end like `subprocess.call`; (exit code, its CPU seconds). The child is
     reaped with `os.wait4`, which returns its own resource usage: two arms run at once, and
-    RUSAGE_CHILDREN could not tell their costs apart."""
+    RUSAGE_CHILDREN could not tell their costs apart. `watch` is called every `every_s` seconds
+    while the child runs."""
     with subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env) as proc:
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            delay = 0.05  # a short child (a skipped or refused run) is reaped at once
+            while pid == 0:
+                time.sleep(delay)
+                delay = min(every_s, 2 * delay)
+                if watch is not None:
+                    watch()
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         except BaseException:  # as subprocess.call: an interrupted driver leaves no orphan
             proc.kill()
             raise
