@@ -23,7 +23,11 @@ SUFFIXES = {".py", ".md", ".yaml", ".yml"}
 _BEREND = r"Berend,? \(?2023\)?"
 _RESULT = r"(?:Table 3|readiness|Figs?\. ?[246]|l = 10|8\.3 ?M|§4\.3)"
 _GAP = r"(?:(?!Hitchhiker|Guide)(?:[^.;]|\.\d)){0,60}?"
-MISATTRIBUTED = re.compile(f"{_BEREND}{_GAP}{_RESULT}|{_RESULT}{_GAP}{_BEREND}")
+# λ = 0.05 is the official MLSM code's default (`--lda 0.05`), not a number any text here quotes
+# from Berend 2023.
+_CODE_CHOICE = r"(?:λ ?= ?0\.05|\buses 0\.05\b)"
+MISATTRIBUTED = re.compile(f"{_BEREND}{_GAP}{_RESULT}|{_RESULT}{_GAP}{_BEREND}"
+                           f"|{_BEREND}{_GAP}{_CODE_CHOICE}|{_CODE_CHOICE}{_GAP}{_BEREND}")
 # The Hitchhikers' Guide's own choices, which MLSM prose tends to credit to Berend 2023 a few
 # sentences away: the d × k output layer (the Guide's change, its §3.1: Berend used d × (|V| + k))
 # and k ≈ 4d (the Guide's 3072 for d = 768; it says the original implementation used k = 3000).
@@ -55,6 +59,9 @@ def _misattributions(text: str) -> list[str]:
     "# DeBERTa-base v1's shape (He et al. 2021; Berend 2023 §4.1: ~8.3M parameters per layer),",
     '- ``"paper"`` — Berend (2023) Table 3: one batch of 128 sequences, every head',
     "readiness checkpoints (Berend 2023 compares at these)",
+    "λ of the ℓ1 penalty; larger = sparser codes (Berend 2023 uses 0.05).",
+    "learns k = 512 non-negative sparse atoms (λ = 0.05, as Berend 2023;",
+    "MLSM (Berend 2023): KL(p ‖ softmax(z)) over k latent properties, λ = 0.05.",
     "Significance is directional, as Berend (2023) reads Fig. 2b/3b and §4.3",
     "The linear probe that gives an MLSM model a vocabulary (Berend 2023, §4.3.1).",
     "MLSM (Berend 2023): bert-base-cased teacher, early exit at layer l = 10, k = 3072.",
@@ -91,7 +98,8 @@ def test_the_pattern_finds_the_old_misattributions(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "MLSM (Berend 2023): KL(p ‖ softmax(z)) over k latent properties, λ = 0.05.",
+    "MLSM (Berend 2023): KL(p ‖ softmax(z)) over k latent properties; λ = 0.05 is the official "
+    "code's.",
     "Berend (2023) used the teacher's last layer (l = 12). Table 3 is the Hitchhikers' Guide's.",
     "the Hitchhikers' Guide's Table 3; the objective is Berend 2023's.",
     "a d × k output layer (the Hitchhikers' Guide's change, §3.1; Berend 2023 used d × (|V| + k))",

@@ -50,7 +50,7 @@ class DictionaryConfig:
     k: int | None = field(default=None, metadata={"check": _OPTIONAL_POSITIVE, "metavar": "K"})
     """Number of atoms (none: 4 × the teacher's hidden size, 1536 for MiniLM)."""
     lam: float = ranged(LAM, lam_range())
-    """λ of the ℓ1 penalty; larger = sparser codes (Berend 2023 uses 0.05)."""
+    """λ of the ℓ1 penalty; larger = sparser codes (the official MLSM code uses 0.05)."""
     n_vectors: int = ranged(2_000_000, _POSITIVE_INT)
     """Teacher states collected from the store (paper scale); memory n × d × 4 bytes."""
     max_len: int = ranged(128, (lambda v: _whole(v) and v >= 3,
