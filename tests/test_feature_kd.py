@@ -213,3 +213,25 @@ def test_a_study_arm_without_a_dictionary_trains_and_gets_its_probe(
     probe = json.loads((out / "runs" / "fkd" / "probe-100" / "probe.json").read_text())
     assert probe["width"] == 32
     assert not (out / "runs" / "mlm" / "probe-100").exists()  # no latent head, no probe
+
+
+def test_a_feature_kd_arm_reads_the_study_teacher(tmp_path) -> None:
+    """A study's `dictionary.teacher` is the teacher whose states the MLSM arms' codes come from;
+    the dense control (feature_kd) must distil that same teacher, not the packaged one, unless
+    the arm names its own. Logit KD's teacher is a masked LM of its own and is left alone."""
+    from mlsm.study.runner import Study
+    from mlsm.study.spec import study_from_dict
+
+    teacher = str(tmp_path / "my-teacher")
+    raw = {"name": "t", "out": str(tmp_path / "study"),
+           "dictionary": {"teacher": teacher},
+           "arms": {"fkd": {"objective": {"name": "feature_kd", "layer": 3}},
+                    "fkd_own": {"objective": {"name": "feature_kd", "teacher": "other"}},
+                    "kd": {"objective": {"name": "kd", "teacher": "an-mlm"}},
+                    "mlm": {"objective": {"name": "mlm"}}}}
+    study = Study(study_from_dict(raw), log=lambda s: None, create=False)
+    assert study.arm_config("fkd").objective.teacher == teacher
+    assert study.arm_config("fkd_own").objective.teacher == "other"
+    assert study.arm_config("kd").objective.teacher == "an-mlm"
+    raw["dictionary"] = {}  # no study teacher: the packaged one, as before (fingerprints kept)
+    assert Study(study_from_dict(raw), create=False).arm_config("fkd").objective.teacher == ""

@@ -59,7 +59,9 @@ class DictionarySpec(DictionaryConfig):
     """Teacher states the dictionary is learned on (the official `train_dict.py` collects 1,000,000;
     see the study notes)."""
     teacher: str = ""
-    """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2."""
+    """Teacher folder or hub id; empty = the packaged all-MiniLM-L6-v2. Every arm that reads the
+    teacher's states uses it unless the arm names its own objective.teacher: the MLSM arms and
+    the dense control feature_kd (not logit KD, whose teacher is a masked LM)."""
 
 
 @dataclass
