@@ -314,3 +314,31 @@ def test_a_probe_trained_again_is_the_one_its_run_resolves_to(mlsm_ckpt: Path,
     assert [f for _, f in list_checkpoints(out)] == [Path(record["checkpoint"])]
     scorer, _ = load_scorer(run)
     assert torch.equal(scorer.probe.weight, load_scorer(record["checkpoint"])[0].probe.weight)
+
+
+def test_a_probe_loop_stopped_by_a_signal_exits_with_its_status(mlsm_ckpt: Path,
+                                                                tmp_path: Path) -> None:
+    """`mlsm probe --steps N` trains through the pre-training loop; SIGTERM ends it after a
+    checkpoint, and the command exits 143 as `mlsm pretrain` does (it exited 0, as if the probe
+    were finished, and a `set -e` script went on to score an unfinished probe)."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = Path(shutil.copytree(mlsm_ckpt.parent.parent, tmp_path / "run"))
+    out = tmp_path / "probe"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mlsm", "probe", str(run), "--steps", "2000",
+                             "--out", str(out), "train.log_every=1", "train.threads=1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, start = out / "metrics.jsonl", time.time()
+    while not (metrics.is_file() and metrics.read_text().strip()) and proc.poll() is None \
+            and time.time() - start < 120:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, text
+    assert "stopped by signal SIGTERM" in text and "Traceback" not in text

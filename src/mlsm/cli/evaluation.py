@@ -63,12 +63,15 @@ def _probe(a: argparse.Namespace) -> None:
     early.store(a.store)
     from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
     from mlsm.cli.dataclass_flags import flag_values
-    from mlsm.evaluate.probe.probe import run_probe
+    from mlsm.errors import Stopped
+    from mlsm.evaluate.probe.probe import probe_run
     from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe
 
-    run = run_probe(a.checkpoint, store=a.store, out=a.out, overrides=a.overrides,
-                    resume=a.resume, **flag_values(a, ProbeRecipe),
-                    **flag_values(a, ProbeFitConfig))
+    run, stopped = probe_run(a.checkpoint, store=a.store, out=a.out, overrides=a.overrides,
+                             resume=a.resume, **flag_values(a, ProbeRecipe),
+                             **flag_values(a, ProbeFitConfig))
+    if stopped is not None:  # the loop saved a checkpoint and said how to resume: not finished
+        raise Stopped(stopped)
     if has_probe_record(run):  # trained to a plateau: one checkpoint, and how good the probe is
         p = read_probe_record(run)
         print(f"probe ({p['input']}, {p['steps']} steps): held-out loss "

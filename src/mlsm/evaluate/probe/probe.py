@@ -31,7 +31,8 @@ from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
 from mlsm.models.heads import read_latent_head
 from mlsm.objectives.probe import probe_input
-from mlsm.train.loop import pretrain
+from mlsm.train.loop import pretrain_run
+from mlsm.train.signals import exit_status
 
 PROBE_KIND = OutputKind("mlsm probe run",
                         ours=lambda out: has_probe_record(out) or is_run_dir(out))
@@ -39,9 +40,16 @@ PROBE_KIND = OutputKind("mlsm probe run",
 
 def run_probe(checkpoint: str | Path, *, resume: str | None = None,
               config: ProbeFitConfig | None = None, **kw: Any) -> Path:
+    """`probe_run`'s probe run directory (a loop stopped by a signal returns it too)."""
+    return probe_run(checkpoint, resume=resume, config=config, **kw)[0]
+
+
+def probe_run(checkpoint: str | Path, *, resume: str | None = None,
+              config: ProbeFitConfig | None = None, **kw: Any) -> tuple[Path, int | None]:
     """Train the probe (kw: store, out, overrides, the `ProbeRecipe` fields recipe and steps, and
     any `ProbeFitConfig` field such as max_steps, on top of `config`); returns the probe run
-    directory.
+    directory and, when a signal stopped the training loop after a checkpoint, the exit status
+    `mlsm probe` ends with (`mlsm.train.signals.exit_status`), else None.
 
     recipe "plateau" (ours, the default) with no steps, overrides, store or resume: train to a
     held-out loss plateau (`mlsm.evaluate.probe.probe_fit`), which writes OUT/probe.json. With
@@ -71,10 +79,11 @@ def run_probe(checkpoint: str | Path, *, resume: str | None = None,
     # named by the flags of `mlsm probe` (the probe run's own check names config keys)
     check_apart(out, "--out", {"CHECKPOINT": folder, "--store": cfg.data.store})
     if loop:
-        return pretrain(cfg, resume=resume)
+        run, signum = pretrain_run(cfg, resume=resume)
+        return run, (None if signum is None else exit_status(signum, cfg.train.signal_exit_zero))
     with writing(out, PROBE_KIND):  # only an earlier probe is replaced; one writer
         probe_fit.train_probe_to_plateau(folder, out, **dataclasses.asdict(fit))
-    return out
+    return out, None
 
 
 def check_probe_store(folder: Path, store: str, given: bool) -> None:
