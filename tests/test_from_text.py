@@ -47,3 +47,24 @@ def test_text_to_a_probed_run_then_everything_is_reused(corpus_dir: Path,
     else:
         raise AssertionError("a run of another dictionary was reused")
     assert said[-1].endswith(": learned")
+
+
+def test_what_text_builds_follows_the_objective_declarations(corpus_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """What --text builds is decided by what the objective declares, not by its name: MLSM+MLM
+    (mtl) has a dictionary and is scored through its own vocabulary head (no probe); feature KD
+    predicts latents without a dictionary (a probe, no dictionary); MLM gets neither; an unknown
+    name is one line naming the objectives."""
+    import pytest
+
+    text = [str(corpus_dir / "a.txt")]
+    built = {}
+    for objective in ("mtl", "feature_kd", "mlm"):
+        out = tmp_path / objective
+        pretrain_from_text(text, objective, [*TINY, f"train.out={out}"], log=lambda s: None)
+        built[objective] = (Path(f"{out}-dict.safetensors").is_file(),
+                            bool(list(out.glob("probe-*"))))
+    assert built == {"mtl": (True, False), "feature_kd": (False, True), "mlm": (False, False)}
+    assert isinstance(load_scorer(str(tmp_path / "feature_kd"))[0], ProbeScorer)
+    with pytest.raises(UserError, match="not an mlsm objective; use one of .*mlsm"):
+        pretrain_from_text(text, "mlsmm", [*TINY, f"train.out={tmp_path / 'x'}"])

@@ -1,20 +1,21 @@
 """`mlsm pretrain --text FILE...`: from text to a model in one command.
 
-What the separate verbs do one by one (docs/tutorial.md), for a small machine: a token store of
-the text with the packaged teacher's tokenizer (`OUT-store`), for MLSM a dictionary of the
-teacher's layer-5 states (`OUT-dict.safetensors`), the run (`OUT`), and for MLSM its k -> |V|
-probe trained to a plateau (`OUT/probe-step-N`). What exists is reused: the store when it holds
-the same text (its content fingerprint), the dictionary when its record names the same store
+What the separate verbs do one by one (docs/tutorial.md), for a small machine: a token store of the
+text with the packaged teacher's tokenizer (`OUT-store`), a dictionary of the teacher's layer-5
+states (`OUT-dict.safetensors`) when the objective takes one, the run (`OUT`), and its k -> |V|
+probe trained to a plateau (`OUT/probe-step-N`) when the objective predicts latent properties (both
+decided by what the objective declares, not by its name). What exists is reused: the store when it
+holds the same text (its content fingerprint), the dictionary when its record names the same store
 fingerprint and settings, the run when it finished with the same config and dictionary (an
-interrupted one resumes, with `mlsm pretrain --resume`'s checks; a finished one of other
-settings is refused), the probe when its record is there. Sizes are the tiny recipe's, stated
-in the first line; `group.key=value` overrides change the run as for `mlsm pretrain`,
-`dictionary.KEY=...` the dictionary and `probe.KEY=...` the probe (their flags' names, e.g.
-probe.max_steps=200).
+interrupted one resumes, with `mlsm pretrain --resume`'s checks; a finished one of other settings
+is refused), the probe when its record is there. Sizes are the tiny recipe's, stated in the first
+line; `group.key=value` overrides change the run as for `mlsm pretrain`, `dictionary.KEY=...` the
+dictionary and `probe.KEY=...` the probe (their flags' names, e.g. probe.max_steps=200).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,6 @@ from mlsm.config import merge, parse_overrides
 from mlsm.errors import Stopped, UserError
 from mlsm.fileio import atomic_write_text
 
-TEXT_OBJECTIVE = "mlsm"  # the latent objective --text builds a dictionary and probe for
-PLAIN_OBJECTIVE = "mlm"  # the baseline it can build instead (no teacher)
 SMALL = {
     "data": {"max_len": 64, "seed": 0},
     "model": {"arch": "bert", "overrides": {"hidden_size": 128, "num_hidden_layers": 2,
@@ -52,10 +51,7 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
     from mlsm.train.loop import pretrain_run
     from mlsm.train.signals import exit_status
 
-    if objective not in (TEXT_OBJECTIVE, PLAIN_OBJECTIVE):
-        raise UserError(f"--objective {objective}: --text builds {TEXT_OBJECTIVE} or "
-                        f"{PLAIN_OBJECTIVE} runs; for another objective use the separate verbs "
-                        "(docs/tutorial.md)")
+    learns_dictionary, probed = _needs(objective)
     raw = merge(SMALL, parse_overrides(overrides or []))
     settings = {**DICTIONARY, **raw.pop("dictionary", {})}  # dictionary.n_vectors=... and so on
     probe = raw.pop("probe", {})  # probe.max_steps=...: settings of `mlsm probe`
@@ -72,7 +68,7 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
     raw["train"] = {**raw["train"], "out": str(out)}
     raw["objective"] = {"name": objective, **raw.get("objective", {})}
     learned = False
-    if objective == "mlsm":
+    if learns_dictionary:
         path, learned = _dictionary(store, Path(f"{out}-dict.safetensors"), settings, log)
         raw["objective"]["dictionary"] = path
         raw["objective"].setdefault("layer", settings["layer"])
@@ -86,9 +82,24 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
                         "choose another train.out or delete that run (nothing was trained)")
     else:
         log(f"run {out}: already trained ({cfg.train.steps} steps, same config), reused")
-    if objective == "mlsm":
+    if probed:
         _probe(out, lambda final: run_probe(final, **probe), log)
     return out
+
+
+def _needs(objective: str) -> tuple[bool, bool]:
+    """What --text builds around a run of `objective`, from what the objective declares: a
+    dictionary when its Config has a `dictionary` option (MLSM's family), a probe when it
+    predicts latent properties (`predicts_latent`) and exports no vocabulary head of its own
+    (MLSM+MLM is scored through its trained one)."""
+    from mlsm.objectives import objective_class, user_objectives
+
+    cls = objective_class(objective)
+    if cls is None or objective not in user_objectives():
+        raise UserError(f"--objective {objective} is not an mlsm objective; use one of "
+                        f"{', '.join(user_objectives())}")
+    has_dictionary = any(f.name == "dictionary" for f in dataclasses.fields(cls.Config))
+    return has_dictionary, bool(cls.predicts_latent and not cls.exports_vocab_head)
 
 
 def _finished(out: Path, steps: int) -> bool:
