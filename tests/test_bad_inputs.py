@@ -604,11 +604,11 @@ def test_bad_arguments_cli(tmp_path):
 def test_probe_overrides_anywhere(argv, monkeypatch):
     seen = {}
 
-    def fake_run_probe(checkpoint, **kw):
+    def fake_probe_run(checkpoint, **kw):
         seen.update(kw, checkpoint=checkpoint)
-        return Path("run")
+        return Path("run"), None
 
-    monkeypatch.setattr("mlsm.evaluate.probe.probe.run_probe", fake_run_probe)
+    monkeypatch.setattr("mlsm.evaluate.probe.probe.probe_run", fake_probe_run)
     monkeypatch.setattr("mlsm.cli.early.mlsm_checkpoint", lambda *a: None)  # "ckpt" is a name
     assert cli.main(argv) == 0
     assert seen["checkpoint"] == "ckpt" and seen["steps"] == 5

@@ -184,7 +184,8 @@ def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
 
     mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
     seen: dict = {}
-    monkeypatch.setattr(probe_module, "pretrain", lambda cfg, resume=None: seen.update(cfg=cfg))
+    monkeypatch.setattr(probe_module, "pretrain_run",
+                        lambda cfg, resume=None: (seen.update(cfg=cfg), None))
     monkeypatch.setattr(fit_module, "train_probe_to_plateau",
                         lambda *a, **kw: seen.update(plateau=kw))
     from mlsm.cli import main

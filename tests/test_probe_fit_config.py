@@ -179,7 +179,8 @@ def test_plateau_flags_with_the_training_loop_are_one_line(mlsm_ckpt: Path, tmp_
     from mlsm.cli import main
 
     ran: list = []  # a loop that would run is recorded, not trained (10,000 steps for paper)
-    monkeypatch.setattr(probe, "pretrain", lambda cfg, resume=None: ran.append(cfg) or Path())
+    monkeypatch.setattr(probe, "pretrain_run",
+                        lambda cfg, resume=None: (ran.append(cfg) or Path(), None))
     out = tmp_path / "p"
     assert main(["probe", str(mlsm_ckpt), "--out", str(out), "--max-steps", "5", *loop]) == 2
     err = capsys.readouterr().err.strip()

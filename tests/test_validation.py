@@ -54,4 +54,5 @@ def test_validation_logs_the_heldout_readout_and_changes_no_weight(store_dir: Pa
     uniform = torch.full((len(tokenizer),), -torch.log(torch.tensor(float(len(tokenizer)))))
     ref = masked_token_scores(model, source, heldout_steps(checked, batch, 2), batch, uniform)
     assert val[STEPS]["val_loss"] == pytest.approx(ref["loss"], rel=1e-4)
-    assert val[STEPS]["val_accuracy"] == pytest.approx(ref["top1"], abs=1e-9)
+    # the logged rate is a float32 ratio (rounding ~6e-8); a wrong count is off by >= 1/n
+    assert val[STEPS]["val_accuracy"] == pytest.approx(ref["top1"], abs=1e-6)

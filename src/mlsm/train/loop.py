@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -109,10 +108,7 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
     scaler = dev.grad_scaler(cfg.train.precision, device)
     source = BatchSource(store, cfg.data, tokenizer)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size // dist_info.world
-    precision = dev.resolve_precision(cfg.train.precision, device)
-    if dist_info.is_main:  # one line, so a log says what a run's numbers were computed in
-        print(f"mlsm: training in {precision} on {device.type} "
-              f"(train.precision={cfg.train.precision})", file=sys.stderr, flush=True)
+    precision = dev.resolve_precision(cfg.train.precision, device)  # recorded in run.json
     start, inputs = _start_run(run_dir, cfg, resume, module, optimizer, dist_info, scaler,
                                {"device": device.type, "precision": precision})
     if cfg.train.compile:
