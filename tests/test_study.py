@@ -308,6 +308,15 @@ def _check_precision_column(spec, out: Path, text: str) -> None:
     marker.write_text(json.dumps({**record, "precision": "bf16"}))
     text = write_report(Study(spec, log=lambda s: None)).read_text()
     assert "**Arms trained in different precisions** (mlm: fp32, mlsm: bf16)" in text
+    # a segment written before precisions were recorded is no precision of its own
+    old_segment = {k: v for k, v in record.items() if k != "precision"}
+    marker.write_text(json.dumps({**record, "resumed": [old_segment]}))
+    text = write_report(Study(spec, log=lambda s: None)).read_text()
+    assert "| mlsm | mlsm | fp32 + not recorded |" in text
+    assert "different precisions" not in text
+    marker.write_text(json.dumps({**record, "resumed": [{**old_segment, "precision": "bf16"}]}))
+    text = write_report(Study(spec, log=lambda s: None)).read_text()  # within one arm
+    assert "(mlm: fp32, mlsm: bf16 + fp32)" in text
 
 
 def _check_readouts(out: Path, text: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -37,6 +38,7 @@ from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem, read_json
 
 RUN_MARKER = "run.json"
+_TAIL_BYTES = 1 << 16  # far more than a few metrics rows (each well under 1 KiB)
 # What makes two configs the same run: everything that changes the weights. Device, threads,
 # precision, micro-batching, logging and checkpoint cadence may change on resume.
 SAME_RUN = {"data": None, "model": None, "objective": None, "optim": None,
@@ -70,12 +72,7 @@ class RunDir:
         order; None for a segment that recorded none (written before the key existed). [] without
         a readable run.json: a figure for reports, not a check."""
         marker = self.marker()
-        if marker is None:
-            return []
-        resumed = marker.get("resumed")
-        segments = [marker, *(r for r in (resumed if isinstance(resumed, list) else [])
-                              if isinstance(r, dict))]
-        return [seg.get(key) for seg in segments]
+        return [] if marker is None else [seg.get(key) for seg in _segments(marker)]
 
     def revision_at(self, step: Any) -> str | None:
         """The mlsm revision that trained up to `step`: the run's start, or the last segment
@@ -88,8 +85,7 @@ class RunDir:
                            "git revision of each training segment)",
                            fields={"git_revision": "text?", "resumed": "list?"})
         # a segment of the wrong shape is skipped: the revision is a figure, not a check
-        segments = [marker, *[r for r in marker.get("resumed") or []
-                              if isinstance(r, dict) and isinstance(step, int)
+        segments = [marker, *[r for r in _segments(marker)[1:] if isinstance(step, int)
                               and isinstance(r.get("from_step"), int) and r["from_step"] < step]]
         revision = segments[-1].get("git_revision")
         return revision if isinstance(revision, str) else None
@@ -235,9 +231,12 @@ class RunDir:
 
     def last_logged(self) -> dict[str, Any] | None:
         """The newest whole metrics.jsonl row (a progress figure for a watcher of a run another
-        process trains; a torn last line is skipped), or None before the first."""
+        process trains; a torn last line is skipped), or None before the first. Only the file's
+        tail is read: a watcher asks every few seconds, and a long run's file keeps growing."""
         try:
-            lines = self.metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+            with open(self.metrics, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, os.SEEK_END) - _TAIL_BYTES))
+                lines = fh.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             return None
         for line in reversed(lines):
@@ -258,6 +257,14 @@ class RunDir:
         periodic = [(s, f) for s, f in ckpt.list_checkpoints(self.path) if s not in keep]
         for _, folder in periodic[: max(0, len(periodic) - keep_last)]:
             ckpt.remove_checkpoint(folder)
+
+
+def _segments(marker: dict[str, Any]) -> list[dict[str, Any]]:
+    """run.json's segments in order: the start (the marker itself), then each resumed one of the
+    right shape."""
+    resumed = marker.get("resumed")
+    return [marker, *(r for r in (resumed if isinstance(resumed, list) else [])
+                      if isinstance(r, dict))]
 
 
 def same_run_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

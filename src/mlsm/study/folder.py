@@ -133,7 +133,7 @@ class Study:
     def arm_config(self, arm: str) -> RunConfig:
         """The resolved run config of an arm: its recipe, base, the arm's overrides and objective
         (`arm_base`), then the study's store, run folder, readiness and dictionary."""
-        a = self.spec.arms[arm]
+        a, base = self.spec.arms[arm], arm_base(self.spec, arm)
         given = a.objective  # what the arm sets itself wins over the study's dictionary
         objective: dict[str, Any] = {}
         path = self.dictionary_path(arm)
@@ -144,23 +144,15 @@ class Study:
                          "targets": str(targets) if targets else "", **self._teacher_init(arm)}
             objective = {k: v for k, v in study_set.items()  # "" = the recipe's
                          if k not in given and (v or k not in ("teacher", "targets"))}
-        elif self.spec.dictionary.teacher and "teacher" not in given and self._reads_states(arm):
+        elif self.spec.dictionary.teacher and "teacher" not in given and \
+                _reads_states(base["objective"].get("name")):
             # a dense control (feature_kd) reads the same teacher's states as the MLSM arms
             objective = {"teacher": self.spec.dictionary.teacher}
         fixed = {"data": {"store": str(self.store)},
                  "train": {"out": str(self.run_dir(arm)), "readiness": list(self.spec.readiness)}}
         if self.spec.executor.threads:
             fixed["train"]["threads"] = self.spec.executor.threads
-        return config_from_dict(merge(arm_base(self.spec, arm), {**fixed, "objective": objective}))
-
-    def _reads_states(self, arm: str) -> bool:
-        """The arm's objective reads the study teacher's hidden states (it declares
-        `uses_teacher` and `predicts_latent`: MLSM's family and feature_kd; not logit KD, whose
-        teacher is a masked LM of its own)."""
-        from mlsm.objectives import objective_class
-
-        cls = objective_class(arm_base(self.spec, arm).get("objective", {}).get("name"))
-        return bool(cls and cls.uses_teacher and cls.predicts_latent)
+        return config_from_dict(merge(base, {**fixed, "objective": objective}))
 
     def _teacher_init(self, arm: str) -> dict[str, Any]:
         """objective.teacher_init / teacher_seed of an arm whose dictionary is of the random
@@ -370,6 +362,16 @@ def fingerprint_of(inputs: dict[str, Any]) -> str:
     """The fingerprint a stage record keeps of its inputs (each itself a fingerprint, or a plain
     setting)."""
     return settings_fingerprint(inputs)
+
+
+def _reads_states(objective: Any) -> bool:
+    """The objective reads the study teacher's hidden states (it declares `uses_teacher` and
+    `predicts_latent`: MLSM's family and feature_kd; not logit KD, whose teacher is a masked LM
+    of its own)."""
+    from mlsm.objectives import objective_class
+
+    cls = objective_class(objective)
+    return bool(cls and cls.uses_teacher and cls.predicts_latent)
 
 
 def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:

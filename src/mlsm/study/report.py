@@ -108,27 +108,27 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
                     "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "training_seconds": training_seconds(rows),
                     "final_loss": rows[-1]["loss"] if rows else math.nan,
-                    "precision": _precision(study, arm)})
+                    **_precision(study, arm)})
     return out
 
 
-def _precision(study: Study, arm: str) -> str:
-    """The precision(s) the arm's run trained in, as its run.json segments recorded them."""
+def _precision(study: Study, arm: str) -> dict[str, Any]:
+    """The precisions the arm's run trained in, as its run.json segments recorded them
+    (`precisions`), and how the compute table shows them (`precision`; segments written before
+    the precision was recorded say "not recorded")."""
     seen = RunDir(study.run_dir(arm)).segment_values("precision")
     known = sorted({p for p in seen if isinstance(p, str)})
-    if any(not isinstance(p, str) for p in seen):
-        known.append("not recorded")
-    return " + ".join(known) if seen else "—"
+    shown = known + (["not recorded"] if any(not isinstance(p, str) for p in seen) else [])
+    return {"precisions": known, "precision": " + ".join(shown) if seen else "—"}
 
 
 def _precision_warning(compute: list[dict[str, Any]]) -> list[str]:
-    """A line when arms (or one arm's resumed segments) trained in different precisions: their
-    differences then mix the objective with the arithmetic."""
-    recorded = {c["arm"]: c.get("precision", "—") for c in compute}
-    kinds = {p for p in recorded.values() if p not in ("—", "not recorded")}
-    if len(kinds) <= 1:
+    """A line when the arms' recorded segments, together, trained in more than one precision
+    (across arms or within one resumed arm): a difference then mixes the objective with the
+    arithmetic. Segments that recorded none are not counted as a precision of their own."""
+    if len({p for c in compute for p in c.get("precisions", [])}) <= 1:
         return []
-    listed = ", ".join(f"{a}: {p}" for a, p in recorded.items())
+    listed = ", ".join(f"{c['arm']}: {c.get('precision', '—')}" for c in compute)
     return ["", f"**Arms trained in different precisions** ({listed}): a difference between "
                 "them mixes the objective with the arithmetic.\n"]
 
