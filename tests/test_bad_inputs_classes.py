@@ -252,6 +252,14 @@ def _values_pretrain_unknown_key_suggests(tmp, fix):
             "train.step (did you mean steps?)")
 
 
+def _values_pretrain_text_objective_unknown(tmp, fix):
+    """--text takes any objective now (decided by its declarations): a misspelt one is one line
+    listing them, before the text is read or a store written."""
+    text = _write(tmp / "mine.txt", "a few words of text.\n")
+    return (["pretrain", "--text", str(text), "--objective", "mlsmm", f"train.out={tmp / 'run'}"],
+            [text], ("--objective mlsmm is not an mlsm objective", "mlsm"))
+
+
 _HUGE = "99999999999999999999"  # past C's long long: an OverflowError deep inside torch/numpy
 
 
