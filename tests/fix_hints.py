@@ -53,6 +53,7 @@ HINTS_RUN = {
     "content_targets_dictionary_truncated": "dictionary",
     "consistency_blimp_mae_lm_export": "finetune",
     "values_study_print_with_report": "study",
+    "consistency_targets_dictionary_naming_no_teacher": "dictionary",
 }
 # a case whose line holds the same sentence as one run above (only its paths differ)
 HINTS_SAME_AS = {
@@ -73,6 +74,8 @@ HINTS_SAME_AS = {
     "reuse_targets_dictionary_json_stripped_of_its_teacher":
         "content_targets_dictionary_truncated",
     "reuse_targets_dictionary_pair_of_two_learnings": "content_targets_dictionary_truncated",
+    "consistency_pretrain_dictionary_naming_no_teacher":
+        "consistency_targets_dictionary_naming_no_teacher",
 }
 
 

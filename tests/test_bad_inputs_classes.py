@@ -1516,6 +1516,55 @@ def _content_blimp_checkpoint_of_mlsm_0_1_0(tmp, fix):
             ("mlsm 0.1.0 wrote neither", f"mlsm migrate {run}"))
 
 
+# ---- #52 item 7: a sentence beyond the model's positions; a dictionary that names no teacher
+
+
+def _short_model(tmp: Path, fix: dict, positions: int = 16) -> Path:
+    """A masked LM of the fixture's vocabulary with only `positions` position embeddings."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tok = AutoTokenizer.from_pretrained(str(fix["tokenizer_dir"]))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=positions)
+    BertForMaskedLM(config).save_pretrained(tmp / "short")
+    tok.save_pretrained(tmp / "short")
+    return tmp / "short"
+
+
+def _bounds_blimp_sentence_beyond_the_model_positions(tmp, fix):
+    model, long = _short_model(tmp, fix), " ".join(["the cat sat"] * 20)
+    data = _blimp_dir(tmp, json.dumps({"sentence_good": long + " .", "sentence_bad": "cat ."}))
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            ("toy pair 0: sentence_good has", "more than the model's 16 positions"))
+
+
+def _teacherless_dictionary(tmp: Path, fix: dict) -> Path:
+    """The fixture's atoms in a safetensors file of no meta, beside a .json written by hand that
+    names no teacher: before, any teacher of the same width and layer took it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp / "d.safetensors"
+    save_file({"atoms": load_file(str(fix["dictionary_path"]))["atoms"]}, str(weights))
+    _write(tmp / "d.json", json.dumps({"lam": 0.05, "layer": 1, "k": 64}))
+    return weights
+
+
+def _consistency_targets_dictionary_naming_no_teacher(tmp, fix):
+    weights = _teacherless_dictionary(tmp, fix)
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights, tmp / "d.json"],
+            (f"dictionary {weights} names no teacher", "mlsm dictionary --store STORE --teacher"))
+
+
+def _consistency_pretrain_dictionary_naming_no_teacher(tmp, fix):
+    weights = _teacherless_dictionary(tmp, fix)
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(weights),
+             "objective.teacher": str(fix["teacher_dir"])}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)], [weights],
+            f"dictionary {weights} names no teacher")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
                              "_bounds_"))}

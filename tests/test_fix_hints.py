@@ -31,7 +31,8 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
 # the hints that name another verb to use instead, rather than repair what was refused
 INSTEAD = {"finetune", "study"}
 # the refused command's flag that the line says to point at what the fix wrote (its --out)
-PASS_THE_NEW = {"consistency_probe_store_of_another_tokenizer": "--store"}
+PASS_THE_NEW = {"consistency_probe_store_of_another_tokenizer": "--store",
+                "consistency_targets_dictionary_naming_no_teacher": "--dictionary"}
 
 
 def _tiny(verb: str, fix: dict, tmp: Path) -> list[str]:
@@ -50,13 +51,14 @@ def _filled(command: list[str], fix: dict, tmp: Path) -> list[str]:
     """The user's own values for the printed placeholders; any other word stays as printed."""
     values = {"SOURCES": str(fix["corpus_dir"]), "TOK": str(fix["tokenizer_dir"]),
               "TASKS": "rte", "STUDY.yaml": str(tmp / "s.yaml"),
-              "NEW_STORE": str(tmp / "new-store")}
+              "NEW_STORE": str(tmp / "new-store"),
+              "NEW_DICT": str(tmp / "new-dict.safetensors")}
     out = []
     for before, word in zip(["", *command[:-1]], command, strict=True):
         if word == "STORE":  # a store to read, or one to write
             word = str(fix["store_dir"]) if before == "--store" else str(tmp / "new-store")
         word = values.get(word, word)
-        assert not (word.isupper() and word.isalpha()), f"unknown placeholder {word} in {command}"
+        assert not word.replace("_", "").isupper(), f"unknown placeholder {word} in {command}"
         out.append(word)
     given = set(out)
     extra = _tiny(command[0], fix, tmp)

@@ -154,3 +154,19 @@ def test_load_encoder(encoder, tok, tmp_path):
     assert a.ranks == layerwise_effective_rank(encoder, tok, SENTENCES, seed=3).ranks
     with pytest.raises(UserError, match="missing does not exist"):
         load_encoder(str(tmp_path / "missing"))
+
+
+def test_sentences_beyond_the_model_positions_are_cut_there(tok):
+    """A model of 16 positions and a sentence of more tokens (#52 item 7: an IndexError from the
+    position embeddings before): without --max-length, sentences are cut at the model's positions,
+    and the table counts exactly the tokens kept."""
+    torch.manual_seed(0)
+    short = BertModel(BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=64,
+                                 max_position_embeddings=16)).eval()
+    long = " ".join(SENTENCES)
+    assert len(tok(long)["input_ids"]) > 16
+    table = layerwise_effective_rank(short, tok, [long, SENTENCES[0]], mask_rate=0.0)
+    assert table.meta["max_length"] == 16
+    kept = [min(len(tok.tokenize(s)), 16 - 2) for s in (long, SENTENCES[0])]
+    assert table.counts["unmasked"] == sum(kept)
