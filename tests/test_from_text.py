@@ -47,3 +47,43 @@ def test_text_to_a_probed_run_then_everything_is_reused(corpus_dir: Path,
     else:
         raise AssertionError("a run of another dictionary was reused")
     assert said[-1].endswith(": learned")
+
+
+def test_what_text_builds_follows_each_objectives_declarations() -> None:
+    """#54: --text decides by what an objective declares, never by its name. Every registered
+    objective whose Config has a `dictionary` option gets one (an MLSM variant taken for plain
+    would train without its atoms), and a probe exactly when PLL can score it only through one."""
+    import dataclasses
+
+    import pytest
+
+    from mlsm.cli.from_text import builds_for
+    from mlsm.objectives import OBJECTIVES
+
+    for name, cls in OBJECTIVES.items():
+        options = {f.name for f in dataclasses.fields(cls.Config)}
+        needs = builds_for(name)
+        assert needs.dictionary == ("dictionary" in options), name
+        assert needs.probe == (cls.predicts_latent and not cls.exports_vocab_head
+                               and cls.scored_by_pll), name
+    assert builds_for("mtl").dictionary and not builds_for("mtl").probe  # a vocabulary head
+    assert not builds_for("mlm").dictionary
+    with pytest.raises(UserError, match="--objective nosuch: unknown objective; choose from mlm"):
+        builds_for("nosuch")
+
+
+def test_text_builds_the_dictionary_of_an_mlsm_variant(corpus_dir: Path, tmp_path: Path) -> None:
+    """MTL (MLSM + MLM) from text: its dictionary is learned and named by the run, no probe is
+    trained (it is scored through its vocabulary head), and `load_scorer` takes the run."""
+    import yaml
+
+    out = tmp_path / "runs" / "mtl"
+    said: list[str] = []
+    pretrain_from_text([str(corpus_dir / "a.txt")], "mtl",
+                       overrides=[*TINY, f"train.out={out}"], log=said.append)
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["objective"]["dictionary"] == f"{out}-dict.safetensors"
+    assert "dictionary: k = 64" in said[0]
+    assert not list(out.glob("probe-*"))
+    scorer, _ = load_scorer(str(out))
+    assert not isinstance(scorer, ProbeScorer)

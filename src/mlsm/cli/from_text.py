@@ -10,13 +10,15 @@ interrupted one resumes, with `mlsm pretrain --resume`'s checks; a finished one 
 settings is refused), the probe when its record is there. Sizes are the tiny recipe's, stated
 in the first line; `group.key=value` overrides change the run as for `mlsm pretrain`,
 `dictionary.KEY=...` the dictionary and `probe.KEY=...` the probe (their flags' names, e.g.
-probe.max_steps=200).
+probe.max_steps=200). What an objective needs is read from its class (`builds_for`): a dictionary
+when its Config has one, a probe when PLL scores it only through one.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,6 @@ from mlsm.config import merge, parse_overrides
 from mlsm.errors import Stopped, UserError
 from mlsm.fileio import atomic_write_text
 
-TEXT_OBJECTIVE = "mlsm"  # the latent objective --text builds a dictionary and probe for
-PLAIN_OBJECTIVE = "mlm"  # the baseline it can build instead (no teacher)
 SMALL = {
     "data": {"max_len": 64, "seed": 0},
     "model": {"arch": "bert", "overrides": {"hidden_size": 128, "num_hidden_layers": 2,
@@ -52,27 +52,25 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
     from mlsm.train.loop import pretrain_run
     from mlsm.train.signals import exit_status
 
-    if objective not in (TEXT_OBJECTIVE, PLAIN_OBJECTIVE):
-        raise UserError(f"--objective {objective}: --text builds {TEXT_OBJECTIVE} or "
-                        f"{PLAIN_OBJECTIVE} runs; for another objective use the separate verbs "
-                        "(docs/tutorial.md)")
+    needs = builds_for(objective)
     raw = merge(SMALL, parse_overrides(overrides or []))
     settings = {**DICTIONARY, **raw.pop("dictionary", {})}  # dictionary.n_vectors=... and so on
     probe = raw.pop("probe", {})  # probe.max_steps=...: settings of `mlsm probe`
     out = Path(raw.get("train", {}).get("out") or f"runs/{Path(texts[0]).name.split('.')[0]}")
     t = raw["train"]
+    learns = (f"; dictionary: k = {settings['k']}, teacher layer {settings['layer']}, "
+              f"{settings['n_vectors']:,} states" if needs.dictionary else "")
     log(f"mlsm pretrain --text: {objective} on {', '.join(texts)} with small-machine defaults "
         f"(a 2 x 128 BERT, {t['steps']} steps of {t['batch_size']} x "
-        f"{raw['data']['max_len']} tokens; dictionary: k = {settings['k']}, teacher layer "
-        f"{settings['layer']}, "
-        f"{settings['n_vectors']:,} states) -> {out} (group.key=value overrides change them)")
+        f"{raw['data']['max_len']} tokens{learns}) -> {out} (group.key=value overrides change "
+        "them)")
     store = prepare_corpus(texts, str(default_teacher_path()), f"{out}-store")
     log(f"token store {store.path}: {store.n_tokens:,} tokens")
     raw["data"] = {**raw["data"], "store": str(store.path)}
     raw["train"] = {**raw["train"], "out": str(out)}
     raw["objective"] = {"name": objective, **raw.get("objective", {})}
     learned = False
-    if objective == "mlsm":
+    if needs.dictionary:
         path, learned = _dictionary(store, Path(f"{out}-dict.safetensors"), settings, log)
         raw["objective"]["dictionary"] = path
         raw["objective"].setdefault("layer", settings["layer"])
@@ -86,9 +84,32 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
                         "choose another train.out or delete that run (nothing was trained)")
     else:
         log(f"run {out}: already trained ({cfg.train.steps} steps, same config), reused")
-    if objective == "mlsm":
+    if needs.probe:
         _probe(out, lambda final: run_probe(final, **probe), log)
     return out
+
+
+@dataclass(frozen=True)
+class Builds:
+    """What --text builds for an objective besides the token store and the run, read from the
+    objective's own declarations (`Objective.reads_dictionary`, `.scored_through_probe`), so no
+    objective is named here."""
+
+    dictionary: bool
+    """The dictionary its Config's `dictionary` option names (learned on the packaged teacher)."""
+    probe: bool
+    """The k -> |V| probe at the end, without which PLL cannot score it."""
+
+
+def builds_for(objective: str) -> Builds:
+    """What --text builds for `objective` (one line for a name that is not a user objective)."""
+    from mlsm.objectives import objective_class, user_objectives
+
+    cls = objective_class(objective) if objective in user_objectives() else None
+    if cls is None:
+        raise UserError(f"--objective {objective}: unknown objective; choose from "
+                        f"{', '.join(user_objectives())}")
+    return Builds(dictionary=cls.reads_dictionary(), probe=cls.scored_through_probe())
 
 
 def _finished(out: Path, steps: int) -> bool:
