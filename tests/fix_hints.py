@@ -2,11 +2,11 @@
 
 A hint is `mlsm VERB` (a real verb of the CLI) followed by at least one argument, where a line
 gives it as a command (see `_HINT`); a bare verb ("written by mlsm finetune") names a tool, not a
-command to run. UPPER-CASE words (STORE, TOK,
-SOURCES, TASKS, STUDY.yaml) are the user's own values, filled in by tests/test_fix_hints.py.
-The bad-input table (tests/test_bad_inputs_classes.py) asks of every case whose line holds a hint
-that tests/test_fix_hints.py runs it (`HINTS_RUN`) or names the case whose identical sentence it
-runs (`HINTS_SAME_AS`): a new refusal with a fix command cannot go untried.
+command to run. UPPER-CASE words (STORE, TOK, SOURCES, TASKS, STUDY.yaml) are the user's own
+values, filled in by tests/test_fix_hints.py. The bad-input tables
+(tests/test_bad_inputs_classes.py, tests/test_bad_inputs_data.py) ask of every case whose line
+holds a hint that tests/test_fix_hints.py runs it (`HINTS_RUN`) or names the case whose identical
+sentence it runs (`HINTS_SAME_AS`): a new refusal with a fix command cannot go untried.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ HINTS_RUN = {
     "consistency_blimp_mae_lm_export": "finetune",
     "values_study_print_with_report": "study",
     "consistency_targets_dictionary_naming_no_teacher": "dictionary",
+    "store_torn_meta": "prepare",  # of the data table (tests/test_bad_inputs_data.py)
 }
 # a case whose line holds the same sentence as one run above (only its paths differ)
 HINTS_SAME_AS = {
@@ -76,6 +77,10 @@ HINTS_SAME_AS = {
     "reuse_targets_dictionary_pair_of_two_learnings": "content_targets_dictionary_truncated",
     "consistency_pretrain_dictionary_naming_no_teacher":
         "consistency_targets_dictionary_naming_no_teacher",
+    "prepare_torn_store_no_overwrite": "store_torn_meta",
+    "store_missing_offsets": "store_torn_meta",
+    "store_offsets_inconsistent": "store_torn_meta",
+    "store_truncated_tokens": "store_torn_meta",
 }
 
 

@@ -21,6 +21,7 @@ from mlsm.cli import main
 
 from .fix_hints import HINTS_RUN, fix_hints
 from .test_bad_inputs_classes import CASES, _glue, unscored_ckpts  # noqa: F401
+from .test_bad_inputs_data import CASES as DATA_CASES
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     _one_line_error,
     base_run,
@@ -71,7 +72,7 @@ def _filled(command: list[str], fix: dict, tmp: Path) -> list[str]:
 @pytest.mark.parametrize("name", list(HINTS_RUN))
 def test_the_printed_fix_works_as_printed(name: str, fx: dict,  # noqa: F811
                                           tmp_path: Path, capsys) -> None:
-    args, _, _ = CASES[name](tmp_path, fx)
+    args = (CASES.get(name) or DATA_CASES[name])(tmp_path, fx)[0]
     capsys.readouterr()
     line = _one_line_error(main(args), capsys.readouterr().err)
     hints = [h for h in fix_hints(line) if h[0] == HINTS_RUN[name]]
