@@ -149,10 +149,14 @@ def test_resume_refuses_a_store_rebuilt_in_place(tokenizer_dir: Path, tmp_path: 
 def test_resume_refuses_a_dictionary_relearned_in_place(mlm_run: Path, store_dir: Path,
                                                         tmp_path: Path) -> None:
     from mlsm.teacher.dictionary import Dictionary, save_dictionary
+    from mlsm.teacher.teacher import load_teacher
 
-    def dictionary(seed: int) -> None:
+    teacher = load_teacher(str(Checkpoint.open(mlm_run).folder), 1)
+
+    def dictionary(seed: int) -> None:  # of this teacher, as `mlsm dictionary` records it
         atoms = torch.randn(32, 16, generator=torch.Generator().manual_seed(seed))  # (d, k)
-        save_dictionary(Dictionary(atoms / atoms.norm(dim=0), {"layer": 1, "lam": 0.05}),
+        save_dictionary(Dictionary(atoms / atoms.norm(dim=0), {"lam": 0.05,
+                                                               **teacher.identity()}),
                         tmp_path / "dict.safetensors")
 
     dictionary(0)

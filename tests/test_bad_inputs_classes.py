@@ -27,6 +27,7 @@ from mlsm.artifacts.checkpoint import list_checkpoints
 from mlsm.cli import main
 from mlsm.errors import UserError
 
+from .fix_hints import check_hint_is_tried
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     ENV,
     _one_line_error,
@@ -34,6 +35,7 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
     _run_args,
     _tree,
     _user_folder,
+    base_run,
     fresh_targets,
     fx,
     mlsm_ckpt,
@@ -257,7 +259,7 @@ def _values_pretrain_text_objective_unknown(tmp, fix):
     listing them, before the text is read or a store written."""
     text = _write(tmp / "mine.txt", "a few words of text.\n")
     return (["pretrain", "--text", str(text), "--objective", "mlsmm", f"train.out={tmp / 'run'}"],
-            [text], ("--objective mlsmm is not an mlsm objective", "mlsm"))
+            [text], ("--objective mlsmm: unknown objective; choose from", "mlsm"))
 
 
 _HUGE = "99999999999999999999"  # past C's long long: an OverflowError deep inside torch/numpy
@@ -1472,6 +1474,105 @@ def _bounds_blimp_line_nested_too_deep(tmp, fix):
             [data], "nested deeper than the parser follows")
 
 
+# ---- fixes printed as commands (#52 item 7): tests/test_fix_hints.py runs each as printed
+
+
+def _mlsm_run_copy(tmp: Path, fix: dict) -> Path:
+    """A copy of the 2-step MLSM run, without any probe run an earlier case left in it."""
+    run = _copy(fix["mlsm_ckpt"].parent.parent, tmp / "mlsm-run")
+    for probe in run.glob("probe-*"):
+        shutil.rmtree(probe)
+    return run
+
+
+def _consistency_blimp_mlsm_run_without_its_probe(tmp, fix):
+    run, data = _mlsm_run_copy(tmp, fix), _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
+            "train its probe first: mlsm probe")
+
+
+def _consistency_blimp_run_whose_probe_is_unfinished(tmp, fix):
+    """A probe run through the loop (--steps 2) stopped after its first step: blimp finds it as
+    the run's probe and refuses it, naming the command that finishes it."""
+    run, data = _mlsm_run_copy(tmp, fix), _blimp_dir(tmp, GOOD_PAIR)
+    assert main(["probe", str(run), "--steps", "2", "train.save_every=1", "train.batch_size=4",
+                 "train.threads=1"]) == 0
+    probe_run = next(run.glob("probe-*"))
+    shutil.rmtree(list_checkpoints(probe_run)[-1][1])
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
+            ("is not finished (newest checkpoint step-1 of 2", "--resume auto"))
+
+
+def _consistency_score_run_unfinished(tmp, fix):
+    run = _copy(fix["base_run"], tmp / "run")
+    shutil.rmtree(list_checkpoints(run)[-1][1])  # stopped after step 2 of 3
+    text = _write(tmp / "in.txt", "the cat sat .\n")
+    return (["score", str(run), str(text), "--out", str(tmp / "o.jsonl")], [run, text],
+            ("is not finished (newest checkpoint step-2 of 3", "--resume auto"))
+
+
+def _content_blimp_checkpoint_of_mlsm_0_1_0(tmp, fix):
+    """A run whose checkpoint.json files lack the facts mlsm 0.1.0 did not write."""
+    run = _copy(fix["teacher_dir"].parent.parent, tmp / "old")
+    for _, folder in list_checkpoints(run):
+        info = json.loads((folder / "checkpoint.json").read_text())
+        for key in ("latent_head", "pll_refusal"):
+            info.pop(key, None)
+        _write(folder / "checkpoint.json", json.dumps(info))
+    data = _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [data],
+            ("mlsm 0.1.0 wrote neither", f"mlsm migrate {run}"))
+
+
+# ---- #52 item 7: a sentence beyond the model's positions; a dictionary that names no teacher
+
+
+def _short_model(tmp: Path, fix: dict, positions: int = 16) -> Path:
+    """A masked LM of the fixture's vocabulary with only `positions` position embeddings."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    tok = AutoTokenizer.from_pretrained(str(fix["tokenizer_dir"]))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=positions)
+    BertForMaskedLM(config).save_pretrained(tmp / "short")
+    tok.save_pretrained(tmp / "short")
+    return tmp / "short"
+
+
+def _bounds_blimp_sentence_beyond_the_model_positions(tmp, fix):
+    model, long = _short_model(tmp, fix), " ".join(["the cat sat"] * 20)
+    data = _blimp_dir(tmp, json.dumps({"sentence_good": long + " .", "sentence_bad": "cat ."}))
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            ("toy pair 0: sentence_good has", "more than the model's 16 positions"))
+
+
+def _teacherless_dictionary(tmp: Path, fix: dict) -> Path:
+    """The fixture's atoms in a safetensors file of no meta, beside a .json written by hand that
+    names no teacher: before, any teacher of the same width and layer took it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp / "d.safetensors"
+    save_file({"atoms": load_file(str(fix["dictionary_path"]))["atoms"]}, str(weights))
+    _write(tmp / "d.json", json.dumps({"lam": 0.05, "layer": 1, "k": 64}))
+    return weights
+
+
+def _consistency_targets_dictionary_naming_no_teacher(tmp, fix):
+    weights = _teacherless_dictionary(tmp, fix)
+    return (_targets(fix, tmp / "t", **{"--dictionary": str(weights)}), [weights, tmp / "d.json"],
+            (f"dictionary {weights} names no teacher", "mlsm dictionary --store STORE --teacher"))
+
+
+def _consistency_pretrain_dictionary_naming_no_teacher(tmp, fix):
+    weights = _teacherless_dictionary(tmp, fix)
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(weights),
+             "objective.teacher": str(fix["teacher_dir"])}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)], [weights],
+            f"dictionary {weights} names no teacher")
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
                              "_bounds_"))}
@@ -1490,6 +1591,7 @@ def test_hostile_input_is_one_line_and_nothing_is_lost(name: str, fx: dict,  # n
     before = {str(p): _tree(p) for p in protect}
     capsys.readouterr()
     line = _one_line_error(main(args), capsys.readouterr().err)
+    check_hint_is_tried(name, line)
     for part in (needle,) if isinstance(needle, str) else needle:  # a tuple: each must be there
         assert part in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"

@@ -34,6 +34,7 @@ from mlsm.teacher.targets import TargetStore
 from mlsm.train import checkpoint as ckpt
 
 from .conftest import make_text, tiny_overrides
+from .fix_hints import check_hint_is_tried
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -457,6 +458,7 @@ def test_bad_input_is_one_line_and_nothing_is_lost(name: str, fx: dict, tmp_path
     before = {str(p): _tree(p) for p in protect}
     capsys.readouterr()
     line = _one_line_error(main(args), capsys.readouterr().err)
+    check_hint_is_tried(name, line)
     assert needle in line, line
     assert forbidden is None or forbidden not in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"

@@ -367,3 +367,31 @@ def test_mlsm_dictionary_says_its_cost_before_collecting_a_state(
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("mlsm dictionary: about ") and "on this CPU for 2,000,000 teacher " \
         "states (the paper-scale default of --n-vectors)" in first, first
+
+
+def test_a_dictionary_without_its_teachers_fingerprint(store_dir, teacher_dir, dictionary_path,
+                                                       tmp_path, capsys):
+    """mlsm 0.1.0 wrote the teacher's name but no fingerprint of its weights: such a dictionary is
+    used, with one warning naming the command that learns it again (`targets` exits 0). One whose
+    meta names no teacher at all is refused (the bad-input table's
+    `consistency_*_dictionary_naming_no_teacher`)."""
+    from mlsm.cli import main
+    from mlsm.teacher import dictionary as dm
+
+    new = load_dictionary(dictionary_path)
+    old_meta = {k: v for k, v in new.meta.items() if k not in ("teacher_weights", "atoms_sha256")}
+    old = save_dictionary(Dictionary(new.atoms, old_meta), tmp_path / "old.safetensors")
+    dm._WARNED_UNRECORDED.clear()
+    args = ["targets", "--store", str(store_dir), "--dictionary", str(old), "--teacher",
+            str(teacher_dir), "--max-len", "32", "--batch-size", "16"]
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "t")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "records no fingerprint of its weights" in warned[0], warned
+    assert f"mlsm dictionary --store STORE --teacher {teacher_dir}" in warned[0]
+    teacher = load_teacher(str(teacher_dir), layer=old_meta["layer"])
+    load_dictionary(old).check_teacher(teacher)  # the same dictionary again: no second warning
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(UserError, match="names no teacher"):
+        Dictionary(new.atoms, {k: v for k, v in old_meta.items() if k != "teacher"}
+                   ).check_teacher(teacher)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.artifacts.checkpoint import list_checkpoints
+from mlsm.artifacts.checkpoint import list_checkpoints, resume_command
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train import checkpoint as ckpt
@@ -111,6 +111,7 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_its_status(
     assert proc.returncode == status, out
     assert f"stopped by signal {signal.Signals(signum).name} after step" in out
     assert "continue with --resume auto" in out and "Traceback" not in out
+    assert resume_command(run) in out  # the command test_fix_hints.py runs for a stopped run
     found = list_checkpoints(run)
     assert found and 0 < found[-1][0] < 400 and found[-1][0] == _logged(run)
 

@@ -49,6 +49,29 @@ def test_text_to_a_probed_run_then_everything_is_reused(corpus_dir: Path,
     assert said[-1].endswith(": learned")
 
 
+def test_what_text_builds_follows_each_objectives_declarations() -> None:
+    """#54: --text decides by what an objective declares, never by its name. Every registered
+    objective whose Config has a `dictionary` option gets one (an MLSM variant taken for plain
+    would train without its atoms), and a probe exactly when PLL can score it only through one."""
+    import dataclasses
+
+    import pytest
+
+    from mlsm.cli.from_text import builds_for
+    from mlsm.objectives import OBJECTIVES
+
+    for name, cls in OBJECTIVES.items():
+        options = {f.name for f in dataclasses.fields(cls.Config)}
+        needs = builds_for(name)
+        assert needs.dictionary == ("dictionary" in options), name
+        assert needs.probe == (cls.predicts_latent and not cls.exports_vocab_head
+                               and cls.scored_by_pll), name
+    assert builds_for("mtl").dictionary and not builds_for("mtl").probe  # a vocabulary head
+    assert not builds_for("mlm").dictionary
+    with pytest.raises(UserError, match="--objective nosuch: unknown objective; choose from mlm"):
+        builds_for("nosuch")
+
+
 def test_what_text_builds_follows_the_objective_declarations(corpus_dir: Path,
                                                              tmp_path: Path) -> None:
     """What --text builds is decided by what the objective declares, not by its name: MLSM+MLM
@@ -66,5 +89,5 @@ def test_what_text_builds_follows_the_objective_declarations(corpus_dir: Path,
                             bool(list(out.glob("probe-*"))))
     assert built == {"mtl": (True, False), "feature_kd": (False, True), "mlm": (False, False)}
     assert isinstance(load_scorer(str(tmp_path / "feature_kd"))[0], ProbeScorer)
-    with pytest.raises(UserError, match="not an mlsm objective; use one of .*mlsm"):
+    with pytest.raises(UserError, match="--objective mlsmm: unknown objective; choose from .*mlsm"):
         pretrain_from_text(text, "mlsmm", [*TINY, f"train.out={tmp_path / 'x'}"])

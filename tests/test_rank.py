@@ -154,3 +154,39 @@ def test_load_encoder(encoder, tok, tmp_path):
     assert a.ranks == layerwise_effective_rank(encoder, tok, SENTENCES, seed=3).ranks
     with pytest.raises(UserError, match="missing does not exist"):
         load_encoder(str(tmp_path / "missing"))
+
+
+def test_sentences_beyond_the_model_positions_are_cut_there(tok):
+    """A model of 16 positions and a sentence of more tokens (#52 item 7: an IndexError from the
+    position embeddings before): without --max-length, sentences are cut at the model's positions,
+    and the table counts exactly the tokens kept."""
+    torch.manual_seed(0)
+    short = BertModel(BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=64,
+                                 max_position_embeddings=16)).eval()
+    long = " ".join(SENTENCES)
+    assert len(tok(long)["input_ids"]) > 16
+    table = layerwise_effective_rank(short, tok, [long, SENTENCES[0]], mask_rate=0.0)
+    assert table.meta["max_length"] == 16 and table.meta["n_cut"] == 1
+    kept = [min(len(tok.tokenize(s)), 16 - 2) for s in (long, SENTENCES[0])]
+    assert table.counts["unmasked"] == sum(kept)
+
+
+def test_rank_cli_says_how_many_sentences_it_cut(tok, tmp_path, capsys):
+    """`mlsm rank` on a model of 16 positions: exit 0, no transformers warning, and one note."""
+    from transformers import BertForMaskedLM
+
+    from mlsm.cli import main
+
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=16)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "s.txt").write_text(" ".join(SENTENCES) + "\n" + SENTENCES[0] + "\n")
+    capsys.readouterr()
+    assert main(["rank", str(tmp_path / "m"), "--text", str(tmp_path / "s.txt"), "--out",
+                 str(tmp_path / "r"), "--mask-rate", "0"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["mlsm rank: note: 1 of 2 sentences were longer than 16 tokens and were cut "
+                   "there"], err

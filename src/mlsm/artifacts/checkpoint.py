@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -480,8 +481,17 @@ def _final(run: _RunCheckpoints) -> _Saved:
         raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
                         f"step-{last.step} of {run.total_steps} steps); pass "
                         f"{run.path}@step-{last.step} to use it, or finish "
-                        "it with mlsm pretrain --resume auto")
+                        f"it with {resume_command(run.path)}")
     return last
+
+
+def resume_command(run: Path) -> str:
+    """The command that finishes the run in `run` as printed: its own resolved config (a probe
+    run's too: it is a run of the probe objective) and its folder wherever it is now (config.yaml
+    names the train.out it was started in); a bare `--resume auto` would start from the defaults,
+    which name no token store."""
+    return (f"mlsm pretrain --config {shlex.quote(str(run / 'config.yaml'))} --resume auto "
+            f"{shlex.quote(f'train.out={run}')}")
 
 
 def resolve_checkpoint(spec: str | os.PathLike) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -388,6 +389,9 @@ def _rank_into(a: argparse.Namespace, sentences: list[str]) -> None:
                                      seed=a.seed, tau=a.tau, center=a.center,
                                      max_length=a.max_length)
     paths = write_rank_report(table, a.out)
+    if table.meta["n_cut"]:  # the model's positions (or --max-length) cut them: said, not hidden
+        print(f"mlsm rank: note: {table.meta['n_cut']} of {len(sentences)} sentences were longer "
+              f"than {table.meta['max_length']} tokens and were cut there", file=sys.stderr)
     print(table.to_markdown())
     print(f"-> {paths['csv']}, {paths['png']}")
 

@@ -1,23 +1,24 @@
 """`mlsm pretrain --text FILE...`: from text to a model in one command.
 
-What the separate verbs do one by one (docs/tutorial.md), for a small machine: a token store of the
-text with the packaged teacher's tokenizer (`OUT-store`), a dictionary of the teacher's layer-5
-states (`OUT-dict.safetensors`) when the objective takes one, the run (`OUT`), and its k -> |V|
-probe trained to a plateau (`OUT/probe-step-N`) when the objective predicts latent properties (both
-decided by what the objective declares, not by its name). What exists is reused: the store when it
-holds the same text (its content fingerprint), the dictionary when its record names the same store
+What the separate verbs do one by one (docs/tutorial.md), for a small machine: a token store of
+the text with the packaged teacher's tokenizer (`OUT-store`), for MLSM a dictionary of the
+teacher's layer-5 states (`OUT-dict.safetensors`), the run (`OUT`), and for MLSM its k -> |V|
+probe trained to a plateau (`OUT/probe-step-N`). What exists is reused: the store when it holds
+the same text (its content fingerprint), the dictionary when its record names the same store
 fingerprint and settings, the run when it finished with the same config and dictionary (an
-interrupted one resumes, with `mlsm pretrain --resume`'s checks; a finished one of other settings
-is refused), the probe when its record is there. Sizes are the tiny recipe's, stated in the first
-line; `group.key=value` overrides change the run as for `mlsm pretrain`, `dictionary.KEY=...` the
-dictionary and `probe.KEY=...` the probe (their flags' names, e.g. probe.max_steps=200).
+interrupted one resumes, with `mlsm pretrain --resume`'s checks; a finished one of other
+settings is refused), the probe when its record is there. Sizes are the tiny recipe's, stated
+in the first line; `group.key=value` overrides change the run as for `mlsm pretrain`,
+`dictionary.KEY=...` the dictionary and `probe.KEY=...` the probe (their flags' names, e.g.
+probe.max_steps=200). What an objective needs is read from its class (`builds_for`): a dictionary
+when its Config has one, a probe when PLL scores it only through one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +52,25 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
     from mlsm.train.loop import pretrain_run
     from mlsm.train.signals import exit_status
 
-    learns_dictionary, probed = _needs(objective)
+    needs = builds_for(objective)
     raw = merge(SMALL, parse_overrides(overrides or []))
     settings = {**DICTIONARY, **raw.pop("dictionary", {})}  # dictionary.n_vectors=... and so on
     probe = raw.pop("probe", {})  # probe.max_steps=...: settings of `mlsm probe`
     out = Path(raw.get("train", {}).get("out") or f"runs/{Path(texts[0]).name.split('.')[0]}")
     t = raw["train"]
+    learns = (f"; dictionary: k = {settings['k']}, teacher layer {settings['layer']}, "
+              f"{settings['n_vectors']:,} states" if needs.dictionary else "")
     log(f"mlsm pretrain --text: {objective} on {', '.join(texts)} with small-machine defaults "
         f"(a 2 x 128 BERT, {t['steps']} steps of {t['batch_size']} x "
-        f"{raw['data']['max_len']} tokens; dictionary: k = {settings['k']}, teacher layer "
-        f"{settings['layer']}, "
-        f"{settings['n_vectors']:,} states) -> {out} (group.key=value overrides change them)")
+        f"{raw['data']['max_len']} tokens{learns}) -> {out} (group.key=value overrides change "
+        "them)")
     store = prepare_corpus(texts, str(default_teacher_path()), f"{out}-store")
     log(f"token store {store.path}: {store.n_tokens:,} tokens")
     raw["data"] = {**raw["data"], "store": str(store.path)}
     raw["train"] = {**raw["train"], "out": str(out)}
     raw["objective"] = {"name": objective, **raw.get("objective", {})}
     learned = False
-    if learns_dictionary:
+    if needs.dictionary:
         path, learned = _dictionary(store, Path(f"{out}-dict.safetensors"), settings, log)
         raw["objective"]["dictionary"] = path
         raw["objective"].setdefault("layer", settings["layer"])
@@ -82,24 +84,32 @@ def pretrain_from_text(texts: list[str], objective: str = "mlsm",
                         "choose another train.out or delete that run (nothing was trained)")
     else:
         log(f"run {out}: already trained ({cfg.train.steps} steps, same config), reused")
-    if probed:
+    if needs.probe:
         _probe(out, lambda final: run_probe(final, **probe), log)
     return out
 
 
-def _needs(objective: str) -> tuple[bool, bool]:
-    """What --text builds around a run of `objective`, from what the objective declares: a
-    dictionary when its Config has a `dictionary` option (MLSM's family), a probe when it
-    predicts latent properties (`predicts_latent`) and exports no vocabulary head of its own
-    (MLSM+MLM is scored through its trained one)."""
+@dataclass(frozen=True)
+class Builds:
+    """What --text builds for an objective besides the token store and the run, read from the
+    objective's own declarations (`Objective.reads_dictionary`, `.scored_through_probe`), so no
+    objective is named here."""
+
+    dictionary: bool
+    """The dictionary its Config's `dictionary` option names (learned on the packaged teacher)."""
+    probe: bool
+    """The k -> |V| probe at the end, without which PLL cannot score it."""
+
+
+def builds_for(objective: str) -> Builds:
+    """What --text builds for `objective` (one line for a name that is not a user objective)."""
     from mlsm.objectives import objective_class, user_objectives
 
-    cls = objective_class(objective)
-    if cls is None or objective not in user_objectives():
-        raise UserError(f"--objective {objective} is not an mlsm objective; use one of "
+    cls = objective_class(objective) if objective in user_objectives() else None
+    if cls is None:
+        raise UserError(f"--objective {objective}: unknown objective; choose from "
                         f"{', '.join(user_objectives())}")
-    has_dictionary = any(f.name == "dictionary" for f in dataclasses.fields(cls.Config))
-    return has_dictionary, bool(cls.predicts_latent and not cls.exports_vocab_head)
+    return Builds(dictionary=cls.reads_dictionary(), probe=cls.scored_through_probe())
 
 
 def _finished(out: Path, steps: int) -> bool:

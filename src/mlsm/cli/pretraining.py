@@ -227,7 +227,8 @@ def add_pretrain(sub: argparse._SubParsersAction) -> Callable:
                    "(mlsm.cli.from_text; the run goes to train.out, default "
                    "runs/<first file's name>)")
     p.add_argument("--objective", default="mlsm",
-                   help="with --text: the objective (default mlsm)")
+                   help="with --text: the objective (default mlsm); a dictionary is learned "
+                   "when it takes one, a probe trained when PLL scores it through one")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: 'auto' (newest checkpoint in train.out) or a "
                    "checkpoint folder")

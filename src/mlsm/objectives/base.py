@@ -17,13 +17,14 @@ What a checkpoint holds is declared, not set by side effect: `exports_vocab_head
 does the HF folder keep the student's masked-LM head?) and `exported_heads()` (name -> module,
 saved in heads.safetensors, described by `head_meta()` in heads.json). What the rest of mlsm needs
 to know about an objective is declared on its class too (`uses_teacher`, `predicts_latent`,
-`latent_head`, `scored_by_pll`, `flops_row`), so no other module keeps a list of objective
-names: adding an objective touches its module, the registry and its test.
+`latent_head`, `scored_by_pll`, `flops_row`; `reads_dictionary` and `scored_through_probe` follow
+from them and its Config), so no other module keeps a list of objective names: adding an
+objective touches its module, the registry and its test.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -98,6 +99,19 @@ class Objective(nn.Module):
     flops_row: ClassVar[str | None] = None
     """The row of `flops_table` (`mlsm flops`) whose step this objective runs; None = not
     modelled (no FLOP/s or MFU in its logs)."""
+
+    @classmethod
+    def reads_dictionary(cls) -> bool:
+        """Whether its Config has a `dictionary` option: the atoms its latent targets are coded
+        against, which must exist before it trains (`mlsm pretrain --text` learns them)."""
+        return "dictionary" in {f.name for f in fields(cls.Config)}
+
+    @classmethod
+    def scored_through_probe(cls) -> bool:
+        """Whether PLL scores its checkpoints only through a k -> |V| probe fitted after training
+        (it predicts latents, keeps no vocabulary head, and can be scored at all): `mlsm pretrain
+        --text` trains that probe at the end."""
+        return cls.predicts_latent and not cls.exports_vocab_head and cls.scored_by_pll
 
     @classmethod
     def pll_refusal_at(cls, objective: dict[str, Any], step: int, total_steps: int) -> str | None:

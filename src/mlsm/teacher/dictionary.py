@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import shlex
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +39,17 @@ from mlsm.teacher.teacher import INIT_SETTING, LAYER_SETTING, TEACHER_SETTING, T
 DICT_FORMAT = "mlsm-dictionary"
 
 
+_WARNED_UNRECORDED: set[tuple[str, Any]] = set()  # (teacher, atoms digest) warned about once
+
+
 @dataclass
 class Dictionary:
     """Atoms (d, k) as columns plus the meta that says how they were made."""
 
     atoms: torch.Tensor  # (d, k)
     meta: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = field(default=None, compare=False, repr=False)
+    """The .safetensors it was loaded from (None when built in memory): named by refusals."""
 
     @property
     def d(self) -> int:
@@ -81,11 +88,35 @@ class Dictionary:
                             "a new dictionary")
         self._check_init(teacher)
         weights = self.meta.get("teacher_weights")
-        if weights is not None and weights != teacher.weights_fingerprint():
+        if weights is None:
+            self._check_unrecorded(teacher)
+        elif weights != teacher.weights_fingerprint():
             raise UserError(f"the dictionary was learned on another teacher of this shape (weights "
                             f"fingerprint {weights}, this teacher's {teacher.weights_fingerprint()}"
                             f"); use the teacher it names ({self.meta.get('teacher')!r}, "
                             f"{TEACHER_SETTING}) or learn a dictionary with this one")
+
+    def _check_unrecorded(self, teacher: Teacher) -> None:
+        """A dictionary whose meta records no fingerprint of its teacher's weights. One that names
+        its teacher is one mlsm wrote before it recorded the fingerprint (0.1.0 did not): used,
+        with one warning per process, since nothing shows it is another teacher's. One that names
+        no teacher at all (a .json written by hand, atoms from elsewhere) cannot be checked
+        against any: refused."""
+        rebuild = (f"`mlsm dictionary --store STORE --teacher {shlex.quote(teacher.name)} --out "
+                   "NEW_DICT`")
+        if self.meta.get("teacher") is None:
+            which = f"dictionary {self.path}" if self.path else "the dictionary"
+            raise UserError(f"{which} names no teacher and no fingerprint of its teacher's "
+                            "weights in its meta, so nothing shows it was learned on this teacher "
+                            f"({teacher.name}); learn one on it with {rebuild} (the token store "
+                            "prepared with its tokenizer)")
+        key = (str(self.meta["teacher"]), self.meta.get("atoms_sha256"))
+        if key not in _WARNED_UNRECORDED:
+            _WARNED_UNRECORDED.add(key)
+            print(f"mlsm: warning: the dictionary of teacher {self.meta['teacher']} records no "
+                  "fingerprint of its weights (mlsm 0.1.0 wrote none), so another teacher of "
+                  "this name and shape would pass; learn it again to record one: "
+                  f"{rebuild[1:-1]}", file=sys.stderr, flush=True)
 
     def _check_init(self, teacher: Teacher) -> None:
         """A dictionary of the pre-trained teacher used with the random one, or the reverse, or
@@ -336,7 +367,7 @@ def load_dictionary(path: str | Path, device: str | torch.device = "cpu") -> Dic
                         f"{fix}")
     if not bool(atoms.any()):  # every sparse code against it would be zero
         raise UserError(f"dictionary {weights} has only zero atoms; {fix}")
-    return Dictionary(atoms, meta)
+    return Dictionary(atoms, meta, weights)
 
 
 IDENTITY = ("teacher", "layer", "teacher_init", "teacher_seed", "teacher_weights")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mlsm import locking
-from mlsm.artifacts.checkpoint import readiness_steps
+from mlsm.artifacts.checkpoint import readiness_steps, resume_command
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision
@@ -171,7 +171,8 @@ def _pretrain(cfg: RunConfig, resume: str | None, dist_info: DistInfo,
                                 dist_info, inputs)
                 stopped_by = stopper.signum or signal.SIGTERM  # or another rank's (torchrun's)
                 print(f"stopped by signal {signal.Signals(stopped_by).name} after step {done}; "
-                      "continue with --resume auto", flush=True)
+                      "continue with --resume auto (the same command with it, or: "
+                      f"{resume_command(run_dir)})", flush=True)
                 break
     bar.close()
     barrier(dist_info)

@@ -34,7 +34,7 @@ from typing import Any
 
 from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
-from mlsm.evaluate.zeroshot.pll import score_pll
+from mlsm.evaluate.zeroshot.pll import SentenceTooLong, score_pll
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
 from mlsm.hf import first_line
@@ -339,9 +339,17 @@ def evaluate_blimp(
     grouped = load_blimp(data, cfg.phenomena or None, cfg.limit_per_phenomenon or None)
     pairs = [p for group in grouped.values() for p in group]
     # One call for all sentences: the best length bucketing, and repeated sentences scored once.
-    scores = score_pll(model, tokenizer, [p.good for p in pairs] + [p.bad for p in pairs],
-                       variant=cfg.variant, token_budget=cfg.token_budget, device=device,
-                       progress=progress, max_chars=cfg.max_sentence_chars)
+    try:
+        scores = score_pll(model, tokenizer, [p.good for p in pairs] + [p.bad for p in pairs],
+                           variant=cfg.variant, token_budget=cfg.token_budget, device=device,
+                           progress=progress, max_chars=cfg.max_sentence_chars)
+    except SentenceTooLong as long:  # name the pair, not its index among all sentences
+        pair = pairs[long.index % len(pairs)]
+        which = "sentence_good" if long.index < len(pairs) else "sentence_bad"
+        raise UserError(f"{pair.uid} pair {pair.pair_id}: {which} has {long.n_tokens} tokens, "
+                        f"more than the model's {long.limit} positions (config.json "
+                        "max_position_embeddings); score a model of more positions, or leave "
+                        "that pair out of --data") from None
     good, bad = scores[: len(pairs)], scores[len(pairs) :]
     result = {"variant": cfg.variant, "data": str(data), **_summarise(grouped, good, bad)}
     model_acc = {u: r["accuracy"] for u, r in result["phenomena"].items()}

@@ -124,6 +124,17 @@ class TokenScores:
         return float(sum(self.log_probs))
 
 
+class SentenceTooLong(UserError):
+    """Sentence `index` (of those given) has more tokens than the model has positions: PLL would
+    index past its position embeddings. A caller that knows where the sentence came from (BLiMP:
+    its phenomenon and pair) says so in its own line."""
+
+    def __init__(self, index: int, n_tokens: int, limit: int) -> None:
+        super().__init__(f"sentence {index} has {n_tokens} tokens, more than the model's {limit} "
+                         "positions: split it")
+        self.index, self.n_tokens, self.limit = index, n_tokens, limit
+
+
 @dataclass
 class _Item:
     """One distinct tokenised sentence: ids (L,), scored positions (n,), word index per token
@@ -154,9 +165,7 @@ def _encode(
     which: list[int] = []
     for i, ids in enumerate(enc["input_ids"]):
         if max_len is not None and len(ids) > max_len:
-            raise UserError(
-                f"sentence {i} has {len(ids)} tokens, more than the model's {max_len}: split it"
-            )
+            raise SentenceTooLong(i, len(ids), max_len)
         words = _word_index(enc.word_ids(i)) if variant == "within_word_l2r" else None
         key = (tuple(ids), None if words is None else tuple(words.tolist()))
         if key not in seen:

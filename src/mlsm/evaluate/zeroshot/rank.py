@@ -124,6 +124,7 @@ class _GramAccumulator:
         self.gram = {c: torch.zeros(n_layers, d, d, dtype=torch.float64) for c in CONDITIONS}
         self.total = {c: torch.zeros(n_layers, d, dtype=torch.float64) for c in CONDITIONS}
         self.count = dict.fromkeys(CONDITIONS, 0)
+        self.cut = 0  # sentences longer than max_length tokens, cut there
 
     def add(self, cond: str, states: Sequence[torch.Tensor], where: torch.Tensor) -> None:
         """states: per layer (B, T, d); where: (B, T) bool, the positions to add."""
@@ -172,13 +173,17 @@ def _accumulate(
     gen = torch.Generator().manual_seed(seed)
     acc: _GramAccumulator | None = None
     for start in range(0, len(sentences), batch_size):
-        enc = tokenizer(list(sentences[start : start + batch_size]), padding=True, truncation=True,
-                        max_length=max_length, return_special_tokens_mask=True, return_tensors="pt")
+        batch = list(sentences[start : start + batch_size])
+        enc = tokenizer(batch, padding=True, truncation=True, max_length=max_length,
+                        return_special_tokens_mask=True, return_tensors="pt")
         ids, attention = enc["input_ids"], enc["attention_mask"]
         special = enc["special_tokens_mask"].bool() | (attention == 0)  # (B, T) never counted
         states = _hidden_states(model, ids.to(dev), attention.to(dev))  # (L + 1) x (B, T, d)
         if acc is None:
             acc = _GramAccumulator(len(states), states[0].shape[-1])
+        # how many were cut, for the note the CLI prints (verbose=False: no transformers warning)
+        acc.cut += sum(len(full) > max_length
+                       for full in tokenizer(batch, verbose=False)["input_ids"])
         acc.add("unmasked", states, ~special)
         if mask_rate > 0:
             masked = _choose_masks(special, mask_rate, gen)  # (B, T)
@@ -235,7 +240,8 @@ def layerwise_effective_rank(
         layers=list(range(acc.gram["unmasked"].shape[0])),
         ranks={c: acc.ranks(c, tau, center) for c in conds},
         counts={c: acc.count[c] for c in conds}, center=center,
-        meta={"n_sentences": len(sentences), "seed": seed, "max_length": max_length},
+        meta={"n_sentences": len(sentences), "seed": seed, "max_length": max_length,
+              "n_cut": acc.cut},
     )
 
 
