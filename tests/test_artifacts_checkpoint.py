@@ -27,7 +27,7 @@ from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import make_text, tiny_overrides
+from .helpers import make_text, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SRC = Path(__file__).resolve().parents[1] / "src"

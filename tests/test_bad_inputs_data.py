@@ -33,7 +33,7 @@ from mlsm.cli import main
 from mlsm.teacher.targets import TargetStore
 from mlsm.train import checkpoint as ckpt
 
-from .conftest import make_text, tiny_overrides
+from .helpers import make_text, tiny_overrides
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

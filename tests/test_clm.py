@@ -23,7 +23,7 @@ from mlsm.objectives.clm import causal_encode, next_token_targets
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
 

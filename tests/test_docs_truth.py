@@ -369,7 +369,7 @@ def test_extending_objective_example_trains_and_equals_mlm_at_zero_smoothing(
     from mlsm.objectives import Context, forward_step
     from mlsm.objectives.mlm import MLM, MLMConfig
 
-    from .conftest import TINY_MODEL
+    from .helpers import TINY_MODEL
 
     # the module block is imported as a file, as it would be in the package
     (tmp_path / "mlm_ls_example.py").write_text(_python_blocks(ROOT / "docs" / "extending.md")[0])
@@ -435,7 +435,7 @@ def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: P
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
-    from .conftest import tiny_overrides
+    from .helpers import tiny_overrides
 
     monkeypatch.chdir(tmp_path)  # the page names runs/tiny-mlsm
     overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),

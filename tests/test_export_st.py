@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoTokenizer
 from mlsm.cli import main
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 
 st = pytest.importorskip("sentence_transformers")
 

@@ -25,7 +25,7 @@ from mlsm.objectives.feature_kd import FeatureKD, FeatureKDConfig, teacher_featu
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, overfit_losses, read_metrics, tiny_overrides
+from .helpers import TINY_MODEL, overfit_losses, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -21,7 +21,7 @@ from mlsm.objectives import Context, build_objective, forward_step
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
 
 
 def _setup(store_dir: Path, spec: dict, arch: str = "bert", mask_rate: float = 0.15):

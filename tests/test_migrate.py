@@ -24,7 +24,7 @@ from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FACTS = ("latent_head", "pll_refusal")

@@ -21,7 +21,7 @@ from mlsm.objectives.probe import Probe, ProbeConfig
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, tiny_overrides
+from .helpers import TINY_MODEL, tiny_overrides
 
 
 def _mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path, out: Path) -> Path:

@@ -16,7 +16,7 @@ from mlsm.objectives.probe import probe_input
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
-    from .conftest import tiny_overrides
+    from .helpers import tiny_overrides
 
     out = tmp_path_factory.mktemp("mlsm") / "run"
     cfg = load_config(None, tiny_overrides(store_dir, out, **{

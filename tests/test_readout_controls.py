@@ -19,7 +19,7 @@ from mlsm.objectives.probe import probe_input
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 FIT = {"max_steps": 60, "eval_every": 20, "select_steps": 20, "heldout_batches": 2,
        "batch_size": 8}

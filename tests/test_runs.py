@@ -21,7 +21,7 @@ from mlsm.evaluate.zeroshot.rank import load_encoder
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 from .test_finetune import _keyword_sst2
 
 

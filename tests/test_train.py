@@ -14,7 +14,7 @@ from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import check_resume, overfit_losses, tiny_overrides
+from .helpers import check_resume, overfit_losses, tiny_overrides
 
 
 def _run(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:

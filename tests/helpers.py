@@ -1,0 +1,149 @@
+"""Helpers shared by the test modules: the synthetic corpus's text, the tiny model's overrides,
+an objective's overfit losses, a run's metrics and the resume check. Fixtures live in conftest.py;
+these are plain functions a test module imports (`from .helpers import tiny_overrides`)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+WORDS = ["the", "a", "cat", "dog", "bird", "sees", "chases", "likes", "small", "big", "red",
+          "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but",
+          "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book",
+          "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music",
+          "plays", "loud", "quiet"]
+
+
+def make_text(n_docs: int, seed: int = 0, sentences: int = 8) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        sents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(sentences)]
+        docs.append(" ".join(sents))
+    return docs
+
+
+TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64}
+
+
+def tiny_overrides(store: Path, out: Path, **extra: object) -> list[str]:
+    """key=value overrides for a seconds-long CPU run on the fixture store."""
+    base = {
+        "data.store": str(store), "data.max_len": 32, "train.out": str(out), "train.steps": 6,
+        "train.batch_size": 8, "train.log_every": 1, "train.device": "cpu", "optim.lr": 1e-3,
+        "model.overrides": "{" + ", ".join(f"{k}: {v}" for k, v in TINY_MODEL.items()) + "}",
+    }
+    base.update({k: v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3,
+                   arch: str = "bert") -> list[float]:
+    """Train a tiny student with objective `spec` on one fixed batch; return the loss per step.
+
+    Uses the library's own pieces (store, batches, student, objective) and the contract's
+    normalisation (loss_sum / n_targets), without the loop, so every objective can be checked.
+    """
+    import torch
+
+    from mlsm.config import DataConfig, ModelConfig
+    from mlsm.data.batches import BatchSource
+    from mlsm.data.corpus import TokenStore
+    from mlsm.models.backbone import build_student
+    from mlsm.objectives import Context, TrainModule, build_objective, forward_step
+
+    st = TokenStore.open(store)
+    tok = st.load_tokenizer()
+    ctx = Context(tok, torch.device("cpu"), steps, str(store), 32)
+    objective = build_objective(spec, ctx)
+    student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
+    objective.attach(student)
+    batch = BatchSource(st, DataConfig(store=str(store), max_len=32), tok).batch(np.arange(8), 0)
+    opt = torch.optim.AdamW(TrainModule(student, objective).parameters(), lr=lr)  # heads included
+    torch.manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        out = forward_step(student, objective, batch)
+        loss = out.loss_sum / out.n_targets.clamp(min=1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def read_metrics(run: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _perturb(folder: Path) -> None:
+    """Nudge every floating tensor of a checkpoint's model.safetensors (so a run resumed from it
+    ends elsewhere, unless it ignored the checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
+                 files: tuple[str, ...] = ("model.safetensors",), **extra: object) -> None:
+    """Resume must be a resume, not a restart that happens to end in the same place.
+
+    1. A run resumed from checkpoint `at` ends bit-identical to the uninterrupted run and its
+       metrics hold each step exactly once, with the same values as the uninterrupted run.
+    2. Resumed into an empty run directory from a perturbed copy of that checkpoint, the process
+       logs steps at+1..steps only (it started at the checkpoint's step) and ends elsewhere
+       (it started from the checkpoint's weights).
+    """
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from mlsm.run_config import load_config
+    from mlsm.train.loop import pretrain
+
+    cfg = lambda out: load_config(  # noqa: E731
+        None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))
+    full = pretrain(cfg(tmp / "full"))
+    final = f"checkpoints/step-{steps:07d}"
+    part = tmp / "part"
+    shutil.copytree(full, part)
+    for folder in (part / "checkpoints").glob("step-*"):
+        if int(folder.name.removeprefix("step-")) > at:
+            shutil.rmtree(folder)
+    pretrain(cfg(part), resume=str(part / "checkpoints" / f"step-{at:07d}"))
+    for name in files:
+        a, b = load_file(full / final / name), load_file(part / final / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    timing = ("tokens_per_s", "flops_per_s", "mfu")  # wall-clock rates differ between runs
+
+    def drop(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+    assert [m["step"] for m in read_metrics(part)] == list(range(1, steps + 1))
+    assert drop(read_metrics(part)) == drop(read_metrics(full))
+    # run.json keeps where the run started and adds each resumed segment's provenance
+    marker = json.loads((part / "run.json").read_text())
+    assert "resumed" not in json.loads((full / "run.json").read_text())
+    assert [r["from_step"] for r in marker["resumed"]] == [at], marker
+    assert marker["resumed"][0]["git_revision"] == marker["git_revision"]  # same code here
+    # 2. perturbed checkpoint, fresh run directory
+    nudged = tmp / "nudged" / f"step-{at:07d}"
+    shutil.copytree(full / "checkpoints" / f"step-{at:07d}", nudged)
+    _perturb(nudged)
+    other = pretrain(cfg(tmp / "other"), resume=str(nudged))
+    assert [m["step"] for m in read_metrics(other)] == list(range(at + 1, steps + 1))
+    a = load_file(full / final / "model.safetensors")
+    b = load_file(other / final / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a), (
+        "a run resumed from a perturbed checkpoint ended unchanged")
