@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import make_text, tiny_overrides
+from .helpers import MLM_RUN, MLSM_RUN, last_checkpoint, make_text, snapshot, tiny_overrides
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,17 +81,35 @@ def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
     assert not several, f"UserError message is not one line: {several[0]!r}"
 
 
-@pytest.fixture(scope="session")
-def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store."""
+_SHARED_RUNS: dict[Path, list[tuple[str, int, int]]] = {}
+"""The session's shared runs, each with its snapshot when it was trained."""
+
+
+def _shared_run(out: Path, overrides: list[str]) -> Path:
+    """Train a run shared by the session, with torch's thread count restored afterwards (the run's
+    train.threads = 1 sets it for the process), and record its snapshot."""
+    import torch
+
     from mlsm.run_config import load_config
     from mlsm.train.loop import pretrain
 
+    before = torch.get_num_threads()
+    try:
+        run = pretrain(load_config(None, overrides))
+    finally:
+        torch.set_num_threads(before)
+    _SHARED_RUNS[run] = snapshot(run)
+    return run
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store (read-only,
+    like `mlm_run`; tests/test_readout_controls.py fits its readout controls on it)."""
     out = tmp_path_factory.mktemp("teacher") / "run"
     overrides = {"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}
-    cfg = load_config(None, tiny_overrides(store_dir, out, **overrides))
-    pretrain(cfg)
-    return out / "checkpoints" / "step-0000030"
+    return _shared_run(out, tiny_overrides(store_dir, out, **overrides)) / "checkpoints" / \
+        "step-0000030"
 
 
 @pytest.fixture(scope="session")
@@ -119,6 +137,45 @@ def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
     out = tmp_path_factory.mktemp("targets") / "t"
     teacher = load_teacher(str(teacher_dir), layer=1)
     return build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
+
+
+@pytest.fixture(scope="session")
+def mlm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny MLM run (helpers.MLM_RUN: checkpoints at steps 1, 2, 4, 8), folder name
+    `tiny-mlm`. Read-only: a test that writes into a run (a probe, a resume, a damaged file)
+    works on shutil.copytree(mlm_run, tmp_path / ...); `shared_runs_unchanged` fails one that
+    does not, since what it wrote would change what later tests read."""
+    out = tmp_path_factory.mktemp("shared") / "tiny-mlm"
+    return _shared_run(out, tiny_overrides(store_dir, out, **MLM_RUN))
+
+
+@pytest.fixture(scope="session")
+def mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny MLSM run (helpers.MLSM_RUN: 30 steps, checkpoints at 15 and 30) on the
+    fixture teacher and dictionary, folder name `tiny-mlsm`; it has a latent head, so a probe can
+    be fitted on it. Read-only, like `mlm_run`."""
+    out = tmp_path_factory.mktemp("shared") / "tiny-mlsm"
+    return _shared_run(out, tiny_overrides(store_dir, out, **{
+        **MLSM_RUN, "objective.teacher": str(teacher_dir),
+        "objective.dictionary": str(dictionary_path)}))
+
+
+@pytest.fixture(scope="session")
+def mlsm_ckpt(mlsm_run: Path) -> Path:
+    """The final checkpoint of `mlsm_run` (read-only too)."""
+    return last_checkpoint(mlsm_run)
+
+
+@pytest.fixture(autouse=True)
+def shared_runs_unchanged(request: pytest.FixtureRequest):
+    """After each test, the shared runs it used are as they were trained."""
+    yield
+    for run, before in _SHARED_RUNS.items():
+        if snapshot(run) != before:
+            _SHARED_RUNS[run] = snapshot(run)  # report it once, in the test that wrote it
+            pytest.fail(f"{request.node.nodeid} wrote into the shared run {run}; copy it "
+                        "first (shutil.copytree(run, tmp_path / ...))", pytrace=False)
 
 
 @pytest.fixture

@@ -147,3 +147,46 @@ def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
     b = load_file(other / final / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a), (
         "a run resumed from a perturbed checkpoint ended unchanged")
+
+
+MLM_RUN = {"train.steps": 8, "train.threads": 1}
+"""The session's tiny MLM run (conftest `mlm_run`) beyond tiny_overrides: 8 steps, so its
+readiness checkpoints are steps 1, 2, 4 and 8 (10 % of 8 rounds to 1); one torch thread. A test
+that resumes a copy of the run passes these same settings."""
+
+MLSM_RUN = {"objective.name": "mlsm", "train.steps": 30, "optim.lr": 3e-3,
+            "train.readiness": "[0.5, 1.0]", "train.threads": 1}
+"""The session's tiny MLSM run (conftest `mlsm_run`) beyond tiny_overrides and its teacher and
+dictionary: 30 steps at the teacher's learning rate, enough for a probe to beat the unigram;
+checkpoints at steps 15 (50 %) and 30."""
+
+
+def last_checkpoint(run: Path) -> Path:
+    """The newest checkpoint folder of a finished run (checkpoints/step-N, N largest)."""
+    return max((run / "checkpoints").glob("step-*"))
+
+
+def snapshot(folder: Path) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime in ns) of everything under `folder`: what a test that writes
+    into a shared run changes."""
+    return sorted((str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns)
+                  for p in folder.rglob("*"))
+
+
+def train_tiny(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
+    """`pretrain` a tiny run (tiny_overrides plus `extra`) into `out`, in this process."""
+    from mlsm.run_config import load_config
+    from mlsm.train.loop import pretrain
+
+    return pretrain(load_config(None, tiny_overrides(store, out, **extra)), resume=resume)
+
+
+def cli_verbs() -> dict[str, object]:
+    """The `mlsm` verbs and their argparse sub-parsers."""
+    import argparse
+
+    from mlsm.cli import build_parser
+
+    parser, _ = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)

@@ -143,21 +143,6 @@ def test_a_default_study_probe_fingerprint_is_unchanged(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ through `mlsm probe`
 
 
-@pytest.fixture(scope="module")
-def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
-
-    from .helpers import tiny_overrides
-
-    out = tmp_path_factory.mktemp("mlsm") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{
-        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-        "objective.teacher": str(teacher_dir), "train.steps": 2, "train.readiness": "[1.0]"}))
-    return pretrain(cfg) / "checkpoints" / "step-0000002"
-
-
 def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeypatch) -> None:
     import mlsm.evaluate.probe.probe_fit as fit
     from mlsm.cli import main
