@@ -1,5 +1,7 @@
-"""Shared fixtures (helpers are in helpers.py): a small synthetic corpus, a tokenizer trained on it,
-its token store, a tiny MLM teacher with its dictionary and targets."""
+"""Shared fixtures (the plain functions tests share are in helpers.py): a small synthetic corpus,
+a tokenizer trained on it, its token store, a tiny MLM teacher with its dictionary and targets,
+the session's two shared runs (a tiny MLM run and a tiny MLSM run, read-only), the PLL tests'
+tiny tokenizer and a tiny BLiMP folder."""
 
 from __future__ import annotations
 
@@ -8,7 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import MLM_RUN, MLSM_RUN, last_checkpoint, make_text, snapshot, tiny_overrides
+from .helpers import (
+    MLM_RUN,
+    MLSM_RUN,
+    RIGHT,
+    TIE,
+    WRONG,
+    blimp_row,
+    last_checkpoint,
+    make_text,
+    make_tokenizer,
+    snapshot,
+    tiny_overrides,
+    write_jsonl,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -188,3 +203,40 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread_per_module():
+    """`one_torch_thread` for a whole module, its module-scoped fixtures included (a brute-force
+    PLL reference, say): `pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny WordPiece tokenizer of helpers.VOCAB (PLL, scoring, BLiMP and rank tests)."""
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def blimp_dir(tmp_path: Path) -> Path:
+    """A tiny BLiMP folder, the test's own: a: 3 right + 1 wrong (0.75); b (gzip, field spelled
+    with '/'): right + tie (0.75: a tie counts half); c: 1.0."""
+    folder = tmp_path / "blimp"
+    folder.mkdir()
+    a = [RIGHT, RIGHT, WRONG, RIGHT]
+    write_jsonl(folder / "par_a.jsonl",
+                [blimp_row(*p, "par_a", "morphology", pid=i) for i, p in enumerate(a)])
+    b = [RIGHT, TIE]
+    write_jsonl(folder / "par_b.jsonl.gz",
+                [blimp_row(*p, "par_b", "syntax/semantics", "binding", i) for i, p in enumerate(b)])
+    write_jsonl(
+        folder / "par_c.jsonl", [blimp_row(*RIGHT, "par_c", "morphology", pid=i) for i in range(2)]
+    )
+    (folder / "README.md").write_text("not data")  # ignored: not *.jsonl(.gz)
+    return folder

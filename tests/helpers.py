@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import BertForMaskedLM
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -190,3 +194,140 @@ def cli_verbs() -> dict[str, object]:
     parser, _ = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(sub.choices)
+
+
+# PLL, scoring, BLiMP and rank tests: a tiny WordPiece vocabulary, a tiny BERT, the brute-force
+# PLL reference and a closed-form scorer
+
+VOCAB = [
+    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "fox", "run", "walk",
+    "jump", "quick", "brown", "lazy", "over", "is", "are", "was", "who", "he", "she", "they", "it",
+    "##s", "##ing", "##ed", "##ly", "##er", "un", "##believ", "##able", ".", ",", "?", "!", "'",
+]
+
+SENTENCES = [
+    "the quick brown fox jumped over the lazy dog.",
+    "cats run.",
+    "unbelievable!",
+    "she walks quickly, he runs slowly?",
+    "the dogs are walking",
+    "it",
+    "they jumped over the quick brown foxes who was running, unbelievably.",
+    "cats run.",  # duplicate: scored once, reported twice
+]
+
+
+def make_tokenizer(folder: Path):
+    """A real fast WordPiece tokenizer from a tiny vocabulary (offline, no hub)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 64}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def tiny_bert(seed: int = 0, vocab_size: int = len(VOCAB)) -> BertForMaskedLM:
+    """A randomly initialised 2-layer BERT masked LM over `vocab_size` tokens, in eval mode."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )
+    return BertForMaskedLM(config).eval()
+
+
+def word_starts(tokens: list[str]) -> list[bool]:
+    # WordPiece marks continuation pieces with "##": an independent source of word boundaries.
+    return [not t.startswith("##") for t in tokens]
+
+
+def brute_force_pll(model, tokenizer, sentence: str, variant: str) -> list[float]:
+    """Reference: one full forward per masked copy, logits from model(...).logits, log_softmax."""
+    import torch
+
+    ids = tokenizer(sentence)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    starts = word_starts(tokens)
+    scores = []
+    for t in range(1, len(ids) - 1):  # [CLS] ... [SEP]: never scored
+        copy = list(ids)
+        copy[t] = tokenizer.mask_token_id
+        if variant == "within_word_l2r":
+            j = t + 1
+            while j < len(ids) - 1 and not starts[j]:
+                copy[j] = tokenizer.mask_token_id
+                j += 1
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([copy])).logits[0, t]
+        scores.append(torch.log_softmax(logits.double(), -1)[ids[t]].item())
+    return scores
+
+
+class PositionalScorer:
+    """A non-HF scorer: p(token | position) from a fixed table, context ignored.
+
+    PLL then has a closed form, sum_t log_softmax(table[t])[w_t], which checks that rows come back
+    in the order of `select` and that the protocol path needs nothing from HF. It also records
+    what it was shown, to check the masking pattern.
+    """
+
+    def __init__(self, vocab_size: int, max_len: int = 64):
+        import torch
+
+        gen = torch.Generator().manual_seed(3)
+        self.table = torch.randn(max_len, vocab_size, generator=gen)  # (T_max, V)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def logits_at(self, input_ids, attention_mask, select):
+        self.seen.append((input_ids.clone(), select.clone()))
+        positions = select.nonzero()[:, 1]  # (N,) row-major, one per row here
+        return self.table[positions]  # (N, V)
+
+
+# BLiMP tests: a context-free scorer and the pairs of a tiny BLiMP folder (conftest `blimp_dir`)
+
+
+class UnigramScorer:
+    """Context-free `MaskedScorer`: the same logits at every position, so PLL(s) = sum log q(w).
+
+    "cat" is far likelier than "dog", so a pair prefers whichever sentence has "cat".
+    """
+
+    def __init__(self):
+        import torch
+
+        self.logits = torch.zeros(len(VOCAB))
+        self.logits[VOCAB.index("cat")] = 5.0
+        self.logits[VOCAB.index("dog")] = -5.0
+
+    def logits_at(self, input_ids, attention_mask, select):
+        return self.logits.expand(int(select.sum()), -1)  # (N, V)
+
+
+def blimp_row(good: str, bad: str, uid: str, field: str, term: str = "agr", pid: int = 0) -> dict:
+    """One BLiMP pair as a line of the dataset's jsonl files."""
+    return {"sentence_good": good, "sentence_bad": bad, "field": field, "linguistics_term": term,
+            "UID": uid, "pairID": str(pid)}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """`rows` as jsonl, gzipped when the name ends in .gz."""
+    import gzip
+    import json
+
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+
+
+RIGHT, WRONG, TIE = ("the cat", "the dog"), ("the dog", "the cat"), ("the cat", "the cat")
