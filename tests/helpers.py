@@ -1,6 +1,8 @@
-"""Helpers shared by the test modules: the synthetic corpus's text, the tiny model's overrides,
-an objective's overfit losses, a run's metrics and the resume check. Fixtures live in conftest.py;
-these are plain functions a test module imports (`from .helpers import tiny_overrides`)."""
+"""Helpers shared by the test modules: the synthetic corpus's text, the tiny model's overrides and
+a tiny training, the settings of conftest's two shared runs, an objective's overfit losses, a
+run's metrics, the resume check, the CLI's verbs, and the PLL and BLiMP tests' tiny vocabulary,
+models and scorers. Fixtures live in conftest.py; these are plain functions and constants a test
+module imports (`from .helpers import tiny_overrides`)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,10 @@ if TYPE_CHECKING:
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 WORDS = ["the", "a", "cat", "dog", "bird", "sees", "chases", "likes", "small", "big", "red",
-          "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but",
-          "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book",
-          "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music",
-          "plays", "loud", "quiet"]
+         "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but",
+         "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book",
+         "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music",
+         "plays", "loud", "quiet"]
 
 
 def make_text(n_docs: int, seed: int = 0, sentences: int = 8) -> list[str]:
