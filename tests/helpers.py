@@ -173,10 +173,17 @@ def last_checkpoint(run: Path) -> Path:
 
 
 def snapshot(folder: Path) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime in ns) of everything under `folder`: what a test that writes
-    into a shared run changes."""
-    return sorted((str(p.relative_to(folder)), p.lstat().st_size, p.lstat().st_mtime_ns)
-                  for p in folder.rglob("*"))
+    """(path, size, mtime in ns) of everything under `folder`: what a test that writes into a
+    shared run changes. os.walk, not Path.rglob: it runs after every test (~0.2 ms a run)."""
+    import os
+
+    found = []
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            stat = os.lstat(path)
+            found.append((path, stat.st_size, stat.st_mtime_ns))
+    return sorted(found)
 
 
 def train_tiny(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
