@@ -1,34 +1,32 @@
-"""Shared fixtures: a small synthetic corpus, a tokenizer trained on it, and its token store."""
+"""Shared fixtures (the plain functions tests share are in helpers.py): a small synthetic corpus,
+a tokenizer trained on it, its token store, a tiny MLM teacher with its dictionary and targets,
+the session's two shared runs (a tiny MLM run and a tiny MLSM run, read-only), the PLL tests'
+tiny tokenizer and a tiny BLiMP folder."""
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from .helpers import (
+    MLM_RUN,
+    MLSM_RUN,
+    RIGHT,
+    TIE,
+    WRONG,
+    blimp_row,
+    last_checkpoint,
+    make_text,
+    make_tokenizer,
+    snapshot,
+    tiny_overrides,
+    write_jsonl,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-_WORDS = ["the", "a", "cat", "dog", "bird", "sees", "chases", "likes", "small", "big", "red",
-          "green", "house", "tree", "river", "runs", "sleeps", "quickly", "slowly", "and", "but",
-          "because", "when", "old", "young", "child", "teacher", "reads", "writes", "book",
-          "letter", "city", "village", "walks", "near", "under", "over", "happy", "sad", "music",
-          "plays", "loud", "quiet"]
-
-
-def make_text(n_docs: int, seed: int = 0, sentences: int = 8) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        sents = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
-                 for _ in range(sentences)]
-        docs.append(" ".join(sents))
-    return docs
 
 
 @pytest.fixture(scope="session")
@@ -98,67 +96,35 @@ def user_errors_are_one_line(monkeypatch: pytest.MonkeyPatch):
     assert not several, f"UserError message is not one line: {several[0]!r}"
 
 
-TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "intermediate_size": 64}
+_SHARED_RUNS: dict[Path, list[tuple[str, int, int]]] = {}
+"""The session's shared runs, each with its snapshot when it was trained."""
 
 
-def tiny_overrides(store: Path, out: Path, **extra: object) -> list[str]:
-    """key=value overrides for a seconds-long CPU run on the fixture store."""
-    base = {
-        "data.store": str(store), "data.max_len": 32, "train.out": str(out), "train.steps": 6,
-        "train.batch_size": 8, "train.log_every": 1, "train.device": "cpu", "optim.lr": 1e-3,
-        "model.overrides": "{" + ", ".join(f"{k}: {v}" for k, v in TINY_MODEL.items()) + "}",
-    }
-    base.update({k: v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def overfit_losses(spec: dict, store: Path, steps: int = 30, lr: float = 3e-3,
-                   arch: str = "bert") -> list[float]:
-    """Train a tiny student with objective `spec` on one fixed batch; return the loss per step.
-
-    Uses the library's own pieces (store, batches, student, objective) and the contract's
-    normalisation (loss_sum / n_targets), without the loop, so every objective can be checked.
-    """
+def _shared_run(out: Path, overrides: list[str]) -> Path:
+    """Train a run shared by the session, with torch's thread count restored afterwards (the run's
+    train.threads = 1 sets it for the process), and record its snapshot."""
     import torch
 
-    from mlsm.config import DataConfig, ModelConfig
-    from mlsm.data.batches import BatchSource
-    from mlsm.data.corpus import TokenStore
-    from mlsm.models.backbone import build_student
-    from mlsm.objectives import Context, TrainModule, build_objective, forward_step
+    from mlsm.run_config import load_config
+    from mlsm.train.loop import pretrain
 
-    st = TokenStore.open(store)
-    tok = st.load_tokenizer()
-    ctx = Context(tok, torch.device("cpu"), steps, str(store), 32)
-    objective = build_objective(spec, ctx)
-    student = build_student(ModelConfig(arch=arch, overrides=dict(TINY_MODEL)), tok, 32, seed=0)
-    objective.attach(student)
-    batch = BatchSource(st, DataConfig(store=str(store), max_len=32), tok).batch(np.arange(8), 0)
-    opt = torch.optim.AdamW(TrainModule(student, objective).parameters(), lr=lr)  # heads included
-    torch.manual_seed(0)
-    losses = []
-    for _ in range(steps):
-        out = forward_step(student, objective, batch)
-        loss = out.loss_sum / out.n_targets.clamp(min=1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    before = torch.get_num_threads()
+    try:
+        run = pretrain(load_config(None, overrides))
+    finally:
+        torch.set_num_threads(before)
+    _SHARED_RUNS[run] = snapshot(run)
+    return run
 
 
 @pytest.fixture(scope="session")
 def teacher_dir(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store."""
-    from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
-
+    """A tiny BERT masked LM pre-trained by our own `pretrain` on the fixture store (read-only,
+    like `mlm_run`; tests/test_readout_controls.py fits its readout controls on it)."""
     out = tmp_path_factory.mktemp("teacher") / "run"
     overrides = {"train.steps": 30, "train.readiness": "[1.0]", "optim.lr": 3e-3}
-    cfg = load_config(None, tiny_overrides(store_dir, out, **overrides))
-    pretrain(cfg)
-    return out / "checkpoints" / "step-0000030"
+    return _shared_run(out, tiny_overrides(store_dir, out, **overrides)) / "checkpoints" / \
+        "step-0000030"
 
 
 @pytest.fixture(scope="session")
@@ -188,75 +154,43 @@ def target_dir(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
     return build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
 
 
-def read_metrics(run: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _perturb(folder: Path) -> None:
-    """Nudge every floating tensor of a checkpoint's model.safetensors (so a run resumed from it
-    ends elsewhere, unless it ignored the checkpoint)."""
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(folder / "model.safetensors")
-    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()},
-              folder / "model.safetensors", metadata={"format": "pt"})
+@pytest.fixture(scope="session")
+def mlm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny MLM run (helpers.MLM_RUN: checkpoints at steps 1, 2, 4, 8), folder name
+    `tiny-mlm`. Read-only: a test that writes into a run (a probe, a resume, a damaged file)
+    works on shutil.copytree(mlm_run, tmp_path / ...); `shared_runs_unchanged` fails one that
+    does not, since what it wrote would change what later tests read."""
+    out = tmp_path_factory.mktemp("shared") / "tiny-mlm"
+    return _shared_run(out, tiny_overrides(store_dir, out, **MLM_RUN))
 
 
-def check_resume(store: Path, tmp: Path, at: int = 3, steps: int = 6,
-                 files: tuple[str, ...] = ("model.safetensors",), **extra: object) -> None:
-    """Resume must be a resume, not a restart that happens to end in the same place.
+@pytest.fixture(scope="session")
+def mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's tiny MLSM run (helpers.MLSM_RUN: 30 steps, checkpoints at 15 and 30) on the
+    fixture teacher and dictionary, folder name `tiny-mlsm`; it has a latent head, so a probe can
+    be fitted on it. Read-only, like `mlm_run`."""
+    out = tmp_path_factory.mktemp("shared") / "tiny-mlsm"
+    return _shared_run(out, tiny_overrides(store_dir, out, **{
+        **MLSM_RUN, "objective.teacher": str(teacher_dir),
+        "objective.dictionary": str(dictionary_path)}))
 
-    1. A run resumed from checkpoint `at` ends bit-identical to the uninterrupted run and its
-       metrics hold each step exactly once, with the same values as the uninterrupted run.
-    2. Resumed into an empty run directory from a perturbed copy of that checkpoint, the process
-       logs steps at+1..steps only (it started at the checkpoint's step) and ends elsewhere
-       (it started from the checkpoint's weights).
-    """
-    import json
-    import shutil
 
-    import torch
-    from safetensors.torch import load_file
+@pytest.fixture(scope="session")
+def mlsm_ckpt(mlsm_run: Path) -> Path:
+    """The final checkpoint of `mlsm_run` (read-only too)."""
+    return last_checkpoint(mlsm_run)
 
-    from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
 
-    cfg = lambda out: load_config(  # noqa: E731
-        None, tiny_overrides(store, out, **{"train.steps": steps, **extra}))
-    full = pretrain(cfg(tmp / "full"))
-    final = f"checkpoints/step-{steps:07d}"
-    part = tmp / "part"
-    shutil.copytree(full, part)
-    for folder in (part / "checkpoints").glob("step-*"):
-        if int(folder.name.removeprefix("step-")) > at:
-            shutil.rmtree(folder)
-    pretrain(cfg(part), resume=str(part / "checkpoints" / f"step-{at:07d}"))
-    for name in files:
-        a, b = load_file(full / final / name), load_file(part / final / name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    timing = ("tokens_per_s", "flops_per_s", "mfu")  # wall-clock rates differ between runs
-
-    def drop(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if k not in timing} for r in rows]
-    assert [m["step"] for m in read_metrics(part)] == list(range(1, steps + 1))
-    assert drop(read_metrics(part)) == drop(read_metrics(full))
-    # run.json keeps where the run started and adds each resumed segment's provenance
-    marker = json.loads((part / "run.json").read_text())
-    assert "resumed" not in json.loads((full / "run.json").read_text())
-    assert [r["from_step"] for r in marker["resumed"]] == [at], marker
-    assert marker["resumed"][0]["git_revision"] == marker["git_revision"]  # same code here
-    # 2. perturbed checkpoint, fresh run directory
-    nudged = tmp / "nudged" / f"step-{at:07d}"
-    shutil.copytree(full / "checkpoints" / f"step-{at:07d}", nudged)
-    _perturb(nudged)
-    other = pretrain(cfg(tmp / "other"), resume=str(nudged))
-    assert [m["step"] for m in read_metrics(other)] == list(range(at + 1, steps + 1))
-    a = load_file(full / final / "model.safetensors")
-    b = load_file(other / final / "model.safetensors")
-    assert any(not torch.equal(a[k], b[k]) for k in a), (
-        "a run resumed from a perturbed checkpoint ended unchanged")
+@pytest.fixture(autouse=True)
+def shared_runs_unchanged(request: pytest.FixtureRequest):
+    """After each test, the shared runs it used are as they were trained."""
+    yield
+    for run, before in _SHARED_RUNS.items():
+        if snapshot(run) != before:
+            _SHARED_RUNS[run] = snapshot(run)  # report it once, in the test that wrote it
+            pytest.fail(f"{request.node.nodeid} wrote into the shared run {run}; copy it "
+                        "first (shutil.copytree(run, tmp_path / ...))", pytrace=False)
 
 
 @pytest.fixture
@@ -269,3 +203,40 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread_per_module():
+    """`one_torch_thread` for a whole module, its module-scoped fixtures included (a brute-force
+    PLL reference, say): `pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny WordPiece tokenizer of helpers.VOCAB (PLL, scoring, BLiMP and rank tests)."""
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def blimp_dir(tmp_path: Path) -> Path:
+    """A tiny BLiMP folder, the test's own: a: 3 right + 1 wrong (0.75); b (gzip, field spelled
+    with '/'): right + tie (0.75: a tie counts half); c: 1.0."""
+    folder = tmp_path / "blimp"
+    folder.mkdir()
+    a = [RIGHT, RIGHT, WRONG, RIGHT]
+    write_jsonl(folder / "par_a.jsonl",
+                [blimp_row(*p, "par_a", "morphology", pid=i) for i, p in enumerate(a)])
+    b = [RIGHT, TIE]
+    write_jsonl(folder / "par_b.jsonl.gz",
+                [blimp_row(*p, "par_b", "syntax/semantics", "binding", i) for i, p in enumerate(b)])
+    write_jsonl(
+        folder / "par_c.jsonl", [blimp_row(*RIGHT, "par_c", "morphology", pid=i) for i in range(2)]
+    )
+    (folder / "README.md").write_text("not data")  # ignored: not *.jsonl(.gz)
+    return folder

@@ -24,43 +24,32 @@ import torch
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.errors import UserError
-from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
 
-from .conftest import make_text, tiny_overrides
+from .helpers import make_text, train_tiny
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _run(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
-    return pretrain(load_config(None, tiny_overrides(store, out, **extra)), resume=resume)
-
-
-@pytest.fixture(scope="module")
-def mlm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-step MLM run: readiness checkpoints at steps 1, 2 and 4."""
-    return _run(store_dir, tmp_path_factory.mktemp("art") / "mlm", **{"train.steps": 4})
-
-
 @pytest.fixture(scope="module")
 def clm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step CLM run: an objective that refuses PLL scoring."""
-    return _run(store_dir, tmp_path_factory.mktemp("art") / "clm",
+    """A 2-step CLM run: an objective that refuses PLL scoring (its own training: neither shared
+    run of conftest.py has a refusal to read back). `mlm_run` is the session's (conftest.py)."""
+    return train_tiny(store_dir, tmp_path_factory.mktemp("art") / "clm",
                 **{"train.steps": 2, "objective.name": "clm", "train.readiness": "[1.0]"})
 
 
 def test_open_reads_every_spec_form(mlm_run: Path, tmp_path: Path) -> None:
     final = Checkpoint.open(mlm_run)
-    assert (final.kind, final.step, final.readiness, final.objective) == ("checkpoint", 4, 1.0,
+    assert (final.kind, final.step, final.readiness, final.objective) == ("checkpoint", 8, 1.0,
                                                                           "mlm")
-    assert final.folder == mlm_run / "checkpoints" / "step-0000004"
-    assert final.config["train"]["steps"] == 4 and final.store == final.config["data"]["store"]
+    assert final.folder == mlm_run / "checkpoints" / "step-0000008"
+    assert final.config["train"]["steps"] == 8 and final.store == final.config["data"]["store"]
     assert (final.latent_head, final.pll_refusal) == ("latent", None)
-    assert final.tokens == 4 * final.config["train"]["batch_size"] * final.config["data"]["max_len"]
+    assert final.tokens == 8 * final.config["train"]["batch_size"] * final.config["data"]["max_len"]
     assert final.fingerprint == folder_fingerprint(final.folder)
-    assert final.probe_run == mlm_run / "probe-step-0000004"
-    assert Checkpoint.open(f"{mlm_run}@50%").step == 2
+    assert final.probe_run == mlm_run / "probe-step-0000008"
+    assert Checkpoint.open(f"{mlm_run}@50%").step == 4
     assert Checkpoint.open(f"{mlm_run}@step-1").step == 1
     assert Checkpoint.open(final.folder).info == final.info
     # an HF folder (no checkpoint.json): no facts, the defaults, and the same weights' fingerprint
@@ -131,18 +120,19 @@ def _store(corpus: Path, tokenizer_dir: Path, out: Path, seed: int,
 def test_resume_refuses_a_store_rebuilt_in_place(tokenizer_dir: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     store = _store(tmp_path / "corpus", tokenizer_dir, tmp_path / "store", seed=11)
-    run = _run(store, tmp_path / "run", **{"train.steps": 2, "train.readiness": "[1.0]"})
-    _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})  # same: ok
+    short = {"train.steps": 2, "train.readiness": "[1.0]"}
+    run = train_tiny(store, tmp_path / "run", **short)
+    train_tiny(store, run, resume="auto", **short)  # same: ok
     _store(tmp_path / "corpus", tokenizer_dir, store, seed=12, overwrite=True)  # other text
     with pytest.raises(UserError, match=r"data\.store: .*another train\.out"):
-        _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
+        train_tiny(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
     # a run written before fingerprints were recorded resumes as before, with one note
     for path in (run / "run.json", Checkpoint.open(run).folder / COMPLETE):
         data = json.loads(path.read_text())
         del data["inputs"]
         path.write_text(json.dumps(data))
     capsys.readouterr()
-    _run(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
+    train_tiny(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
     assert "records no fingerprints of its inputs" in capsys.readouterr().err
 
 
@@ -163,11 +153,11 @@ def test_resume_refuses_a_dictionary_relearned_in_place(mlm_run: Path, store_dir
     extra = {"train.steps": 2, "train.readiness": "[1.0]", "objective.name": "mlsm",
              "objective.teacher": str(Checkpoint.open(mlm_run).folder),
              "objective.dictionary": str(tmp_path / "dict.safetensors")}
-    run = _run(store_dir, tmp_path / "run", **extra)
+    run = train_tiny(store_dir, tmp_path / "run", **extra)
     assert Checkpoint.open(run).latent_head == "latent"
     dictionary(1)  # re-learned: other atoms at the same path
     with pytest.raises(UserError, match=r"objective\.dictionary: .*another train\.out"):
-        _run(store_dir, run, resume="auto", **extra)
+        train_tiny(store_dir, run, resume="auto", **extra)
 
 
 _MARKER_NAMES = re.compile(r"\b(COMPLETE|EXPORT_MARKER)\b|[\"'](checkpoint|mlsm)\.json[\"']")

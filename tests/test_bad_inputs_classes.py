@@ -515,7 +515,8 @@ def unscored_ckpts(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Checkpoints PLL cannot score: the last of a 1-step MAE-LM, MAE-MLSM and CLM run, the
     export of the MAE-LM one (mlsm.json names its objective), and a probe trained on the MAE-MLSM
-    checkpoint as one was before `mlsm probe` refused it (the check switched off for that)."""
+    checkpoint as one was before `mlsm probe` refused it (the check switched off for that). Their
+    own trainings: objectives that neither of conftest's shared runs (MLM, MLSM) has."""
     root = tmp_path_factory.mktemp("unscored")
     found = {}
     for name, extra in [("mae_lm", {}), ("mae_mlsm", {"objective.dictionary": dictionary_path,

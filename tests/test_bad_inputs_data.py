@@ -33,8 +33,8 @@ from mlsm.cli import main
 from mlsm.teacher.targets import TargetStore
 from mlsm.train import checkpoint as ckpt
 
-from .conftest import make_text, tiny_overrides
 from .fix_hints import check_hint_is_tried
+from .helpers import MLM_RUN, make_text, tiny_overrides
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -60,24 +60,10 @@ def _run_args(store: Path, out: Path, **extra: object) -> list[str]:
     return tiny_overrides(store, out, **{**RUN, **extra})
 
 
-@pytest.fixture(scope="module")
-def base_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 3-step run with checkpoints at steps 1, 2, 3."""
-    out = tmp_path_factory.mktemp("base") / "run"
-    assert main(["pretrain", *_run_args(store_dir, out)]) == 0
-    assert [s for s, _ in list_checkpoints(out)] == [1, 2, 3]
-    return out
-
-
-@pytest.fixture(scope="module")
-def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The last checkpoint of a 2-step MLSM run (it has a latent head: a probe can start)."""
-    out = tmp_path_factory.mktemp("mlsm") / "run"
-    extra = {"objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-             "objective.teacher": str(teacher_dir), "train.steps": 2}
-    assert main(["pretrain", *_run_args(store_dir, out, **extra)]) == 0
-    return list_checkpoints(out)[-1][1]
+def _base_args(store: Path, out: Path, **extra: object) -> list[str]:
+    """The settings of the session's MLM run (conftest `mlm_run`, checkpoints at steps 1, 2, 4,
+    8), for a command on a copy of it: only `extra` differs."""
+    return tiny_overrides(store, out, **{**MLM_RUN, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +117,8 @@ def _pretrain_on(fx: dict, store: Path, tmp: Path) -> list[str]:
 
 
 def _run_copy(tmp: Path, fx: dict) -> Path:
-    return Path(shutil.copytree(fx["base_run"], tmp / "run"))
+    """A copy of the session's MLM run: a finished run, final checkpoint step-0000008."""
+    return Path(shutil.copytree(fx["mlm_run"], tmp / "run"))
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -153,8 +140,8 @@ def _evil_state(run: Path) -> Path:
         def __reduce__(self):  # what a malicious pickle does on load: call anything
             return (Path.touch, (marker,))
 
-    torch.save({"step": 3, "optimizer": Evil()},
-               run / "checkpoints" / "step-0000003" / "training_state.pt")
+    torch.save({"step": 8, "optimizer": Evil()},
+               run / "checkpoints" / "step-0000008" / "training_state.pt")
     return marker
 
 
@@ -280,15 +267,15 @@ def _case_run_out_holds_user_files(tmp, fx):
 
 def _case_probe_out_user_folder(tmp, fx):
     folder = _user_folder(tmp)
-    args = ["probe", str(fx["base_run"] / "checkpoints" / "step-0000003"), "--out", str(folder),
+    args = ["probe", str(fx["mlm_run"] / "checkpoints" / "step-0000008"), "--out", str(folder),
             "--resume"]
-    return args, [folder, fx["base_run"]], "not an mlsm run", None
+    return args, [folder, fx["mlm_run"]], "not an mlsm run", None
 
 
 def _case_probe_torn_checkpoint_json(tmp, fx):
     run = _run_copy(tmp, fx)
-    _truncate(run / "checkpoints" / "step-0000003" / "checkpoint.json")
-    return (["probe", str(run / "checkpoints" / "step-0000003")], [run], "checkpoint.json is torn",
+    _truncate(run / "checkpoints" / "step-0000008" / "checkpoint.json")
+    return (["probe", str(run / "checkpoints" / "step-0000008")], [run], "checkpoint.json is torn",
             None)
 
 
@@ -314,21 +301,21 @@ def _case_run_out_is_a_file(tmp, fx):
 def _case_run_killed_before_first_log(tmp, fx):
     run = _run_copy(tmp, fx)
     (run / "metrics.jsonl").unlink()  # checkpoints, config.yaml and run.json still count
-    return (["pretrain", *_run_args(fx["store_dir"], run, **{"train.seed": 7})], [run],
+    return (["pretrain", *_base_args(fx["store_dir"], run, **{"train.seed": 7})], [run],
             "already holds an mlsm run", None)
 
 
 def _case_resume_other_seed(tmp, fx):
     run = _run_copy(tmp, fx)
-    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"train.seed": 7})],
-            [run], "train.seed", None)
+    args = _base_args(fx["store_dir"], run, **{"train.seed": 7})
+    return ["pretrain", "--resume", "auto", *args], [run], "train.seed", None
 
 
 def _case_resume_no_checkpoint_other_config(tmp, fx):
     run = _run_copy(tmp, fx)
     shutil.rmtree(run / "checkpoints")  # only config.yaml tells what the run was
-    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run, **{"optim.lr": 0.5})],
-            [run], "optim.lr", None)
+    args = _base_args(fx["store_dir"], run, **{"optim.lr": 0.5})
+    return ["pretrain", "--resume", "auto", *args], [run], "optim.lr", None
 
 
 def _case_resume_changed_model_size(tmp, fx):
@@ -336,23 +323,23 @@ def _case_resume_changed_model_size(tmp, fx):
     bigger = ("{hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
               "intermediate_size: 64}")
     args = ["pretrain", "--resume", "auto",
-            *_run_args(fx["store_dir"], run, **{"model.overrides": bigger})]
+            *_base_args(fx["store_dir"], run, **{"model.overrides": bigger})]
     return args, [run], "model.overrides", None
 
 
 def _case_resume_unsafe_training_state(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["marker"] = _evil_state(run)
-    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"),
-            *_run_args(fx["store_dir"], run)]
+    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000008"),
+            *_base_args(fx["store_dir"], run)]
     return args, [run], "not a safe checkpoint", "weights_only"
 
 
 def _case_resume_named_torn_checkpoint(tmp, fx):
     run = _run_copy(tmp, fx)
-    _truncate(run / "checkpoints" / "step-0000003" / "model.safetensors")
-    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000003"),
-            *_run_args(fx["store_dir"], run)]
+    _truncate(run / "checkpoints" / "step-0000008" / "model.safetensors")
+    args = ["pretrain", "--resume", str(run / "checkpoints" / "step-0000008"),
+            *_base_args(fx["store_dir"], run)]
     return args, [run], "is damaged (model.safetensors is truncated", None
 
 
@@ -360,14 +347,14 @@ def _case_resume_all_checkpoints_torn(tmp, fx):
     run = _run_copy(tmp, fx)
     for _, folder in list_checkpoints(run):
         _truncate(folder / "training_state.pt")
-    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+    return (["pretrain", "--resume", "auto", *_base_args(fx["store_dir"], run)], [run],
             "no intact checkpoint", None)
 
 
 def _case_run_locked(tmp, fx):
     run = _run_copy(tmp, fx)
     fx["hold"](run)
-    return (["pretrain", "--resume", "auto", *_run_args(fx["store_dir"], run)], [run],
+    return (["pretrain", "--resume", "auto", *_base_args(fx["store_dir"], run)], [run],
             "is being written by", None)
 
 
@@ -574,20 +561,20 @@ def test_kill_during_first_checkpoint_leaves_no_duplicate_metrics(store_dir: Pat
     assert steps == [1, 2, 3]
 
 
-def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(base_run: Path, store_dir: Path,
+def test_torn_newest_checkpoint_falls_back_to_the_newest_intact(mlm_run: Path, store_dir: Path,
                                                                 tmp_path: Path, capsys) -> None:
-    run = Path(shutil.copytree(base_run, tmp_path / "run"))
-    final = run / "checkpoints" / "step-0000003"
+    run = Path(shutil.copytree(mlm_run, tmp_path / "run"))
+    final = run / "checkpoints" / "step-0000008"
     reference = _tree(final / "model.safetensors")
     _truncate(final / "model.safetensors")
     capsys.readouterr()
-    assert main(["pretrain", "--resume", "auto", *_run_args(store_dir, run)]) == 0
+    assert main(["pretrain", "--resume", "auto", *_base_args(store_dir, run)]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mlsm")]
-    assert (len(err) == 1 and "resuming from step-0000002" in err[0]
-            and "step-0000003" in err[0]), err
-    assert _tree(final / "model.safetensors") == reference  # step 3 redone bit-identically
+    assert (len(err) == 1 and "resuming from step-0000004" in err[0]
+            and "step-0000008" in err[0]), err
+    assert _tree(final / "model.safetensors") == reference  # steps 5-8 redone bit-identically
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == list(range(1, 9))
 
 
 @pytest.mark.parametrize("error", [

@@ -344,7 +344,7 @@ def test_every_suggested_command_parses(fx: dict, tmp_path: Path) -> None:  # no
 
 
 def _tiny_study(tmp: Path, fix: dict, steps: int, arms: str) -> Path:
-    from .conftest import TINY_MODEL
+    from .helpers import TINY_MODEL
 
     model = ", ".join(f"{k}: {v}" for k, v in TINY_MODEL.items())
     return _write(tmp / "s.yaml", (

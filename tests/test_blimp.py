@@ -2,83 +2,25 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, load_blimp, write_blimp_report
-from tests.test_pll import (
-    VOCAB,
+from tests.helpers import (
+    UnigramScorer,
+    blimp_row,
     brute_force_pll,
-    make_tokenizer,
-    one_thread,  # noqa: F401  (autouse fixture: tiny models, one thread)
     tiny_bert,
+    write_jsonl,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
+
 SHARED_BLIMP = Path(__file__).resolve().parents[2] / "shared" / "data" / "blimp"
-
-
-class UnigramScorer:
-    """Context-free `MaskedScorer`: the same logits at every position, so PLL(s) = sum log q(w).
-
-    "cat" is far likelier than "dog", so a pair prefers whichever sentence has "cat".
-    """
-
-    def __init__(self):
-        self.logits = torch.zeros(len(VOCAB))
-        self.logits[VOCAB.index("cat")] = 5.0
-        self.logits[VOCAB.index("dog")] = -5.0
-
-    def logits_at(self, input_ids, attention_mask, select):
-        return self.logits.expand(int(select.sum()), -1)  # (N, V)
-
-
-def row(good: str, bad: str, uid: str, field: str, term: str = "agr", pid: int = 0) -> dict:
-    return {"sentence_good": good, "sentence_bad": bad, "field": field, "linguistics_term": term,
-            "UID": uid, "pairID": str(pid)}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    if path.name.endswith(".gz"):
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        path.write_text(text)
-
-
-RIGHT, WRONG, TIE = ("the cat", "the dog"), ("the dog", "the cat"), ("the cat", "the cat")
-
-
-@pytest.fixture
-def blimp_dir(tmp_path: Path) -> Path:
-    """a: 3 right + 1 wrong (0.75); b (gzip, field spelled with '/'): right + tie (0.75: a tie
-    counts half); c: 1.0."""
-    folder = tmp_path / "blimp"
-    folder.mkdir()
-    a = [RIGHT, RIGHT, WRONG, RIGHT]
-    write_jsonl(
-        folder / "par_a.jsonl", [row(*p, "par_a", "morphology", pid=i) for i, p in enumerate(a)]
-    )
-    write_jsonl(
-        folder / "par_b.jsonl.gz",
-        [row(*p, "par_b", "syntax/semantics", "binding", i) for i, p in enumerate([RIGHT, TIE])],
-    )
-    write_jsonl(
-        folder / "par_c.jsonl", [row(*RIGHT, "par_c", "morphology", pid=i) for i in range(2)]
-    )
-    (folder / "README.md").write_text("not data")  # ignored: not *.jsonl(.gz)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_known_preferences(blimp_dir, tok):
@@ -110,9 +52,8 @@ def test_tiny_bert_matches_brute_force(tmp_path, tok):
              ("she jumped", "she jumping"),
              ("a quick brown fox", "a brown quick fox"),
              ("who is running?", "who running is?")]
-    write_jsonl(
-        tmp_path / "p.jsonl", [row(g, b, "p", "syntax", pid=i) for i, (g, b) in enumerate(pairs)]
-    )
+    write_jsonl(tmp_path / "p.jsonl",
+                [blimp_row(g, b, "p", "syntax", pid=i) for i, (g, b) in enumerate(pairs)])
     for variant in ("original", "within_word_l2r"):
         result = evaluate_blimp(model, tok, tmp_path / "p.jsonl", variant=variant, keep_scores=True)
         good = [sum(brute_force_pll(model, tok, g, variant)) for g, _ in pairs]

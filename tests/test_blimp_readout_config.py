@@ -23,8 +23,9 @@ from mlsm.errors import UserError
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.evaluate.zeroshot.blimp import evaluate_blimp
 from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
-from tests.test_blimp import UnigramScorer, blimp_dir, tok  # noqa: F401  (fixtures)
-from tests.test_pll import one_thread  # noqa: F401  (autouse fixture)
+from tests.helpers import UnigramScorer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 BLIMP_OTHER = {"limit_per_phenomenon": 1, "phenomena": ["par_a", "par_c"],
                "variant": "within_word_l2r", "token_budget": 64, "max_sentence_chars": 50}

@@ -9,13 +9,12 @@ same thing when nothing is given. A new verb must be placed in one of the two ta
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 
 import pytest
 
-from mlsm.cli import build_parser
+from .helpers import cli_verbs
 
 CALLS = {  # verb -> the library function its handler calls
     "demo": "mlsm.demo:run_demo", "prepare": "mlsm.data.corpus:prepare_corpus",
@@ -46,14 +45,8 @@ NONE_MEANS_DEFAULT = {
 }
 
 
-def _verbs() -> dict[str, argparse.ArgumentParser]:
-    parser, _ = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
-
-
 def test_every_verb_is_in_one_table() -> None:
-    assert set(_verbs()) == set(CALLS) | set(NO_KEYWORDS)
+    assert set(cli_verbs()) == set(CALLS) | set(NO_KEYWORDS)
     assert not set(CALLS) & set(NO_KEYWORDS)
 
 
@@ -66,7 +59,7 @@ def test_each_flag_has_the_default_of_the_keyword_it_feeds(verb: str) -> None:
     module, name = CALLS[verb].split(":")
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
     drift = []
-    for action in _verbs()[verb]._actions:
+    for action in cli_verbs()[verb]._actions:
         param = params.get(action.dest)
         if param is None or param.default is inspect.Parameter.empty:
             continue

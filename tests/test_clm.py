@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from mlsm.objectives.clm import causal_encode, next_token_targets
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, overfit_losses, read_metrics, tiny_overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "tiny"
 
@@ -37,10 +36,6 @@ def _setup(store_dir: Path, arch: str = "bert", spec: dict | None = None, total:
     obj.attach(student)
     source = BatchSource(store, DataConfig(store=str(store_dir), max_len=32), tok)
     return student.eval(), obj, source
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta", "modernbert"])
@@ -102,7 +97,7 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
     extra = {"objective.name": "clm_then_mlm", "objective.clm_fraction": 0.5,
              "optim.schedule": "wsd"}
     full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
-    m = _metrics(full)
+    m = read_metrics(full)
     assert ([("clm_loss" in r, "mlm_loss" in r) for r in m]
             == [(True, False)] * 3 + [(False, True)] * 3)
     # resume from step 2 (CLM) across the switch at step 3: a real resume, bit-identical
@@ -125,7 +120,7 @@ def test_clm_then_mlm_run_switches_resumes_exactly_and_exports(store_dir: Path,
                 check_scored_by_pll(scored)
     # same data seed -> the same batches as an MLM run
     mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
-    assert [r["batch_digest"] for r in m] == [r["batch_digest"] for r in _metrics(mlm)]
+    assert [r["batch_digest"] for r in m] == [r["batch_digest"] for r in read_metrics(mlm)]
 
 
 def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teacher_dir: Path,
@@ -155,7 +150,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(store_dir: Path, teach
     batch = BatchSource(store, cfg.data, tok).batch(np.arange(cfg.train.batch_size), 0)
     with torch.no_grad():
         out = forward_step(student, obj, batch)
-    first = _metrics(trained)[0]["loss"]
+    first = read_metrics(trained)[0]["loss"]
     assert first == pytest.approx((out.loss_sum / out.n_targets).item(), abs=0.05) and first < 4.8
 
 

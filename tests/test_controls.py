@@ -16,7 +16,7 @@ import yaml
 from mlsm.errors import UserError
 from mlsm.teacher.dictionary import learn_dictionary, load_dictionary, random_atoms
 from mlsm.teacher.teacher import load_teacher
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 
 def _batch(store: Path) -> tuple[Any, Any]:
@@ -166,7 +166,7 @@ def test_mlsm_run_with_the_random_teacher_codes_its_states_and_records_the_switc
     from mlsm.config import config_to_dict
     from mlsm.run_config import load_config
     from mlsm.teacher.sparse_coding import sparse_encode
-    from tests.conftest import tiny_overrides
+    from tests.helpers import tiny_overrides
 
     teacher = load_teacher(str(teacher_dir), 1, init="random", seed=4)
     out = tmp_path / "d.safetensors"

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from mlsm.data.corpus import TokenStore, iter_documents, prepare_corpus, tokenizer_hash
 from mlsm.errors import UserError
 
-from .conftest import SHARED, make_text
+from .helpers import SHARED, make_text
 
 
 def _leftovers(parent: Path) -> list[str]:

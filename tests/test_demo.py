@@ -134,7 +134,7 @@ def test_heldout_masked_tokens_of_the_unigram_equal_its_baseline(store_dir, tmp_
     from mlsm.run_config import config_from_dict
     from mlsm.study.stages import heldout_masked_tokens
     from mlsm.train.loop import pretrain
-    from tests.conftest import TINY_MODEL
+    from tests.helpers import TINY_MODEL
 
     cfg = config_from_dict({
         "data": {"store": str(store_dir), "max_len": 32},

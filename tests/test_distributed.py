@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 NODROP = (
     "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "

@@ -13,7 +13,6 @@ examples of docs/extending.md and docs/python-api.md run.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import importlib
@@ -24,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from mlsm.cli import build_parser
 from mlsm.config import GROUPS
 from mlsm.objectives import INTERNAL, OBJECTIVES
+
+from .helpers import cli_verbs
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -65,12 +65,6 @@ def _code_text(text: str) -> str:
 
 
 @cache
-def _verbs() -> dict[str, argparse.ArgumentParser]:
-    parser, _ = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
-
-
 def _commands(page: Path) -> list[tuple[str, list[str]]]:
     """(verb, flags) of every `mlsm VERB ...` command written in a page."""
     found = []
@@ -85,7 +79,7 @@ def _commands(page: Path) -> list[tuple[str, list[str]]]:
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_every_written_command_is_a_verb_with_those_options(page: Path) -> None:
-    verbs = _verbs()
+    verbs = cli_verbs()
     wrong = []
     for verb, flags in _commands(page):
         if verb not in verbs:
@@ -214,7 +208,7 @@ def test_dictionary_options_table_matches_function_and_verb() -> None:
     params = {*inspect.signature(learn_dictionary).parameters,  # store, teacher, config, out
               *(f.name for f in dataclasses.fields(DictionaryConfig)),  # its **settings
               *inspect.signature(load_teacher).parameters}  # layer, device: the teacher's
-    flags = {s for a in _verbs()["dictionary"]._actions for s in a.option_strings}
+    flags = {s for a in cli_verbs()["dictionary"]._actions for s in a.option_strings}
     text = (ROOT / "docs" / "dictionary.md").read_text()
     rows = [r.split("|")[1:3] for r in text.split("## Options")[1].split("##")[0].splitlines()
             if r.startswith("| `") or r.startswith("| (")]
@@ -369,7 +363,7 @@ def test_extending_objective_example_trains_and_equals_mlm_at_zero_smoothing(
     from mlsm.objectives import Context, forward_step
     from mlsm.objectives.mlm import MLM, MLMConfig
 
-    from .conftest import TINY_MODEL
+    from .helpers import TINY_MODEL
 
     # the module block is imported as a file, as it would be in the package
     (tmp_path / "mlm_ls_example.py").write_text(_python_blocks(ROOT / "docs" / "extending.md")[0])
@@ -428,20 +422,14 @@ def test_extending_task_example_reads_its_files(tmp_path: Path,
     assert spec.metric([1, 1], [1, 0]) == {"acc": 0.5}
 
 
-def test_python_api_page_runs_on_a_tiny_mlsm_run(store_dir: Path, teacher_dir: Path,
-                                                   dictionary_path: Path, tmp_path: Path,
+def test_python_api_page_runs_on_a_tiny_mlsm_run(mlsm_run: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlsm.evaluate.probe.probe import run_probe
-    from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
+    import shutil
 
-    from .conftest import tiny_overrides
+    from mlsm.evaluate.probe.probe import run_probe
 
     monkeypatch.chdir(tmp_path)  # the page names runs/tiny-mlsm
-    overrides = {"objective.name": "mlsm", "objective.teacher": str(teacher_dir),
-                 "objective.dictionary": str(dictionary_path), "train.steps": 4,
-                 "train.readiness": "[1.0]", "data.max_len": 32}
-    pretrain(load_config(None, tiny_overrides(store_dir, Path("runs/tiny-mlsm"), **overrides)))
+    shutil.copytree(mlsm_run, "runs/tiny-mlsm")  # the session's run, copied: a probe is written
     run_probe("runs/tiny-mlsm", steps=3)  # a few loop steps: the page needs a probe, not a good one
     scope: dict = {}
     exec(compile(_python_blocks(ROOT / "docs" / "python-api.md")[0], "python-api.md", "exec"),

@@ -23,7 +23,7 @@ from mlsm.teacher.dictionary import load_dictionary
 from mlsm.teacher.targets import dictionary_hash
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 IDS = torch.tensor([[2, 10, 11, 12, 13, 3], [2, 20, 21, 3, 0, 0]])
 MASK = (IDS != 0).long()

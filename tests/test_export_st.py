@@ -12,9 +12,7 @@ import yaml
 from transformers import AutoModel, AutoTokenizer
 
 from mlsm.cli import main
-from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
-from tests.conftest import tiny_overrides
+from tests.helpers import last_checkpoint
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -34,12 +32,10 @@ def _reference(folder: Path, normalize: bool) -> torch.Tensor:
     return torch.nn.functional.normalize(mean, dim=-1) if normalize else mean
 
 
-@pytest.fixture(scope="module")
-def mlm_checkpoint(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("st") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, run, **{"train.steps": 2,
-                                                              "train.readiness": "[1.0]"}))
-    return pretrain(cfg) / "checkpoints" / "step-0000002"
+@pytest.fixture
+def mlm_checkpoint(mlm_run: Path) -> Path:
+    """The final checkpoint of the session's tiny MLM run (conftest.py)."""
+    return last_checkpoint(mlm_run)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

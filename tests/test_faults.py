@@ -22,7 +22,7 @@ from mlsm.run_config import load_config
 from mlsm.train import checkpoint as ckpt
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 STEPS = 10
 

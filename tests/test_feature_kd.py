@@ -25,7 +25,7 @@ from mlsm.objectives.feature_kd import FeatureKD, FeatureKDConfig, teacher_featu
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, overfit_losses, read_metrics, tiny_overrides
+from .helpers import TINY_MODEL, overfit_losses, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -148,6 +148,8 @@ def test_overfitting_one_batch_lowers_the_loss(store_dir, teacher_dir) -> None:
 
 @pytest.fixture(scope="module")
 def fkd_run(store_dir: Path, teacher_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 16-step feature-KD run of a wider student: another objective and model than conftest's
+    shared runs, so its own training (module-scoped: every test here reads it)."""
     out = tmp_path_factory.mktemp("fkd") / "run"
     widths = "{" + ", ".join(f"{k}: {v}" for k, v in WIDE.items()) + "}"
     cfg = load_config(None, tiny_overrides(store_dir, out, **{

@@ -22,7 +22,7 @@ from mlsm.teacher.active_set_fixed import FIXED_STEPS, active_set_fixed
 from mlsm.teacher.slots import padded_gram
 from mlsm.teacher.sparse_coding import kkt_violation
 
-from .conftest import SHARED
+from .helpers import SHARED
 
 LAM = 0.05
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",

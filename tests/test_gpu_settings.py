@@ -20,7 +20,7 @@ from mlsm.train import device as dev
 from mlsm.train import loop
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, tiny_overrides
 
 # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4 %): over a few steps the loss of a
 # bf16-autocast run stays within 2 % of the fp32 run's (measured: < 0.5 % on the fixture store).

@@ -19,7 +19,7 @@ from mlsm.models.heads import mlm_head_fn
 from mlsm.objectives import Context, TrainModule, build_objective, forward_step
 from mlsm.train.checkpoint import save_checkpoint
 
-from .conftest import TINY_MODEL
+from .helpers import TINY_MODEL
 
 FAMILIES = ["bert", "roberta", "deberta-v2", "modernbert", "distilbert", "electra", "xlm-roberta"]
 

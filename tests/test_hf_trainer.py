@@ -20,7 +20,7 @@ from mlsm.models.backbone import build_student
 from mlsm.run_config import load_config
 from mlsm.train import loop
 from mlsm.train.loop import pretrain
-from tests.conftest import TINY_MODEL, read_metrics, tiny_overrides
+from tests.helpers import TINY_MODEL, read_metrics, tiny_overrides
 
 pytest.importorskip("accelerate")  # transformers.Trainer needs it (the `hf` extra)
 

@@ -21,7 +21,7 @@ from mlsm.cli import main  # noqa: E402
 from mlsm.data.corpus import TokenStore  # noqa: E402
 from mlsm.integrations.transformers import MLSMTrainer  # noqa: E402
 
-from .conftest import TINY_MODEL  # noqa: E402
+from .helpers import TINY_MODEL  # noqa: E402
 
 BLOCK, STEPS, BATCH = 32, 2, 4
 MLSM_METRICS = {"kl", "nnz", "target_entropy", "top1_agreement"}

@@ -21,7 +21,7 @@ from mlsm.objectives import Context, build_objective, forward_step
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, overfit_losses, read_metrics, tiny_overrides
 
 
 def _setup(store_dir: Path, spec: dict, arch: str = "bert", mask_rate: float = 0.15):
@@ -108,10 +108,6 @@ def test_losses_fall(store_dir: Path, teacher_dir: Path, dictionary_path: Path) 
     assert losses[-1] < 0.65 * losses[0]
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_path: Path) -> None:
     extra = {"objective.name": "mae_lm"}
     full = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "full", **extra)))
@@ -125,8 +121,9 @@ def test_mae_lm_run_exports_encoder_and_resumes_exactly(store_dir: Path, tmp_pat
     meta = json.loads((folder / "heads.json").read_text())
     assert meta[DECODER]["layers"] == 2 and meta[DECODER]["width"] == 32
     mlm = pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "mlm")))
-    assert [m["batch_digest"] for m in _metrics(full)] == [m["batch_digest"] for m in _metrics(mlm)]
-    assert [m["n_targets"] for m in _metrics(full)] == [m["n_targets"] for m in _metrics(mlm)]
+    ours, theirs = read_metrics(full), read_metrics(mlm)
+    assert [m["batch_digest"] for m in ours] == [m["batch_digest"] for m in theirs]
+    assert [m["n_targets"] for m in ours] == [m["n_targets"] for m in theirs]
 
 
 def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
@@ -139,7 +136,7 @@ def test_mae_mlsm_run_checkpoint(store_dir: Path, teacher_dir: Path, dictionary_
     heads = load_file(folder / "heads.safetensors")
     assert any(k.startswith("latent.") for k in heads)
     assert any(k.startswith(f"{DECODER}.") for k in heads)
-    assert {"kl", "top1_agreement"} <= _metrics(run)[0].keys()
+    assert {"kl", "top1_agreement"} <= read_metrics(run)[0].keys()
 
 
 

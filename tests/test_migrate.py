@@ -24,7 +24,7 @@ from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FACTS = ("latent_head", "pll_refusal")
@@ -37,7 +37,10 @@ def _run(store: Path, out: Path, objective: str) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A 2-step MLM run and a 2-step MAE-LM run, as today's mlsm writes them (with the facts)."""
+    """A 2-step MLM run and a 2-step MAE-LM run, as today's mlsm writes them (with the facts).
+    Their own trainings, not conftest's shared runs: each has one checkpoint (the tests count what
+    `mlsm migrate` prints per checkpoint; the shared MLM run has four), and MAE-LM is another
+    objective."""
     root = tmp_path_factory.mktemp("migrate")
     return {name: _run(store_dir, root / name, name) for name in ("mlm", "mae_lm")}
 

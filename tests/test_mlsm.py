@@ -21,7 +21,7 @@ from mlsm.run_config import load_config
 from mlsm.teacher.sparse_coding import kkt_violation
 from mlsm.train.loop import pretrain
 
-from .conftest import overfit_losses, tiny_overrides
+from .helpers import overfit_losses, tiny_overrides
 
 
 def _objective(store_dir: Path, teacher_dir: Path, dictionary_path: Path, **extra):
@@ -64,7 +64,7 @@ def test_loss_is_kl_and_falls(store_dir, teacher_dir, dictionary_path) -> None:
     from mlsm.config import ModelConfig
     from mlsm.models.backbone import build_student
 
-    from .conftest import TINY_MODEL
+    from .helpers import TINY_MODEL
 
     student = build_student(ModelConfig(overrides=dict(TINY_MODEL)), obj.coder.teacher.tokenizer,
                             32, 0)

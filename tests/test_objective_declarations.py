@@ -25,7 +25,7 @@ from mlsm.objectives import INTERNAL, OBJECTIVES, Context, Objective, build_obje
 from mlsm.objectives.base import forward_step
 from mlsm.run_config import load_config
 
-from .conftest import TINY_MODEL, tiny_overrides
+from .helpers import TINY_MODEL, tiny_overrides
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlsm"
 REGISTERED = {**OBJECTIVES, **INTERNAL}

@@ -96,7 +96,7 @@ def test_exports_are_declared_whatever_the_attach_order(store_dir: Path, tmp_pat
     from mlsm.objectives import TrainModule
     from mlsm.train.checkpoint import save_model_folder
 
-    from .conftest import TINY_MODEL
+    from .helpers import TINY_MODEL
 
     clm_mlm, tok = _objective(store_dir, {"name": "clm_then_mlm"})
     mae, _ = _objective(store_dir, {"name": "mae_lm"})

@@ -21,7 +21,7 @@ from mlsm.teacher.sparse_coding import objective as lasso_objective
 from mlsm.teacher.sparse_coding import sparse_encode
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
+from .helpers import TINY_MODEL, check_resume, overfit_losses, tiny_overrides
 
 
 def _setup(store_dir: Path, spec: dict):

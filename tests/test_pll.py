@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import (
     AlbertConfig,
     AlbertForMaskedLM,
-    AutoTokenizer,
-    BertConfig,
-    BertForMaskedLM,
     DistilBertConfig,
     DistilBertForMaskedLM,
     RobertaConfig,
@@ -23,79 +18,16 @@ from transformers import (
 from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.pll import MaskedScorer, TokenScores, as_scorer, score_pll
 
-VOCAB = [
-    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "cat", "dog", "fox", "run", "walk",
-    "jump", "quick", "brown", "lazy", "over", "is", "are", "was", "who", "he", "she", "they", "it",
-    "##s", "##ing", "##ed", "##ly", "##er", "un", "##believ", "##able", ".", ",", "?", "!", "'",
-]
+from .helpers import (
+    SENTENCES,
+    VOCAB,
+    PositionalScorer,
+    brute_force_pll,
+    tiny_bert,
+)
 
-SENTENCES = [
-    "the quick brown fox jumped over the lazy dog.",
-    "cats run.",
-    "unbelievable!",
-    "she walks quickly, he runs slowly?",
-    "the dogs are walking",
-    "it",
-    "they jumped over the quick brown foxes who was running, unbelievably.",
-    "cats run.",  # duplicate: scored once, reported twice
-]
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
-
-def make_tokenizer(folder: Path):
-    """A real fast WordPiece tokenizer from a tiny vocabulary (offline, no hub)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 64}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def tiny_bert(seed: int = 0, vocab_size: int = len(VOCAB)) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64,
-    )
-    return BertForMaskedLM(config).eval()
-
-
-def word_starts(tokens: list[str]) -> list[bool]:
-    # WordPiece marks continuation pieces with "##": an independent source of word boundaries.
-    return [not t.startswith("##") for t in tokens]
-
-
-def brute_force_pll(model, tokenizer, sentence: str, variant: str) -> list[float]:
-    """Reference: one full forward per masked copy, logits from model(...).logits, log_softmax."""
-    ids = tokenizer(sentence)["input_ids"]
-    tokens = tokenizer.convert_ids_to_tokens(ids)
-    starts = word_starts(tokens)
-    scores = []
-    for t in range(1, len(ids) - 1):  # [CLS] ... [SEP]: never scored
-        copy = list(ids)
-        copy[t] = tokenizer.mask_token_id
-        if variant == "within_word_l2r":
-            j = t + 1
-            while j < len(ids) - 1 and not starts[j]:
-                copy[j] = tokenizer.mask_token_id
-                j += 1
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([copy])).logits[0, t]
-        scores.append(torch.log_softmax(logits.double(), -1)[ids[t]].item())
-    return scores
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: one thread is ~10x faster than two on a busy 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -168,25 +100,6 @@ def test_other_hf_families(tok, family):
     got = score_pll(model, tok, SENTENCES[:5], token_budget=40)
     want = [sum(brute_force_pll(model, tok, s, "original")) for s in SENTENCES[:5]]
     assert got == pytest.approx(want, abs=1e-4)
-
-
-class PositionalScorer:
-    """A non-HF scorer: p(token | position) from a fixed table, context ignored.
-
-    PLL then has a closed form, sum_t log_softmax(table[t])[w_t], which checks that rows come back
-    in the order of `select` and that the protocol path needs nothing from HF. It also records
-    what it was shown, to check the masking pattern.
-    """
-
-    def __init__(self, vocab_size: int, max_len: int = 64):
-        gen = torch.Generator().manual_seed(3)
-        self.table = torch.randn(max_len, vocab_size, generator=gen)  # (T_max, V)
-        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def logits_at(self, input_ids, attention_mask, select):
-        self.seen.append((input_ids.clone(), select.clone()))
-        positions = select.nonzero()[:, 1]  # (N,) row-major, one per row here
-        return self.table[positions]  # (N, V)
 
 
 def test_protocol_scorer_closed_form(tok):

@@ -25,7 +25,7 @@ from mlsm.data import shards, sources
 from mlsm.data.corpus import TokenStore, prepare_corpus
 from mlsm.errors import UserError
 
-from .conftest import make_text
+from .helpers import make_text
 
 
 @pytest.fixture(scope="module")

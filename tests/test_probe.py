@@ -21,19 +21,10 @@ from mlsm.objectives.probe import Probe, ProbeConfig
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import TINY_MODEL, tiny_overrides
+from .helpers import TINY_MODEL, tiny_overrides
 
 
-def _mlsm_run(store_dir: Path, teacher_dir: Path, dictionary_path: Path, out: Path) -> Path:
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{
-        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-        "objective.teacher": str(teacher_dir), "train.steps": 20, "train.readiness": "[1.0]"}))
-    return pretrain(cfg) / "checkpoints" / "step-0000020"
-
-
-def test_probe_trains_only_the_probe_and_scores(store_dir, teacher_dir, dictionary_path,
-                                                tmp_path) -> None:
-    mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
+def test_probe_trains_only_the_probe_and_scores(store_dir, mlsm_ckpt, tmp_path) -> None:
     run = run_probe(mlsm_ckpt, steps=40, out=str(tmp_path / "probe"),
                     overrides=["optim.lr=0.1", "optim.warmup=0", "train.log_every=1"])
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -98,7 +89,7 @@ def _probe_logits(module, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir, dictionary_path,
-                                                         tmp_path) -> None:
+                                                         mlsm_ckpt, tmp_path) -> None:
     """The Hitchhikers' Guide's Fig. 6 "MLSM+MLM": an MTL model has a trained vocabulary head, so
     `mlsm blimp` scores it like an MLM model (no probe); a pure MLSM checkpoint still asks for its
     probe."""
@@ -117,7 +108,6 @@ def test_mtl_checkpoint_is_scored_through_its_vocab_head(store_dir, teacher_dir,
     reference = AutoModelForMaskedLM.from_pretrained(folder).eval()  # its exported vocabulary head
     got, want = score_pll(scorer, tok, sentences), score_pll(reference, tok, sentences)
     assert got == want and all(s < 0 for s in got)
-    mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
     try:
         load_scorer(mlsm_ckpt)
     except UserError as err:
@@ -175,14 +165,13 @@ def test_every_latent_objective_is_probed_and_scored_on_blimp(
 
 
 def test_paper_probe_recipe_is_10000_steps_with_readiness_checkpoints(
-        store_dir, teacher_dir, dictionary_path, tmp_path, monkeypatch) -> None:
+        mlsm_ckpt, tmp_path, monkeypatch) -> None:
     """`mlsm probe --recipe paper`: the Hitchhikers' Guide's probe, a fixed 10,000 steps through
     the training loop with readiness checkpoints (the plateau probe stays the default)."""
     import mlsm.evaluate.probe.probe as probe_module
     import mlsm.evaluate.probe.probe_fit as fit_module
     from mlsm.evaluate.probe.probe_fit_config import PAPER_PROBE_STEPS
 
-    mlsm_ckpt = _mlsm_run(store_dir, teacher_dir, dictionary_path, tmp_path / "mlsm")
     seen: dict = {}
     monkeypatch.setattr(probe_module, "pretrain_run",
                         lambda cfg, resume=None: (seen.update(cfg=cfg), None))

@@ -13,36 +13,8 @@ from mlsm.evaluate.probe.probe import load_scorer
 from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 from mlsm.evaluate.zeroshot.heldout import heldout_steps
 from mlsm.objectives.probe import probe_input
-from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
-
-
-@pytest.fixture(scope="module")
-def mlsm_ckpt(
-    store_dir: Path,
-    teacher_dir: Path,
-    dictionary_path: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Path:
-    out = tmp_path_factory.mktemp("mlsm") / "run"
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            store_dir,
-            out,
-            **{
-                "objective.name": "mlsm",
-                "objective.dictionary": str(dictionary_path),
-                "objective.teacher": str(teacher_dir),
-                "train.steps": 30,
-                "train.readiness": "[1.0]",
-                "optim.lr": 3e-3,
-            },
-        ),
-    )
-    return pretrain(cfg) / "checkpoints" / "step-0000030"
+from .helpers import last_checkpoint
 
 
 def test_probe_beats_the_unigram_and_stops_at_a_plateau(mlsm_ckpt: Path, tmp_path: Path) -> None:
@@ -175,13 +147,17 @@ def test_blimp_refuses_a_probe_no_better_than_unigram(tmp_path: Path) -> None:
         _blimp(study, "m", 1.0)
 
 
-def test_a_run_is_scored_through_its_plateau_probe(mlsm_ckpt: Path) -> None:
+def test_a_run_is_scored_through_its_plateau_probe(mlsm_run: Path, tmp_path: Path) -> None:
     """`mlsm probe RUN` then `mlsm blimp RUN`: load_scorer finds the plateau probe's checkpoint."""
+    import shutil
+
     from mlsm.evaluate.probe.probe import ProbeScorer, run_probe
 
-    out = run_probe(mlsm_ckpt)  # default: to a plateau, into <run>/probe-step-N
+    run = Path(shutil.copytree(mlsm_run, tmp_path / "run"))  # the probe is written into it
+    out = run_probe(last_checkpoint(run))  # default: to a plateau, into <run>/probe-step-N
+    assert out.parent == run
     info = json.loads((out / "probe.json").read_text())
-    scorer, _ = load_scorer(mlsm_ckpt.parent.parent)
+    scorer, _ = load_scorer(run)
     assert isinstance(scorer, ProbeScorer) and scorer.input == info["input"]
 
 

@@ -146,16 +146,17 @@ def test_a_default_study_probe_fingerprint_is_unchanged(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def mlsm_ckpt(store_dir: Path, teacher_dir: Path, dictionary_path: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlsm.run_config import load_config
-    from mlsm.train.loop import pretrain
-
-    from .conftest import tiny_overrides
+    """A 2-step MLSM checkpoint: its own training, not conftest's 30-step `mlsm_run`, because
+    test_every_setting_changes_the_fit needs a barely trained encoder, whose probe's held-out loss
+    falls at every evaluation; on the 30-step one the falls are so small that, run after other
+    modules, the probe stopped after 8 of 16 steps with min_delta 0."""
+    from .helpers import train_tiny
 
     out = tmp_path_factory.mktemp("mlsm") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{
+    return train_tiny(store_dir, out, **{
         "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-        "objective.teacher": str(teacher_dir), "train.steps": 2, "train.readiness": "[1.0]"}))
-    return pretrain(cfg) / "checkpoints" / "step-0000002"
+        "objective.teacher": str(teacher_dir), "train.steps": 2,
+        "train.readiness": "[1.0]"}) / "checkpoints" / "step-0000002"
 
 
 def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeypatch) -> None:

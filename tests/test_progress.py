@@ -109,7 +109,7 @@ def test_long_jobs_report_through_progress(
     from mlsm.teacher.online_dictionary import learn_atoms
     from mlsm.train.loop import pretrain
 
-    from .conftest import tiny_overrides
+    from .helpers import tiny_overrides
 
     monkeypatch.setenv("MLSM_PROGRESS_SECONDS", "1e-9")
     pretrain(load_config(None, tiny_overrides(store_dir, tmp_path / "r")))

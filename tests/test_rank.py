@@ -17,12 +17,12 @@ from mlsm.evaluate.zeroshot.rank import (
     read_sentences,
     write_rank_report,
 )
-from tests.test_pll import (
+from tests.helpers import (
     SENTENCES,
     VOCAB,
-    make_tokenizer,
-    one_thread,  # noqa: F401  (autouse fixture: tiny models, one thread)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 def with_spectrum(s: list[float], n: int = 60, d: int = 24, seed: int = 0) -> torch.Tensor:
@@ -86,11 +86,6 @@ def test_bad_arguments(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(UserError, match="no non-empty"):
         read_sentences(tmp_path / "empty.txt")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pytest
 
 from mlsm.artifacts.results_file import read_results
 
-from .conftest import SHARED
+from .helpers import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_RUN = "# not run by the tests:"

@@ -4,6 +4,7 @@ checkpoint of any objective (an MLM one here): untied d -> |V|, and d -> k -> |V
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,22 +17,15 @@ from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
 from mlsm.evaluate.probe.probe_fit import _FactoredCandidate, train_probe_to_plateau
 from mlsm.evaluate.zeroshot.heldout import heldout_masked_tokens
 from mlsm.objectives.probe import probe_input
-from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
-
-from .conftest import tiny_overrides
 
 FIT = {"max_steps": 60, "eval_every": 20, "select_steps": 20, "heldout_batches": 2,
        "batch_size": 8}
 
 
-@pytest.fixture(scope="module")
-def mlm_ckpt(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("mlm") / "run"
-    cfg = load_config(None, tiny_overrides(store_dir, out, **{
-        "objective.name": "mlm", "train.steps": 30, "train.readiness": "[1.0]",
-        "optim.lr": 3e-3}))
-    return pretrain(cfg) / "checkpoints" / "step-0000030"
+@pytest.fixture
+def mlm_ckpt(teacher_dir: Path) -> Path:
+    """A 30-step MLM checkpoint: the session's teacher (conftest.py), read-only."""
+    return teacher_dir
 
 
 def test_vocab_control_is_a_fresh_untied_head_read_from_the_hidden_state(
@@ -123,9 +117,12 @@ def test_factored_candidate_learns_a_map_a_rank_d_head_cannot() -> None:
         assert torch.allclose(lin(probe_input(pre(z), "probs")), cand.logits(z), atol=1e-3)
 
 
-def test_mlsm_probe_puts_a_control_beside_the_latent_probe(mlm_ckpt: Path) -> None:
+def test_mlsm_probe_puts_a_control_beside_the_latent_probe(mlm_ckpt: Path,
+                                                           tmp_path: Path) -> None:
     """`mlsm probe RUN --head vocab` writes <run>/probe-step-N-vocab; the control of an MLM run
     is scored through it when named, while the run itself keeps its own head."""
+    run = Path(shutil.copytree(mlm_ckpt.parent.parent, tmp_path / "run"))  # written into
+    mlm_ckpt = run / "checkpoints" / mlm_ckpt.name
     out = run_probe(mlm_ckpt, head="vocab", max_steps=20, eval_every=10, select_steps=10,
                     heldout_batches=2, batch_size=8)
     assert out.name.endswith("-vocab") and out.parent == mlm_ckpt.parent.parent

@@ -15,7 +15,7 @@ from scipy.stats import wilcoxon
 from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, phenomenon_tests
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
-from tests.conftest import make_text
+from tests.helpers import make_text
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -28,7 +28,7 @@ from mlsm.evaluate.finetune.retrieval import (
 )
 from mlsm.evaluate.finetune.retrieval_cell import pick_positives, training_queries
 from mlsm.evaluate.finetune.tasks import get_task, task_folder
-from tests.conftest import _WORDS, SHARED
+from tests.helpers import SHARED, WORDS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,7 +127,7 @@ def test_encode_sorted_batches_equal_one_by_one(tiny: Path) -> None:
     returned in input order."""
     model, tok = _load(tiny)
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 20))) for _ in range(9)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20))) for _ in range(9)]
     batched = encode(model, tok, texts, 32, torch.device("cpu"), batch_size=4)
     alone = torch.cat([encode(model, tok, [t], 32, torch.device("cpu")) for t in texts])
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
@@ -176,7 +176,7 @@ def test_identical_ids_are_not_retrieved() -> None:
 def _split(n_docs: int = 6) -> BeirSplit:
     rng = random.Random(3)
     ids = [f"d{i}" for i in range(n_docs)]
-    texts = [" ".join(rng.choice(_WORDS) for _ in range(8)) for _ in ids]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(8)) for _ in ids]
     return BeirSplit(ids, texts, {"q": "cat"}, {"q": {"d0": 1}}, "mem")
 
 
@@ -221,7 +221,7 @@ def _beir(root: Path, name: str = "toy", n_docs: int = 24, seed: int = 0) -> Pat
     test); queries 0 and 1 each have a second positive."""
     rng = random.Random(seed)
     folder = root / name
-    docs = [rng.sample(_WORDS, 7) for _ in range(n_docs)]
+    docs = [rng.sample(WORDS, 7) for _ in range(n_docs)]
     _write(folder / "corpus.jsonl", [json.dumps({"_id": f"d{i}", "title": w[0],
                                                  "text": " ".join(w[1:])})
                                      for i, w in enumerate(docs)])

@@ -5,6 +5,7 @@ RUN, RUN@50% and RUN@step-N work in every evaluation entry point.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,8 @@ from mlsm.evaluate.compare.stats import compare_runs
 from mlsm.evaluate.finetune.finetune import finetune
 from mlsm.evaluate.probe.probe import ProbeScorer, load_scorer, run_probe
 from mlsm.evaluate.zeroshot.rank import load_encoder
-from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
 
-from .conftest import tiny_overrides
 from .test_finetune import _keyword_sst2
-
-
-@pytest.fixture(scope="module")
-def mlm_run(store_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An 8-step MLM run: readiness checkpoints at steps 1, 2, 4, 8 (10/25/50/100 %)."""
-    out = tmp_path_factory.mktemp("runs") / "tiny-mlm"
-    return pretrain(load_config(None, tiny_overrides(store_dir, out, **{"train.steps": 8})))
 
 
 def _step(folder: Path) -> int:
@@ -116,20 +107,15 @@ def test_rank_loader_takes_a_run_spec(mlm_run: Path) -> None:
     assert torch.equal(model.embeddings.word_embeddings.weight, emb)
 
 
-def test_blimp_scorer_of_an_mlsm_run_goes_through_its_probe(
-    store_dir, teacher_dir, dictionary_path, tmp_path
-) -> None:
-    cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "tiny-mlsm", **{
-        "objective.name": "mlsm", "objective.dictionary": str(dictionary_path),
-        "objective.teacher": str(teacher_dir), "train.steps": 4}))
-    run = pretrain(cfg)
+def test_blimp_scorer_of_an_mlsm_run_goes_through_its_probe(mlsm_run: Path, tmp_path: Path) -> None:
+    run = Path(shutil.copytree(mlsm_run, tmp_path / "tiny-mlsm"))  # the probe is written into it
     with pytest.raises(UserError, match=f"train its probe first: mlsm probe {run}"):
         load_scorer(run)
     probe = run_probe(run, steps=2)
-    assert probe == run / "probe-step-0000004"  # the run's final checkpoint, default place
+    assert probe == run / "probe-step-0000030"  # the run's final checkpoint, default place
     scorer, _ = load_scorer(run)
     assert isinstance(scorer, ProbeScorer)
     heads = load_file(probe / "checkpoints" / "step-0000002" / "heads.safetensors")
     assert torch.equal(scorer.probe.weight, heads["probe.weight"])
-    with pytest.raises(UserError, match="probe-step-0000002 has no probe"):  # @50 % has none yet
+    with pytest.raises(UserError, match="probe-step-0000015 has no probe"):  # @50 % has none yet
         load_scorer(f"{run}@50%")

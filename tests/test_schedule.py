@@ -15,7 +15,7 @@ from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 from mlsm.train.schedule import lr_factor
 
-from .conftest import read_metrics, tiny_overrides
+from .helpers import read_metrics, tiny_overrides
 
 
 def _hf(make, **kw) -> list[float]:

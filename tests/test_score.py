@@ -23,20 +23,9 @@ from mlsm.evaluate.zeroshot.score import (
     score_corpus,
     summary_path,
 )
-from tests.test_pll import SENTENCES, PositionalScorer, brute_force_pll, make_tokenizer, tiny_bert
+from tests.helpers import SENTENCES, PositionalScorer, brute_force_pll, tiny_bert
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import yaml
 from mlsm.errors import Incomplete, UserError
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study, study_from_dict
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 
 def _raw(
@@ -182,7 +182,7 @@ def _tiny_tasks(root: Path) -> tuple[Path, Path]:
     text."""
     import random
 
-    from tests.conftest import make_text
+    from tests.helpers import make_text
 
     rng = random.Random(0)
     sents = [s.strip() for d in make_text(30, seed=7) for s in d.split(".") if len(s.split()) >= 4]

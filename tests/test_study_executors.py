@@ -15,7 +15,7 @@ import pytest
 from mlsm.errors import Incomplete
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import study_from_dict
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 
 def _two_arm_spec(corpus_dir: Path, tokenizer_dir: Path, out: Path) -> dict:
@@ -142,7 +142,7 @@ def test_each_stage_is_charged_its_own_cpu_seconds(tmp_path) -> None:
 
 def _pairs(root: Path) -> Path:
     """A one-phenomenon pair set in BLiMP's format, from fixture words (PLL of 4 pairs: cheap)."""
-    from tests.conftest import make_text
+    from tests.helpers import make_text
 
     words = " ".join(make_text(1, seed=3)).split()
     lines = [json.dumps({"sentence_good": " ".join(words[i:i + 5]),

@@ -17,7 +17,7 @@ from mlsm.errors import Incomplete
 from mlsm.study.report import blimp_rows
 from mlsm.study.runner import STAGES, Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 from tests.test_study import _tiny_tasks
 
 QUIET = {"log": lambda s: None}

@@ -19,7 +19,7 @@ from mlsm.teacher.dictionary import load_dictionary, save_dictionary
 from mlsm.teacher.targets import TargetStore, build_target_store
 from mlsm.teacher.teacher import load_teacher
 
-from .conftest import check_resume, make_text, overfit_losses
+from .helpers import check_resume, make_text, overfit_losses
 
 
 def _objective(store_dir: Path, spec: dict, max_len: int = 32):

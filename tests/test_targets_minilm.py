@@ -20,7 +20,7 @@ from mlsm.teacher.dictionary import Dictionary, save_dictionary
 from mlsm.teacher.targets import TargetStore, build_target_store
 from mlsm.teacher.teacher import default_teacher_path, load_teacher
 
-from .conftest import SHARED
+from .helpers import SHARED
 
 CORPUS = SHARED / "corpus" / "enwiki_2015_prefix"
 pytestmark = pytest.mark.skipif(not CORPUS.is_dir(), reason="../shared/data/corpus is absent")

@@ -16,7 +16,7 @@ from mlsm.train.flops import flops_for_run
 from mlsm.train.loop import pretrain
 from mlsm.train.throughput import FlopMeter, peak_from_name
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 
 @given(st.integers(1, 10**15), st.integers(1, 1000), st.floats(1e-3, 1e5), st.floats(1e9, 1e16))

@@ -17,7 +17,7 @@ from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 from mlsm.train.tracking import BACKENDS, open_tracker, require
 
-from .conftest import tiny_overrides
+from .helpers import tiny_overrides
 
 
 def _run(store: Path, out: Path, trackers: str) -> Path:

@@ -12,29 +12,20 @@ from safetensors.torch import load_file
 
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
-from mlsm.train.loop import pretrain
 
-from .conftest import check_resume, overfit_losses, tiny_overrides
-
-
-def _run(store: Path, out: Path, resume: str | None = None, **extra: object) -> Path:
-    return pretrain(load_config(None, tiny_overrides(store, out, **extra)), resume=resume)
+from .helpers import check_resume, overfit_losses, read_metrics, train_tiny
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_run_dir_is_self_describing(store_dir: Path, tmp_path: Path) -> None:
-    run = _run(store_dir, tmp_path / "r")
+    run = train_tiny(store_dir, tmp_path / "r")
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["train"]["steps"] == 6 and cfg["data"]["store"] == str(store_dir)
     assert "git_revision" in json.loads((run / "run.json").read_text())
-    steps = [m["step"] for m in _metrics(run)]
+    steps = [m["step"] for m in read_metrics(run)]
     assert steps == [1, 2, 3, 4, 5, 6]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     # readiness 10/25/50/100 % of 6 steps -> steps 1, 2 (1.5 rounds to 2), 3, 6
@@ -42,7 +33,7 @@ def test_run_dir_is_self_describing(store_dir: Path, tmp_path: Path) -> None:
     info = json.loads((run / "checkpoints" / "step-0000003" / "checkpoint.json").read_text())
     assert info["readiness"] == 0.5 and info["objective"] == "mlm"
     with pytest.raises(UserError, match="--resume"):
-        _run(store_dir, tmp_path / "r")  # never silently overwrite a run
+        train_tiny(store_dir, tmp_path / "r")  # never silently overwrite a run
 
 
 def test_resume_is_exact(store_dir: Path, tmp_path: Path) -> None:
@@ -55,8 +46,8 @@ def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> Non
         "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
         "hidden_dropout_prob: 0.0, attention_probs_dropout_prob: 0.0}"
     )
-    one = _run(store_dir, tmp_path / "one", **{"model.overrides": nodrop, "train.steps": 3})
-    acc = _run(
+    one = train_tiny(store_dir, tmp_path / "one", **{"model.overrides": nodrop, "train.steps": 3})
+    acc = train_tiny(
         store_dir,
         tmp_path / "acc",
         **{"model.overrides": nodrop, "train.steps": 3, "train.micro_batch_size": 2},
@@ -67,22 +58,23 @@ def test_accumulation_matches_full_batch(store_dir: Path, tmp_path: Path) -> Non
     )
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
-    assert [m["batch_digest"] for m in _metrics(one)] == [m["batch_digest"] for m in _metrics(acc)]
+    digests = [[m["batch_digest"] for m in read_metrics(run)] for run in (one, acc)]
+    assert digests[0] == digests[1]
     # per step: the mean loss and the pre-clip gradient norm (clipping and AdamW hide a wrong scale)
     for key in ("loss", "grad_norm", "n_targets"):
-        got, want = [m[key] for m in _metrics(acc)], [m[key] for m in _metrics(one)]
+        got, want = [m[key] for m in read_metrics(acc)], [m[key] for m in read_metrics(one)]
         assert got == pytest.approx(want, rel=1e-5), key
 
 
 def test_batches_do_not_depend_on_model_or_train_seed(store_dir: Path, tmp_path: Path) -> None:
-    a = _run(store_dir, tmp_path / "a", **{"train.steps": 3})
-    b = _run(
+    a = train_tiny(store_dir, tmp_path / "a", **{"train.steps": 3})
+    b = train_tiny(
         store_dir, tmp_path / "b", **{"train.steps": 3, "model.arch": "roberta", "train.seed": 5}
     )
-    c = _run(store_dir, tmp_path / "c", **{"train.steps": 3, "data.seed": 1})
-    da, db, dc = ([m["batch_digest"] for m in _metrics(r)] for r in (a, b, c))
+    c = train_tiny(store_dir, tmp_path / "c", **{"train.steps": 3, "data.seed": 1})
+    da, db, dc = ([m["batch_digest"] for m in read_metrics(r)] for r in (a, b, c))
     assert da == db and da != dc
-    assert [m["n_targets"] for m in _metrics(a)] == [m["n_targets"] for m in _metrics(b)]
+    assert [m["n_targets"] for m in read_metrics(a)] == [m["n_targets"] for m in read_metrics(b)]
 
 
 def test_mlm_loss_falls_when_overfitting_one_batch(store_dir: Path) -> None:
@@ -101,6 +93,6 @@ def test_config_errors_are_one_line(store_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="train.steps must be of type int"):
         load_config(None, ["train.steps=ten"])
     with pytest.raises(UserError, match="not a field of BertConfig"):
-        _run(store_dir, tmp_path / "x", **{"model.overrides": "{hiden_size: 8}"})
+        train_tiny(store_dir, tmp_path / "x", **{"model.overrides": "{hiden_size: 8}"})
     with pytest.raises(UserError, match="unknown objective.name"):
-        _run(store_dir, tmp_path / "y", **{"objective.name": "mlmm"})
+        train_tiny(store_dir, tmp_path / "y", **{"objective.name": "mlmm"})

@@ -12,7 +12,7 @@ from mlsm.data.corpus import TokenStore
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, consumed_counts, run_unigram
 from mlsm.run_config import config_from_dict
 
-from .conftest import TINY_MODEL
+from .helpers import TINY_MODEL
 
 
 def _cfg(store_dir: Path, out: Path, seed: int, steps: int = 3, objective: str = "mlm") -> object:

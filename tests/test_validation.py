@@ -18,7 +18,7 @@ from mlsm.evaluate.zeroshot.pll import load_masked_lm
 from mlsm.run_config import load_config
 from mlsm.train.loop import pretrain
 
-from .conftest import read_metrics, tiny_overrides
+from .helpers import read_metrics, tiny_overrides
 
 STEPS = 6
 
