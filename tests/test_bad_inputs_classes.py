@@ -35,10 +35,8 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
     _run_args,
     _tree,
     _user_folder,
-    base_run,
     fresh_targets,
     fx,
-    mlsm_ckpt,
     targets_cmd,
 )
 
@@ -1505,11 +1503,11 @@ def _consistency_blimp_run_whose_probe_is_unfinished(tmp, fix):
 
 
 def _consistency_score_run_unfinished(tmp, fix):
-    run = _copy(fix["base_run"], tmp / "run")
-    shutil.rmtree(list_checkpoints(run)[-1][1])  # stopped after step 2 of 3
+    run = _copy(fix["mlm_run"], tmp / "run")
+    shutil.rmtree(list_checkpoints(run)[-1][1])  # stopped after step 4 of 8
     text = _write(tmp / "in.txt", "the cat sat .\n")
     return (["score", str(run), str(text), "--out", str(tmp / "o.jsonl")], [run, text],
-            ("is not finished (newest checkpoint step-2 of 3", "--resume auto"))
+            ("is not finished (newest checkpoint step-4 of 8", "--resume auto"))
 
 
 def _content_blimp_checkpoint_of_mlsm_0_1_0(tmp, fix):

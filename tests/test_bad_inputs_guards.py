@@ -43,7 +43,6 @@ from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the da
     _run_args,
     _tree,
     fx,
-    mlsm_ckpt,
 )
 
 # --------------------------------------------------------------------------- the table

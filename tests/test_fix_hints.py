@@ -24,9 +24,7 @@ from .test_bad_inputs_classes import CASES, _glue, unscored_ckpts  # noqa: F401
 from .test_bad_inputs_data import CASES as DATA_CASES
 from .test_bad_inputs_data import (  # noqa: F401  (fixtures, shared with the data table)
     _one_line_error,
-    base_run,
     fx,
-    mlsm_ckpt,
 )
 
 # the hints that name another verb to use instead, rather than repair what was refused

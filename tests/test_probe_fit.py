@@ -318,3 +318,27 @@ def test_a_probe_loop_stopped_by_a_signal_exits_with_its_status(mlsm_ckpt: Path,
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, text
     assert "stopped by signal SIGTERM" in text and "Traceback" not in text
+
+
+def test_a_fit_killed_before_pruning_still_resolves_to_its_record(mlsm_ckpt: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The window between a refit's probe.json and the pruning of the earlier fit's checkpoints
+    (a kill there): the probe run, named without a suffix, resolves to the checkpoint its record
+    names, not to the earlier fit's later step-N, for `load_scorer` and every reader of a run."""
+    import shutil
+
+    import mlsm.evaluate.probe.probe_fit as fit
+    from mlsm.artifacts.checkpoint import list_checkpoints, resolve_checkpoint
+    from mlsm.evaluate.probe.probe import run_probe
+
+    run = Path(shutil.copytree(mlsm_ckpt.parent.parent, tmp_path / "run"))
+    out = run_probe(run, max_steps=60, eval_every=10, select_steps=20, patience=100, min_delta=0.0,
+                    heldout_batches=2, batch_size=8)
+    monkeypatch.setattr(fit, "_drop_other_checkpoints", lambda out, saved: None)  # the kill
+    run_probe(run, inputs=["logits"], lr=500.0, max_steps=20, eval_every=10, heldout_batches=2,
+              batch_size=8)
+    record = json.loads((out / "probe.json").read_text())
+    assert len(list_checkpoints(out)) > 1  # the earlier fit's later checkpoint is still there
+    assert resolve_checkpoint(out) == Path(record["checkpoint"])
+    scorer, _ = load_scorer(run)
+    assert torch.equal(scorer.probe.weight, load_scorer(record["checkpoint"])[0].probe.weight)

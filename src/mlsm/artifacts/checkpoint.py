@@ -31,6 +31,7 @@ from typing import Any
 
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.outputs import OutputKind
+from mlsm.artifacts.probe_record import recorded_checkpoint_name
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
@@ -475,6 +476,16 @@ def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
     return Path(base), suffix
 
 
+def _run_checkpoint(base: Path) -> Path:
+    """The checkpoint a run names without a suffix: for a fitted probe run, the one its probe.json
+    names (a fit killed after writing its record, before pruning an earlier fit's later step-N,
+    leaves both); for any other run, its final one."""
+    run = _complete_checkpoints(base)
+    named = recorded_checkpoint_name(base)
+    found = next((c for c in run.checkpoints if c.path.name == named), None)
+    return found.path if found is not None else _final(run).path
+
+
 def _final(run: _RunCheckpoints) -> _Saved:
     last = run.checkpoints[-1]
     if last.step < run.total_steps:
@@ -498,7 +509,7 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
     """The checkpoint folder a spec names (see the module doc); other paths come back unchanged."""
     base, suffix = split_spec(spec)
     if not suffix:
-        return _final(_complete_checkpoints(base)).path if is_run_dir(base) else base
+        return _run_checkpoint(base) if is_run_dir(base) else base
     if not is_run_dir(base):
         raise UserError(f"{spec}: {base} is not a run directory (no checkpoints/ folder); "
                         f"the @ suffix selects a checkpoint of a run: {SYNTAX}")

@@ -3,8 +3,9 @@ good it is on held-out masked tokens beside the unigram distribution.
 
 Written by the plateau fit (`mlsm.evaluate.probe.probe_fit`) and by a study's paper-recipe probe;
 read by
-`mlsm probe`'s summary line and a study's BLiMP and readout stages (which refuse a probe no better
-than the unigram), and fingerprinted by the study's reuse check. This module is its only door:
+`mlsm probe`'s summary line, a study's BLiMP and readout stages (which refuse a probe no better
+than the unigram) and run-spec resolution (a probe run resolves to the checkpoint it names), and
+fingerprinted by the study's reuse check. This module is its only door:
 nothing else names the file or parses it.
 """
 
@@ -46,3 +47,11 @@ def read_probe_record(folder: str | os.PathLike,
     """The record of the probe run `folder`, its fields checked; a missing, torn or misshapen one
     is one line naming the file and `fix`."""
     return read_json(record_path(folder), "probe record", fix, fields=FIELDS)
+
+
+def recorded_checkpoint_name(folder: str | os.PathLike) -> str | None:
+    """The folder name (`step-N`) of the checkpoint the record of probe run `folder` names; None
+    when the folder has no record (it is not a fitted probe run)."""
+    if not has_probe_record(folder):
+        return None
+    return Path(read_probe_record(folder)["checkpoint"]).name
