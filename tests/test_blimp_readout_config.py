@@ -22,7 +22,7 @@ from mlsm.config import build_dataclass, field_check
 from mlsm.errors import UserError
 from mlsm.evaluate.readouts import ReadoutSpec
 from mlsm.evaluate.zeroshot.blimp import evaluate_blimp
-from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 from tests.helpers import UnigramScorer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
@@ -102,13 +102,13 @@ def test_each_setting_changes_what_it_says(blimp_dir, tok) -> None:  # noqa: F81
 
 def test_blimp_settings_are_refused_out_of_range_in_one_line() -> None:
     with pytest.raises(UserError, match=r"^evaluate_blimp\(\)\.limit_per_phenomenon must be"):
-        blimp_config(None, {"limit_per_phenomenon": -1})
+        BlimpConfig.over(None, {"limit_per_phenomenon": -1})
     with pytest.raises(UserError, match=r"unknown key evaluate_blimp\(\)\.limit\b"):
-        blimp_config(None, {"limit": 5})
+        BlimpConfig.over(None, {"limit": 5})
     with pytest.raises(UserError, match=r"variant"):
-        blimp_config(None, {"variant": "l2r"})
+        BlimpConfig.over(None, {"variant": "l2r"})
     with pytest.raises(UserError, match="config must be a BlimpConfig"):
-        blimp_config(ReadoutSpec(), {})  # type: ignore[arg-type]
+        BlimpConfig.over(ReadoutSpec(), {})  # type: ignore[arg-type]
 
 
 def _study(tmp_path: Path, **groups: dict) -> object:
@@ -120,7 +120,7 @@ def _study(tmp_path: Path, **groups: dict) -> object:
 
 def test_every_setting_is_a_study_key(tmp_path: Path) -> None:
     spec = _study(tmp_path, blimp={**BLIMP_OTHER, "data": ["x"]}, readout=READOUT_OTHER)
-    assert dataclasses.asdict(blimp_config(spec.blimp, {})) == BLIMP_OTHER
+    assert dataclasses.asdict(BlimpConfig.over(spec.blimp, {})) == BLIMP_OTHER
     assert dataclasses.asdict(spec.readout) == READOUT_OTHER
     with pytest.raises(UserError, match=r"^blimp.variant"):
         _study(tmp_path, blimp={"variant": "l2r"})
@@ -140,7 +140,7 @@ def test_the_study_stage_scores_with_the_groups_settings(tmp_path: Path, monkeyp
     seen: list[BlimpConfig] = []
 
     def record(model, tokenizer, data, config=None, **kw):
-        seen.append(blimp_config(config, {k: v for k, v in kw.items()
+        seen.append(BlimpConfig.over(config, {k: v for k, v in kw.items()
                                           if k not in ("progress", "control")}))
         if len(seen) == 2:
             raise _Stop  # both sets seen: the rest of the stage is not the claim here

@@ -16,7 +16,7 @@ import pytest
 from mlsm.cli import build_parser
 from mlsm.cli.dataclass_flags import flag_values
 from mlsm.errors import UserError
-from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig
 
 FIELDS = dataclasses.fields(ProbeFitConfig)
 OTHER = {"lr": 0.05, "inputs": ["logits", "probs"], "select_steps": 7, "max_steps": 9,
@@ -75,7 +75,7 @@ def test_every_setting_is_a_keyword_of_the_fit(name: str, tmp_path: Path) -> Non
         train_probe_to_plateau(missing, tmp_path / "out", **{name: OTHER[name]})
     with pytest.raises(UserError, match="no-checkpoint"):
         train_probe_to_plateau(missing, tmp_path / "out", ProbeFitConfig(**{name: OTHER[name]}))
-    assert getattr(probe_fit_config(None, {name: OTHER[name]}), name) == OTHER[name]
+    assert getattr(ProbeFitConfig.over(None, {name: OTHER[name]}), name) == OTHER[name]
 
 
 def test_the_fit_refuses_unknown_and_out_of_range_settings(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_the_fit_refuses_unknown_and_out_of_range_settings(tmp_path: Path) -> No
     with pytest.raises(UserError, match="max_steps must be a positive whole number, got 0"):
         train_probe_to_plateau(tmp_path, tmp_path / "out", max_steps=0)
     # settings given as keywords win over the config's; a tuple of inputs is a list
-    got = probe_fit_config(ProbeFitConfig(lr=0.3, patience=9), {"lr": 0.1, "inputs": ("probs",)})
+    got = ProbeFitConfig.over(ProbeFitConfig(lr=0.3, patience=9), {"lr": 0.1, "inputs": ("probs",)})
     assert (got.lr, got.patience, got.inputs) == (0.1, 9, ["probs"])
 
 
@@ -102,7 +102,7 @@ def test_every_setting_is_a_study_probe_key(tmp_path: Path) -> None:
 
     assert dataclasses.asdict(ProbeSpec()) == OLD_STUDY  # a study keeps its batch size of 16
     spec = _study(tmp_path, STUDY_OTHER)
-    assert dataclasses.asdict(probe_fit_config(spec.probe, {})) == STUDY_OTHER  # narrowed
+    assert dataclasses.asdict(ProbeFitConfig.over(spec.probe, {})) == STUDY_OTHER  # narrowed
     with pytest.raises(UserError, match="probe.head must be latent in a study"):
         _study(tmp_path, {"head": "vocab"})
     with pytest.raises(UserError, match="probe.inputs must be distinct input kinds"):
@@ -124,7 +124,7 @@ def test_the_study_stage_fits_with_the_groups_settings(tmp_path: Path, monkeypat
                             reusable=lambda *a, **k: False, checkpoint=lambda a, f: "ck")
     assert stages._probe(study, "m", 1.0) is None
     given = {k: v for k, v in seen["kw"].items() if k != "threads"}
-    assert dataclasses.asdict(probe_fit_config(seen["config"], given)) == STUDY_OTHER
+    assert dataclasses.asdict(ProbeFitConfig.over(seen["config"], given)) == STUDY_OTHER
 
 
 def test_a_default_study_probe_fingerprint_is_unchanged(tmp_path: Path) -> None:
@@ -167,9 +167,9 @@ def test_mlsm_probe_flags_reach_the_fit(mlsm_ckpt: Path, tmp_path: Path, monkeyp
     monkeypatch.setattr(fit, "train_probe_to_plateau",
                         lambda ck, out, config=None, **kw: seen.update(config=config, kw=kw))
     main(["probe", str(mlsm_ckpt), "--out", str(tmp_path / "a"), *_flags(OTHER)])
-    assert dataclasses.asdict(probe_fit_config(seen["config"], seen["kw"])) == OTHER
+    assert dataclasses.asdict(ProbeFitConfig.over(seen["config"], seen["kw"])) == OTHER
     main(["probe", str(mlsm_ckpt), "--out", str(tmp_path / "b")])
-    assert dataclasses.asdict(probe_fit_config(seen["config"], seen["kw"])) == OLD_FUNCTION
+    assert dataclasses.asdict(ProbeFitConfig.over(seen["config"], seen["kw"])) == OLD_FUNCTION
 
 
 @pytest.mark.parametrize("loop", [["--steps", "2"], ["--recipe", "paper"], ["optim.lr=1e-3"]])

@@ -43,12 +43,71 @@ TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # = train.tracking.BAC
 INT_LIMIT = 2**31  # every integer of a config (a size, a count, a seed) lies below it
 
 
+def whole(v: Any) -> bool:
+    """An int, not a bool, inside INT_LIMIT: the part of a range every count, size and seed
+    shares (an optional one's `None` is not whole)."""
+    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
+
+
+POSITIVE_INT: Check = (lambda v: whole(v) and v > 0, "a positive whole number")
+NON_NEGATIVE_INT: Check = (lambda v: whole(v) and v >= 0, "0 or more")
+
+
 def changed_fields(obj: Any, cls: type) -> dict[str, Any]:
     """The fields of dataclass `cls` on which `obj` (a `cls` or a subclass) differs from `cls`'s
     defaults: what a user set, for merging onto another config or a stable fingerprint."""
     default = cls()
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)
             if getattr(obj, f.name) != getattr(default, f.name)}
+
+
+def plain(value: Any) -> Any:
+    """A Python argument as a config holds it: tuples and ranges as lists, paths as text."""
+    if isinstance(value, tuple | range):
+        return list(value)
+    if value is not None and hasattr(value, "__fspath__"):
+        return str(value)
+    return value
+
+
+class Settings:
+    """What every settings group of a verb shares (DictionaryConfig, ProbeFitConfig, BlimpConfig,
+    FinetuneConfig): built from flags, Python arguments or a study section with one line per bad
+    name or range (`build`), read back as what differs from the defaults (`given`), and merged
+    under a function's keyword arguments (`over`). A study's subclass (its own defaults or extra
+    fields) is narrowed back to the group (`root`) wherever a verb takes it."""
+
+    SECTION: typing.ClassVar[str] = ""
+    """The name a bad value's line starts with when `build` is given no other."""
+
+    @classmethod
+    def root(cls) -> type:
+        """The group: the class in `cls`'s MRO that names Settings as its base."""
+        return next(c for c in cls.__mro__ if Settings in c.__bases__)
+
+    @classmethod
+    def build(cls, values: dict[str, Any], where: str = "") -> Any:
+        """A config of `cls` from `values` (tuples become lists, paths text), every name, type
+        and range checked in one line each."""
+        return build_dataclass(cls, {k: plain(v) for k, v in values.items()},
+                               where or cls.SECTION)
+
+    def given(self) -> dict[str, Any]:
+        """The group's fields on which this config differs from the group's defaults."""
+        return changed_fields(self, self.root())
+
+    @classmethod
+    def over(cls, config: Any, settings: dict[str, Any], where: str = "") -> Any:
+        """A function's settings: `config` (a config of the group, a study's subclass too, or
+        None for the defaults) with its keyword `settings` on top (None = not given), as a plain
+        config of the group."""
+        root = cls.root()
+        where = where or root.SECTION
+        if config is not None and not isinstance(config, root):
+            raise UserError(f"{where}: config must be a {root.__name__}, got "
+                            f"{type(config).__name__}")
+        base = {} if config is None else config.given()
+        return root.build({**base, **{k: v for k, v in settings.items() if v is not None}}, where)
 
 
 def field_with_default(cls: type, name: str, default: Any) -> Any:

@@ -219,9 +219,9 @@ def _blimp_into(a: argparse.Namespace) -> None:
     from mlsm.cli.dataclass_flags import flag_values
     from mlsm.evaluate.probe.probe import load_scorer
     from mlsm.evaluate.zeroshot.blimp import evaluate_blimp, write_blimp_report
-    from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
+    from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 
-    config = blimp_config(None, flag_values(a, BlimpConfig), "mlsm blimp")
+    config = BlimpConfig.over(None, flag_values(a, BlimpConfig), "mlsm blimp")
     model, tokenizer = load_scorer(a.model, device=a.device)
     control = _unigram_control(a.model, a.unigram)
     result = evaluate_blimp(model, tokenizer, a.data, config, progress=None, control=control)

@@ -31,7 +31,6 @@ from mlsm.teacher.dictionary_config import (
     AtomKind,
     DictionaryConfig,
     TeacherInit,
-    dictionary_config,
 )
 
 _FRACTIONS = (lambda v: len(set(v)) == len(v) and all(0 < f <= 1 for f in v),
@@ -93,7 +92,7 @@ class ArmDictionary:
         lam, atoms and teacher_init on top where it gives them."""
         own = {key: getattr(self, key) for key in ("k", "lam", "atoms", "teacher_init")
                if getattr(self, key) is not None}
-        return dictionary_config(group, own, where)
+        return DictionaryConfig.over(group, own, where)
 
 
 ARM_DICTIONARY_KEYS = tuple(f.name for f in dataclasses.fields(ArmDictionary))
@@ -500,5 +499,5 @@ def arm_dictionary(spec: StudySpec, arm: str) -> DictionaryConfig:
     `dictionary` group alone for an arm without one."""
     d = spec.arms[arm].dictionary
     where = f"arms.{arm}.dictionary"
-    return dictionary_config(spec.dictionary, {}, where) if d is None else \
+    return DictionaryConfig.over(spec.dictionary, {}, where) if d is None else \
         d.settings(spec.dictionary, where)

@@ -31,7 +31,7 @@ from mlsm.fileio import atomic_write
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
 from mlsm.limits import BYTES_PER_VECTOR_FLOAT
-from mlsm.teacher.dictionary_config import DictionaryConfig, dictionary_config
+from mlsm.teacher.dictionary_config import DictionaryConfig
 from mlsm.teacher.online_dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.states import collect_vectors
 from mlsm.teacher.teacher import INIT_SETTING, LAYER_SETTING, TEACHER_SETTING, Teacher
@@ -170,7 +170,7 @@ def learn_dictionary(store: Any, teacher: Teacher, config: DictionaryConfig | No
     the atoms are `random_atoms(d, k, seed)`, the meta that of the teacher and settings as for a
     learned one. When `out` is given the result is saved there.
     """
-    c = dictionary_config(config, settings)
+    c = DictionaryConfig.over(config, settings, "learn_dictionary()")
     if isinstance(store, str | Path):  # a path is opened (and checked) here
         from mlsm.data.corpus import TokenStore
 

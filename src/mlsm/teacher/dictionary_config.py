@@ -16,13 +16,11 @@ parser from it before anything heavy is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
+from mlsm.config import NON_NEGATIVE_INT, POSITIVE_INT, Settings, ranged, whole
 from mlsm.defaults import LAM, SAMPLINGS, lam_range
-from mlsm.errors import UserError
 
 AtomKind = Literal["learned", "random", "random_nonneg"]
 ATOM_KINDS: tuple[str, ...] = get_args(AtomKind)
@@ -34,29 +32,27 @@ TEACHER_INITS: tuple[str, ...] = get_args(TeacherInit)
 for what the teacher's pre-training adds (`mlsm.teacher.teacher.load_teacher`)."""
 
 
-def _whole(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
-
-
-_POSITIVE_INT = (lambda v: _whole(v) and v > 0, "a positive whole number")
-_OPTIONAL_POSITIVE = (lambda v: v is None or (_whole(v) and v > 0),
+_OPTIONAL_POSITIVE = (lambda v: v is None or (whole(v) and v > 0),
                       "a positive whole number (null: the default)")
 
 
 @dataclass
-class DictionaryConfig:
-    """How a dictionary is learned from a teacher's states (Berend 2023; docs/dictionary.md)."""
+class DictionaryConfig(Settings):
+    """How a dictionary is learned from a teacher's states (Berend 2023; docs/dictionary.md).
+    `learn_dictionary()` takes it as `DictionaryConfig.over(config, keywords, ...)`."""
+
+    SECTION = "dictionary"
 
     k: int | None = field(default=None, metadata={"check": _OPTIONAL_POSITIVE, "metavar": "K"})
     """Number of atoms (none: 4 × the teacher's hidden size, 1536 for MiniLM)."""
     lam: float = ranged(LAM, lam_range())
     """λ of the ℓ1 penalty; larger = sparser codes (the official MLSM code uses 0.05)."""
-    n_vectors: int = ranged(2_000_000, _POSITIVE_INT)
+    n_vectors: int = ranged(2_000_000, POSITIVE_INT)
     """Teacher states collected from the store (paper scale); memory n × d × 4 bytes."""
-    max_len: int = ranged(128, (lambda v: _whole(v) and v >= 3,
+    max_len: int = ranged(128, (lambda v: whole(v) and v >= 3,
                                 "at least 3 (the teacher's two special tokens and one more)"))
     """Window length given to the teacher, special tokens included."""
-    batch_size: int = ranged(512, _POSITIVE_INT)
+    batch_size: int = ranged(512, POSITIVE_INT)
     """Mini-batch of the online learner (vectors per update)."""
     n_iter: int | None = field(default=None, metadata={"check": _OPTIONAL_POSITIVE,
                                                        "metavar": "N"})
@@ -64,9 +60,9 @@ class DictionaryConfig:
     forget: float = ranged(1.0, (lambda v: v >= 0, "0 or more"))
     """ρ of the forgetting factor β_t = (1 − 1/t)^ρ (Mairal et al. 2009 §3.4); larger forgets
     the codes of early dictionaries faster."""
-    eval_vectors: int = ranged(20_000, _POSITIVE_INT)
+    eval_vectors: int = ranged(20_000, POSITIVE_INT)
     """Collected states on which the final objective in the meta is computed."""
-    seed: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    seed: int = ranged(0, NON_NEGATIVE_INT)
     """Seed of the state sample, the atom initialisation and the mini-batch order."""
     sampling: str = field(default="windows", metadata={
         "check": (lambda v: v in SAMPLINGS, " or ".join(SAMPLINGS)),
@@ -82,29 +78,5 @@ class DictionaryConfig:
     """pretrained: the teacher's own weights; random: the same architecture randomly initialised
     (seeded by teacher_seed), the control for what the teacher's pre-training adds; the teacher
     given must be loaded so (`load_teacher(..., init=, seed=)`)."""
-    teacher_seed: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    teacher_seed: int = ranged(0, NON_NEGATIVE_INT)
     """Seed of the random teacher's weights (teacher_init=random; not read otherwise)."""
-
-    @classmethod
-    def build(cls, values: dict[str, Any], where: str = "dictionary") -> Any:
-        """A config of `cls` from `values` (Python arguments, flags or a study group), every
-        name and range checked in one line each."""
-        return build_dataclass(cls, values, where)
-
-    def given(self) -> dict[str, Any]:
-        """The DictionaryConfig fields that differ from DictionaryConfig's defaults."""
-        return changed_fields(self, DictionaryConfig)
-
-
-
-def dictionary_config(config: DictionaryConfig | None, settings: dict[str, Any],
-                      where: str = "learn_dictionary()") -> DictionaryConfig:
-    """`learn_dictionary()`'s settings: `config`'s (or the defaults) with `settings` on top, as a
-    plain DictionaryConfig (a study's subclass is narrowed to the shared fields)."""
-    if config is not None and not isinstance(config, DictionaryConfig):
-        raise UserError(f"{where}: config must be a DictionaryConfig, got "
-                        f"{type(config).__name__}")
-    names = {f.name for f in dataclasses.fields(DictionaryConfig)}
-    base = {} if config is None else {n: getattr(config, n) for n in names}
-    return DictionaryConfig.build({**base, **settings}, where)
-

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, deciding
-from mlsm.errors import UserError
+from mlsm.config import INT_LIMIT, NON_NEGATIVE, POSITIVE_INT, Settings, deciding, whole
 
 HEADS = ("cls", "mean")
 DEFAULT_MAX_LEN = 128
@@ -27,14 +26,10 @@ MODEL_MAX_LEN_CAP = 512
 (BERT's length; a sentence_bert_config.json length is taken as it is)."""
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
-
-
 def _seeds_ok(v: Any) -> bool:
     if isinstance(v, list):
-        return bool(v) and all(_int(s) and s >= 0 for s in v) and len(set(v)) == len(v)
-    return _int(v) and v > 0
+        return bool(v) and all(whole(s) and s >= 0 for s in v) and len(set(v)) == len(v)
+    return whole(v) and v > 0
 
 
 def _seed_count(text: str) -> int:
@@ -48,13 +43,16 @@ def _checked(check: tuple[Any, str]) -> dict[str, Any]:
     return {"check": check}
 
 
-_POSITIVE_INT = (lambda v: _int(v) and v > 0, "a positive integer")
-_NON_NEGATIVE = (lambda v: v >= 0, "0 or more")
 _FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(Settings):
+    """How every (model, task, seed, lr) cell is fine-tuned and scored. `finetune()` takes it as
+    `config_of(config, keywords)`; `mlsm finetune`'s flags and a study's `finetune:` section are
+    its fields."""
+
+    SECTION = "finetune"
     seeds: int | list[int] = field(default=5, metadata={
         "check": (_seeds_ok, "positive (a number of seeds N, run as 0..N-1) or a list of "
                              "distinct seeds 0 or more"),
@@ -65,11 +63,11 @@ class FinetuneConfig:
         lambda v: bool(v) and all(lr > 0 for lr in v), "positive learning rates"),
         "metavar": "LR,LR", "decides": False})  # each lr is a cell's key
     """Learning rates, comma-separated on the command line (a grid: every lr is run)."""
-    epochs: int = field(default=3, metadata=_checked(_POSITIVE_INT))
+    epochs: int = field(default=3, metadata=_checked(POSITIVE_INT))
     """Passes over the training set (an upper bound when max_steps ends first)."""
-    max_steps: int = field(default=0, metadata=_checked(_NON_NEGATIVE))
+    max_steps: int = field(default=0, metadata=_checked(NON_NEGATIVE))
     """Most optimizer steps per run, whichever of it and epochs ends first (0: no cap)."""
-    batch_size: int = field(default=32, metadata=_checked(_POSITIVE_INT))
+    batch_size: int = field(default=32, metadata=_checked(POSITIVE_INT))
     """Training examples per optimizer step."""
     head: str = field(default="cls", metadata=_checked((lambda v: v in HEADS, "cls or mean")))
     """Sentence-task head: cls = first token, dense, tanh, linear; mean = mean-pooled tokens,
@@ -88,17 +86,17 @@ class FinetuneConfig:
     sentence-transformers takes it (sentence_bert_config.json's max_seq_length, else config.json's
     max_position_embeddings up to 512, else 128). Rows record the length used."""
     max_train_examples: int | None = field(default=None, metadata=_checked((
-        lambda v: v is None or (_int(v) and v > 0), "a positive integer (null: all)")))
+        lambda v: v is None or (whole(v) and v > 0), "a positive integer (null: all)")))
     """Cap on training examples per task, a fixed subset for every model and seed (none: all);
     evaluation sets are never capped."""
     warmup_ratio: float = field(default=0.0, metadata=_checked(_FRACTION))
     """Fraction of a run's steps with linear warmup; linear decay to 0 after."""
-    weight_decay: float = field(default=0.01, metadata=_checked(_NON_NEGATIVE))
+    weight_decay: float = field(default=0.01, metadata=_checked(NON_NEGATIVE))
     """AdamW weight decay (not on biases and LayerNorm weights)."""
     fixed_order: bool = False
     """Every seed trains on seed 0's data order, so seeds differ in the head only (the
     Hitchhikers' Guide §4.2)."""
-    clip: float = field(default=1.0, metadata=_checked(_NON_NEGATIVE))
+    clip: float = field(default=1.0, metadata=_checked(NON_NEGATIVE))
     """Gradient-norm clipping, 0 = off."""
     eval_test: bool = False
     """Also score labelled test splits (CoNLL-2003) as <metric>_test, beside the dev metrics and
@@ -131,36 +129,16 @@ class FinetuneConfig:
 
     @classmethod
     def build(cls, values: dict[str, Any], where: str = "finetune") -> FinetuneConfig:
-        """A config from `values` (Python arguments, flags or a study section): sequences become
-        lists, paths text; a preset's values fill the settings not given; every range checked."""
-        values = {k: _plain(v) for k, v in values.items()}
+        """`Settings.build`, after a preset's values fill the settings not given."""
         if values.get("preset"):
             from mlsm.evaluate.finetune.protocol import get_preset
 
-            fixed = get_preset(values["preset"]).values
-            values = {**{k: _plain(v) for k, v in fixed.items()}, **values}
-        return build_dataclass(cls, values, where)
-
-    def given(self) -> dict[str, Any]:
-        """The fields of FinetuneConfig that differ from their defaults."""
-        return changed_fields(self, FinetuneConfig)
-
-
-def _plain(value: Any) -> Any:
-    """Python arguments as a config holds them: tuples and ranges as lists, paths as text."""
-    if isinstance(value, tuple | range):
-        return list(value)
-    if value is not None and hasattr(value, "__fspath__"):
-        return str(value)
-    return value
+            values = {**get_preset(values["preset"]).values, **values}
+        return super().build(values, where)
 
 
 def config_of(config: FinetuneConfig | None, settings: dict[str, Any]) -> FinetuneConfig:
-    """`finetune()`'s settings: `config` (or the defaults) with `settings` on top, one line for
-    an unknown name. data_dir=None is the default (HF datasets)."""
-    if config is not None and not isinstance(config, FinetuneConfig):
-        raise UserError(f"finetune(): config must be a FinetuneConfig, got {type(config).__name__}")
+    """`finetune()`'s settings (`Settings.over`); data_dir=None is the default (HF datasets)."""
     if settings.get("data_dir", "") is None:
         settings = {**settings, "data_dir": ""}
-    base = config.given() if config is not None else {}
-    return FinetuneConfig.build({**base, **settings})
+    return FinetuneConfig.over(config, settings)

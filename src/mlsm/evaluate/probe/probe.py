@@ -25,7 +25,7 @@ from mlsm.data.corpus import TokenStore, tokenizer_hash
 from mlsm.errors import UserError
 from mlsm.evaluate.probe import probe_fit
 from mlsm.evaluate.probe.probe_fit import probe_config
-from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe, probe_fit_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, ProbeRecipe
 from mlsm.evaluate.zeroshot.pll import load_masked_lm
 from mlsm.hf import load_model, load_tokenizer, quiet
 from mlsm.inputs import check_apart, field_problem
@@ -63,7 +63,7 @@ def probe_run(checkpoint: str | Path, *, resume: str | None = None,
     kw["steps"] = build_dataclass(ProbeRecipe, chosen, "run_probe()").loop_steps()
     names = {f.name for f in dataclasses.fields(ProbeFitConfig)}
     settings = {k: kw.pop(k) for k in list(kw) if k in names and kw[k] is not None}
-    fit = probe_fit_config(config, settings, "run_probe()")  # one line for a bad setting
+    fit = ProbeFitConfig.over(config, settings, "run_probe()")  # one line for a bad setting
     loop = bool(kw.get("steps") or kw.get("overrides") or kw.get("store") or resume)
     if loop and (settings or config is not None):  # the loop's settings are its run config's
         given = ", ".join("--" + k.replace("_", "-") for k in settings) or "config"

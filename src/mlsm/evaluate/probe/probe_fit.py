@@ -27,7 +27,7 @@ from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
-from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig, probe_fit_config
+from mlsm.evaluate.probe.probe_fit_config import ProbeFitConfig
 from mlsm.evaluate.zeroshot.heldout import heldout_steps
 from mlsm.evaluate.zeroshot.unigram import unigram_log_probs
 from mlsm.inputs import field_problem
@@ -258,7 +258,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
     `select_steps`; the one with the lowest held-out loss then continues alone until its plateau
     (or max_steps).
     """
-    fit = probe_fit_config(config, settings)
+    fit = ProbeFitConfig.over(config, settings, "train_probe_to_plateau()")
     checkpoint, out = Path(checkpoint), Path(out)
     inputs, lr, min_delta = fit.inputs, fit.lr, fit.min_delta
     select_steps = min(fit.select_steps, fit.max_steps)  # a short budget still compares input kinds

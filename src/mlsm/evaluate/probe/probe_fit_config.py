@@ -14,20 +14,12 @@ anything heavy is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from mlsm.config import INT_LIMIT, build_dataclass, changed_fields, ranged
+from mlsm.config import NON_NEGATIVE_INT, POSITIVE_INT, Settings, ranged, whole
 from mlsm.defaults import PROBE_HEADS, PROBE_INPUTS
-from mlsm.errors import UserError
 
-
-def _whole(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT < v < INT_LIMIT
-
-
-_POSITIVE_INT = (lambda v: _whole(v) and v > 0, "a positive whole number")
 _INPUTS = (lambda v: bool(v) and len(set(v)) == len(v) and set(v) <= set(PROBE_INPUTS),
            "distinct input kinds among " + ", ".join(PROBE_INPUTS))
 
@@ -48,7 +40,7 @@ class ProbeRecipe:
     `ProbeFitConfig` settings; paper: the Hitchhikers' Guide's probe (§4.3), `steps` steps through
     the training loop with readiness checkpoints at 10/25/50/100 % and no plateau stop."""
     steps: int = field(default=0, metadata={
-        "check": (lambda v: _whole(v) and v >= 0, "a whole number 0 or more (0 = the recipe's)"),
+        "check": (lambda v: whole(v) and v >= 0, "a whole number 0 or more (0 = the recipe's)"),
         "metavar": "N"})
     """Fixed probe steps through the training loop; 0 = the recipe's (plateau: to a held-out
     plateau, no fixed length; paper: 10,000, the Hitchhikers' Guide's)."""
@@ -59,8 +51,11 @@ class ProbeRecipe:
 
 
 @dataclass
-class ProbeFitConfig:
-    """How the k -> |V| probe is trained to a held-out loss plateau (docs/study.md, "The probe")."""
+class ProbeFitConfig(Settings):
+    """How the k -> |V| probe is trained to a held-out loss plateau (docs/study.md, "The probe").
+    `train_probe_to_plateau()` and `run_probe()` take it as `ProbeFitConfig.over(config, ...)`."""
+
+    SECTION = "probe"
 
     head: Literal["latent", "vocab", "factored"] = field(default="latent", metadata={
         "check": (lambda v: v in PROBE_HEADS, "one of " + ", ".join(PROBE_HEADS))})
@@ -68,7 +63,7 @@ class ProbeFitConfig:
     checkpoint's latent head); the readout controls, for a checkpoint of any objective: vocab (a
     fresh untied d -> |V| head) or factored (a fresh d -> k -> |V| head of MLSM's readout shape,
     both parts trained). docs/readouts.md, "Readout controls"."""
-    rank: int = ranged(0, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    rank: int = ranged(0, NON_NEGATIVE_INT)
     """Width k of a factored head; 0 = the checkpoint's latent k (4 x d without a latent head)."""
     lr: float = ranged(0.2, (lambda v: v > 0, "positive"))
     """Adam lr of the k -> |V| probe per unit of mean input L1 norm (inputs are standardised), i.e.
@@ -76,45 +71,21 @@ class ProbeFitConfig:
     inputs: list[str] = field(default_factory=lambda: list(PROBE_INPUTS), metadata={
         "check": _INPUTS, "metavar": "KIND,KIND"})
     """Input kinds tried for `select_steps` steps; the best on held-out chunks continues."""
-    select_steps: int = ranged(100, (lambda v: _whole(v) and v >= 0, "0 or more"))
+    select_steps: int = ranged(100, NON_NEGATIVE_INT)
     """Steps every input kind trains before the best is kept."""
-    max_steps: int = ranged(2000, _POSITIVE_INT)
+    max_steps: int = ranged(2000, POSITIVE_INT)
     """Upper bound on probe steps; training stops earlier at a held-out loss plateau."""
-    eval_every: int = ranged(50, _POSITIVE_INT)
+    eval_every: int = ranged(50, POSITIVE_INT)
     """Held-out loss is measured every N steps."""
-    patience: int = ranged(3, _POSITIVE_INT)
+    patience: int = ranged(3, POSITIVE_INT)
     """Stop after this many evaluations without a relative improvement of `min_delta`."""
     min_delta: float = ranged(0.005, (lambda v: v >= 0, "0 or more"))
     """Relative held-out loss improvement that counts as progress."""
-    heldout_batches: int = ranged(4, _POSITIVE_INT)
+    heldout_batches: int = ranged(4, POSITIVE_INT)
     """Batches of held-out chunks (steps beyond the pre-training run) for the plateau test."""
     batch_size: int | None = field(default=None, metadata={
-        "check": (lambda v: v is None or (_whole(v) and v > 0),
+        "check": (lambda v: v is None or (whole(v) and v > 0),
                   "a positive whole number (null: the pre-training run's)"),
         "metavar": "N"})
     """Probe batch size in sequences (none: the pre-training run's; the k x |V| probe costs ~6 x
     an MLM head per target)."""
-
-    @classmethod
-    def build(cls, values: dict[str, Any], where: str = "probe") -> Any:
-        """A config of `cls` from `values` (Python arguments, flags or a study group): a tuple of
-        inputs becomes a list; every name and range checked in one line each."""
-        values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-        return build_dataclass(cls, values, where)
-
-    def given(self) -> dict[str, Any]:
-        """The ProbeFitConfig fields that differ from ProbeFitConfig's defaults."""
-        return changed_fields(self, ProbeFitConfig)
-
-
-
-def probe_fit_config(config: ProbeFitConfig | None, settings: dict[str, Any],
-                     where: str = "train_probe_to_plateau()") -> ProbeFitConfig:
-    """`train_probe_to_plateau()`'s settings: `config`'s (or the defaults) with `settings` on top,
-    as a plain ProbeFitConfig (a study's subclass is narrowed to the shared fields)."""
-    if config is not None and not isinstance(config, ProbeFitConfig):
-        raise UserError(f"{where}: config must be a ProbeFitConfig, got "
-                        f"{type(config).__name__}")
-    names = {f.name for f in dataclasses.fields(ProbeFitConfig)}
-    base = {} if config is None else {n: getattr(config, n) for n in names}
-    return ProbeFitConfig.build({**base, **settings}, where)

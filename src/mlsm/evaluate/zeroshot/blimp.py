@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
-from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig, blimp_config
+from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 from mlsm.evaluate.zeroshot.pll import SentenceTooLong, score_pll
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text
@@ -335,7 +335,7 @@ def evaluate_blimp(
     `phenomenon_tests`. With a `control`, every phenomenon also has "control_accuracy", "control"
     holds its overall score and source, and the tests pair the model with it by phenomenon.
     """
-    cfg = blimp_config(config, settings)
+    cfg = BlimpConfig.over(config, settings)
     grouped = load_blimp(data, cfg.phenomena or None, cfg.limit_per_phenomenon or None)
     pairs = [p for group in grouped.values() for p in group]
     # One call for all sentences: the best length bucketing, and repeated sentences scored once.

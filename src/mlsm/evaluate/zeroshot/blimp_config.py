@@ -12,31 +12,27 @@ heavy is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlsm.config import INT_LIMIT, build_dataclass, deciding
-from mlsm.errors import UserError
+from mlsm.config import POSITIVE_INT, Settings, deciding, whole
 from mlsm.limits import MAX_SENTENCE_CHARS
-
-
-def _whole(v: Any, least: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and least <= v < INT_LIMIT
 
 
 def _scoring_only(default: int, what: str) -> Any:
     """A positive whole-number setting that changes how pairs are processed, never a score."""
-    return field(default=default, metadata={"check": (lambda v: _whole(v, 1), what),
-                                            "decides": False})
+    return field(default=default, metadata={"check": (POSITIVE_INT[0], what), "decides": False})
 
 
 @dataclass
-class BlimpConfig:
-    """How minimal pairs (BLiMP's format) are scored by pseudo-log-likelihood."""
+class BlimpConfig(Settings):
+    """How minimal pairs (BLiMP's format) are scored by pseudo-log-likelihood. `evaluate_blimp()`
+    takes it as `BlimpConfig.over(config, keywords, ...)`."""
+
+    SECTION = "evaluate_blimp()"
 
     limit_per_phenomenon: int = field(default=0, metadata={
-        "check": (lambda v: _whole(v, 0), "a whole number 0 or more (0 = every pair)"),
+        "check": (lambda v: whole(v) and v >= 0, "a whole number 0 or more (0 = every pair)"),
         "aliases": ("--limit",), "metavar": "N"})
     """First N pairs of each phenomenon (0 = all; BLiMP has 1000 per phenomenon)."""
     phenomena: list[str] = field(default_factory=list, metadata={"nargs": "+", "metavar": "UID"})
@@ -52,17 +48,3 @@ class BlimpConfig:
     def decisive(self) -> dict[str, Any]:
         """The settings (a subclass's too) that can change a score, for fingerprints."""
         return deciding(self)
-
-
-def blimp_config(config: BlimpConfig | None, settings: dict[str, Any],
-                 where: str = "evaluate_blimp()") -> BlimpConfig:
-    """`evaluate_blimp()`'s settings: `config`'s (or the defaults) with the keywords given on top
-    (None = not given; a tuple of phenomena becomes a list), as a plain, range-checked BlimpConfig
-    (a study's subclass is narrowed to the shared fields)."""
-    if config is not None and not isinstance(config, BlimpConfig):
-        raise UserError(f"{where}: config must be a BlimpConfig, got {type(config).__name__}")
-    names = [f.name for f in dataclasses.fields(BlimpConfig)]
-    base = {} if config is None else {n: getattr(config, n) for n in names}
-    given = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()
-             if v is not None}
-    return build_dataclass(BlimpConfig, {**base, **given}, where)
