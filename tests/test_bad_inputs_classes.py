@@ -825,8 +825,10 @@ def _paths_probe_steps_out_inside_checkpoint(tmp, fix):
 
 
 def _paths_probe_store_missing(tmp, fix):
-    return (["probe", str(fix["mlsm_ckpt"]), "--store", str(tmp / "nostore")], [fix["mlsm_ckpt"]],
-            "--store")
+    # a copy: the printed fix (tests/test_fix_hints.py) trains a probe run beside the checkpoint
+    run = _copy(fix["mlsm_ckpt"].parent.parent, tmp / "run")
+    ckpt = run / "checkpoints" / fix["mlsm_ckpt"].name
+    return (["probe", str(ckpt), "--store", str(tmp / "nostore")], [ckpt], "--store")
 
 
 def _paths_demo_data_missing(tmp, fix):
