@@ -395,3 +395,28 @@ def test_a_dictionary_without_its_teachers_fingerprint(store_dir, teacher_dir, d
     with pytest.raises(UserError, match="names no teacher"):
         Dictionary(new.atoms, {k: v for k, v in old_meta.items() if k != "teacher"}
                    ).check_teacher(teacher)
+
+
+def test_a_dictionary_is_reused_by_its_inputs_record_only_when_it_matches(dictionary_path,
+                                                                          tmp_path) -> None:
+    """`learned_with` (what `mlsm pretrain --text` reuses a dictionary by): true only for the
+    recorded inputs beside a dictionary that exists; a torn or foreign record, or a record whose
+    dictionary is gone, is no match (learned again), never a traceback."""
+    import shutil
+
+    from mlsm.teacher.dictionary import learned_with, record_inputs
+
+    path = tmp_path / "d.safetensors"
+    shutil.copy(dictionary_path, path)
+    shutil.copy(dictionary_path.with_suffix(".json"), path.with_suffix(".json"))
+    inputs = {"store": "abc123", "k": 16, "lam": 0.05}
+    assert not learned_with(path, inputs)  # no record yet
+    record_inputs(path, inputs)
+    assert learned_with(path, inputs) and learned_with(tmp_path / "d", inputs)
+    assert not learned_with(path, {**inputs, "k": 32})
+    for torn in ('{"store": "abc1', "\x00\xff", "[" * 100_000):
+        path.with_suffix(".inputs.json").write_text(torn, encoding="latin-1")
+        assert not learned_with(path, inputs)
+    record_inputs(path, inputs)
+    path.unlink()
+    assert not learned_with(path, inputs)

@@ -16,7 +16,6 @@ when its Config has one, a probe when PLL scores it only through one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ from typing import Any
 
 from mlsm.config import merge, parse_overrides
 from mlsm.errors import Stopped, UserError
-from mlsm.fileio import atomic_write_text
 
 SMALL = {
     "data": {"max_len": 64, "seed": 0},
@@ -141,18 +139,17 @@ def _dictionary(store: Any, path: Path, settings: dict[str, Any],
                 log: Callable[[str], None]) -> tuple[str, bool]:
     """The dictionary at `path`, learned unless its record names this store's fingerprint and
     these settings (`DICTIONARY` and the dictionary.* overrides)."""
-    from mlsm.teacher.dictionary import learn_dictionary
+    from mlsm.teacher.dictionary import learn_dictionary, learned_with, record_inputs
     from mlsm.teacher.teacher import load_teacher
 
-    record = path.with_suffix(".inputs.json")
     wanted = {"store": store.meta["fingerprint"], **settings}
-    if path.is_file() and record.is_file() and json.loads(record.read_text()) == wanted:
+    if learned_with(path, wanted):
         log(f"dictionary {path}: same store and settings, reused")
         return str(path), False
     teacher = load_teacher(None, settings["layer"])
     learn_dictionary(store, teacher, out=path,
                      **{k: v for k, v in settings.items() if k != "layer"})
-    atomic_write_text(record, json.dumps(wanted, indent=2) + "\n")  # after the dictionary
+    record_inputs(path, wanted)
     log(f"dictionary {path}: learned")
     return str(path), True
 

@@ -27,7 +27,7 @@ from mlsm import locking
 from mlsm.artifacts.outputs import guard_output_file
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write
+from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
 from mlsm.limits import BYTES_PER_VECTOR_FLOAT
@@ -277,6 +277,28 @@ def _paths(path: str | Path) -> tuple[Path, Path]:
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
     return path, path.with_suffix(".json")
+
+
+def learned_with(path: str | Path, inputs: dict[str, Any]) -> bool:
+    """Whether the dictionary at `path` exists and its inputs record (PATH.inputs.json, written by
+    `record_inputs` once the dictionary is complete) holds exactly `inputs`: what a caller that
+    reuses dictionaries by their inputs (`mlsm pretrain --text`) compares. A missing, torn or
+    foreign record is no match: the dictionary is learned again."""
+    weights, _ = _paths(path)
+    record = weights.with_suffix(".inputs.json")
+    if not weights.is_file() or not record.is_file():
+        return False
+    try:
+        return json.loads(record.read_text(encoding="utf-8")) == inputs
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+
+
+def record_inputs(path: str | Path, inputs: dict[str, Any]) -> None:
+    """Record beside the dictionary at `path` the inputs it was learned from (`learned_with`);
+    written after the dictionary, so a kill between the two leaves no record, never a stale one."""
+    weights, _ = _paths(path)
+    atomic_write_text(weights.with_suffix(".inputs.json"), json.dumps(inputs, indent=2) + "\n")
 
 
 def check_dictionary_out(path: str | Path) -> None:
