@@ -88,6 +88,27 @@ def measure(path: str, sentences: list[str], rounds: int) -> dict:
     return out
 
 
+def glue_scores(path: str, task: str, data_dir: Path) -> None:
+    """The frozen-feature linear probe of `task` (`linear_probes.probe_task`, as `mlsm readout`)
+    with its features encoded in fp32 and under bf16: each metric's value both ways and the
+    difference (goal 4 asks the scores, not only the features, within 1e-3)."""
+    from mlsm.evaluate.zeroshot.linear_probes import probe_task
+    from mlsm.evaluate.zeroshot.rank import load_encoder
+
+    encoder, tokenizer = load_encoder(path)
+    rows = {}
+    for precision in ("fp32", "bf16"):
+        with _autocast(precision):
+            rows[precision] = {r["metric"]: r["value"]
+                               for r in probe_task(encoder, tokenizer, task, data_dir)}
+    print(f"\n| {task} linear probe | fp32 | bf16 | abs difference | within 1e-3 |")
+    print("|---|---:|---:|---:|---|")
+    for metric, value in rows["fp32"].items():
+        delta = abs(value - rows["bf16"][metric])
+        print(f"| {metric} | {value:.4f} | {rows['bf16'][metric]:.4f} | {delta:.4f} | "
+              f"{_verdict(delta)} |")
+
+
 def _verdict(delta: float) -> str:
     return "holds" if delta <= SCORE_TOL else "does not hold"
 
@@ -129,6 +150,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5, help="pairs per BLiMP phenomenon")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--glue", nargs="*", default=[], metavar="TASK",
+                    help="also fit these GLUE tasks' linear probes on fp32 and bf16 features "
+                         "(scores only; from --glue-dir)")
+    ap.add_argument("--glue-dir", type=Path, default=DEFAULT_BLIMP.parent)
     args = ap.parse_args()
     if not args.blimp.is_dir():
         print(f"skipped: {args.blimp} is absent (pass --blimp DIR)")
@@ -145,8 +170,10 @@ def main() -> int:
             path = str(Path(tmp) / "model")
             build_model(Path(path), seed=0)
         res = measure(path, sentences, args.rounds)
-    report(res, len(sentences), args.model or "random MiniLM-L6-H384 (BertForMaskedLM)", peaks,
-           args.threads)
+        report(res, len(sentences), args.model or "random MiniLM-L6-H384 (BertForMaskedLM)",
+               peaks, args.threads)
+        for task in args.glue:
+            glue_scores(path, task, args.glue_dir)
     return 0
 
 
