@@ -420,3 +420,23 @@ def test_a_dictionary_is_reused_by_its_inputs_record_only_when_it_matches(dictio
     record_inputs(path, inputs)
     path.unlink()
     assert not learned_with(path, inputs)
+
+
+def test_a_dictionary_saved_over_another_drops_the_old_inputs_record(dictionary_path,
+                                                                     tmp_path) -> None:
+    """A kill after a new dictionary is saved over an old one, before its inputs are recorded,
+    must not leave the old record describing the new atoms: the save removes it first."""
+    from mlsm.teacher.dictionary import (
+        learned_with,
+        load_dictionary,
+        record_inputs,
+        save_dictionary,
+    )
+
+    path = tmp_path / "d.safetensors"
+    old = load_dictionary(dictionary_path)
+    save_dictionary(old, path)
+    record_inputs(path, {"store": "A"})
+    assert learned_with(path, {"store": "A"})
+    save_dictionary(type(old)(old.atoms.flip(1), dict(old.meta)), path)  # then the kill
+    assert not learned_with(path, {"store": "A"})

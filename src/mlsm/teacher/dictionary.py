@@ -285,7 +285,7 @@ def learned_with(path: str | Path, inputs: dict[str, Any]) -> bool:
     reuses dictionaries by their inputs (`mlsm pretrain --text`) compares. A missing, torn or
     foreign record is no match: the dictionary is learned again."""
     weights, _ = _paths(path)
-    record = weights.with_suffix(".inputs.json")
+    record = _inputs_record(weights)
     if not weights.is_file() or not record.is_file():
         return False
     try:
@@ -295,10 +295,15 @@ def learned_with(path: str | Path, inputs: dict[str, Any]) -> bool:
 
 
 def record_inputs(path: str | Path, inputs: dict[str, Any]) -> None:
-    """Record beside the dictionary at `path` the inputs it was learned from (`learned_with`);
-    written after the dictionary, so a kill between the two leaves no record, never a stale one."""
+    """Record beside the dictionary at `path` the inputs it was learned from (`learned_with`),
+    after it is saved: `save_dictionary` removes an earlier record first, so a kill between the
+    save and this leaves no record, never one of the dictionary that was replaced."""
     weights, _ = _paths(path)
-    atomic_write_text(weights.with_suffix(".inputs.json"), json.dumps(inputs, indent=2) + "\n")
+    atomic_write_text(_inputs_record(weights), json.dumps(inputs, indent=2) + "\n")
+
+
+def _inputs_record(weights: Path) -> Path:
+    return weights.with_suffix(".inputs.json")
 
 
 def check_dictionary_out(path: str | Path) -> None:
@@ -342,6 +347,7 @@ def save_dictionary(dictionary: Dictionary, path: str | Path) -> Path:
     try:
         with locking.hold(weights, "dictionary"):  # one writer for the pair (re-entrant)
             check_dictionary_out(path)
+            _inputs_record(weights).unlink(missing_ok=True)  # it described the atoms replaced
             atomic_write(weights, lambda p: save_file({"atoms": atoms}, p, metadata={"meta": text}))
             atomic_write(meta_path, lambda p: Path(p).write_text(text + "\n"))
     except (OSError, SafetensorError) as exc:
