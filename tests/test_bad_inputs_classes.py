@@ -1504,6 +1504,18 @@ def _consistency_blimp_run_whose_probe_is_unfinished(tmp, fix):
             ("is not finished (newest checkpoint step-1 of 2", "--resume auto"))
 
 
+def _content_blimp_run_whose_probe_record_is_torn(tmp, fix):
+    """A probe run resolves to the checkpoint its probe.json names (a refit killed before pruning
+    leaves two): a torn record is one line naming it, not a guess at the newest checkpoint."""
+    run, data = _mlsm_run_copy(tmp, fix), _blimp_dir(tmp, GOOD_PAIR)
+    assert main(["probe", str(run), "--max-steps", "4", "--eval-every", "2", "--select-steps",
+                 "0", "--heldout-batches", "1", "--batch-size", "4"]) == 0
+    record = next(run.glob("probe-*")) / "probe.json"
+    _write(record, record.read_bytes()[:20])
+    return (["blimp", str(run), "--data", str(data), "--out", str(tmp / "b")], [run, data],
+            ("probe.json", "delete it and train the probe again"))
+
+
 def _consistency_score_run_unfinished(tmp, fix):
     run = _copy(fix["mlm_run"], tmp / "run")
     shutil.rmtree(list_checkpoints(run)[-1][1])  # stopped after step 4 of 8
