@@ -32,6 +32,7 @@ import yaml
 from mlsm import inputs
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.limits import MAX_MODEL_PARAMS
 
 Check = tuple[Callable[[Any], bool], str]
 """A field's range: a predicate on its type-checked value and what the value must be."""
@@ -162,7 +163,7 @@ class ModelConfig:
     """Model folder to continue pre-training from (weights loaded); empty = from scratch."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Config fields to override, e.g. {hidden_size: 256, num_hidden_layers: 4}."""
-    max_params: float = ranged(2e10, POSITIVE)
+    max_params: float = ranged(float(MAX_MODEL_PARAMS), POSITIVE)
     """Refuse to build a from-scratch model of more parameters than this, estimated from its
     config before anything is built (a config claiming 20,000 layers built for minutes)."""
 

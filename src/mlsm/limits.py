@@ -30,13 +30,10 @@ before tokenising (a 100 MB "sentence" took gigabytes there); a sentence must al
 model's positions, which is checked after."""
 
 MAX_MODEL_PARAMS = 20_000_000_000
-"""The most parameters a model built from a config may have (`model.max_params`-style checks use
-`check_model_size`): the estimate from config.json is compared before anything is built (a
-config claiming 20,000 layers built for a minute before it was refused)."""
-
-BYTES_PER_VECTOR_FLOAT = 4
-"""float32: what one collected teacher state costs per dimension (dictionary --n-vectors)."""
-
+"""The most parameters of a model mlsm builds or loads, estimated from its config.json before
+anything is built (a config claiming 20,000 layers built for a minute before it was refused): the
+default of `model.max_params` for a from-scratch student, and the bound on every model folder
+loaded (`hf.check_parts_agree`)."""
 
 def transformer_params(vocab_size: int, hidden: int, layers: int, intermediate: int,
                        positions: int) -> int:

@@ -30,7 +30,6 @@ from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text
 from mlsm.hf import first_line
 from mlsm.inputs import read_json
-from mlsm.limits import BYTES_PER_VECTOR_FLOAT
 from mlsm.teacher.dictionary_config import DictionaryConfig
 from mlsm.teacher.online_dictionary import dictionary_objective, learn_atoms
 from mlsm.teacher.states import collect_vectors
@@ -142,17 +141,20 @@ def _check_sizes(c: DictionaryConfig) -> None:
                         "k), or lower --k")
 
 
+FLOAT32_BYTES = 4  # the states are collected as float32 (`states.collect_vectors`)
+
+
 def check_vector_memory(n_vectors: int, d: int) -> None:
     """Refuse, before collecting, more teacher states than this machine's memory holds: the
     n x d float32 matrix is held whole (and copied once while it is gathered), so
     `--n-vectors 2000000000` collected for minutes before failing."""
-    need = 2 * n_vectors * d * BYTES_PER_VECTOR_FLOAT
+    need = 2 * n_vectors * d * FLOAT32_BYTES
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not on this system: nothing to compare
         return
     if need > have:
-        most = max(1, have // (2 * d * BYTES_PER_VECTOR_FLOAT))
+        most = max(1, have // (2 * d * FLOAT32_BYTES))
         raise UserError(f"--n-vectors {n_vectors:,} needs about {need / 2**30:,.1f} GiB for the "
                         f"teacher states ({d} floats each, gathered then joined), more than this "
                         f"machine's {have / 2**30:,.1f} GiB; use --n-vectors {most:,} or fewer")
