@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlsm.demo import demo_study, hub_reachable, select_eval_data, summary_lines
+from mlsm.errors import UserError
 from mlsm.study.runner import Study
 
 
@@ -84,7 +85,8 @@ def test_demo_study_uses_what_was_selected(tmp_path) -> None:
 
 def _blimp_row(arm: str, overall: float, top1: float) -> dict:
     return {"arm": arm, "readiness": 1.0, "overall": overall, "n_pairs": 400,
-            "sets": {"pairs": {"overall": overall, "n_pairs": 400, "p_vs_chance": 1e-6}},
+            "sets": {"pairs": {"overall": overall, "n_pairs": 400, "p_vs_chance": 1e-6,
+                               "phenomena": {"swap": overall}}},
             "heldout": {"top1": top1, "unigram_top1": 0.05, "p_vs_unigram": 1e-9, "n": 1000}}
 
 
@@ -104,7 +106,8 @@ def test_summary_skips_nan_rows_with_one_warning(tmp_path) -> None:
     nan_row = _blimp_row("mlsm", math.nan, math.nan)
     nan_row["fingerprint"] = fingerprint_of(blimp_inputs(study, "mlsm", 1.0))
     (study.root / "blimp" / "mlsm@100pct.json").write_text(json.dumps(nan_row))
-    rows = [{"model": "mlm@100%", "task": "sst2", "metric": "acc", "seed": s, "value": v}
+    cell = {"lr": 2e-5, "epochs": 3, "batch_size": 32, "max_len": 128, "n_train": 100}
+    rows = [{"model": "mlm@100%", "task": "sst2", "metric": "acc", "seed": s, "value": v, **cell}
             for s, v in enumerate([0.6, math.nan, 0.7])]
     study.results.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN
     lines = summary_lines(study)
@@ -312,3 +315,21 @@ def test_one_seed_report_reads_first_zero_shot_and_never_nan(tmp_path, monkeypat
     assert all(line.count("n/a (1 pair)") == 4 for line in headline), headline
     matrix = text.split("## Wilcoxon signed-rank p-values")[1].split("##")[0]
     assert "| mlsm@100% | — | n/a (1 pair) |" in matrix
+
+
+def test_summary_reads_stage_times_through_the_study_folder(tmp_path) -> None:
+    """The demo's stage-time line reads stages.jsonl through `Study.stage_runs`, the one reader of
+    that file: a line torn by a killed study is skipped with a warning (json.loads raised on it
+    before), and a row of another shape is one line naming the file and line."""
+    spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None,
+                      8, 4, 2, 3)
+    warned: list[str] = []
+    study = Study(spec, log=warned.append)
+    row = {"stage": "pretrain", "arm": "mlm", "seconds": 117.0, "cpu_seconds": 57.0,
+           "state": "done"}
+    (study.root / "stages.jsonl").write_text(json.dumps(row) + '\n{"stage": "probe", "ar')
+    assert summary_lines(study)[-1] == "stage wall (CPU) times: pretrain:mlm 117 s (57 s CPU)"
+    assert any("torn by a killed writer" in w for w in warned)
+    (study.root / "stages.jsonl").write_text(json.dumps({**row, "seconds": "long"}) + "\n")
+    with pytest.raises(UserError, match=r"stages.jsonl:1 is not a row the study wrote"):
+        summary_lines(study)

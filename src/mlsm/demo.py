@@ -34,7 +34,7 @@ from mlsm.evaluate.compare.paired import p_text
 from mlsm.evaluate.zeroshot.blimp import WORD_ORDER_PAIRS, pair_set_test
 from mlsm.fileio import atomic_write_text
 from mlsm.study.folder import Study
-from mlsm.study.reuse import is_current
+from mlsm.study.report import blimp_rows
 from mlsm.study.runner import run_study
 from mlsm.study.spec import StudySpec, readiness_label, study_from_dict
 
@@ -311,11 +311,8 @@ def summary_lines(study: Study) -> list[str]:
     whose score is NaN (an empty pair set, a diverged fine-tuning run) are left out, with one
     warning that counts them; so are BLiMP files made from other inputs or settings."""
     lines, skipped = [], []
-    folder = study.root / "blimp"
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        row = json.loads(path.read_text())
-        if not is_current(study, "blimp", row):  # made from other settings: the study's report
-            continue  # leaves it out too (a re-run of the blimp stage redoes it)
+    # rows made from other settings are left out, as the study's report leaves them out
+    for row in blimp_rows(study):
         name = f"{row['arm']}@{readiness_label(row['readiness'])}"
         sets = {k: v for k, v in row.get("sets", {}).items() if _finite(v.get("overall"))}
         skipped += [f"{name} {k}" for k in row.get("sets", {}) if k not in sets]
@@ -354,14 +351,8 @@ def _set_text(name: str, v: dict[str, Any]) -> str:
 
 def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:
     """Mean dev score per (model, task, metric) over seeds, NaN runs left out (and counted)."""
-    if not study.results.is_file():
-        return []
     cells: dict[tuple[str, str, str], list[float]] = {}
-    for line in study.results.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by a crash
+    for r in study.result_rows(warn=print):  # a line torn by a crash: skipped
         key = (r.get("model", "?"), r.get("task", "?"), r.get("metric", "?"))
         if _finite(r.get("value")):
             cells.setdefault(key, []).append(float(r["value"]))
@@ -373,8 +364,7 @@ def _finetune_lines(study: Study, skipped: list[str]) -> list[str]:
 
 
 def _stage_lines(study: Study) -> list[str]:
-    path = study.root / "stages.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    rows = study.stage_runs()
     if not rows:
         return []
 

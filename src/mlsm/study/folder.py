@@ -22,16 +22,19 @@ from typing import Any
 from mlsm import locking
 from mlsm.artifacts.checkpoint import readiness_step
 from mlsm.artifacts.fingerprint import settings_fingerprint
-from mlsm.artifacts.jsonl import append_jsonl
+from mlsm.artifacts.jsonl import append_jsonl, read_jsonl
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, git_revision, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import loads, read_json, read_yaml
+from mlsm.inputs import field_problem, loads, read_json, read_yaml
 from mlsm.progress import owned_by
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label
+
+_STAGE_RUN = {"stage": "text", "arm": "text?", "seconds": "number", "cpu_seconds": "number?"}
+"""The fields of a stages.jsonl row that readers use."""
 
 _VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"),
              ("train", "eval_every"), ("train", "eval_batches"))  # none changes a weight
@@ -68,6 +71,15 @@ class Study:
     @property
     def results(self) -> Path:
         return self.root / "results.jsonl"
+
+    def result_rows(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """The fine-tuning rows of results.jsonl (`read_results`: a line torn by a killed job is
+        skipped and named to `warn`); none before the first row is written."""
+        from mlsm.artifacts.results_file import read_results
+
+        if not self.results.is_file() or not self.results.read_bytes().strip():
+            return []
+        return read_results(self.results, warn=warn)
 
     def run_dir(self, arm: str) -> Path:
         return self.root / "runs" / arm
@@ -163,6 +175,21 @@ class Study:
         return {"teacher_init": "random", "teacher_seed": c.teacher_seed}
 
     # --- bookkeeping ---------------------------------------------------------------------
+    def stage_runs(self) -> list[dict[str, Any]]:
+        """Every run of a stage, oldest first, as stages.jsonl keeps them (`_append_time`):
+        stage, arm (None for the study's own), state, wall `seconds`, `cpu_seconds` (None in rows
+        written before it was kept), ... A line torn by a killed writer is skipped with a
+        warning; a row of another shape is one line naming the file and line."""
+        path = self.root / "stages.jsonl"
+        found = read_jsonl(path, "study log", "remove or fix that line",
+                           warn=lambda text: self.log(f"[study] warning: {text}"))
+        for number, row in found.rows:
+            wrong = field_problem(row, _STAGE_RUN)
+            if wrong:
+                raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); "
+                                "remove or fix that line")
+        return [row for _, row in found.rows]
+
     def status(self) -> dict[str, Any]:
         path = self.root / "status.json"
         if not path.exists():

@@ -39,7 +39,6 @@ def _save(fig: Figure, path: Path) -> str:
 
 
 _METRICS_ROW = {"step": "number", "loss": "number", "tokens": "number?", "tokens_per_s": "number?"}
-_STAGES_ROW = {"stage": "text", "arm": "text?", "seconds": "number"}
 
 
 def _metrics(study: Study, arm: str) -> list[dict[str, Any]]:
@@ -135,7 +134,7 @@ def _precision_warning(compute: list[dict[str, Any]]) -> list[str]:
 
 def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
     times: dict[tuple[str, str | None], float] = {}
-    for row in _jsonl(study, study.root / "stages.jsonl", _STAGES_ROW):
+    for row in study.stage_runs():
         key = (row["stage"], row["arm"])
         times[key] = times.get(key, 0.0) + float(row["seconds"])
     return times
@@ -208,13 +207,11 @@ def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
 
 
 def _finetune_section(study: Study, dest: Path) -> tuple[list[str], dict[str, Any]]:
-    from mlsm.artifacts.results_file import read_results
     from mlsm.evaluate.compare.report import plot_readiness, plot_wilcoxon
     from mlsm.evaluate.compare.stats import compare_runs
 
-    if not study.results.is_file() or not study.results.read_bytes().strip():
+    if not study.result_rows(warn=lambda m: study.log(f"[study] warning: {m}")):  # names torn
         return ["## Fine-tuning\n\nNo fine-tuning results yet.\n"], {}
-    read_results(study.results, warn=lambda m: study.log(f"[study] warning: {m}"))  # names torn
     # one lr per task: no selection
     cmp = compare_runs(study.results, dest / "comparison", bootstrap=2000)
     parts = ["## Fine-tuning: readiness curves (Fig. 4a)\n",

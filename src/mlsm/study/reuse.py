@@ -241,11 +241,7 @@ def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[di
 def stale_finetuning(study: Study) -> list[str]:
     """The arms whose fine-tuning rows in results.jsonl are not of the current settings and
     checkpoints (their stage record says other inputs)."""
-    from mlsm.artifacts.results_file import read_results
-
-    if not study.results.is_file():
-        return []
-    models = {str(r.get("model", "")) for r in read_results(study.results, warn=lambda m: None)}
+    models = {str(r.get("model", "")) for r in study.result_rows()}
     return [arm for arm in study.spec.arms if any(m.startswith(f"{arm}@") for m in models)
             and not finetune_is_current(study, arm)]
 

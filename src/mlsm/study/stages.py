@@ -196,11 +196,7 @@ def _finetune(study: Study, arm: str) -> str | None:
 
 def _rows_of(study: Study, arm: str) -> int:
     """Fine-tuning rows of this arm's models (other arms' jobs may append meanwhile)."""
-    from mlsm.artifacts.results_file import read_results
-
-    if not study.results.is_file():
-        return 0
-    return sum(str(r.get("model", "")).startswith(f"{arm}@") for r in read_results(study.results))
+    return sum(str(r.get("model", "")).startswith(f"{arm}@") for r in study.result_rows())
 
 
 def blimp_path(study: Study, arm: str, frac: float) -> Path:
