@@ -650,3 +650,14 @@ def test_a_target_build_begun_before_fingerprints_resumes_and_another_is_moved_a
     (moved,) = (out / "superseded").glob("*/targets/*")
     assert json.loads((moved / "build.json").read_text())["dictionary_hash"] == "0" * 16
     assert {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".bin"} == whole
+
+
+def test_study_rows_name_a_torn_blimp_result_in_one_line(tmp_path: Path) -> None:
+    """The hypotheses' reader of a study folder meets a BLiMP result torn by a kill (or edited by
+    hand) as one line naming the file and the fix, not a JSON traceback."""
+    from mlsm.study.hypotheses import study_rows
+
+    (tmp_path / "blimp").mkdir()
+    (tmp_path / "blimp" / "mlm-s0@100pct.json").write_text('{"arm": "mlm-s0", "readi')
+    with pytest.raises(UserError, match=r"mlm-s0@100pct\.json.*--stages blimp"):
+        study_rows(tmp_path)

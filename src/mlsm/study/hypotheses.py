@@ -184,7 +184,8 @@ def study_rows(root: Path, warn: Callable[[str], None] = print,
     have = {_key(r) for r in rows}
     folder = root / "blimp"
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        b = json.loads(path.read_text())
+        b = read_json(path, "BLiMP result", "delete it and run the study with --stages blimp "
+                      "to score that model again")
         rows += [r for r in _blimp_as_rows(b) if _key(r) not in have] if keep("blimp", b) else []
     return rows
 
