@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,14 @@ from mlsm.errors import UserError
 from mlsm.inputs import is_number
 
 CELL_FIELDS = ("task", "metric", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
+"""The columns a model's score is keyed and paired on (`compare`): one fine-tuning run (a cell,
+`mlsm.evaluate.finetune.cell_reuse.CELL_KEY`) writes one row per metric."""
+
+
+def cell_key(row: dict[str, Any], fields: Sequence[str] = CELL_FIELDS) -> tuple[Any, ...]:
+    """The one key of a cell (a stored row, or a cell planned) over `fields`, lr as a float (a
+    grid's 2e-5 and a row's 0.00002 are one cell)."""
+    return tuple(float(row[k]) if k == "lr" else row[k] for k in fields)
 TEST_SUFFIX = "_test"  # the metric name of a score on a labelled test split (`--eval-test`)
 
 

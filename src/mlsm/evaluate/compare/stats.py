@@ -28,7 +28,13 @@ import numpy as np
 from scipy import stats as sps
 
 from mlsm.artifacts.outputs import guard_output, report_kind
-from mlsm.artifacts.results_file import CELL_FIELDS, TEST_SUFFIX, is_test_metric, read_scores
+from mlsm.artifacts.results_file import (
+    CELL_FIELDS,
+    TEST_SUFFIX,
+    cell_key,
+    is_test_metric,
+    read_scores,
+)
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.paired import too_few
 from mlsm.fileio import atomic_write, atomic_write_text
@@ -235,7 +241,7 @@ def _scores(rows: list[dict[str, Any]]
     scores: dict[str, dict[tuple[Any, ...], float]] = {}
     info: dict[str, dict[str, Any]] = {}
     for r in rows:
-        key = tuple(float(r[k]) if k == "lr" else r[k] for k in CELL_FIELDS)
+        key = cell_key(r)
         scores.setdefault(r["model"], {})[key] = float(r["value"])
         info.setdefault(r["model"],
                         {k: r.get(k) for k in ("step", "readiness", "objective", "run")})

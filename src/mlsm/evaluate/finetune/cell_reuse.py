@@ -33,17 +33,14 @@ from mlsm.artifacts.fingerprint import (
     settings_fingerprint,
     tree_files,
 )
+from mlsm.artifacts.results_file import CELL_FIELDS, cell_key
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune.tasks import TaskSpec, task_folder
 
-CELL_KEY = ("model", "task", "seed", "lr", "epochs", "batch_size", "max_len", "n_train")
+CELL_KEY = ("model", *(k for k in CELL_FIELDS if k != "metric"))
+"""A fine-tuning cell: one run, whose rows (one per metric) share these columns."""
 FIX = ("pass --recompute (Python: recompute=True) to train it again, the fresh rows superseding "
        "the old, or write to a new --results file; nothing was trained")
-
-
-def cell_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    """The one key of a fine-tuning cell (`CELL_KEY`), of a stored row or of a cell planned."""
-    return tuple(float(row[k]) if k == "lr" else row[k] for k in CELL_KEY)
 
 
 def data_fingerprint(spec: TaskSpec, data_dir: str | Path | None) -> str:
@@ -83,7 +80,7 @@ def group_cells(rows: Sequence[dict[str, Any]]) -> dict[tuple[Any, ...], list[di
     """cell key -> its rows, in file order."""
     out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        out.setdefault(cell_key(row), []).append(row)
+        out.setdefault(cell_key(row, CELL_KEY), []).append(row)
     return out
 
 
@@ -112,7 +109,7 @@ def stored_exactly(key: tuple[Any, ...], fingerprint: dict[str, str]
                    ) -> Callable[[list[dict[str, Any]]], bool]:
     """A test for `append_results(..., unless=)`: the cell's rows with this fingerprint are
     there already (another grid on the same file finished it meanwhile)."""
-    return lambda rows: any(r.get("fingerprint") == fingerprint and cell_key(r) == key
+    return lambda rows: any(r.get("fingerprint") == fingerprint and cell_key(r, CELL_KEY) == key
                             for r in rows)
 
 

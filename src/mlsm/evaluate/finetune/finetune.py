@@ -30,7 +30,12 @@ import torch
 from torch import nn
 
 from mlsm.artifacts.checkpoint import expand_models
-from mlsm.artifacts.results_file import append_results, check_model_name, read_results
+from mlsm.artifacts.results_file import (
+    append_results,
+    cell_key,
+    check_model_name,
+    read_results,
+)
 from mlsm.errors import UserError
 from mlsm.evaluate.finetune import cell_reuse, protocol, qa, retrieval_cell
 from mlsm.evaluate.finetune.cell import (
@@ -450,10 +455,9 @@ def _plan(spec: TaskSpec, refs: list[ModelRef], cfg: FinetuneConfig, models: dic
         plan.inputs[ref.name] = inputs = cell_reuse.CellInputs(
             models[ref.name], data, {**settings, "max_len": max_len})
         for lr, seed in itertools.product(cfg.lrs, cfg.seed_list()):
-            key = cell_reuse.cell_key({"model": ref.name, "task": spec.name, "seed": seed,
-                                       "lr": lr, "epochs": cfg.epochs,
-                                       "batch_size": cfg.batch_size, "max_len": max_len,
-                                       "n_train": len(train)})
+            key = cell_key({"model": ref.name, "task": spec.name, "seed": seed,
+                            "lr": lr, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
+                            "max_len": max_len, "n_train": len(train)}, cell_reuse.CELL_KEY)
             where = f"{path}: cell {ref.name} {spec.name} seed {seed} lr {lr:g}"
             state, old = cell_reuse.reuse(stored.get(key, []), inputs, cfg.recompute, where)
             if state != "reuse":
@@ -497,7 +501,7 @@ def _run_model(plan: _TaskPlan, ref: ModelRef, task: tuple[Any, Any], shared: di
             rows = run_cell(ref, spec, data, seed, cell, dev, tracker)
         extra = {**inputs.record(), **({"supersedes": old} if state == "recompute" else {})}
         rows = [{**r, **extra} for r in rows]
-        key = cell_reuse.cell_key(rows[0]) if rows else None
+        key = cell_key(rows[0], cell_reuse.CELL_KEY) if rows else None
         append_results(path, rows, unless=cell_reuse.stored_exactly(key, inputs.fingerprint()))
         bar.update(1)
 
