@@ -397,11 +397,9 @@ def finetune(models: Sequence[str | Path], tasks: Sequence[str],
 
     ``models``: HF folders or run directories (``RUN``, ``RUN@50%``, ``RUN@step-N``: run specs),
     optionally ``"name=path"``; ``readiness="all"`` takes every readiness checkpoint of each run
-    directory (named ``name@step-<N>``). The settings — seeds, lrs, epochs, batch_size, max_len,
-    data_dir, warmup_ratio, weight_decay, fixed_order, clip, eval_test, max_steps, head,
-    val_fraction, preset, temperature, max_train_examples, recompute — are the fields of
-    `FinetuneConfig` (docstrings and defaults there): pass a `config`, keywords, or both
-    (keywords win). ``report_to``: trackers, one run per cell; ``device``: auto, cpu, cuda...
+    directory (named ``name@step-<N>``). The settings are `FinetuneConfig`'s fields (a settings
+    group: docs/architecture.md, "Settings groups"). ``report_to``: trackers, one run per cell;
+    ``device``: auto, cpu, cuda...
 
     A cell already in `results` is reused only when its fingerprint (model folder content, task
     data content, every setting that decides it: `mlsm.evaluate.finetune.cell_reuse`) equals the

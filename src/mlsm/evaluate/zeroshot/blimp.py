@@ -324,9 +324,8 @@ def evaluate_blimp(
 ) -> dict[str, Any]:
     """BLiMP accuracy of a masked LM (or any `MaskedScorer`) by PLL.
 
-    The settings — phenomena, limit_per_phenomenon, variant, token_budget, max_sentence_chars —
-    are the fields of `BlimpConfig` (docstrings, defaults and ranges there): pass a `config`,
-    keywords, or both (keywords win; None = not given).
+    The settings are `BlimpConfig`'s fields (a settings group: docs/architecture.md, "Settings
+    groups").
 
     Returns {"overall", "n_pairs", "n_phenomena", "fields": {field: {"accuracy", "n",
     "phenomena"}}, "terms": {linguistics_term: same}, "phenomena": {UID: {"field", "term",
