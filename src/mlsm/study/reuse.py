@@ -20,6 +20,7 @@ from typing import Any
 from mlsm.artifacts.fingerprint import (
     content_digest,
     folder_fingerprint,
+    path_fingerprint,
     settings_fingerprint,
     stat_key,
 )
@@ -90,6 +91,22 @@ def _control_records(study: Study, arm: str, frac: float) -> dict[str, str | Non
     """head -> digest of each readout control's record (None: not fitted yet)."""
     paths = {h: record_path(control_dir(study, arm, frac, h)) for h in study.spec.probe.controls}
     return {h: content_digest(p) if p.is_file() else None for h, p in paths.items()}
+
+
+def data_inputs(paths: list[str]) -> dict[str, str]:
+    """path -> `path_fingerprint` of each data path a stage reads (pair sets, task folders,
+    held-out stores): the same path with other content is another input. Empty paths are left
+    out."""
+    return {p: path_fingerprint(p) for p in paths if p}
+
+
+def recorded_before_data(record: dict[str, Any], inputs: dict[str, Any]) -> bool:
+    """Whether a `done` stage record was made before mlsm fingerprinted the stage's data (its
+    `inputs` lack `data`) with every other input as now: the stage is adopted, not redone (the
+    fine-tuning of a whole grid), and recorded with its data from then on."""
+    old = record.get("inputs")
+    return record.get("state") == "done" and isinstance(old, dict) and "data" not in old and \
+        old == {k: v for k, v in inputs.items() if k != "data"}
 
 
 def store_inputs(study: Study) -> dict[str, Any]:
@@ -176,7 +193,24 @@ def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
     return {"settings": settings_fingerprint({**finetune_settings(ft),
                                               "executor": study.spec.executor.kind}),
             "checkpoint": settings_fingerprint({readiness_label(f): checkpoint_fingerprint(
-                study.checkpoint(arm, f)) for f in ft.readiness})}
+                study.checkpoint(arm, f)) for f in ft.readiness}),
+            "data": _task_data(ft)}
+
+
+def _task_data(ft: Any) -> dict[str, str | None]:
+    """task -> the content of its folder under `data_dir` (None: not found there now; the
+    fine-tuning stage then names it, and the report cannot tell its rows stale)."""
+    from mlsm.errors import UserError
+    from mlsm.evaluate.finetune.cell_reuse import data_fingerprint
+    from mlsm.evaluate.finetune.tasks import get_task
+
+    found: dict[str, str | None] = {}
+    for task in ft.tasks:
+        try:
+            found[task] = data_fingerprint(get_task(task), ft.data_dir)
+        except (UserError, OSError):
+            found[task] = None
+    return found
 
 
 def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
@@ -189,6 +223,7 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
+            "data": data_inputs([*study.spec.blimp.data, study.spec.blimp.heldout_store]),
             **({"controls": _control_records(study, arm, frac)} if study.spec.probe.controls
                else {})}
 
@@ -198,7 +233,9 @@ def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
     return {"settings": settings_fingerprint(None if r is None else dataclasses.asdict(r)),
             "unigram": UNIGRAM_ESTIMATE, "heldout_store": study.spec.blimp.heldout_store,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
-            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
+            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
+            "data": data_inputs([] if r is None else [r.glue, *r.pairs, r.store,
+                                                      r.heldout_store])}
 
 
 def _frac_of(study: Study, arm: str, model: str) -> float | None:
@@ -223,8 +260,12 @@ def is_current(study: Study, kind: str, row: dict[str, Any]) -> bool:
 
 def finetune_is_current(study: Study, arm: str) -> bool:
     """Whether the arm's fine-tuning record was made from the current settings and checkpoints."""
-    record = study.status().get(f"finetune:{arm}", {})
-    return record.get("fingerprint") == fingerprint_of(finetune_inputs(study, arm))
+    record, inputs = study.status().get(f"finetune:{arm}", {}), finetune_inputs(study, arm)
+    if None in inputs["data"].values():  # data not at hand: its rows are not judged by it
+        return (record.get("inputs") or {}).get("settings") == inputs["settings"] and \
+            (record.get("inputs") or {}).get("checkpoint") == inputs["checkpoint"]
+    return record.get("fingerprint") == fingerprint_of(inputs) or \
+        recorded_before_data(record, inputs)
 
 
 def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

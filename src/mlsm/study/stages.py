@@ -179,9 +179,11 @@ def _finetune(study: Study, arm: str) -> str | None:
 
     from mlsm.evaluate.finetune.finetune import finetune
 
-    ft = study.spec.finetune
-    if study.reusable(f"finetune:{arm}", reuse.finetune_inputs(study, arm), [],
-                      supersede=lambda: study.supersede_rows(arm)):
+    ft, inputs = study.spec.finetune, reuse.finetune_inputs(study, arm)
+    if reuse.recorded_before_data(study.status().get(f"finetune:{arm}", {}), inputs):
+        study.note_inputs(inputs)  # recorded with its task data from now on
+        return "skipped"
+    if study.reusable(f"finetune:{arm}", inputs, [], supersede=lambda: study.supersede_rows(arm)):
         return "skipped"
     if driver_threads(study):
         torch.set_num_threads(driver_threads(study))
