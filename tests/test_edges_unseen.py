@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.test_study_reuse import _raw, _ran_since, _rows, _run
+from tests.test_study_reuse import _ran_since, _raw, _rows, _run
 
 
 def test_a_study_redoes_blimp_when_its_pairs_changed_in_place(

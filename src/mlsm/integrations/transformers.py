@@ -358,8 +358,28 @@ class MLSMTrainer(Trainer):
         or teacher rebuilt in place since is refused in one line)."""
         folder = Path(resume_from_checkpoint)
         info = Checkpoint.at(folder).info
+        self._check_same_run(folder, info)
         RunDir(folder).check_inputs(self._input_fingerprints(), (folder, info))
         ckpt.load_weights(folder, self.accelerator.unwrap_model(self.model))
+
+    def _check_same_run(self, folder: Path, info: dict[str, Any]) -> None:
+        """`mlsm pretrain --resume`'s config check (`RunDir.check_same_run`): masking, model,
+        objective, optimizer, batch and seed must be the checkpoint's, or the run goes on as a mix
+        of two. A Trainer that counts epochs knows its length only once training starts, so then
+        the schedule's length (and warmup, a fraction of it) are left to the Trainer."""
+        from mlsm.train.loop import resolved_config
+
+        now = resolved_config(config_to_dict(self.run_config()))  # both sides alike (0 is 0.0)
+
+        def resolve(old: dict[str, Any]) -> dict[str, Any]:
+            saved = resolved_config(old)
+            if self.args.max_steps > 0:
+                return saved
+            return {**saved, "train": {**saved.get("train", {}), "steps": now["train"]["steps"]},
+                    "optim": {**saved.get("optim", {}), "warmup": now["optim"]["warmup"]}}
+
+        picked = (folder, info, {}) if isinstance(info.get("config"), dict) else None
+        RunDir(folder).check_same_run(now, picked, resolve)
 
     def _input_fingerprints(self) -> dict[str, str]:
         """What the training reads, by content (`mlsm.train.loop.input_fingerprints`)."""
