@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from tests.test_stats import results  # noqa: F401 (a fixture of these tests too)
 from tests.test_study_reuse import _ran_since, _raw, _rows, _run
 
 
@@ -70,8 +73,6 @@ def test_trainer_resume_refuses_another_objective_or_masking_than_the_checkpoint
     checkpoint's, a mix of two objectives in one run."""
     import dataclasses
 
-    import pytest
-
     from mlsm.errors import UserError
     from tests.test_hf_trainer import OBJECTIVES, _cfg, _trainer
 
@@ -92,3 +93,85 @@ def test_trainer_resume_refuses_another_objective_or_masking_than_the_checkpoint
         again.train(resume_from_checkpoint=checkpoint)
     same, _ = _trainer(cfg, tmp_path / "same", steps=2)  # its own settings resume
     same.train(resume_from_checkpoint=checkpoint)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every entry of a report folder, hidden ones too, by name and bytes."""
+    return {p.name: p.read_bytes() if p.is_file() else b"<folder>" for p in folder.iterdir()}
+
+
+def _killed_after(calls: int, real):  # noqa: ANN001, ANN202
+    """`real`, except that call number `calls` + 1 stops the process as a kill would."""
+    seen = []
+
+    def write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(1)
+        if len(seen) > calls:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    return write
+
+
+def test_a_blimp_report_killed_between_its_files_keeps_the_earlier_pair_whole(
+        blimp_dir, tok, tmp_path, monkeypatch) -> None:
+    """blimp.md was written, then blimp.json: a kill between left the new table beside the old
+    JSON. The new pair lands as one unit; a rerun repairs."""
+
+    from mlsm.evaluate.zeroshot import blimp
+    from tests.helpers import UnigramScorer
+
+    out = tmp_path / "out"
+    blimp.write_blimp_report(blimp.evaluate_blimp(UnigramScorer(), tok, blimp_dir), out)
+    before = _files(out)
+    fewer = blimp.evaluate_blimp(UnigramScorer(), tok, blimp_dir, limit_per_phenomenon=1)
+    monkeypatch.setattr(blimp, "atomic_write_text", _killed_after(1, blimp.atomic_write_text))
+    with pytest.raises(KeyboardInterrupt):
+        blimp.write_blimp_report(fewer, out)
+    assert {k: v for k, v in _files(out).items() if not k.startswith(".")} == before
+    monkeypatch.undo()
+    paths = blimp.write_blimp_report(fewer, out)
+    assert json.loads(paths["json"].read_text()) == fewer
+    assert sorted(_files(out)) == ["blimp.json", "blimp.md"]  # no staging left behind
+
+
+def test_a_report_killed_while_drawing_keeps_the_earlier_set_and_a_rerun_drops_old_figures(
+        results, tmp_path, monkeypatch) -> None:  # noqa: F811 (test_stats' fixture)
+    """`mlsm report` wrote its tables, then each figure, then report.md: a kill while drawing
+    left new tables beside the old figures and report.md, and a rerun on fewer tasks kept the
+    figure of a task no longer compared."""
+
+    from mlsm.evaluate.compare import report
+    first = results
+    out = tmp_path / "report"
+    report.make_report(first, out)
+    before = _files(out)
+    assert "paired_mrpc.png" in before
+    second = tmp_path / "sst2.jsonl"  # the rows of one task (the fixture's torn line left out)
+    second.write_text("".join(x + "\n" for x in first.read_text().splitlines()
+                              if x.endswith("}") and json.loads(x)["task"] == "sst2"))
+    monkeypatch.setattr(report, "plot_wilcoxon", _killed_after(0, report.plot_wilcoxon))
+    with pytest.raises(KeyboardInterrupt):
+        report.make_report(second, out)
+    assert {k: v for k, v in _files(out).items() if not k.startswith(".")} == before
+    monkeypatch.undo()
+    report.make_report(second, out)
+    names = sorted(_files(out))
+    assert "paired_mrpc.png" not in names and "paired_sst2.png" in names
+    assert not [n for n in names if n.startswith(".")]
+
+
+@pytest.mark.parametrize("forged", ["NaN", "Infinity", "-1e12", "0", "1e300", "true", '"9e9"'])
+def test_a_damaged_cpu_peak_cache_is_measured_again(forged, tmp_path, monkeypatch) -> None:
+    """~/.cache/mlsm/cpu_peaks.json holds the measured GEMM peak behind every CPU run's MFU: a
+    value of NaN, inf, 0, a negative or absurd rate was used as the peak (MFU NaN, negative or
+    zero in metrics.jsonl, exit 0), and `measure=True` kept the larger, forged one for good."""
+    from mlsm.train import throughput
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(throughput, "_PEAKS", {})
+    monkeypatch.setattr(throughput, "matmul_rate", lambda dtype: 5e10)  # the CPU's rate
+    cache = tmp_path / "mlsm" / "cpu_peaks.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(f'{{"{throughput.peak_key("fp32")}": {forged}}}')
+    assert throughput.cpu_peak("fp32") == 5e10
+    assert json.loads(cache.read_text())[throughput.peak_key("fp32")] == 5e10

@@ -164,3 +164,32 @@ def building_dir(target: Path, tag: str) -> Iterator[Path]:
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _reraise_named(exc, target)
+
+
+STAGING = ".mlsm-staging-"  # hidden: report folders leave ".name" entries alone
+
+
+@contextlib.contextmanager
+def files_as_one(folder: str | os.PathLike, ours: Callable[[str], bool]) -> Iterator[Path]:
+    """Write the several files of one output (a report's Markdown, CSV, JSON and figures) as one
+    unit. The body writes them into the hidden folder yielded (inside `folder`); only when every
+    one is written are they renamed into `folder`, Markdown first (it marks the folder as mlsm's),
+    and then the files of `ours`' names that this set lacks (an earlier run's figure of a task no
+    longer there) removed. A failure or a kill while writing leaves the earlier set whole; a
+    rerun repairs."""
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=STAGING, dir=target))
+    try:
+        yield stage
+        new = sorted((p.name for p in stage.iterdir()), key=lambda n: (not n.endswith(".md"), n))
+        for name in new:
+            os.replace(stage / name, target / name)
+        for entry in os.scandir(target):
+            if entry.is_file() and ours(entry.name) and entry.name not in new:
+                os.unlink(entry.path)
+        fsync_path(target)
+    except BaseException as exc:
+        _reraise_named(exc, target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
