@@ -38,7 +38,7 @@ def test_a_study_redoes_finetuning_when_a_task_file_changed_in_place(
 ) -> None:
     """The task folder keeps its path and file names, its labels are flipped: the fine-tuning
     stage is redone, its old rows superseded (the stage was reused whole, exit 0). A record made
-    before the data were fingerprinted is adopted, not redone."""
+    before the data were kept is adopted, not redone: the stage fingerprints are unchanged."""
     from tests.test_study_reuse import _status
 
     raw = _raw(corpus_dir, tokenizer_dir, tmp_path, readout=None, blimp={})
@@ -48,14 +48,14 @@ def test_a_study_redoes_finetuning_when_a_task_file_changed_in_place(
     out = Path(raw["out"])
     _run(raw)
     status = _status(out)
-    legacy = {**status, "finetune:mlm": {**status["finetune:mlm"], "fingerprint": "0" * 16,
-                                         "inputs": {k: v for k, v in status["finetune:mlm"]
-                                                    ["inputs"].items() if k != "data"}}}
-    (out / "status.json").write_text(json.dumps(legacy))
+    assert status["finetune:mlm"]["inputs"]["data"]["word_order"]
+    legacy = {**status, "finetune:mlm": {**status["finetune:mlm"], "inputs": {
+        k: v for k, v in status["finetune:mlm"]["inputs"].items() if k != "data"}}}
+    (out / "status.json").write_text(json.dumps(legacy))  # as recorded before data were kept
     before = len(_rows(out))
     _run(raw)
-    assert _ran_since(out, before) == []  # adopted, recorded with its data from now on
-    assert _status(out)["finetune:mlm"]["fingerprint"] == status["finetune:mlm"]["fingerprint"]
+    assert _ran_since(out, before) == []  # the same fingerprint: adopted, data recorded now
+    assert _status(out)["finetune:mlm"]["inputs"] == status["finetune:mlm"]["inputs"]
     train = tasks / "WordOrder" / "train.tsv"
     lines = train.read_text().splitlines()
     train.write_text("\n".join([lines[0], *(s.rsplit("\t", 1)[0] + "\t" + str(
@@ -175,3 +175,31 @@ def test_a_damaged_cpu_peak_cache_is_measured_again(forged, tmp_path, monkeypatc
     cache.write_text(f'{{"{throughput.peak_key("fp32")}": {forged}}}')
     assert throughput.cpu_peak("fp32") == 5e10
     assert json.loads(cache.read_text())[throughput.peak_key("fp32")] == 5e10
+
+
+def test_a_study_report_killed_in_the_study_folder_keeps_the_earlier_report_whole(
+        corpus_dir, tokenizer_dir, tmp_path, monkeypatch) -> None:
+    """`mlsm study report` rewrote its figures, summary.json and report.md in the study folder
+    one by one: a kill between left a summary of now beside the report of before."""
+    from mlsm.study import report
+    from mlsm.study.folder import REPORT_OUTPUTS
+    from mlsm.study.runner import Study
+    from tests.test_study_reuse import QUIET, _spec
+
+    raw = _raw(corpus_dir, tokenizer_dir, tmp_path, readout=None)
+    out = Path(raw["out"])
+    _run(raw)
+    study = Study(_spec(raw), **QUIET)
+    report.write_report(study)
+    mine = lambda: {k: v for k, v in _files(out).items() if k in REPORT_OUTPUTS}  # noqa: E731
+    before = mine()
+    assert {"report.md", "summary.json"} <= set(before)
+    study.set_status("note", {"state": "done"})  # the next summary differs
+    monkeypatch.setattr(report, "atomic_write_text", _killed_after(1, report.atomic_write_text))
+    with pytest.raises(KeyboardInterrupt):
+        report.write_report(study)
+    assert mine() == before
+    monkeypatch.undo()
+    report.write_report(study)
+    assert '"note"' in (out / "summary.json").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".mlsm-staging")]

@@ -172,22 +172,25 @@ STAGING = ".mlsm-staging-"  # hidden: report folders leave ".name" entries alone
 @contextlib.contextmanager
 def files_as_one(folder: str | os.PathLike, ours: Callable[[str], bool]) -> Iterator[Path]:
     """Write the several files of one output (a report's Markdown, CSV, JSON and figures) as one
-    unit. The body writes them into the hidden folder yielded (inside `folder`); only when every
-    one is written are they renamed into `folder`, Markdown first (it marks the folder as mlsm's),
-    and then the files of `ours`' names that this set lacks (an earlier run's figure of a task no
-    longer there) removed. A failure or a kill while writing leaves the earlier set whole; a
-    rerun repairs."""
+    unit. The body writes them (and folders of them) into the hidden folder yielded (inside
+    `folder`); only when every one is written are they renamed into `folder`, Markdown first (it
+    marks the folder as mlsm's), and then the entries of `ours`' names that this set lacks (an
+    earlier run's figure of a task no longer there) removed. A failure or a kill while writing
+    leaves the earlier set whole; a rerun repairs."""
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=STAGING, dir=target))
     try:
         yield stage
         new = sorted((p.name for p in stage.iterdir()), key=lambda n: (not n.endswith(".md"), n))
-        for name in new:
-            os.replace(stage / name, target / name)
+        for name in new:  # a folder of the set (a study's comparison/) swapped in whole
+            if (stage / name).is_dir():
+                replace_dir(stage / name, target / name)
+            else:
+                os.replace(stage / name, target / name)
         for entry in os.scandir(target):
-            if entry.is_file() and ours(entry.name) and entry.name not in new:
-                os.unlink(entry.path)
+            if ours(entry.name) and entry.name not in new and not entry.is_symlink():
+                shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
         fsync_path(target)
     except BaseException as exc:
         _reraise_named(exc, target)

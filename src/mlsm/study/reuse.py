@@ -5,7 +5,10 @@ Each stage's inputs are a flat dict of fingerprints: `settings` (the study file'
 stage, `settings_fingerprint`), `checkpoint` (`folder_fingerprint` of the model folder it read),
 `store` (the token store's own fingerprint, from its meta.json), `dictionary` (the dictionary's
 atom hash, `mlsm.teacher.targets.dictionary_hash`) and, for BLiMP and readouts of a latent arm,
-`probe` (the content digest of the probe's record). A difference names the input that changed.
+`probe` (the content digest of the probe's record), and `data`: the content of the data paths
+the stage reads (`path_fingerprint`: BLiMP pairs, task folders, GLUE, held-out stores), kept
+beside the fingerprint rather than in it (`folder.same_data`). A difference names the input that
+changed.
 Rows a stage writes (BLiMP files, readout rows) carry their fingerprint, so the report keeps only
 rows whose fingerprint equals the current one (`is_current`).
 """
@@ -27,7 +30,7 @@ from mlsm.artifacts.fingerprint import (
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
-from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
+from mlsm.study.folder import _VOLATILE, DATA, Study, fingerprint_of, same_data
 from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
@@ -94,19 +97,26 @@ def _control_records(study: Study, arm: str, frac: float) -> dict[str, str | Non
 
 
 def data_inputs(paths: list[str]) -> dict[str, str]:
-    """path -> `path_fingerprint` of each data path a stage reads (pair sets, task folders,
+    """path -> `path_fingerprint` of each data path a stage reads (pair sets, GLUE folders,
     held-out stores): the same path with other content is another input. Empty paths are left
     out."""
     return {p: path_fingerprint(p) for p in paths if p}
 
 
-def recorded_before_data(record: dict[str, Any], inputs: dict[str, Any]) -> bool:
-    """Whether a `done` stage record was made before mlsm fingerprinted the stage's data (its
-    `inputs` lack `data`) with every other input as now: the stage is adopted, not redone (the
-    fine-tuning of a whole grid), and recorded with its data from then on."""
-    old = record.get("inputs")
-    return record.get("state") == "done" and isinstance(old, dict) and "data" not in old and \
-        old == {k: v for k, v in inputs.items() if k != "data"}
+def _task_data(ft: Any) -> dict[str, str | None]:
+    """task -> the content of its folder under `data_dir` (None: not found there now; the
+    fine-tuning stage then names it, and its rows are not judged by it meanwhile)."""
+    from mlsm.errors import UserError
+    from mlsm.evaluate.finetune.cell_reuse import data_fingerprint
+    from mlsm.evaluate.finetune.tasks import get_task
+
+    found: dict[str, str | None] = {}
+    for task in ft.tasks:
+        try:
+            found[task] = data_fingerprint(get_task(task), ft.data_dir)
+        except (UserError, OSError):
+            found[task] = None
+    return found
 
 
 def store_inputs(study: Study) -> dict[str, Any]:
@@ -194,23 +204,7 @@ def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
                                               "executor": study.spec.executor.kind}),
             "checkpoint": settings_fingerprint({readiness_label(f): checkpoint_fingerprint(
                 study.checkpoint(arm, f)) for f in ft.readiness}),
-            "data": _task_data(ft)}
-
-
-def _task_data(ft: Any) -> dict[str, str | None]:
-    """task -> the content of its folder under `data_dir` (None: not found there now; the
-    fine-tuning stage then names it, and the report cannot tell its rows stale)."""
-    from mlsm.errors import UserError
-    from mlsm.evaluate.finetune.cell_reuse import data_fingerprint
-    from mlsm.evaluate.finetune.tasks import get_task
-
-    found: dict[str, str | None] = {}
-    for task in ft.tasks:
-        try:
-            found[task] = data_fingerprint(get_task(task), ft.data_dir)
-        except (UserError, OSError):
-            found[task] = None
-    return found
+            DATA: _task_data(ft)}
 
 
 def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
@@ -223,7 +217,7 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
-            "data": data_inputs([*study.spec.blimp.data, study.spec.blimp.heldout_store]),
+            DATA: data_inputs([*study.spec.blimp.data, study.spec.blimp.heldout_store]),
             **({"controls": _control_records(study, arm, frac)} if study.spec.probe.controls
                else {})}
 
@@ -234,8 +228,7 @@ def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "unigram": UNIGRAM_ESTIMATE, "heldout_store": study.spec.blimp.heldout_store,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
-            "data": data_inputs([] if r is None else [r.glue, *r.pairs, r.store,
-                                                      r.heldout_store])}
+            DATA: data_inputs([] if r is None else [r.glue, *r.pairs, r.store, r.heldout_store])}
 
 
 def _frac_of(study: Study, arm: str, model: str) -> float | None:
@@ -251,21 +244,22 @@ def is_current(study: Study, kind: str, row: dict[str, Any]) -> bool:
         return False
     if kind == "blimp":
         frac = row.get("readiness")
-        return isinstance(frac, float | int) and \
-            row["fingerprint"] == fingerprint_of(blimp_inputs(study, arm, float(frac)))
-    frac = _frac_of(study, arm, str(row.get("model")))
-    return frac is not None and \
-        row["fingerprint"] == fingerprint_of(readout_inputs(study, arm, frac))
+        if not isinstance(frac, float | int):
+            return False
+        inputs = blimp_inputs(study, arm, float(frac))
+    else:
+        frac = _frac_of(study, arm, str(row.get("model")))
+        if frac is None:
+            return False
+        inputs = readout_inputs(study, arm, frac)
+    return row["fingerprint"] == fingerprint_of(inputs) and same_data(row, inputs)
 
 
 def finetune_is_current(study: Study, arm: str) -> bool:
     """Whether the arm's fine-tuning record was made from the current settings and checkpoints."""
     record, inputs = study.status().get(f"finetune:{arm}", {}), finetune_inputs(study, arm)
-    if None in inputs["data"].values():  # data not at hand: its rows are not judged by it
-        return (record.get("inputs") or {}).get("settings") == inputs["settings"] and \
-            (record.get("inputs") or {}).get("checkpoint") == inputs["checkpoint"]
-    return record.get("fingerprint") == fingerprint_of(inputs) or \
-        recorded_before_data(record, inputs)
+    return record.get("fingerprint") == fingerprint_of(inputs) and \
+        same_data(record.get("inputs"), inputs)
 
 
 def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

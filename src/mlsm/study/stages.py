@@ -179,11 +179,9 @@ def _finetune(study: Study, arm: str) -> str | None:
 
     from mlsm.evaluate.finetune.finetune import finetune
 
-    ft, inputs = study.spec.finetune, reuse.finetune_inputs(study, arm)
-    if reuse.recorded_before_data(study.status().get(f"finetune:{arm}", {}), inputs):
-        study.note_inputs(inputs)  # recorded with its task data from now on
-        return "skipped"
-    if study.reusable(f"finetune:{arm}", inputs, [], supersede=lambda: study.supersede_rows(arm)):
+    ft = study.spec.finetune
+    if study.reusable(f"finetune:{arm}", reuse.finetune_inputs(study, arm), [],
+                      supersede=lambda: study.supersede_rows(arm)):
         return "skipped"
     if driver_threads(study):
         torch.set_num_threads(driver_threads(study))
@@ -263,7 +261,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
            **({"controls": controls} if controls else {}),
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None,
-           "fingerprint": fingerprint_of(inputs)}  # the report reads only current rows
+           "fingerprint": fingerprint_of(inputs), "data": inputs["data"]}  # the report: current
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
@@ -337,7 +335,7 @@ def _readout(study: Study, arm: str, frac: float) -> str | None:
     rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
                    scorer_path=scorer, log=study.log)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"arm": arm, "fingerprint": fingerprint_of(inputs)}  # the report reads current rows
+    stamp = {"arm": arm, "fingerprint": fingerprint_of(inputs), "data": inputs["data"]}
     atomic_write_text(path, "".join(json.dumps({**r, **stamp}) + "\n" for r in rows))
     return None
 
