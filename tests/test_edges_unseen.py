@@ -203,3 +203,44 @@ def test_a_study_report_killed_in_the_study_folder_keeps_the_earlier_report_whol
     report.write_report(study)
     assert '"note"' in (out / "summary.json").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".mlsm-staging")]
+
+
+def test_trainer_resume_refuses_a_checkpoint_of_mlsm_pretrain(store_dir, mlm_run,
+                                                               tmp_path) -> None:
+    """A checkpoint of `mlsm pretrain` holds no Trainer state (optimizer, schedule): the
+    Trainer names the verb that resumes it, in one line (the other way round, `pretrain
+    --resume` already refuses a Trainer's folder as not an mlsm run)."""
+    import shutil
+
+    from mlsm.errors import UserError
+    from tests.test_hf_trainer import _cfg, _trainer
+
+    run = shutil.copytree(mlm_run, tmp_path / "run")
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    trainer, _ = _trainer(_cfg(store_dir, tmp_path / "unused", {"name": "mlm"}), tmp_path / "hf")
+    with pytest.raises(UserError, match="mlsm pretrain --resume") as info:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert "\n" not in str(info.value)
+
+
+def test_blimp_through_a_probe_refuses_a_checkpoint_replaced_since_the_probe_was_fitted(
+        mlsm_run, tmp_path) -> None:
+    """`mlsm probe RUN` copies the probed backbone into its own checkpoint; a checkpoint replaced
+    in place afterwards (re-trained, or another run's copied over it) was scored through the
+    old copy, as if it were the new one (exit 0). The probe records what it probed; the scorer
+    compares."""
+    import shutil
+
+    from mlsm.errors import UserError
+    from mlsm.evaluate.probe.probe import load_scorer, run_probe
+    from tests.helpers import _perturb, last_checkpoint
+
+    run = Path(shutil.copytree(mlsm_run, tmp_path / "run"))
+    run_probe(last_checkpoint(run))
+    load_scorer(run)  # as fitted: scored through its probe
+    _perturb(last_checkpoint(run))  # the checkpoint replaced in place
+    with pytest.raises(UserError, match="fit its probe again: mlsm probe") as info:
+        load_scorer(run)
+    assert "\n" not in str(info.value)
+    run_probe(last_checkpoint(run))  # the fix it prints
+    load_scorer(run)
