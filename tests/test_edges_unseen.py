@@ -244,3 +244,34 @@ def test_blimp_through_a_probe_refuses_a_checkpoint_replaced_since_the_probe_was
     assert "\n" not in str(info.value)
     run_probe(last_checkpoint(run))  # the fix it prints
     load_scorer(run)
+
+
+def test_a_full_disk_while_writing_a_report_names_the_report_file(blimp_dir, tok, tmp_path,
+                                                                   monkeypatch) -> None:
+    """A report folder's files are written in a hidden staging folder first: a full disk there
+    names the file the user asked for (OUT/blimp.json), not the staging folder that is removed
+    as the error is raised; the earlier report stays."""
+    import errno
+
+    from mlsm.cli.args import path_fix
+    from mlsm.evaluate.zeroshot import blimp
+    from tests.helpers import UnigramScorer
+
+    out = tmp_path / "out"
+    result = blimp.evaluate_blimp(UnigramScorer(), tok, blimp_dir)
+    blimp.write_blimp_report(result, out)
+    before = _files(out)
+    real = Path.write_text
+
+    def full(self, text, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if self.name.startswith(".blimp.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as info:
+        blimp.write_blimp_report(result, out)
+    assert info.value.filename == str(out / "blimp.json")
+    assert "free" in path_fix(info.value)  # the CLI's one line names the fix by errno
+    monkeypatch.undo()
+    assert _files(out) == before

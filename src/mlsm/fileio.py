@@ -193,6 +193,15 @@ def files_as_one(folder: str | os.PathLike, ours: Callable[[str], bool]) -> Iter
                 shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
         fsync_path(target)
     except BaseException as exc:
-        _reraise_named(exc, target)
+        _reraise_named(_outside(exc, stage, target), target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _outside(exc: BaseException, stage: Path, target: Path) -> BaseException:
+    """An OSError naming a file in the staging folder, renamed to name its place in `target`
+    (the staging folder is gone once the error is read: a full disk names OUT/blimp.json)."""
+    name = getattr(exc, "filename", None)
+    if isinstance(exc, OSError) and name and Path(name).is_relative_to(stage):
+        return type(exc)(exc.errno, exc.strerror, str(target / Path(name).relative_to(stage)))
+    return exc
