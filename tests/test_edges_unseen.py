@@ -21,6 +21,7 @@ def test_a_study_redoes_blimp_when_its_pairs_changed_in_place(
     out = Path(raw["out"])
     _run(raw)
     first = json.loads((out / "blimp" / "mlm@100pct.json").read_text())
+    assert str(tmp_path) not in json.dumps(first["data"])  # rows travel: no machine's path
     pairs = sorted(Path(raw["blimp"]["data"][0]).glob("*.jsonl"))[0]
     rows = [json.loads(x) for x in pairs.read_text().splitlines()]
     pairs.write_text("".join(json.dumps({**r, "sentence_good": r["sentence_bad"],

@@ -96,11 +96,19 @@ def _control_records(study: Study, arm: str, frac: float) -> dict[str, str | Non
     return {h: content_digest(p) if p.is_file() else None for h, p in paths.items()}
 
 
-def data_inputs(paths: list[str]) -> dict[str, str]:
-    """path -> `path_fingerprint` of each data path a stage reads (pair sets, GLUE folders,
-    held-out stores): the same path with other content is another input. Empty paths are left
-    out."""
-    return {p: path_fingerprint(p) for p in paths if p}
+def data_inputs(paths: dict[str, str | list[str]]) -> dict[str, str]:
+    """setting -> `path_fingerprint` of each data path a stage reads (pair sets, GLUE folders,
+    held-out stores), keyed by the setting and the file name (`blimp.data.0:blimp`), never the
+    machine's path (records and rows travel in a published copy): the same path with other
+    content is another input. Empty settings are left out."""
+    found = {}
+    for key, value in paths.items():
+        if isinstance(value, list):
+            found.update({f"{key}.{i}:{Path(v).name}": path_fingerprint(v)
+                          for i, v in enumerate(value) if v})
+        elif value:
+            found[key] = path_fingerprint(value)
+    return found
 
 
 def _task_data(ft: Any) -> dict[str, str | None]:
@@ -217,7 +225,8 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
-            DATA: data_inputs([*study.spec.blimp.data, study.spec.blimp.heldout_store]),
+            DATA: data_inputs({"blimp.data": study.spec.blimp.data,
+                               "blimp.heldout_store": study.spec.blimp.heldout_store}),
             **({"controls": _control_records(study, arm, frac)} if study.spec.probe.controls
                else {})}
 
@@ -228,7 +237,8 @@ def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "unigram": UNIGRAM_ESTIMATE, "heldout_store": study.spec.blimp.heldout_store,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
-            DATA: data_inputs([] if r is None else [r.glue, *r.pairs, r.store, r.heldout_store])}
+            DATA: data_inputs({} if r is None else {f"readout.{k}": getattr(r, k) for k in
+                                                     ("glue", "pairs", "store", "heldout_store")})}
 
 
 def _frac_of(study: Study, arm: str, model: str) -> float | None:
