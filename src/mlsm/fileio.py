@@ -164,3 +164,44 @@ def building_dir(target: Path, tag: str) -> Iterator[Path]:
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _reraise_named(exc, target)
+
+
+STAGING = ".mlsm-staging-"  # hidden: report folders leave ".name" entries alone
+
+
+@contextlib.contextmanager
+def files_as_one(folder: str | os.PathLike, ours: Callable[[str], bool]) -> Iterator[Path]:
+    """Write the several files of one output (a report's Markdown, CSV, JSON and figures) as one
+    unit. The body writes them (and folders of them) into the hidden folder yielded (inside
+    `folder`); only when every one is written are they renamed into `folder`, Markdown first (it
+    marks the folder as mlsm's), and then the entries of `ours`' names that this set lacks (an
+    earlier run's figure of a task no longer there) removed. A failure or a kill while writing
+    leaves the earlier set whole; a rerun repairs."""
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=STAGING, dir=target))
+    try:
+        yield stage
+        new = sorted((p.name for p in stage.iterdir()), key=lambda n: (not n.endswith(".md"), n))
+        for name in new:  # a folder of the set (a study's comparison/) swapped in whole
+            if (stage / name).is_dir():
+                replace_dir(stage / name, target / name)
+            else:
+                os.replace(stage / name, target / name)
+        for entry in os.scandir(target):
+            if ours(entry.name) and entry.name not in new and not entry.is_symlink():
+                shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+        fsync_path(target)
+    except BaseException as exc:
+        _reraise_named(_outside(exc, stage, target), target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _outside(exc: BaseException, stage: Path, target: Path) -> BaseException:
+    """An OSError naming a file in the staging folder, renamed to name its place in `target`
+    (the staging folder is gone once the error is read: a full disk names OUT/blimp.json)."""
+    name = getattr(exc, "filename", None)
+    if isinstance(exc, OSError) and name and Path(name).is_relative_to(stage):
+        return type(exc)(exc.errno, exc.strerror, str(target / Path(name).relative_to(stage)))
+    return exc

@@ -133,6 +133,19 @@ def folder_fingerprint(folder: str | os.PathLike) -> str:
     return settings_fingerprint({p.name: content_digest(p) for p in _files(path)})
 
 
+def path_fingerprint(value: str | os.PathLike) -> str:
+    """The content a data setting names: a file's `content_digest`, a folder's files (`tree_files`,
+    links followed) by relative name and digest; a value that is no path on this machine (an HF
+    dataset name, "") stands for itself. What a reuse decision records of a data path, so the same
+    path with other content is another input."""
+    path = Path(value)
+    if str(value) and path.is_file():
+        return content_digest(path)
+    if str(value) and path.is_dir():
+        return settings_fingerprint({n: content_digest(p) for n, p in tree_files(path).items()})
+    return f"name:{value}"
+
+
 def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """`key: recorded -> current` for each key whose value differs (missing = None), sorted."""
     keys = sorted(set(recorded) | set(current))

@@ -184,6 +184,10 @@ def _block_length(dataset: Any) -> int | None:
         return None
 
 
+TRAINER = "transformers.Trainer"
+"""checkpoint.json's `trainer` in the folders MLSMTrainer saves."""
+
+
 class MLSMTrainer(Trainer):
     """`transformers.Trainer` training `model` (an HF masked LM, e.g. `AutoModelForMaskedLM`) with
     an mlsm objective.
@@ -358,8 +362,33 @@ class MLSMTrainer(Trainer):
         or teacher rebuilt in place since is refused in one line)."""
         folder = Path(resume_from_checkpoint)
         info = Checkpoint.at(folder).info
+        if info.get("trainer") != TRAINER:  # no Trainer state to resume (optimizer, schedule)
+            raise UserError(f"{folder} was written by mlsm pretrain, not by MLSMTrainer; resume "
+                            "it with `mlsm pretrain --resume auto` and the run's config, or "
+                            "start the Trainer from its weights (from_pretrained) without "
+                            "resume_from_checkpoint")
+        self._check_same_run(folder, info)
         RunDir(folder).check_inputs(self._input_fingerprints(), (folder, info))
         ckpt.load_weights(folder, self.accelerator.unwrap_model(self.model))
+
+    def _check_same_run(self, folder: Path, info: dict[str, Any]) -> None:
+        """`mlsm pretrain --resume`'s config check (`RunDir.check_same_run`): masking, model,
+        objective, optimizer, batch and seed must be the checkpoint's, or the run goes on as a mix
+        of two. A Trainer that counts epochs knows its length only once training starts, so then
+        the schedule's length (and warmup, a fraction of it) are left to the Trainer."""
+        from mlsm.train.loop import resolved_config
+
+        now = resolved_config(config_to_dict(self.run_config()))  # both sides alike (0 is 0.0)
+
+        def resolve(old: dict[str, Any]) -> dict[str, Any]:
+            saved = resolved_config(old)
+            if self.args.max_steps > 0:
+                return saved
+            return {**saved, "train": {**saved.get("train", {}), "steps": now["train"]["steps"]},
+                    "optim": {**saved.get("optim", {}), "warmup": now["optim"]["warmup"]}}
+
+        picked = (folder, info, {}) if isinstance(info.get("config"), dict) else None
+        RunDir(folder).check_same_run(now, picked, resolve)
 
     def _input_fingerprints(self) -> dict[str, str]:
         """What the training reads, by content (`mlsm.train.loop.input_fingerprints`)."""
@@ -402,6 +431,6 @@ class MLSMTrainer(Trainer):
             "inputs": self._inputs, "step": step, "readiness": step / cfg.train.steps,
             "objective": cfg.objective.name, "run": str(args.output_dir),
             "tokens": step * cfg.train.batch_size * cfg.data.max_len,
-            "config": config_to_dict(cfg), "trainer": "transformers.Trainer",
+            "config": config_to_dict(cfg), "trainer": TRAINER,
             "base_model": start, "lr_scheduler": str(getattr(scheduler, "value", scheduler)),
             "training_args": json.loads(args.to_json_string())})

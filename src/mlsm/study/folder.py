@@ -283,7 +283,9 @@ class Study:
         self.note_inputs(inputs)
         if self.is_done(key, inputs, outputs):
             return True
-        same = self.status().get(key, {}).get("fingerprint") == fingerprint_of(inputs)
+        record = self.status().get(key, {})
+        same = record.get("fingerprint") == fingerprint_of(inputs) and \
+            same_data(record.get("inputs"), inputs)
         if not same:
             self.supersede([p for p in (outputs if moved is None else moved) if p.exists()])
             if supersede is not None:
@@ -292,11 +294,12 @@ class Study:
         return False
 
     def is_done(self, key: str, inputs: dict[str, Any], outputs: list[Path]) -> bool:
-        """Whether stage `key`'s record says done with the fingerprint of `inputs`, and every
-        one of its `outputs` exists."""
+        """Whether stage `key`'s record says done with the fingerprint of `inputs` and their
+        data (`same_data`), and every one of its `outputs` exists."""
         record = self.status().get(key, {})
         return record.get("state") == "done" and all(p.exists() for p in outputs) and \
-            record.get("fingerprint") == fingerprint_of(inputs)
+            record.get("fingerprint") == fingerprint_of(inputs) and \
+            same_data(record.get("inputs"), inputs)
 
     def supersede_rows(self, arm: str) -> int:
         """Move the fine-tuning rows of the arm's models (ARM@READINESS) from results.jsonl to
@@ -385,10 +388,27 @@ def _model_arm(line: str) -> str | None:
     return model.rpartition("@")[0] if isinstance(model, str) and "@" in model else None
 
 
+DATA = "data"
+"""The inputs key of the content of the data paths a stage reads: recorded with the inputs and
+compared by `same_data`, but not hashed into the fingerprint, so the fingerprints of studies
+recorded before it stay the same (a running study resumes by them)."""
+
+
 def fingerprint_of(inputs: dict[str, Any]) -> str:
     """The fingerprint a stage record keeps of its inputs (each itself a fingerprint, or a plain
-    setting)."""
-    return settings_fingerprint(inputs)
+    setting; `DATA` aside)."""
+    return settings_fingerprint({k: v for k, v in inputs.items() if k != DATA})
+
+
+def same_data(recorded: Any, inputs: dict[str, Any]) -> bool:
+    """Whether a stage record's (or row's) `DATA` equals that of `inputs`: a data path whose
+    content changed in place is another input. A record from before `DATA` was kept cannot tell
+    (it is recorded with it at the stage's next run); a path not found now (None) is not
+    judged."""
+    old, now = (recorded or {}).get(DATA), inputs.get(DATA)
+    if not isinstance(old, dict) or not isinstance(now, dict):
+        return True
+    return all(old.get(k) == v for k, v in now.items() if v is not None)
 
 
 def _reads_states(objective: Any) -> bool:

@@ -25,10 +25,10 @@ from mlsm.config import git_revision, invocation, machine_description
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.paired import p_text, too_few
 from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
-from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 from mlsm.inputs import field_problem, is_number, read_json
 from mlsm.study import reuse
-from mlsm.study.folder import Study, pretrain_done
+from mlsm.study.folder import REPORT_OUTPUTS, Study, pretrain_done
 from mlsm.study.spec import readiness_label
 
 
@@ -463,15 +463,22 @@ def write_report(study: Study, dest: Path | None = None) -> Path:
     """Write report.md, its PNGs and summary.json into STUDY_OUT, or into `dest` without
     changing the study folder (it then must hold no stale fine-tuning rows: `publish_report`
     refuses those); returns the report path."""
+    if dest is not None:
+        return _write_report(study, dest, in_place=False)
+    reuse.supersede_stale_finetuning(study)
+    # report.md, summary.json, figures and comparison/ of one moment: a kill leaves the earlier
+    with files_as_one(study.root, REPORT_OUTPUTS.__contains__) as stage:
+        _write_report(study, stage, in_place=True)
+    return study.root / "report.md"
+
+
+def _write_report(study: Study, dest: Path, in_place: bool) -> Path:
     root = study.root
-    if dest is None:
-        reuse.supersede_stale_finetuning(study)
-    dest = dest or root
     compute, blimp, times = arm_compute(study), blimp_rows(study), _stage_times(study)
     blimp_pairs = blimp_comparisons(study, blimp)
     done = [a for a in study.spec.arms if pretrain_done(study, a)]
     # the folder's name, not its path: a published copy names no machine's folders
-    where = (f"in the study folder `{root.name}`" if dest == root else
+    where = (f"in the study folder `{root.name}`" if in_place else
              f"from the study folder `{root.name}` as it was at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} (`--to`)")
     command = invocation() or "mlsm.study.write_report (Python)"

@@ -5,7 +5,10 @@ Each stage's inputs are a flat dict of fingerprints: `settings` (the study file'
 stage, `settings_fingerprint`), `checkpoint` (`folder_fingerprint` of the model folder it read),
 `store` (the token store's own fingerprint, from its meta.json), `dictionary` (the dictionary's
 atom hash, `mlsm.teacher.targets.dictionary_hash`) and, for BLiMP and readouts of a latent arm,
-`probe` (the content digest of the probe's record). A difference names the input that changed.
+`probe` (the content digest of the probe's record), and `data`: the content of the data paths
+the stage reads (`path_fingerprint`: BLiMP pairs, task folders, GLUE, held-out stores), kept
+beside the fingerprint rather than in it (`folder.same_data`). A difference names the input that
+changed.
 Rows a stage writes (BLiMP files, readout rows) carry their fingerprint, so the report keeps only
 rows whose fingerprint equals the current one (`is_current`).
 """
@@ -20,13 +23,14 @@ from typing import Any
 from mlsm.artifacts.fingerprint import (
     content_digest,
     folder_fingerprint,
+    path_fingerprint,
     settings_fingerprint,
     stat_key,
 )
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
-from mlsm.study.folder import _VOLATILE, Study, fingerprint_of
+from mlsm.study.folder import _VOLATILE, DATA, Study, fingerprint_of, same_data
 from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
@@ -90,6 +94,37 @@ def _control_records(study: Study, arm: str, frac: float) -> dict[str, str | Non
     """head -> digest of each readout control's record (None: not fitted yet)."""
     paths = {h: record_path(control_dir(study, arm, frac, h)) for h in study.spec.probe.controls}
     return {h: content_digest(p) if p.is_file() else None for h, p in paths.items()}
+
+
+def data_inputs(paths: dict[str, str | list[str]]) -> dict[str, str]:
+    """setting -> `path_fingerprint` of each data path a stage reads (pair sets, GLUE folders,
+    held-out stores), keyed by the setting and the file name (`blimp.data.0:blimp`), never the
+    machine's path (records and rows travel in a published copy): the same path with other
+    content is another input. Empty settings are left out."""
+    found = {}
+    for key, value in paths.items():
+        if isinstance(value, list):
+            found.update({f"{key}.{i}:{Path(v).name}": path_fingerprint(v)
+                          for i, v in enumerate(value) if v})
+        elif value:
+            found[key] = path_fingerprint(value)
+    return found
+
+
+def _task_data(ft: Any) -> dict[str, str | None]:
+    """task -> the content of its folder under `data_dir` (None: not found there now; the
+    fine-tuning stage then names it, and its rows are not judged by it meanwhile)."""
+    from mlsm.errors import UserError
+    from mlsm.evaluate.finetune.cell_reuse import data_fingerprint
+    from mlsm.evaluate.finetune.tasks import get_task
+
+    found: dict[str, str | None] = {}
+    for task in ft.tasks:
+        try:
+            found[task] = data_fingerprint(get_task(task), ft.data_dir)
+        except (UserError, OSError):
+            found[task] = None
+    return found
 
 
 def store_inputs(study: Study) -> dict[str, Any]:
@@ -176,7 +211,8 @@ def finetune_inputs(study: Study, arm: str) -> dict[str, Any]:
     return {"settings": settings_fingerprint({**finetune_settings(ft),
                                               "executor": study.spec.executor.kind}),
             "checkpoint": settings_fingerprint({readiness_label(f): checkpoint_fingerprint(
-                study.checkpoint(arm, f)) for f in ft.readiness})}
+                study.checkpoint(arm, f)) for f in ft.readiness}),
+            DATA: _task_data(ft)}
 
 
 def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
@@ -189,6 +225,8 @@ def blimp_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
             "probe_settings": settings_fingerprint(probe_settings(study.spec.probe, "latent")),
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
             "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
+            DATA: data_inputs({"blimp.data": study.spec.blimp.data,
+                               "blimp.heldout_store": study.spec.blimp.heldout_store}),
             **({"controls": _control_records(study, arm, frac)} if study.spec.probe.controls
                else {})}
 
@@ -198,7 +236,9 @@ def readout_inputs(study: Study, arm: str, frac: float) -> dict[str, Any]:
     return {"settings": settings_fingerprint(None if r is None else dataclasses.asdict(r)),
             "unigram": UNIGRAM_ESTIMATE, "heldout_store": study.spec.blimp.heldout_store,
             "checkpoint": checkpoint_fingerprint(study.checkpoint(arm, frac)),
-            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study)}
+            "probe": _probe_record(study, arm, frac), "store": store_fingerprint(study),
+            DATA: data_inputs({} if r is None else {f"readout.{k}": getattr(r, k) for k in
+                                                     ("glue", "pairs", "store", "heldout_store")})}
 
 
 def _frac_of(study: Study, arm: str, model: str) -> float | None:
@@ -214,17 +254,22 @@ def is_current(study: Study, kind: str, row: dict[str, Any]) -> bool:
         return False
     if kind == "blimp":
         frac = row.get("readiness")
-        return isinstance(frac, float | int) and \
-            row["fingerprint"] == fingerprint_of(blimp_inputs(study, arm, float(frac)))
-    frac = _frac_of(study, arm, str(row.get("model")))
-    return frac is not None and \
-        row["fingerprint"] == fingerprint_of(readout_inputs(study, arm, frac))
+        if not isinstance(frac, float | int):
+            return False
+        inputs = blimp_inputs(study, arm, float(frac))
+    else:
+        frac = _frac_of(study, arm, str(row.get("model")))
+        if frac is None:
+            return False
+        inputs = readout_inputs(study, arm, frac)
+    return row["fingerprint"] == fingerprint_of(inputs) and same_data(row, inputs)
 
 
 def finetune_is_current(study: Study, arm: str) -> bool:
     """Whether the arm's fine-tuning record was made from the current settings and checkpoints."""
-    record = study.status().get(f"finetune:{arm}", {})
-    return record.get("fingerprint") == fingerprint_of(finetune_inputs(study, arm))
+    record, inputs = study.status().get(f"finetune:{arm}", {}), finetune_inputs(study, arm)
+    return record.get("fingerprint") == fingerprint_of(inputs) and \
+        same_data(record.get("inputs"), inputs)
 
 
 def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -257,7 +257,7 @@ def _blimp(study: Study, arm: str, frac: float) -> str | None:
            "sets": sets, "heldout": heldout, "threads": torch.get_num_threads(),
            **({"controls": controls} if controls else {}),
            "probe": {k: probe.get(k) for k in PROBE_KEYS} if probe else None,
-           "fingerprint": fingerprint_of(inputs)}  # the report reads only current rows
+           "fingerprint": fingerprint_of(inputs), "data": inputs["data"]}  # the report: current
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(row, indent=2) + "\n")
     return None
@@ -331,7 +331,7 @@ def _readout(study: Study, arm: str, frac: float) -> str | None:
     rows = readout(study.checkpoint(arm, frac), spec, name=model_name(arm, frac),
                    scorer_path=scorer, log=study.log)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"arm": arm, "fingerprint": fingerprint_of(inputs)}  # the report reads current rows
+    stamp = {"arm": arm, "fingerprint": fingerprint_of(inputs), "data": inputs["data"]}
     atomic_write_text(path, "".join(json.dumps({**r, **stamp}) + "\n" for r in rows))
     return None
 

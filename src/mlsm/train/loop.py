@@ -278,7 +278,7 @@ def _start_run(run_dir: Path, cfg: RunConfig, resume: str | None, module: TrainM
     run = RunDir(run_dir)
     run.check_folder(resume)
     picked = run.pick(resume, announce=info.is_main) if resume else None
-    run.check_same_run(_plain(cfg), picked, _resolved)
+    run.check_same_run(_plain(cfg), picked, resolved_config)
     inputs = input_fingerprints(cfg)
     if resume:
         run.check_inputs(inputs, picked, announce=info.is_main)
@@ -309,7 +309,7 @@ def _plain(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(config_to_dict(cfg)))
 
 
-def _resolved(old: dict[str, Any]) -> dict[str, Any]:
+def resolved_config(old: dict[str, Any]) -> dict[str, Any]:
     """A saved config with its objective defaults filled in, so that a config.yaml written before
     objectives were saved in full (a partial objective dict) equals its resolved form."""
     try:

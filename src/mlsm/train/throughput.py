@@ -101,6 +101,16 @@ def peak_key(precision: str) -> str:
     return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads | {precision}"
 
 
+MAX_CPU_PEAK = 1e16
+"""FLOP/s no CPU reaches (10 PFLOP/s): a cached peak beyond it, like NaN, inf, zero or a negative
+one (JSON reads `NaN` and `1e999`), is a damaged or forged cache, measured again."""
+
+
+def _plausible_peak(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and \
+        0 < value <= MAX_CPU_PEAK
+
+
 def cpu_peak(precision: str, measure: bool = False) -> float:
     """The CPU's GEMM peak for `precision` ("fp32" or "bf16") at the current thread count, from
     the cache (~/.cache/mlsm/cpu_peaks.json, XDG_CACHE_HOME respected) or measured once and
@@ -118,7 +128,7 @@ def cpu_peak(precision: str, measure: bool = False) -> float:
         cached = cached if isinstance(cached, dict) else {}
     except (OSError, ValueError):
         cached = {}
-    known = cached.get(key) if isinstance(cached.get(key), (int, float)) else None
+    known = cached.get(key) if _plausible_peak(cached.get(key)) else None  # a forged one: measured
     if known is None or measure:
         rate = matmul_rate(torch.bfloat16 if precision == "bf16" else torch.float32)
         known = max(rate, known or 0.0)

@@ -23,7 +23,7 @@ from mlsm.evaluate.compare.stats import (
     Comparison,
     compare_runs,
 )
-from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -156,7 +156,13 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
     guard_output(out_dir, REPORT_KIND, keep=[results_path])  # a user's files are never replaced
     cmp = compare_runs(results_path, per_run=per_run)
     check_baseline(cmp, baseline, results_path)
-    out = Path(out_dir)
+    with files_as_one(out_dir, _writes) as stage:  # tables, figures and report.md of one run
+        _report_into(cmp, results_path, stage, baseline, per_run)
+    return Path(out_dir) / "report.md"
+
+
+def _report_into(cmp: Comparison, results_path: str | Path, out: Path, baseline: str | None,
+                 per_run: bool) -> None:
     cmp.write(out)
     figures = [("Average score vs readiness (Fig. 4)", plot_readiness(cmp, out / "readiness.png")),
                ("One-sided Wilcoxon p-values, row better than column "
@@ -172,6 +178,4 @@ def make_report(results_path: str | Path, out_dir: str | Path, baseline: str | N
              f"models: {', '.join(cmp.models)}; pairs: {pairing}.\n"]
     parts += [f"## {title}\n\n![{title}]({png.name})\n" for title, png in figures]
     parts.append(cmp.to_markdown())
-    path = out / "report.md"
-    atomic_write_text(path, "\n".join(parts))
-    return path
+    atomic_write_text(out / "report.md", "\n".join(parts))

@@ -37,7 +37,7 @@ from mlsm.artifacts.results_file import (
 )
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.paired import too_few
-from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 
 SIGNIFICANCE = 0.01  # the Hitchhikers' Guide marks p < 0.01
 # What Comparison.write puts into an output folder (and the first line of its Markdown).
@@ -190,9 +190,13 @@ class Comparison:
         """``comparison.md``, ``means.csv``, ``pvalues.csv`` (one-sided, row better than column),
         ``pvalues_two_sided.csv`` and ``wins.csv`` in ``out_dir``."""
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        with files_as_one(out, COMPARISON_FILES.__contains__) as stage:  # no mix of two runs
+            written = self._write(stage)
+        return {k: out / p.name for k, p in written.items()}
+
+    def _write(self, out: Path) -> dict[str, Path]:
         paths = {k: out / f"{k}.csv" for k in ("means", "pvalues", "pvalues_two_sided", "wins")}
-        paths["markdown"] = out / "comparison.md"  # first: it marks the folder as mlsm's
+        paths["markdown"] = out / "comparison.md"
         atomic_write_text(paths["markdown"],
                           COMPARISON_HEADINGS["comparison.md"] + "\n\n" + self.to_markdown())
         cis = self.mean_ci is not None

@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import (
-    content_digest,
     differences,
     folder_fingerprint,
+    path_fingerprint,
     require_same,
     settings_fingerprint,
-    tree_files,
 )
 from mlsm.artifacts.results_file import CELL_FIELDS, cell_key
 from mlsm.errors import UserError
@@ -48,8 +47,7 @@ def data_fingerprint(spec: TaskSpec, data_dir: str | Path | None) -> str:
     ``hf:<task>`` for HF datasets, which are named, not hashed."""
     if not data_dir:
         return f"hf:{spec.name}"
-    files = tree_files(task_folder(spec, data_dir))  # links followed: their targets' bytes
-    return settings_fingerprint({name: content_digest(path) for name, path in files.items()})
+    return path_fingerprint(task_folder(spec, data_dir))  # links followed: their targets' bytes
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,19 @@ class ProbeScorer(torch.nn.Module):
 _FIX_HEADS = "restore it from a copy of the checkpoint, or use another checkpoint"
 
 
+def _probe_of(ck: Checkpoint, path: str | Path) -> Checkpoint:
+    """The final checkpoint of `ck`'s probe run, which scores through its own copy of the probed
+    weights: refused in one line when `ck` no longer holds the weights the probe was fitted on
+    (re-trained or replaced in place since: its score would be the old model's)."""
+    probe = Checkpoint.open(ck.probe_run)
+    recorded = (probe.info.get("inputs") or {}).get("objective.checkpoint")
+    if isinstance(recorded, str) and recorded != ck.fingerprint:
+        raise UserError(f"the probe in {ck.probe_run} was fitted on other weights than "
+                        f"{ck.folder} holds now (the checkpoint was re-trained or replaced "
+                        f"since); fit its probe again: mlsm probe {path}")
+    return probe
+
+
 def load_scorer(path: str | Path, device: str | torch.device | None = None) -> tuple[Any, Any]:
     """(scorer, tokenizer) for PLL: an MLSM checkpoint with a probe, or any HF masked-LM folder.
 
@@ -151,7 +164,7 @@ def load_scorer(path: str | Path, device: str | torch.device | None = None) -> t
     heads = ck.heads_meta
     latent_only = heads is not None and "probe" not in heads and not ck.exports_vocab_head
     if latent_only and is_run_dir(ck.probe_run):
-        ck = Checkpoint.open(ck.probe_run)
+        ck = _probe_of(ck, path)
         heads = ck.heads_meta
     if heads is not None and "probe" in heads:
         scorer = ProbeScorer(ck)

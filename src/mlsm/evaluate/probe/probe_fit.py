@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints, remove_checkpoint
+from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.probe_record import write_probe_record
 from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
@@ -349,6 +350,10 @@ def _save_probe(out: Path, module: TrainModule, tokenizer: Any, best: _Candidate
                                 {"step": best.steps},
                                 {"step": best.steps, "readiness": 1.0, "objective": "probe",
                                  "run": str(out),
+                                 # what it probed, by content (`pretrain`'s probes record it
+                                 # too): a scorer refuses it once that checkpoint is replaced
+                                 "inputs": {"objective.checkpoint": folder_fingerprint(
+                                     module.objective.folder)},
                                  "config": {"train": {"steps": best.steps, "readiness": [1.0]},
                                             # the probed checkpoint: what decides its scoring
                                             "objective": objective}})

@@ -36,7 +36,7 @@ from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.blimp_config import BlimpConfig
 from mlsm.evaluate.zeroshot.pll import SentenceTooLong, score_pll
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
-from mlsm.fileio import atomic_write_text
+from mlsm.fileio import atomic_write_text, files_as_one
 from mlsm.hf import first_line
 from mlsm.inputs import loads
 
@@ -428,11 +428,14 @@ def blimp_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BLIMP_FILES = ("blimp.md", "blimp.json")
+"""The files `mlsm blimp --out` writes."""
+
+
 def write_blimp_report(result: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write `blimp.json` (everything in `result`) and `blimp.md` into out_dir; return the paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "blimp.json", "markdown": out / "blimp.md"}
-    atomic_write_text(paths["markdown"], blimp_markdown(result))  # first: it marks the folder
-    atomic_write_text(paths["json"], json.dumps(result, indent=2) + "\n")
-    return paths
+    with files_as_one(out, BLIMP_FILES.__contains__) as stage:  # never a new .md, an old .json
+        atomic_write_text(stage / "blimp.md", blimp_markdown(result))
+        atomic_write_text(stage / "blimp.json", json.dumps(result, indent=2) + "\n")
+    return {"json": out / "blimp.json", "markdown": out / "blimp.md"}

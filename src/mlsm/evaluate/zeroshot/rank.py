@@ -37,7 +37,7 @@ import torch
 
 from mlsm.artifacts.checkpoint import resolve_checkpoint
 from mlsm.errors import UserError
-from mlsm.fileio import atomic_write, atomic_write_text
+from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 from mlsm.hf import first_line
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
@@ -317,13 +317,17 @@ def plot_rank(table: RankTable, path: str | os.PathLike) -> Path:
     return out
 
 
+RANK_FILES = ("rank.md", "rank.csv", "rank.json", "rank.png")
+"""The files `mlsm rank --out` writes."""
+
+
 def write_rank_report(table: RankTable, out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write rank.csv, rank.md, rank.json and rank.png into out_dir; return the paths."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "rank.csv", "markdown": out / "rank.md", "json": out / "rank.json"}
-    atomic_write_text(paths["markdown"], table.to_markdown())  # first: it marks the folder
-    atomic_write_text(paths["csv"], table.to_csv())
-    atomic_write_text(paths["json"], json.dumps(asdict(table), indent=2) + "\n")
-    paths["png"] = plot_rank(table, out / "rank.png")
-    return paths
+    with files_as_one(out, RANK_FILES.__contains__) as stage:  # the figure of the same table
+        atomic_write_text(stage / "rank.md", table.to_markdown())
+        atomic_write_text(stage / "rank.csv", table.to_csv())
+        atomic_write_text(stage / "rank.json", json.dumps(asdict(table), indent=2) + "\n")
+        plot_rank(table, stage / "rank.png")
+    return {"csv": out / "rank.csv", "markdown": out / "rank.md", "json": out / "rank.json",
+            "png": out / "rank.png"}
