@@ -661,3 +661,22 @@ def test_study_rows_name_a_torn_blimp_result_in_one_line(tmp_path: Path) -> None
     (tmp_path / "blimp" / "mlm-s0@100pct.json").write_text('{"arm": "mlm-s0", "readi')
     with pytest.raises(UserError, match=r"mlm-s0@100pct\.json.*--stages blimp"):
         study_rows(tmp_path)
+
+
+def test_a_failed_stage_whose_traceback_cannot_be_written_is_still_recorded(tmp_path: Path
+                                                                             ) -> None:
+    """A stage that fails with an internal error while errors.log cannot be written (a full disk;
+    here a folder in its place) is still recorded as failed, and the console says where its
+    traceback did not go; the write's OSError used to escape the stage runner."""
+    spec = study_from_dict({"out": str(tmp_path / "s"), "corpus": {"sources": ["x.txt"]},
+                            "arms": {"a": {"objective": {"name": "mlm"}}}})
+    lines: list[str] = []
+    study = Study(spec, log=lines.append)
+    (study.root / "errors.log").mkdir(parents=True)
+
+    def broken() -> None:
+        raise RuntimeError("inside a library")
+
+    assert study.stage("pretrain", broken, arm="a") is False
+    assert study.status()["pretrain:a"]["state"] == "failed"
+    assert any("not written to errors.log" in line for line in lines)

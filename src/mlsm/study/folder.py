@@ -244,7 +244,7 @@ class Study:
             self.log(f"[study] {key}: FAILED ({message})")
             self.failures.append((key, message))
             if not isinstance(exc, UserError):
-                (self.root / "errors.log").open("a").write(f"--- {key}\n{traceback.format_exc()}\n")
+                self._log_traceback(key)
             return False
         extra.update(self._fingerprint_record())
         skipped = outcome == "skipped"
@@ -357,6 +357,15 @@ class Study:
         own, children = _cpu_now()
         reported = getattr(self._child_cpu, "seconds", None)
         return own - start[0] + (children - start[1] if reported is None else reported)
+
+    def _log_traceback(self, key: str) -> None:
+        """Append the failed stage's traceback to errors.log; a full disk here must not hide the
+        failure itself, which status.json and the console already carry."""
+        try:
+            with (self.root / "errors.log").open("a", encoding="utf-8") as fh:
+                fh.write(f"--- {key}\n{traceback.format_exc()}\n")
+        except OSError as exc:
+            self.log(f"[study] {key}: its traceback was not written to errors.log ({exc})")
 
     def _append_time(self, stage: str, arm: str | None, seconds: float, cpu: float | None,
                      state: str, error: str = "", extra: dict[str, Any] | None = None) -> None:
