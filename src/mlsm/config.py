@@ -389,7 +389,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                             "or another control character; a value is one line, and a path is "
                             "taken literally: pass one without them")
         try:
-            node[leaf] = yaml.safe_load(text) if text else ""
+            node[leaf] = inputs.parse_yaml(text) if text else ""
         except yaml.YAMLError as exc:
             raise UserError(f"override {pair!r}: the value is not valid YAML "
                             f"({inputs.yaml_problem(exc)}); quote it") from None
