@@ -14,6 +14,7 @@ import errno
 import gzip
 import json
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ def read_text(path: str | os.PathLike, what: str, fix: str) -> str:
     p = Path(path)
     if p.is_dir():
         raise UserError(f"{what} {p} is a folder, not a file; {fix}")
+    check_regular(p, what)
     try:
         data = p.read_bytes()
     except OSError as exc:
@@ -56,6 +58,7 @@ def bounded_lines(path: str | os.PathLike, what: str, limit: int = MAX_DOC_BYTES
     Decoding errors (UnicodeDecodeError, a bad gzip: OSError, EOFError, zlib.error) are left to
     the caller, whose one line names what the file should be."""
     p = Path(path)
+    check_regular(p, "input")
     opener: Callable[..., Any] = gzip.open if p.name.endswith(".gz") else open
     with opener(p, "rt", encoding=encoding, newline="") as f:
         number = 0
@@ -66,6 +69,21 @@ def bounded_lines(path: str | os.PathLike, what: str, limit: int = MAX_DOC_BYTES
                 raise UserError(f"{p}:{number} is longer than {limit:,} characters, the bound of "
                                 f"{what} ({raised_by}); split or cut that line")
             yield number, line
+
+
+def check_regular(path: Path, what: str) -> None:
+    """Refuse a FIFO, socket or device where a file is read: reading a FIFO named
+    checkpoint.json or toy.jsonl waited forever for a writer (a missing path or a folder is left
+    to the caller's own line)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) \
+            else "a device"
+        raise UserError(f"{what} {path} is {kind}, not a file (reading it would wait or never "
+                        "end); pass a regular file")
 
 
 def loads(text: str | bytes) -> Any:
