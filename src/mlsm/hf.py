@@ -354,7 +354,11 @@ def model_positions(folder: str | os.PathLike) -> int | None:
     """The longest input the model at `folder` has absolute positions for (config.json's
     max_position_embeddings, less the pad offset of RoBERTa-like models); None for a model
     without absolute positions (DeBERTa's relative ones) or a config that does not say."""
-    config = _json_object(Path(folder) / "config.json")
+    return positions_of(_json_object(Path(folder) / "config.json"))
+
+
+def positions_of(config: dict[str, Any]) -> int | None:
+    """`model_positions` of a config's dict (`config.json`, or a loaded `config.to_dict()`)."""
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int) or isinstance(positions, bool) or \
             config.get("position_biased_input") is False:
