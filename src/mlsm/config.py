@@ -319,6 +319,9 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     if origin is list and isinstance(value, list):
         (item,) = typing.get_args(hint) or (Any,)
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is str and isinstance(value, str) and "\x00" in value:  # open() raised ValueError
+        raise UserError(f"{where} holds a NUL byte ({ascii(value)}); no name or path can hold one: "
+                        "remove it")
     if origin is Any or isinstance(value, origin):
         if origin is int and isinstance(value, bool):
             raise UserError(f"{where} must be an integer, got {value!r}")
