@@ -1586,6 +1586,186 @@ def _consistency_pretrain_dictionary_naming_no_teacher(tmp, fix):
             f"dictionary {weights} names no teacher")
 
 
+# ---- #52 re-test: bounds at every loader, export sources, paths taken literally
+
+
+def _alias_bomb(levels: int = 7) -> str:
+    """Nested lists of nine aliases each: a few hundred bytes standing for 9**levels values
+    (PyYAML builds shared references; the first reader to walk them expanded them all)."""
+    parts, prev = ["&a [1, 1, 1, 1, 1, 1, 1, 1, 1]"], "a"
+    for i in range(1, levels):
+        name = chr(ord("a") + i)
+        parts.append(f"&{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+        prev = name
+    return "[" + ", ".join(parts) + "]"
+
+
+def _bounds_pretrain_config_yaml_alias_bomb(tmp, fix):
+    config = _write(tmp / "c.yaml", f"train: {{steps: {_alias_bomb()}}}\n")
+    return (["pretrain", "--config", str(config)], [config],
+            ("c.yaml is not valid YAML (its aliases expand to more than 1,000,000 values",
+             "MAX_YAML_NODES"))
+
+
+def _bounds_pretrain_override_alias_bomb(tmp, fix):
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run"), f"train.steps={_alias_bomb()}"],
+            [fix["store_dir"]], "the value is not valid YAML (its aliases expand to more than")
+
+
+def _bounds_study_file_nested_too_deep(tmp, fix):
+    study = _write(tmp / "s.yaml", "out: " + "[" * 100_000 + "\n")
+    return (["study", str(study)], [study], "s.yaml is not valid YAML (nested deeper than")
+
+
+def _bounds_blimp_gzip_of_one_line_beyond_the_document_bound(tmp, fix):
+    """A small gzip of one line longer than MAX_DOC_BYTES: read whole before (a 400 KB gzip of a
+    400 MB line took 1.3 GB), now refused after MAX_DOC_BYTES characters."""
+    import gzip
+
+    from mlsm.limits import MAX_DOC_BYTES
+
+    data = tmp / "blimp"
+    data.mkdir()
+    with gzip.open(data / "toy.jsonl.gz", "wb", compresslevel=1) as f:
+        f.write(b'{"sentence_good": "the cat .", "sentence_bad": "' + b"cat " * (MAX_DOC_BYTES // 4)
+                + b'"}\n')
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(tmp / "b")],
+            [data], ("toy.jsonl.gz:1 is longer than", f"{MAX_DOC_BYTES:,}", "MAX_DOC_BYTES"))
+
+
+def _bounds_rank_sentence_beyond_the_sentence_bound(tmp, fix):
+    """A line of more than MAX_SENTENCE_CHARS was tokenised whole (a 400 MB line of a small gzip
+    took 17 GB before it was killed); now one line, read that far only."""
+    from mlsm.limits import MAX_SENTENCE_CHARS
+
+    text = _write(tmp / "s.txt", "the cat sat .\n" + "cat " * (MAX_SENTENCE_CHARS // 4 + 1) + "\n")
+    return (["rank", str(fix["teacher_dir"]), "--text", str(text), "--out", str(tmp / "r")],
+            [text], ("s.txt:2 is longer than", f"{MAX_SENTENCE_CHARS:,}"))
+
+
+def _bounds_finetune_glue_row_beyond_the_document_bound(tmp, fix):
+    """A TSV row of sixteen million tabs: csv made sixteen million fields of it before."""
+    from mlsm.limits import MAX_DOC_BYTES
+
+    data = _glue(tmp, "index\tsentence1\tsentence2\tlabel\n" + "\t" * (MAX_DOC_BYTES + 1) + "\n")
+    return (_finetune(fix, tmp, data), [data], ("train.tsv:2 is longer than", f"{MAX_DOC_BYTES:,}"))
+
+
+def _bounds_finetune_conll_gzip_of_one_line_beyond_the_document_bound(tmp, fix):
+    import gzip
+
+    from mlsm.limits import MAX_DOC_BYTES
+
+    folder = tmp / "data" / "conll2003"
+    folder.mkdir(parents=True)
+    good = b"EU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n"
+    for split in ("train", "valid", "test"):
+        with gzip.open(folder / f"{split}.txt.gz", "wb", compresslevel=1) as f:
+            f.write(good + (b"x" * (MAX_DOC_BYTES + 1) + b"\n" if split == "train" else b""))
+    return (_finetune(fix, tmp, tmp / "data", tasks="conll2003"), [folder],
+            ("train.txt.gz:4 is longer than", f"{MAX_DOC_BYTES:,}"))
+
+
+def _bounds_finetune_refusal_quoting_a_huge_id_is_clipped(tmp, fix):
+    """A refusal that quotes the user's input (a qrels query-id of 100,000 characters) printed
+    all of it on its one line; the middle is left out now, the file and the fix kept."""
+    folder = tmp / "beir" / "scifact"
+    _write(folder / "corpus.jsonl", '{"_id": "d1", "title": "", "text": "cells"}\n')
+    _write(folder / "queries.jsonl", '{"_id": "q1", "text": "what cells"}\n')
+    _write(folder / "qrels" / "test.tsv", f"query-id\tcorpus-id\tscore\n{'q' * 100_000}\td1\t1\n")
+    return _beir_args(tmp, fix), [folder], ("test.tsv:2: query-id", "characters left out",
+                                            "or add that query to")
+
+
+def _model_with_config(tmp: Path, fix: dict, **changes: object) -> Path:
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    config = json.loads((model / "config.json").read_text())
+    _write(model / "config.json", json.dumps({**config, **changes}))
+    return model
+
+
+def _content_blimp_config_json_size_not_an_integer(tmp, fix):
+    """huggingface_hub's typed config fields raised StrictDataclassFieldValidationError, an
+    internal error."""
+    model, data = _model_with_config(tmp, fix, intermediate_size=1.5), _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            ("cannot load a model", "intermediate_size"))
+
+
+def _content_rank_config_json_zero_attention_heads(tmp, fix):
+    model = _model_with_config(tmp, fix, num_attention_heads=0)
+    text = _write(tmp / "s.txt", "the cat sat .\n")
+    return (["rank", str(model), "--text", str(text), "--out", str(tmp / "r")], [model, text],
+            ("cannot load a model", "modulo by zero"))
+
+
+def _paths_blimp_data_file_is_a_fifo(tmp, fix):
+    """A FIFO named toy.jsonl: blimp waited forever for a writer."""
+    import os
+
+    data = tmp / "blimp"
+    data.mkdir()
+    os.mkfifo(data / "toy.jsonl")
+    return (["blimp", str(fix["teacher_dir"]), "--data", str(data), "--out", str(tmp / "b")],
+            [data], "toy.jsonl is a FIFO, not a file")
+
+
+def _paths_export_tokenizer_is_a_fifo(tmp, fix):
+    """A FIFO named tokenizer.json was left out of the export without a word (exit 0, and the
+    card said it loads with from_pretrained)."""
+    import os
+
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    (ckpt / "tokenizer.json").unlink()
+    os.mkfifo(ckpt / "tokenizer.json")
+    return (["export", str(ckpt), "--out", str(tmp / "export")], [ckpt],
+            "tokenizer.json is a FIFO, not a file")
+
+
+def _paths_export_weights_link_to_nothing(tmp, fix):
+    ckpt = _copy(fix["teacher_dir"], tmp / "ckpt")
+    (ckpt / "vocab.txt").symlink_to(tmp / "gone.txt")
+    return (["export", str(ckpt), "--out", str(tmp / "export")], [ckpt],
+            ("vocab.txt is a link to", "which does not exist"))
+
+
+def _paths_study_out_with_a_line_break(tmp, fix):
+    """A study's out holding a line break: the store stage ran into `st\\nx`, then every run
+    refused its train.out; now refused before any stage."""
+    study = _write(tmp / "s.yaml", f"out: \"{tmp}/st\\nx\"\ncorpus: {{sources: "
+                   f"[{fix['corpus_dir'] / 'a.txt'}]}}\nbase: {{data: {{max_len: 16}}, train: "
+                   "{steps: 1, batch_size: 4}}\nreadiness: [1.0]\narms: {mlm: {objective: "
+                   "{name: mlm}}}\nfinetune: {tasks: []}\n")
+    return (["study", str(study), "--stages", "store", "pretrain"], [tmp],
+            ("st\\nx' holds a line break", "nothing was written"))
+
+
+def _paths_study_out_with_a_nul_byte(tmp, fix):
+    study = _write(tmp / "s.yaml", f"out: \"{tmp}/st\\0x\"\ncorpus: {{sources: "
+                   f"[{fix['corpus_dir'] / 'a.txt'}]}}\n"
+                   "arms: {mlm: {objective: {name: mlm}}}\n")
+    return (["study", str(study)], [tmp], "study.out holds a NUL byte")
+
+
+def _bounds_dictionary_max_len_beyond_the_teacher_positions(tmp, fix):
+    args = _dictionary(fix, tmp / "d")
+    args[args.index("--max-len") + 1] = "100000"
+    return (args, [fix["store_dir"]], ("--max-len 100000 is longer than the",
+                                       "positions of the teacher"))
+
+
+def _bounds_targets_max_len_beyond_the_teacher_positions(tmp, fix):
+    return (_targets(fix, tmp / "t", **{"--max-len": "100000"}), [fix["store_dir"]],
+            ("--max-len 100000 is longer than the", "positions of the teacher"))
+
+
+def _bounds_pretrain_mlsm_max_len_beyond_the_teacher_positions(tmp, fix):
+    extra = {"objective.name": "mlsm", "objective.dictionary": str(fix["dictionary_path"]),
+             "objective.teacher": str(fix["teacher_dir"]), "data.max_len": 100000}
+    return (["pretrain", *_run_args(fix["store_dir"], tmp / "run", **extra)], [fix["store_dir"]],
+            ("data.max_len 100000 is longer than the", "positions of the teacher"))
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
                              "_bounds_"))}

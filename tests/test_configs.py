@@ -25,3 +25,16 @@ def test_recipe_loads_and_objective_validates(path: Path) -> None:
     assert name in {**OBJECTIVES, **INTERNAL}, f"{path}: unknown objective {name!r}"
     assert isinstance(cfg.objective, {**OBJECTIVES, **INTERNAL}[name].Config)
     assert cfg.train.batch_size % (cfg.train.micro_batch_size or cfg.train.batch_size) == 0
+
+
+def test_a_home_folder_in_a_path_key_is_the_home_folder(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train.out=~/runs/x` (the shell leaves `~` after `=` alone) wrote into a folder named `~`
+    below the working folder, while `check_apart` and a study's `out` read `~` as home."""
+    from mlsm.run_config import PATH_KEYS
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    overrides = ["objective.name=mlsm", *(f"{g}.{k}=~/{k}" for g, k in PATH_KEYS)]
+    cfg = load_config(None, overrides)
+    for group, key in PATH_KEYS:
+        assert getattr(getattr(cfg, group), key) == str(tmp_path / key), (group, key)

@@ -320,6 +320,9 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     if origin is list and isinstance(value, list):
         (item,) = typing.get_args(hint) or (Any,)
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is str and isinstance(value, str) and "\x00" in value:  # open() raised ValueError
+        raise UserError(f"{where} holds a NUL byte ({ascii(value)}); no name or path can hold one: "
+                        "remove it")
     if origin is Any or isinstance(value, origin):
         if origin is int and isinstance(value, bool):
             raise UserError(f"{where} must be an integer, got {value!r}")
@@ -390,7 +393,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                             "or another control character; a value is one line, and a path is "
                             "taken literally: pass one without them")
         try:
-            node[leaf] = yaml.safe_load(text) if text else ""
+            node[leaf] = inputs.parse_yaml(text) if text else ""
         except yaml.YAMLError as exc:
             raise UserError(f"override {pair!r}: the value is not valid YAML "
                             f"({inputs.yaml_problem(exc)}); quote it") from None

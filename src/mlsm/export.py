@@ -19,9 +19,12 @@ marks the rest unknown.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +135,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, results: str |
     probe_folder = _find_probe(ck, probe)
     heads_from = Checkpoint.at(probe_folder) if probe_folder else ck
     _ = heads_from.heads_meta  # the card lists its heads: a torn heads.json is one line here
+    _check_links(folder, _to_publish(folder))
+    _check_links(heads_from.folder, _to_publish(heads_from.folder,
+                                                ("heads.safetensors", "heads.json")))
     left_out = sorted(f.name for f in folder.iterdir() if not shipped(f) and f.name not in _OWN)
     if left_out:  # a pickle or a .py found in a checkpoint is not published
         print(f"mlsm: note: left out of the export: {', '.join(left_out)} (only the files an "
               "HF model folder needs are shipped)", file=sys.stderr)
-    _check_links(folder, [f for f in folder.iterdir() if shipped(f)])
-    _check_links(heads_from.folder, [heads_from.folder / n for n in ("heads.safetensors",
-                                                                     "heads.json")])
     with writing(out, EXPORT_KIND), building_dir(out, "export") as tmp:  # one writer
         for f in folder.iterdir():
             if shipped(f):
@@ -197,13 +200,37 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 def _check_links(folder: Path, files: list[Path]) -> None:
     """Refuse a file to publish that is a link resolving outside its checkpoint folder (a
-    tokenizer.json linked to a file elsewhere would copy that file into the publication)."""
+    tokenizer.json linked to a file elsewhere would copy that file into the publication), a link
+    to nothing, or not a regular file (a FIFO or a device named tokenizer.json was left out
+    without a word, and the export said it loads with from_pretrained)."""
     root = folder.resolve()
     for path in files:
+        if path.is_symlink() and not path.exists():
+            raise UserError(f"{path} is a link to {os.readlink(path)}, which does not exist; an "
+                            "export publishes the checkpoint's files: restore it, or remove the "
+                            "link")
         if path.is_symlink() and not path.resolve().is_relative_to(root):
             raise UserError(f"{path} is a link to {path.resolve()}, outside the checkpoint "
                             f"folder {folder}; an export publishes only the checkpoint's own "
                             "files: replace the link by a copy of the file, or remove it")
+        if path.exists() and not path.is_file():
+            raise UserError(f"{path} is {_kind(path)}, not a file; an export copies the "
+                            "checkpoint's files: put the file there, or remove it")
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _to_publish(folder: Path, names: Iterable[str] | None = None) -> list[Path]:
+    """The entries of `folder` an export copies, by name, whatever their kind (`names`, else
+    the SHIPPED names and weight shards), so `_check_links` sees a FIFO or a dangling link."""
+    if names is not None:
+        return [folder / n for n in names if (folder / n).is_symlink() or (folder / n).exists()]
+    return [f for f in folder.iterdir() if f.name in SHIPPED or _SHARD.fullmatch(f.name)]
 
 
 def shipped(path: Path) -> bool:

@@ -35,8 +35,15 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 # What a broken folder raises inside transformers/tokenizers/safetensors (JSONDecodeError is a
 # ValueError; the Rust tokenizers library raises a plain Exception, handled in load_tokenizer).
+# huggingface_hub >= 1.0 validates config fields by type (`intermediate_size: 1.5` in a config.json
+# raised StrictDataclassFieldValidationError, an internal error before); a config.json of
+# `num_attention_heads: 0` raised ZeroDivisionError (ArithmeticError) in its validation.
+try:
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub checks no field
+    StrictDataclassError = ValueError  # type: ignore[misc,assignment]
 _LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError, EOFError,
-                SafetensorError)
+                SafetensorError, StrictDataclassError, ArithmeticError)
 
 
 def first_line(exc: BaseException) -> str:
@@ -347,7 +354,11 @@ def model_positions(folder: str | os.PathLike) -> int | None:
     """The longest input the model at `folder` has absolute positions for (config.json's
     max_position_embeddings, less the pad offset of RoBERTa-like models); None for a model
     without absolute positions (DeBERTa's relative ones) or a config that does not say."""
-    config = _json_object(Path(folder) / "config.json")
+    return positions_of(_json_object(Path(folder) / "config.json"))
+
+
+def positions_of(config: dict[str, Any]) -> int | None:
+    """`model_positions` of a config's dict (`config.json`, or a loaded `config.to_dict()`)."""
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int) or isinstance(positions, bool) or \
             config.get("position_biased_input") is False:

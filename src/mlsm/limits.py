@@ -43,3 +43,13 @@ def transformer_params(vocab_size: int, hidden: int, layers: int, intermediate: 
     per_layer = 4 * hidden * hidden + 4 * hidden + 2 * hidden * intermediate + hidden \
         + intermediate + 4 * hidden
     return (vocab_size + positions) * hidden + layers * per_layer
+
+MAX_YAML_BYTES = 4 << 20
+"""The largest YAML file read (a recipe, a study file, a run's config.yaml; mlsm's are a few KB),
+in bytes, checked before it is read: PyYAML parses in pure Python, megabytes a second."""
+
+MAX_YAML_NODES = 1_000_000
+"""The most values a YAML document may hold once its aliases are expanded: nine nested lists of
+nine aliases each (`&a [x, ...]`, `&b [*a, ...]`, ...), a few hundred bytes, stand for 387 million
+values; the first reader that walked them (a type check printing the value) died in MemoryError
+after 47 s."""

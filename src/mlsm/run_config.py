@@ -12,6 +12,7 @@ groups from the schema without a circle.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,24 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     groups = {name: build_dataclass(cls, raw.get(name, {}) or {}, name)
               for name, cls in GROUPS.items()}
     cfg = RunConfig(objective=resolve_objective(raw.get("objective")), **groups)
+    _expand_home(cfg)
     check_config(cfg)
     return cfg
+
+
+# The keys that name a file or folder. `~` in them means the home folder, as in a flag (the shell
+# expands it there) and in a study's `out`: `train.out=~/runs/x` wrote into a folder named `~`
+# below the working folder, while the checks of `check_apart` looked at the home folder.
+PATH_KEYS = (("data", "store"), ("train", "out"), ("model", "init_from"), ("model", "config"),
+             ("objective", "dictionary"), ("objective", "teacher"), ("objective", "targets"))
+
+
+def _expand_home(cfg: RunConfig) -> None:
+    for group, key in PATH_KEYS:
+        node = getattr(cfg, group)
+        value = getattr(node, key, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(node, key, os.path.expanduser(value))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

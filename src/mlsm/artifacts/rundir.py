@@ -35,7 +35,7 @@ from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import field_problem, read_json
+from mlsm.inputs import field_problem, parse_yaml, read_json
 
 RUN_MARKER = "run.json"
 _TAIL_BYTES = 1 << 16  # far more than a few metrics rows (each well under 1 KiB)
@@ -137,7 +137,7 @@ class RunDir:
         if config_yaml.is_file():
             # a damaged config.yaml is rewritten; the checkpoint's copy still decides
             with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):
-                refs.append((config_yaml, yaml.safe_load(config_yaml.read_text(encoding="utf-8"))))
+                refs.append((config_yaml, parse_yaml(config_yaml.read_text(encoding="utf-8"))))
         if picked is not None:
             refs.append((picked[0] / ckpt.COMPLETE, picked[1]["config"]))
         for where, old in refs:

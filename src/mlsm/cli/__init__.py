@@ -101,7 +101,17 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """The error on one line, its middle left out past ERROR_CHARS characters: a refusal that
+    quotes the user's input (a 10 MB qrels id, a 16 MB answer text) printed all of it; the start
+    names the file and the problem, the end the fix, so both are kept."""
+    line = " ".join(str(exc).split()) or type(exc).__name__
+    if len(line) <= ERROR_CHARS:
+        return line
+    head, tail = ERROR_CHARS * 2 // 3, ERROR_CHARS // 3
+    return f"{line[:head]} [... {len(line) - head - tail:,} characters left out ...] {line[-tail:]}"
+
+
+ERROR_CHARS = 2000
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,10 +125,13 @@ def _differs(out: Path, cfg: Any) -> bool:
     import yaml
 
     from mlsm.config import config_to_dict
+    from mlsm.inputs import read_yaml
 
     volatile = ("threads", "device", "signal_exit_zero", "eval_every", "eval_batches")
-    saved = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    saved = read_yaml(out / "config.yaml", "run config", f"delete {out} to start over")
     now = yaml.safe_load(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    if not isinstance(saved, dict):  # not one mlsm wrote: the run is not this one
+        return True
     for config in (saved, now):
         for key in volatile:
             config.get("train", {}).pop(key, None)

@@ -97,6 +97,7 @@ class FeatureKD(Objective):
         check_feature_kd_options(cfg)
         self.kind = cfg.loss
         self.teacher = load_teacher(cfg.teacher or None, cfg.layer, device=ctx.device)
+        self.teacher.check_length(ctx.max_len, "data.max_len")
         require_same_tokenizer(self.teacher.tokenizer, tokenizer_hash(ctx.tokenizer),
                                ctx.store_path)
 

@@ -98,6 +98,7 @@ class TargetCoder:
         self.teacher = load_teacher(cfg.teacher or None, layer, device=ctx.device,
                                     init=cfg.teacher_init, seed=cfg.teacher_seed)
         self.dictionary.check_teacher(self.teacher)
+        self.teacher.check_length(ctx.max_len, "data.max_len")
         store_hash = tokenizer_hash(ctx.tokenizer)
         require_same_tokenizer(self.teacher.tokenizer, store_hash, ctx.store_path)
         self.lam = cfg.lam or self.dictionary.lam

@@ -87,7 +87,9 @@ class MLSMNaive(Objective):
                             f"0..{n_layers}; set objective.layer")
         # the checks of every other latent objective (d, layer, init, the teacher's weights):
         # the truncated Teacher is loaded once more for them, then dropped
-        self.dictionary.check_teacher(load_teacher(cfg.teacher or None, self.layer))
+        teacher = load_teacher(cfg.teacher or None, self.layer)
+        self.dictionary.check_teacher(teacher)
+        teacher.check_length(ctx.max_len, "data.max_len")
         self._teacher = (model.to(ctx.device),)  # a tuple: frozen, not a submodule of the objective
         self.lam = cfg.lam or self.dictionary.lam
         self.atoms = self.dictionary.atoms.float()  # (d, k)

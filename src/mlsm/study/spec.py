@@ -459,6 +459,11 @@ def load_study(path: str | Path, out: str | None = None) -> StudySpec:
     raw = read_yaml(p, "study file", "fix it (see studies/*.yaml)") or {}
     spec = relative_to(study_from_dict(raw, str(p), p.parent), p.parent)
     folder = out or spec.out or str(p.parent / p.stem)
+    if not folder.isprintable():  # every run's train.out lies inside it: refused before any stage
+        flag = "--out" if out else f"{p}: out"
+        raise UserError(f"{flag} {ascii(folder)} holds a line break or another control "
+                        "character; a path is taken literally: pass one without them (nothing "
+                        "was written)")
     return dataclasses.replace(spec, out=str(Path(folder).expanduser()))
 
 

@@ -92,6 +92,7 @@ def collect_vectors(teacher: Teacher, store: Any, n: int, max_len: int = 128, se
         raise UserError(f"need at least 1 vector (got n={n}); pass a positive --n-vectors")
     if sampling not in SAMPLINGS:
         raise UserError(f"unknown sampling {sampling!r}; valid: {', '.join(SAMPLINGS)}")
+    teacher.check_length(max_len, "--max-len")
     tokens, offsets = _store_for(teacher, store)
     rng = np.random.default_rng(seed)
     width = max(1, max_len - 2)  # room for the teacher's [CLS] … [SEP]

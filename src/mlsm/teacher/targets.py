@@ -345,6 +345,7 @@ def build_target_store(store_path: str | Path, dictionary: Dictionary | str | Pa
         dictionary = load_dictionary(dictionary)
     require_same_tokenizer(teacher.tokenizer, store.tokenizer_hash, str(store_path))
     dictionary.check_teacher(teacher)  # after the store's check, which `mlsm dictionary` shares
+    teacher.check_length(max_len, "--max-len")
     check_token_ids(store.tokens, teacher.vocab_size, store_path,
                     f"teacher {teacher.name or ''}".strip())
     if nnz is not None and not 1 <= nnz <= dictionary.k:

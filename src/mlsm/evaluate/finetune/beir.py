@@ -11,7 +11,6 @@ file, the line and the fix.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import zlib
@@ -21,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.errors import UserError
-from mlsm.inputs import loads
-from mlsm.limits import MAX_DOC_BYTES, MAX_QRELS_GRADE
+from mlsm.inputs import bounded_lines, loads
+from mlsm.limits import MAX_QRELS_GRADE
 
 Qrels = dict[str, dict[str, int]]  # query id -> {document id: relevance grade}
 
@@ -40,19 +39,12 @@ class BeirSplit:
 
 def _open_text(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line) of a UTF-8 text file, gzipped or not; one line on an unreadable file
-    or on a line longer than MAX_DOC_BYTES characters (read that far only, never held whole: a
-    200 MB document ran the process out of memory)."""
-    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
+    or on a line longer than MAX_DOC_BYTES characters (`inputs.bounded_lines`: read that far
+    only, never held whole: a 200 MB document ran the process out of memory)."""
     number = 0
     try:
-        with opener(path, "rt", encoding="utf-8", newline="") as f:
-            while line := f.readline(MAX_DOC_BYTES + 1):
-                number += 1
-                if len(line) > MAX_DOC_BYTES:
-                    raise UserError(f"{path}:{number} is longer than {MAX_DOC_BYTES:,} "
-                                    "characters, the bound of a document or query "
-                                    "(mlsm.limits.MAX_DOC_BYTES); split or cut that line")
-                yield number, line.rstrip("\r\n")
+        for number, line in bounded_lines(path, "a document or query"):
+            yield number, line
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:
         raise UserError(f"{path}:{number + 1} cannot be read as UTF-8 text "
                         f"({' '.join(str(exc).split())}); expected a BEIR file "

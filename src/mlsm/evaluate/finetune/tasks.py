@@ -16,7 +16,6 @@ GLUE test sets are unlabeled, so every task is scored on its dev split(s).
 from __future__ import annotations
 
 import csv
-import gzip
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ from mlsm.evaluate.finetune.task_metrics import (
     metric_mcc,
     metric_pearson_spearman,
 )
-from mlsm.inputs import read_text
+from mlsm.inputs import bounded_lines, read_text
 
 
 @dataclass(frozen=True)
@@ -61,9 +60,9 @@ Reader = Callable[[Path, str], list[Any]]
 
 def read_tsv(path: Path) -> list[list[str]]:
     """All rows of a GLUE TSV (BOM stripped; quotes are literal characters)."""
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:  # each line read up to MAX_DOC_BYTES only (a line of 100 MB of tabs: 100M fields)
+        lines = (line for _, line in bounded_lines(path, "a TSV row", encoding="utf-8-sig"))
+        return list(csv.reader(lines, delimiter="\t", quoting=csv.QUOTE_NONE))
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text (byte {exc.start}); expected a GLUE TSV "
                         "file, point --data-dir at the GLUE folders") from None
@@ -209,10 +208,8 @@ CONLL_TAGS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC
 
 
 def _conll_lines(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            return f.read().splitlines()
+    try:  # each line read up to MAX_DOC_BYTES only
+        return [line for _, line in bounded_lines(path, "a CoNLL line")]
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as exc:  # OSError: BadGzipFile
         raise UserError(f"{path} is not CoNLL text ({' '.join(str(exc).split())}); point "
                         "--data-dir at the conll2003 folder") from None

@@ -23,7 +23,6 @@ config per UID) when the hub is reachable.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import zlib
@@ -38,7 +37,7 @@ from mlsm.evaluate.zeroshot.pll import SentenceTooLong, score_pll
 from mlsm.evaluate.zeroshot.unigram import UnigramControl, pair_credit
 from mlsm.fileio import atomic_write_text, files_as_one
 from mlsm.hf import first_line
-from mlsm.inputs import loads
+from mlsm.inputs import bounded_lines, loads
 
 HF_NAMES = ("blimp", "nyu-mll/blimp")
 _FIX_DATA = "point --data at a folder of BLiMP <UID>.jsonl(.gz) files (e.g. ../shared/data/blimp)"
@@ -80,21 +79,19 @@ def _stem(path: Path) -> str:
 
 def _read_file(path: Path) -> list[BlimpPair]:
     """Parse one paradigm file; every bad line is a UserError naming file and line."""
-    opener = gzip.open if path.name.endswith(".gz") else open
     pairs = []
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = loads(line)
-                if (not isinstance(row, dict) or not isinstance(row.get("sentence_good"), str)
-                        or not isinstance(row.get("sentence_bad"), str)):
-                    raise UserError(
-                        f"{path}:{number} is not a BLiMP row: each JSON line needs "
-                        f"sentence_good and sentence_bad as text; {_FIX_DATA}"
-                    )
-                pairs.append(_pair(row, _stem(path), number - 1))
+    try:  # a line is read up to MAX_DOC_BYTES only (a gzip of one 400 MB line took 1.3 GB)
+        for number, line in bounded_lines(path, "a BLiMP line"):
+            if not line.strip():
+                continue
+            row = loads(line)
+            if (not isinstance(row, dict) or not isinstance(row.get("sentence_good"), str)
+                    or not isinstance(row.get("sentence_bad"), str)):
+                raise UserError(
+                    f"{path}:{number} is not a BLiMP row: each JSON line needs "
+                    f"sentence_good and sentence_bad as text; {_FIX_DATA}"
+                )
+            pairs.append(_pair(row, _stem(path), number - 1))
     # OSError: BadGzipFile
     except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError, zlib.error) as err:
         raise UserError(f"{path} is not JSON lines ({first_line(err)}): {_FIX_DATA}") from None

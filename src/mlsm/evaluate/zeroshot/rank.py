@@ -23,7 +23,6 @@ Memory is bounded: per layer and condition only the Gram matrix H^T H (d, d) is 
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import json
 import os
@@ -39,6 +38,8 @@ from mlsm.artifacts.checkpoint import resolve_checkpoint
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 from mlsm.hf import first_line
+from mlsm.inputs import bounded_lines
+from mlsm.limits import MAX_SENTENCE_CHARS
 
 CONDITIONS = ("unmasked", "masked_all", "masked_mask", "masked_real")
 # Tolerance on the cumulative energy ratio so that a spectrum reaching tau exactly (up to rounding)
@@ -281,10 +282,14 @@ def read_sentences(path: str | os.PathLike, limit: int | None = None) -> list[st
     p = Path(path)
     if not p.is_file():
         raise UserError(f"text file {p} not found: pass --text FILE with one sentence per line")
-    opener = gzip.open if p.name.endswith(".gz") else open
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            lines = [line.strip() for line in f if line.strip()]
+    lines: list[str] = []
+    try:  # each line read up to MAX_SENTENCE_CHARS only: a gzip of one 400 MB line took 17 GB
+        for _, line in bounded_lines(p, "a sentence", MAX_SENTENCE_CHARS,
+                                     "mlsm.limits.MAX_SENTENCE_CHARS"):
+            if limit is not None and len(lines) >= limit:
+                break
+            if line.strip():
+                lines.append(line.strip())
     except (UnicodeDecodeError, OSError, EOFError, zlib.error) as err:  # OSError: gzip.BadGzipFile
         raise UserError(f"{p} is not readable UTF-8 text ({first_line(err)}): pass "
                         "a .txt or .txt.gz") from None
