@@ -1684,6 +1684,14 @@ def _model_with_config(tmp: Path, fix: dict, **changes: object) -> Path:
     return model
 
 
+def _content_blimp_config_json_claims_fewer_layers_than_its_weights(tmp, fix):
+    """num_hidden_layers: 0 beside weights of more layers loaded an encoder of no layer and
+    scored it, exit 0 (the parameter check compares only a config that claims too much)."""
+    model, data = _model_with_config(tmp, fix, num_hidden_layers=0), _blimp_dir(tmp, GOOD_PAIR)
+    return (["blimp", str(model), "--data", str(data), "--out", str(tmp / "b")], [model, data],
+            ("says num_hidden_layers = 0 but model.safetensors holds", "encoder layers"))
+
+
 def _content_blimp_config_json_size_not_an_integer(tmp, fix):
     """huggingface_hub's typed config fields raised StrictDataclassFieldValidationError, an
     internal error."""

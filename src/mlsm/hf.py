@@ -265,7 +265,12 @@ def check_parts_agree(folder: Path) -> None:
     refused) or more than `MAX_MODEL_PARAMS`."""
     config = _json_object(folder / "config.json")
     estimate = estimate_params(config)
-    weights = _safetensors_params(folder / "model.safetensors")
+    weights, layers = _safetensors_params(folder / "model.safetensors")
+    claimed = config.get("num_hidden_layers")
+    if layers and isinstance(claimed, int) and not isinstance(claimed, bool) and claimed != layers:
+        raise UserError(f"{folder}: its config.json says num_hidden_layers = {claimed} but "
+                        f"model.safetensors holds {layers} encoder layers; restore the "
+                        "config.json the weights were saved with")
     if estimate is not None and weights is not None and estimate > 2 * weights + 1_000_000:
         raise UserError(f"{folder}: its config.json describes a model of about {estimate:,} "
                         f"parameters but model.safetensors holds {weights:,}; restore the "
@@ -306,17 +311,27 @@ def estimate_params(config: dict[str, Any]) -> int | None:
     return transformer_params(*sizes)
 
 
-def _safetensors_params(path: Path) -> int | None:
-    """How many numbers model.safetensors holds, from its header (nothing else is read); None
-    without one. A torn header, or one whose tensors run past the file's end, is one line."""
+_LAYER_KEY = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+"""A weight of encoder layer N: `bert.encoder.layer.N.`, `layers.N.` (ModernBERT), ..."""
+
+
+def _safetensors_params(path: Path) -> tuple[int | None, int]:
+    """How many numbers model.safetensors holds, from its header (nothing else is read), and how
+    many encoder layers its tensor names number (0 when they number none, e.g. a decoder-only
+    name scheme this does not know); (None, 0) without the file. A torn header, or one whose
+    tensors run past the file's end, is one line."""
     if not path.is_file():
-        return None
+        return None, 0
     try:
         with safe_open(str(path), "pt") as fh:
-            return sum(_numel(fh.get_slice(k).get_shape()) for k in fh.keys())  # noqa: SIM118
+            names = list(fh.keys())
+            params = sum(_numel(fh.get_slice(k).get_shape()) for k in names)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{path} is damaged or not a safetensors file ({first_line(exc)}); "
                         "restore it from a copy or re-export the model folder") from None
+    layers = {m.group(1) for name in names if "decoder" not in name
+              for m in [_LAYER_KEY.search(name)] if m}
+    return params, len(layers)
 
 
 def _numel(shape: list[int]) -> int:
