@@ -934,7 +934,7 @@ def _content_study_report_metrics_row_not_an_object(tmp, fix):
     study = _study(tmp, fix, "arms: {a: {objective: {name: mlm}}}\n")
     rows = _write(tmp / "study" / "runs" / "a" / "metrics.jsonl",
                   '{"step": 1, "loss": 7.5}\n[1, 7.4]\n')
-    return ["study", "report", str(study)], [rows], "metrics.jsonl:2 is not a row the study wrote"
+    return ["study", "report", str(study)], [rows], "metrics.jsonl:2 is not a row mlsm logged"
 
 
 def _content_study_status_entry_not_an_object(tmp, fix):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mlsm.errors import Incomplete
-from mlsm.study.report import blimp_rows
+from mlsm.study.reuse import blimp_rows
 from mlsm.study.runner import STAGES, Study, run_study
 from mlsm.study.spec import StudySpec, study_from_dict
 from tests.helpers import TINY_MODEL

@@ -34,7 +34,7 @@ from mlsm.evaluate.compare.paired import p_text
 from mlsm.evaluate.zeroshot.blimp import WORD_ORDER_PAIRS, pair_set_test
 from mlsm.fileio import atomic_write_text
 from mlsm.study.folder import Study
-from mlsm.study.report import blimp_rows
+from mlsm.study.reuse import blimp_rows
 from mlsm.study.runner import run_study
 from mlsm.study.spec import StudySpec, readiness_label, study_from_dict
 

@@ -38,6 +38,8 @@ from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem, parse_yaml, read_json
 
 RUN_MARKER = "run.json"
+_METRICS_ROW = {"step": "number", "loss": "number", "tokens": "number?", "tokens_per_s": "number?"}
+"""What a reader of the metrics log uses of each row."""
 _TAIL_BYTES = 1 << 16  # far more than a few metrics rows (each well under 1 KiB)
 # What makes two configs the same run: everything that changes the weights. Device, threads,
 # precision, micro-batching, logging and checkpoint cadence may change on resume.
@@ -175,6 +177,20 @@ class RunDir:
             if wrong:
                 raise UserError(f"{self.metrics}:{number} is not a row mlsm logged ({wrong}); "
                                 f"{fix}")
+
+    def metric_rows(self, warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """The logged rows of metrics.jsonl (none before the first), each checked to carry what
+        readers plot: a numeric step and loss (tokens, tokens_per_s numeric where present). A
+        line torn by a crash is skipped and named to `warn`; any other row is one line naming
+        the file and line."""
+        fix = "fix or remove that line"
+        found = read_jsonl(self.metrics, "metrics log", fix, warn=warn, torn_only_ok=True)
+        for number, row in found.rows:
+            wrong = field_problem(row, _METRICS_ROW)
+            if wrong:
+                raise UserError(f"{self.metrics}:{number} is not a row mlsm logged ({wrong}); "
+                                f"{fix}")
+        return [row for _, row in found.rows]
 
     # ------------------------------------------------------------------ writing
 

@@ -19,16 +19,15 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import git_revision, invocation, machine_description
-from mlsm.errors import UserError
 from mlsm.evaluate.compare.paired import p_text, too_few
 from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
-from mlsm.inputs import field_problem, is_number, read_json
+from mlsm.inputs import is_number
 from mlsm.study import reuse
 from mlsm.study.folder import REPORT_OUTPUTS, Study, pretrain_done
+from mlsm.study.reuse import blimp_rows
 from mlsm.study.spec import readiness_label
 
 
@@ -38,11 +37,8 @@ def _save(fig: Figure, path: Path) -> str:
     return path.name
 
 
-_METRICS_ROW = {"step": "number", "loss": "number", "tokens": "number?", "tokens_per_s": "number?"}
-
-
 def _metrics(study: Study, arm: str) -> list[dict[str, Any]]:
-    return _jsonl(study, study.run_dir(arm) / "metrics.jsonl", _METRICS_ROW)
+    return RunDir(study.run_dir(arm)).metric_rows(warn=lambda m: study.log(f"[study] warning: {m}"))
 
 
 def plot_pretraining(study: Study, path: Path) -> str | None:
@@ -138,49 +134,6 @@ def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
         key = (row["stage"], row["arm"])
         times[key] = times.get(key, 0.0) + float(row["seconds"])
     return times
-
-
-def _jsonl(study: Study, path: Path, fields: dict[str, str]) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file the study appends to (`read_jsonl`: a line torn by a killed
-    writer is skipped with a warning; any other line that is not JSON is a one-line error); a row
-    that is not an object with `fields` ({key: "number" | "text", "?" = may be missing or null})
-    is a one-line error naming the file and line."""
-    found = read_jsonl(path, "study log", "remove or fix that line",
-                       warn=lambda text: study.log(f"[study] warning: {text}"))
-    for number, row in found.rows:
-        wrong = field_problem(row, fields)
-        if wrong:
-            raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); remove or "
-                            "fix that line")
-    return [row for _, row in found.rows]
-
-
-def blimp_rows(study: Study) -> list[dict[str, Any]]:
-    folder = study.root / "blimp"
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    # the blimp stage skips a model whose file exists, so a torn one must be deleted to redo it
-    fix = "delete it and run the study with --stages blimp to score that model again"
-    rows = [read_json(p, "BLiMP result", fix) for p in files]
-    for path, row in zip(files, rows, strict=True):
-        wrong = _blimp_row_problem(row)
-        if wrong:
-            raise UserError(f"BLiMP result {path} is not one the study wrote ({wrong}); {fix}")
-    return reuse.current_rows(study, "blimp", rows)
-
-
-def _blimp_row_problem(row: dict[str, Any]) -> str | None:
-    """What is wrong with the shape of a BLiMP result file (hand-edited, or another tool's), or
-    None: the report reads these fields and must not die on a KeyError deep inside."""
-    wrong = field_problem(row, {"arm": "text", "readiness": "number", "overall": "number",
-                                 "n_pairs": "number", "sets": "object", "heldout": "object?",
-                                 "probe": "object?"})
-    if wrong or not row["sets"]:
-        return wrong or "'sets' must map each pair set to its scores"
-    for name, one in row["sets"].items():
-        phenomena = one.get("phenomena") if isinstance(one, dict) else None
-        if not isinstance(phenomena, dict) or not all(map(is_number, phenomena.values())):
-            return f"sets.{name}.phenomena must map each phenomenon to its accuracy"
-    return None
 
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],

@@ -30,6 +30,8 @@ from mlsm.artifacts.fingerprint import (
 from mlsm.artifacts.probe_record import record_path
 from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
+from mlsm.errors import UserError
+from mlsm.inputs import field_problem, is_number, read_json
 from mlsm.study.folder import _VOLATILE, DATA, Study, fingerprint_of, same_data
 from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
@@ -296,3 +298,33 @@ def supersede_stale_finetuning(study: Study) -> None:
     what is left."""
     for arm in stale_finetuning(study):
         study.supersede_rows(arm)
+
+
+def blimp_rows(study: Study) -> list[dict[str, Any]]:
+    """The BLiMP stage's result files (blimp/*.json), each checked to have the shape readers
+    use, those made from other inputs or settings left out (`current_rows`)."""
+    folder = study.root / "blimp"
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    # the blimp stage skips a model whose file exists, so a torn one must be deleted to redo it
+    fix = "delete it and run the study with --stages blimp to score that model again"
+    rows = [read_json(p, "BLiMP result", fix) for p in files]
+    for path, row in zip(files, rows, strict=True):
+        wrong = _blimp_row_problem(row)
+        if wrong:
+            raise UserError(f"BLiMP result {path} is not one the study wrote ({wrong}); {fix}")
+    return current_rows(study, "blimp", rows)
+
+
+def _blimp_row_problem(row: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a BLiMP result file (hand-edited, or another tool's), or
+    None: the report reads these fields and must not die on a KeyError deep inside."""
+    wrong = field_problem(row, {"arm": "text", "readiness": "number", "overall": "number",
+                                 "n_pairs": "number", "sets": "object", "heldout": "object?",
+                                 "probe": "object?"})
+    if wrong or not row["sets"]:
+        return wrong or "'sets' must map each pair set to its scores"
+    for name, one in row["sets"].items():
+        phenomena = one.get("phenomena") if isinstance(one, dict) else None
+        if not isinstance(phenomena, dict) or not all(map(is_number, phenomena.values())):
+            return f"sets.{name}.phenomena must map each phenomenon to its accuracy"
+    return None
