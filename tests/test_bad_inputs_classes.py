@@ -1774,6 +1774,30 @@ def _bounds_pretrain_mlsm_max_len_beyond_the_teacher_positions(tmp, fix):
             ("data.max_len 100000 is longer than the", "positions of the teacher"))
 
 
+def _bounds_compare_results_line_beyond_the_row_bound(tmp, fix):
+    """A results.jsonl whose last line is one 'row' longer than MAX_ROW_BYTES: read whole
+    before, and skipped as torn (exit 0); refused now after MAX_ROW_BYTES bytes."""
+    from mlsm.limits import MAX_ROW_BYTES
+
+    results = _write(tmp / "r.jsonl", _rows('{"model": "' + "a" * MAX_ROW_BYTES + "\n"))
+    return (["compare", str(results), "--out", str(tmp / "c")], [results],
+            ("r.jsonl:7 is longer than", f"{MAX_ROW_BYTES:,} bytes", "MAX_ROW_BYTES"))
+
+
+def _bounds_rank_tokenizer_json_beyond_the_model_json_bound(tmp, fix):
+    """A model folder's tokenizer.json of hundreds of MB (sparse here: no disk is used) was read
+    whole by the vocabulary check; refused now from its size, before it is read."""
+    import os
+
+    from mlsm.limits import MAX_MODEL_JSON_BYTES
+
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    os.truncate(model / "tokenizer.json", MAX_MODEL_JSON_BYTES + 1)
+    text = _write(tmp / "s.txt", "the cat sat .\n")
+    return (["rank", str(model), "--text", str(text), "--out", str(tmp / "r")], [model, text],
+            ("tokenizer.json is", f"beyond the {MAX_MODEL_JSON_BYTES:,}", "MAX_MODEL_JSON_BYTES"))
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
                              "_bounds_"))}

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from mlsm import inputs
 from mlsm.errors import UserError
-from mlsm.limits import MAX_MODEL_PARAMS, transformer_params
+from mlsm.limits import MAX_MODEL_JSON_BYTES, MAX_MODEL_PARAMS, transformer_params
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -56,7 +56,8 @@ def read_json(path: Path) -> Any:
     """A JSON file of a model folder or checkpoint, any top level (mlsm.inputs.read_json, whose
     shape checks its callers add); torn or binary content is one UserError."""
     return inputs.read_json(path, "model file", "restore the file or re-export the model folder",
-                            kind=object)
+                            kind=object, limit=MAX_MODEL_JSON_BYTES,
+                            raised_by="mlsm.limits.MAX_MODEL_JSON_BYTES")
 
 
 def _check_json(path: Path) -> None:
