@@ -16,7 +16,6 @@ three promises hold everywhere (docs/reliability.md, "Nobody in"):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -130,9 +129,9 @@ def quiet_head_mismatch(folder: str | os.PathLike, with_head: bool) -> Iterator[
     (with_head=False: a teacher, a fine-tuning backbone) reports the unused head. Other folders
     keep the report.
     """
-    try:
-        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
+    try:  # bounded like every model file (read_json); a torn one is the loader's to report
+        archs = _json_object(Path(folder) / "config.json").get("architectures") or []
+    except (UserError, OSError, ValueError):
         archs = []
     bare = bool(archs) and all(str(a).endswith("Model") for a in archs)
     if not archs or bare != with_head:
