@@ -77,6 +77,7 @@ HINTS_SAME_AS = {
     "reuse_targets_dictionary_pair_of_two_learnings": "content_targets_dictionary_truncated",
     "consistency_pretrain_dictionary_naming_no_teacher":
         "consistency_targets_dictionary_naming_no_teacher",
+    "paths_pretrain_config_store_with_a_terminal_escape": "paths_probe_store_missing",
     "prepare_torn_store_no_overwrite": "store_torn_meta",
     "store_missing_offsets": "store_torn_meta",
     "store_offsets_inconsistent": "store_torn_meta",

@@ -14,6 +14,7 @@ assert a one-line `UserError`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -1774,6 +1775,63 @@ def _bounds_pretrain_mlsm_max_len_beyond_the_teacher_positions(tmp, fix):
             ("data.max_len 100000 is longer than the", "positions of the teacher"))
 
 
+def _bounds_compare_results_line_beyond_the_row_bound(tmp, fix):
+    """A results.jsonl whose last line is one 'row' longer than MAX_ROW_BYTES: read whole
+    before, and skipped as torn (exit 0); refused now after MAX_ROW_BYTES bytes."""
+    from mlsm.limits import MAX_ROW_BYTES
+
+    results = _write(tmp / "r.jsonl", _rows('{"model": "' + "a" * MAX_ROW_BYTES + "\n"))
+    return (["compare", str(results), "--out", str(tmp / "c")], [results],
+            ("r.jsonl:7 is longer than", f"{MAX_ROW_BYTES:,} bytes", "MAX_ROW_BYTES"))
+
+
+def _bounds_rank_tokenizer_json_beyond_the_model_json_bound(tmp, fix):
+    """A model folder's tokenizer.json of hundreds of MB (sparse here: no disk is used) was read
+    whole by the vocabulary check; refused now from its size, before it is read."""
+    import os
+
+    from mlsm.limits import MAX_MODEL_JSON_BYTES
+
+    model = _copy(fix["teacher_dir"], tmp / "model")
+    os.truncate(model / "tokenizer.json", MAX_MODEL_JSON_BYTES + 1)
+    text = _write(tmp / "s.txt", "the cat sat .\n")
+    return (["rank", str(model), "--text", str(text), "--out", str(tmp / "r")], [model, text],
+            ("tokenizer.json is", f"beyond the {MAX_MODEL_JSON_BYTES:,}", "MAX_MODEL_JSON_BYTES"))
+
+
+# Paths are taken literally or refused: a control character in any flag or positional is one
+# line naming it (`cli.args.control_problem`), and a refusal never prints one raw (`printable`).
+_CONTROL_REFUSED = "holds a line break or another control character"
+
+
+def _paths_compare_out_with_a_terminal_escape(tmp, fix):
+    """--out holding ESC: compare wrote a folder of that name (exit 0)."""
+    results = _write(tmp / "r.jsonl", _rows())
+    return (["compare", str(results), "--out", f"{tmp}/c\x1b[31mx"], [tmp],
+            ("argument --out: ", "c\\x1b[31mx'", _CONTROL_REFUSED))
+
+
+def _paths_targets_store_with_a_nul_byte(tmp, fix):
+    """--store holding NUL: refused as "not found", with the NUL printed raw in the fix."""
+    return (_targets(fix, tmp / "t", **{"--store": f"{fix['store_dir']}\0x"}),
+            [fix["store_dir"]], ("argument --store: ", "\\x00x'", _CONTROL_REFUSED))
+
+
+def _paths_blimp_model_with_a_line_break(tmp, fix):
+    """A positional (the model) holding a line break, the last character of a pasted path."""
+    return (["blimp", f"{fix['teacher_dir']}\n", "--out", str(tmp / "b")], [fix["teacher_dir"]],
+            ("argument model: ", "\\n'", _CONTROL_REFUSED))
+
+
+def _paths_pretrain_config_store_with_a_terminal_escape(tmp, fix):
+    """data.store of a recipe holding ESC is taken literally (not found), and the refusal that
+    quotes it twice writes the ESC as \\x1b, not into the terminal."""
+    recipe = _write(tmp / "c.yaml", f'data: {{store: "{tmp}/st\\x1bore"}}\n'
+                    f"train: {{steps: 1, out: {tmp / 'run'}}}\n")
+    return (["pretrain", "--config", str(recipe)], [recipe],
+            ("st\\x1bore not found", "--out " + f"{tmp}/st\\x1bore`"))
+
+
 CASES = {name[1:]: fn for name, fn in sorted(globals().items())
          if name.startswith(("_content_", "_values_", "_consistency_", "_paths_", "_reuse_",
                              "_bounds_"))}
@@ -1793,6 +1851,7 @@ def test_hostile_input_is_one_line_and_nothing_is_lost(name: str, fx: dict,  # n
     capsys.readouterr()
     line = _one_line_error(main(args), capsys.readouterr().err)
     check_hint_is_tried(name, line)
+    assert not re.search(r"[\x00-\x1f\x7f-\x9f]", line), f"raw control character: {line!r}"
     for part in (needle,) if isinstance(needle, str) else needle:  # a tuple: each must be there
         assert part in line, line
     assert {str(p): _tree(p) for p in protect} == before, "user files changed"

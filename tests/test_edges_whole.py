@@ -116,6 +116,24 @@ def test_score_rows_and_summary_land_as_one_unit(tmp_path: Path,
     assert len(score.read_scores(out).rows) == 5
 
 
+def test_score_rows_are_read_back_one_bounded_line_at_a_time(tmp_path: Path) -> None:
+    """A scores file whose summary names its digest but one of whose rows is longer than
+    MAX_ROW_BYTES (hand-made, both files edited) was read whole; it is hashed as a stream and
+    refused at that line now, which is read that far only."""
+    from mlsm.evaluate.zeroshot import score
+    from mlsm.limits import MAX_ROW_BYTES
+
+    out = tmp_path / "scores.jsonl"
+    score.write_scores(_scored(2), out)
+    data = out.read_bytes() + b'{"text": "' + b"a" * MAX_ROW_BYTES + b'"}\n'
+    out.write_bytes(data)
+    summary = json.loads(score.summary_path(out).read_text())
+    summary["rows_sha256"] = hashlib.sha256(data).hexdigest()
+    score.summary_path(out).write_text(json.dumps(summary))
+    with pytest.raises(UserError, match=f"scores.jsonl:3 is longer than {MAX_ROW_BYTES:,} bytes"):
+        score.read_scores(out)
+
+
 # --------------------------------------------------------------------------- a full disk
 
 _FULL_DISK_SAVE = """

@@ -18,7 +18,6 @@ marks the rest unknown.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -47,6 +46,7 @@ from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
 from mlsm.hf import load_config
+from mlsm.hf import read_json as read_model_json
 from mlsm.inputs import check_apart, field_problem, read_json
 from mlsm.integrations import sentence_transformers as st
 from mlsm.integrations.model_card import model_card
@@ -175,8 +175,8 @@ def _max_len(info: dict[str, Any], folder: Path) -> int:
     if "max_len" in data:
         return int(data["max_len"])
     tokenizer = folder / "tokenizer_config.json"
-    limit = json.loads(tokenizer.read_text()).get("model_max_length") if tokenizer.is_file() \
-        else None
+    meta = read_model_json(tokenizer) if tokenizer.is_file() else {}  # bounded, one line if torn
+    limit = meta.get("model_max_length") if isinstance(meta, dict) else None
     if isinstance(limit, int) and 0 < limit < 100_000:  # HF writes ~1e30 for "no limit"
         return limit
     return int(getattr(load_config(str(folder)), "max_position_embeddings", 128) or 128)

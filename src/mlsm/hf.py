@@ -16,7 +16,6 @@ three promises hold everywhere (docs/reliability.md, "Nobody in"):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -29,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from mlsm import inputs
 from mlsm.errors import UserError
-from mlsm.limits import MAX_MODEL_PARAMS, transformer_params
+from mlsm.limits import MAX_MODEL_JSON_BYTES, MAX_MODEL_PARAMS, transformer_params
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -56,7 +55,8 @@ def read_json(path: Path) -> Any:
     """A JSON file of a model folder or checkpoint, any top level (mlsm.inputs.read_json, whose
     shape checks its callers add); torn or binary content is one UserError."""
     return inputs.read_json(path, "model file", "restore the file or re-export the model folder",
-                            kind=object)
+                            kind=object, limit=MAX_MODEL_JSON_BYTES,
+                            raised_by="mlsm.limits.MAX_MODEL_JSON_BYTES")
 
 
 def _check_json(path: Path) -> None:
@@ -129,9 +129,9 @@ def quiet_head_mismatch(folder: str | os.PathLike, with_head: bool) -> Iterator[
     (with_head=False: a teacher, a fine-tuning backbone) reports the unused head. Other folders
     keep the report.
     """
-    try:
-        archs = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
+    try:  # bounded like every model file (read_json); a torn one is the loader's to report
+        archs = _json_object(Path(folder) / "config.json").get("architectures") or []
+    except (UserError, OSError, ValueError):
         archs = []
     bare = bool(archs) and all(str(a).endswith("Model") for a in archs)
     if not archs or bare != with_head:

@@ -9,6 +9,7 @@ docs/reliability.md lists the classes of input and the tests that try each again
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import gzip
@@ -23,7 +24,7 @@ from typing import Any
 import yaml
 
 from mlsm.errors import UserError
-from mlsm.limits import MAX_DOC_BYTES, MAX_YAML_BYTES, MAX_YAML_NODES
+from mlsm.limits import MAX_DOC_BYTES, MAX_JSON_FILE_BYTES, MAX_YAML_BYTES, MAX_YAML_NODES
 
 
 def suggest(name: object, valid: Iterable[str]) -> str:
@@ -66,9 +67,31 @@ def bounded_lines(path: str | os.PathLike, what: str, limit: int = MAX_DOC_BYTES
             number += 1
             line = line.rstrip("\r\n")
             if len(line) > limit:
-                raise UserError(f"{p}:{number} is longer than {limit:,} characters, the bound of "
-                                f"{what} ({raised_by}); split or cut that line")
+                raise _too_long(p, number, limit, "characters", what, raised_by)
             yield number, line
+
+
+def bounded_byte_lines(path: str | os.PathLike, what: str, limit: int,
+                       raised_by: str) -> Iterator[tuple[int, bytes]]:
+    """`bounded_lines` of a plain file in bytes, not decoded (a reader that names the line and
+    byte of a decoding error decodes each line itself): a line longer than `limit` bytes is the
+    same one UserError, having read that far only."""
+    p = Path(path)
+    check_regular(p, "input")
+    with open(p, "rb") as f:
+        number = 0
+        while line := f.readline(limit + 1):
+            number += 1
+            line = line.rstrip(b"\r\n")
+            if len(line) > limit:
+                raise _too_long(p, number, limit, "bytes", what, raised_by)
+            yield number, line
+
+
+def _too_long(path: Path, number: int, limit: int, unit: str, what: str,
+              raised_by: str) -> UserError:
+    return UserError(f"{path}:{number} is longer than {limit:,} {unit}, the bound of {what} "
+                     f"({raised_by}); split or cut that line")
 
 
 def check_regular(path: Path, what: str) -> None:
@@ -99,10 +122,17 @@ def loads(text: str | bytes) -> Any:
 
 
 def read_json(path: str | os.PathLike, what: str, fix: str, kind: type = dict,
-              fields: Mapping[str, str] | None = None) -> Any:
+              fields: Mapping[str, str] | None = None, limit: int = MAX_JSON_FILE_BYTES,
+              raised_by: str = "mlsm.limits.MAX_JSON_FILE_BYTES") -> Any:
     """A JSON file whose top level is a `kind` (a mapping by default) and whose `fields` have the
-    shape the reader uses (`field_problem`); else one UserError naming the file and the fix."""
+    shape the reader uses (`field_problem`); else one UserError naming the file and the fix. A
+    file over `limit` bytes (named by `raised_by`) is refused before it is read: it is read and
+    parsed whole."""
     p = Path(path)
+    with contextlib.suppress(OSError):  # a missing or unreadable file: read_text's own line
+        if p.is_file() and (size := p.stat().st_size) > limit:
+            raise UserError(f"{what} {p} is {size:,} bytes, beyond the {limit:,} a JSON file read "
+                            f"whole may hold ({raised_by}); {fix}")
     text = read_text(p, what, fix)
     try:
         data = loads(text)

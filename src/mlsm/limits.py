@@ -18,7 +18,18 @@ document, a query), a SQuAD context or question."""
 
 MAX_JSON_FILE_BYTES = 1 << 30
 """The largest JSON document read whole (a SQuAD train/dev file: the official ones are 30-40 MB),
-in bytes, checked before it is read (gzipped: as it is decompressed)."""
+in bytes, checked before it is read (gzipped: as it is decompressed): every JSON file read whole
+(`mlsm.inputs.read_json`) is held to it."""
+
+MAX_MODEL_JSON_BYTES = 256 << 20
+"""The largest JSON file of a model folder read whole (config.json, tokenizer.json, ...), in bytes,
+checked before it is read: a real tokenizer.json is a few MB (tens for the largest vocabularies);
+a hand-made one of hundreds of MB was read whole (and parsed) by the vocabulary check."""
+
+MAX_ROW_BYTES = 16 << 20
+"""The longest line of a JSON-lines file mlsm appends to and reads back (results.jsonl,
+readouts, metrics.jsonl, stages.jsonl, `mlsm score` rows), in bytes, read that far only: mlsm's
+rows are under a few KB, and a corrupted or hand-made file of one giant line was read whole."""
 
 MAX_QRELS_GRADE = 1_000
 """The largest relevance grade (in absolute value) of a qrels line: BEIR's are 0-2, TREC's up to

@@ -20,7 +20,8 @@ from typing import Any
 from mlsm.artifacts.outputs import article
 from mlsm.errors import UserError
 from mlsm.fileio import name_the_file
-from mlsm.inputs import loads
+from mlsm.inputs import bounded_byte_lines, loads
+from mlsm.limits import MAX_ROW_BYTES
 
 try:
     import fcntl
@@ -48,11 +49,14 @@ def read_jsonl(path: str | os.PathLike, what: str, fix: str,
     and named to `warn`; a line that is not UTF-8 or not JSON (and not torn) is a UserError
     "PATH:LINE is not JSON (...); FIX", and so is a file none of whose lines parse ("PATH is not
     a WHAT"), so mlsm never appends to someone else's file; `torn_only_ok`: a file of torn lines
-    alone is ours (a run killed while logging its first line)."""
+    alone is ours (a run killed while logging its first line). A line longer than MAX_ROW_BYTES
+    is a UserError naming FILE:LINE and the bound, read that far only (mlsm writes rows of a few
+    KB: a giant line is not a torn one, and it was read whole)."""
     path = Path(path)
     found, bad = JsonLines(), None
-    data = path.read_bytes() if path.is_file() else b""
-    for number, raw in enumerate(data.splitlines(), 1):
+    lines = bounded_byte_lines(path, f"a line of {article(what)} {what}", MAX_ROW_BYTES,
+                               "mlsm.limits.MAX_ROW_BYTES") if path.is_file() else ()
+    for number, raw in lines:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

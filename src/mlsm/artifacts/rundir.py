@@ -35,7 +35,8 @@ from mlsm.artifacts.jsonl import read_jsonl
 from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import field_problem, parse_yaml, read_json
+from mlsm.inputs import bounded_byte_lines, field_problem, parse_yaml, read_json
+from mlsm.limits import MAX_ROW_BYTES
 
 RUN_MARKER = "run.json"
 _METRICS_ROW = {"step": "number", "loss": "number", "tokens": "number?", "tokens_per_s": "number?"}
@@ -230,7 +231,9 @@ class RunDir:
         again; a step logged twice by an earlier crash keeps its last line)."""
         if self.metrics.exists():
             kept = {}
-            for ln in self.metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+            for _, raw in bounded_byte_lines(self.metrics, "a metrics.jsonl row", MAX_ROW_BYTES,
+                                             "mlsm.limits.MAX_ROW_BYTES"):
+                ln = raw.decode("utf-8", errors="replace")
                 s = _logged_step(ln)
                 if s <= step:
                     kept[s] = ln

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator
 
 from mlsm.cli import evaluation, pretraining
-from mlsm.cli.args import OneLineParser, path_fix
+from mlsm.cli.args import OneLineParser, path_fix, printable
 from mlsm.errors import Incomplete, Stopped, UserError
 
 _VERBS = [*pretraining.VERBS, *evaluation.VERBS]
@@ -100,11 +100,13 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """The error on one line, its middle left out past ERROR_CHARS characters: a refusal that
     quotes the user's input (a 10 MB qrels id, a 16 MB answer text) printed all of it; the start
-    names the file and the problem, the end the fix, so both are kept."""
-    line = " ".join(str(exc).split()) or type(exc).__name__
+    names the file and the problem, the end the fix, so both are kept. Control characters left
+    after the line breaks are joined are escaped (`printable`): a path holding NUL or ESC was
+    printed raw, into the terminal."""
+    line = printable(" ".join(str(exc).split())) or type(exc).__name__
     if len(line) <= ERROR_CHARS:
         return line
     head, tail = ERROR_CHARS * 2 // 3, ERROR_CHARS // 3
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report_bug(prog, exc)
         # the user's environment (missing file, permissions, disk full): say so in one line
         where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
-        print(f"{prog}: error: {exc.strerror or _one_line(exc)}: {where}; {path_fix(exc)}",
+        print(f"{prog}: error: {_one_line(f'{exc.strerror or exc}: {where}; {path_fix(exc)}')}",
               file=sys.stderr)
         return 2
     except Exception as exc:

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mlsm.config import INT_LIMIT
 
@@ -59,8 +59,33 @@ def unit_interval(text: str) -> float:
     return value
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""The control characters (Unicode category Cc): a line break, a tab, NUL, ESC, DEL, C1."""
+
+
+def printable(text: str) -> str:
+    """`text` with every control character written as its escape (NUL as \\x00, ESC as \\x1b):
+    a refusal quoting a path that holds one printed it raw (a NUL, a terminal escape)."""
+    return _CONTROL.sub(lambda m: ascii(m[0])[1:-1], text)
+
+
+def control_problem(value: object) -> str | None:
+    """What is wrong with a command-line value that holds a control character, or None: a path is
+    taken literally (`a\\nb` is not `a b`, and YAML folded it into another folder name) and every
+    value is one line, so no flag or positional may hold one (`overrides` are checked by
+    `config.parse_overrides`, in a line of their own)."""
+    values = value if isinstance(value, list) else [value]
+    bad = next((v for v in values if isinstance(v, str) and _CONTROL.search(v)), None)
+    if bad is None:
+        return None
+    return (f"{bad!r} holds a line break or another control character; a "
+            "path is taken literally and a value is one line: pass one without them (nothing "
+            "was written)")
+
+
 def out_dir(text: str) -> str:
     """An output folder: it may exist (as a folder) but must not be an existing file."""
+    _refuse_control(text)
     with _path_errors(text):
         if text and Path(text).exists() and not Path(text).is_dir():
             raise argparse.ArgumentTypeError(f"{text} is an existing file; pass a folder "
@@ -70,10 +95,19 @@ def out_dir(text: str) -> str:
 
 def out_file(text: str) -> str:
     """An output file: it may exist (as a file) but must not be a folder."""
+    _refuse_control(text)
     with _path_errors(text):
         if Path(text).is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a folder; pass a file path")
     return text
+
+
+def _refuse_control(text: str) -> None:
+    """A path type checks its value for control characters first: a NUL made `Path.exists`
+    raise before `OneLineParser` could name the problem."""
+    problem = control_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
 
 
 @contextlib.contextmanager
@@ -122,7 +156,20 @@ def device(text: str) -> str:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block): `mlsm VERB: error: ...`."""
+    """argparse whose errors are one line (no usage block): `mlsm VERB: error: ...`, control
+    characters escaped; a value holding one is refused, naming its flag (`control_problem`)."""
+
+    def parse_known_args(self, args: Any = None,  # type: ignore[override]
+                         namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if action.dest in ("overrides", "help", argparse.SUPPRESS) or action.choices:
+                continue
+            name = "/".join(action.option_strings) or action.metavar or action.dest
+            problem = control_problem(getattr(parsed, action.dest, None))
+            if problem:
+                self.error(f"argument {name}: {problem}")
+        return parsed, extra
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, printable(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")

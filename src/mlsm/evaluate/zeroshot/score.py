@@ -37,7 +37,8 @@ from typing import Any, TextIO
 from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.pll import VARIANTS, score_token_ids
 from mlsm.fileio import atomic_write, atomic_write_json
-from mlsm.inputs import loads
+from mlsm.inputs import bounded_byte_lines, loads
+from mlsm.limits import MAX_ROW_BYTES
 
 CHARS_PER_TOKEN = 32  # a line is read at most max_tokens × this many characters (memory bound)
 READ_CHARS = 1 << 20  # the skipped tail of an over-long line is read this much at a time
@@ -279,18 +280,19 @@ def read_scores(out: str | Path) -> ScoreResult:
     unit (a run killed while writing them, or one file of another run)."""
     out = Path(out)
     fix = f"run the same `mlsm score ... --out {out}` again: it rewrites both"
-    try:
-        data = out.read_bytes()
+    try:  # the rows are hashed as a stream and read line by line, each line bounded
+        with out.open("rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
         summary = loads(summary_path(out).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"the scores at {out} have no readable summary beside them "
                         f"({type(exc).__name__}): a run was stopped while writing them; {fix}"
                         ) from None
-    if not isinstance(summary, dict) or \
-            summary.get("rows_sha256") != hashlib.sha256(data).hexdigest():
+    if not isinstance(summary, dict) or summary.get("rows_sha256") != digest:
         raise UserError(f"{out} and {summary_path(out).name} are of different runs (the rows' "
                         f"digest is not the summary's rows_sha256); {fix}")
-    rows = [loads(line) for line in data.decode("utf-8").splitlines()]
+    rows = [loads(line.decode("utf-8")) for _, line in bounded_byte_lines(
+        out, "a row of scores", MAX_ROW_BYTES, "mlsm.limits.MAX_ROW_BYTES") if line]
     return ScoreResult(rows, summary)
 
 
