@@ -451,3 +451,23 @@ def test_short_finetune_on_the_shared_squad_file(tmp_path: Path) -> None:
     assert set(rows) == {"em", "f1"} and rows["f1"]["n_eval"] == 1563
     assert rows["f1"]["n_train"] == 64
     assert 0 <= rows["em"]["value"] <= rows["f1"]["value"] <= 1
+
+
+def test_a_squad_file_beyond_the_json_bound_is_refused_from_its_size(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A SQuAD file over MAX_JSON_FILE_BYTES is refused from its size, before it is opened
+    (sparse here: no disk is used); the check built a gigabyte in memory to refuse it before."""
+    from mlsm.errors import UserError
+    from mlsm.evaluate.finetune import qa_data
+    from mlsm.limits import MAX_JSON_FILE_BYTES
+
+    big = tmp_path / "dev-v1.1.json"
+    with open(big, "wb") as fh:
+        fh.truncate(MAX_JSON_FILE_BYTES + 1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the file was opened")
+
+    monkeypatch.setattr(qa_data, "open", never, raising=False)
+    with pytest.raises(UserError, match="larger than"):
+        qa_data.read_squad_json(big)

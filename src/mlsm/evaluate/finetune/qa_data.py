@@ -78,10 +78,13 @@ def _read_raw(path: Path) -> str:
     is decompressed, so a small .gz of gigabytes stops at the bound)."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
-            data = f.read(MAX_JSON_FILE_BYTES + 1) if path.suffix == ".gz" or \
-                path.stat().st_size <= MAX_JSON_FILE_BYTES else b"x" * (MAX_JSON_FILE_BYTES + 1)
-        if len(data) > MAX_JSON_FILE_BYTES:
+        data = b""
+        too_big = path.suffix != ".gz" and path.stat().st_size > MAX_JSON_FILE_BYTES
+        if not too_big:  # a plain file's size says it before a byte is read
+            with opener(path, "rb") as f:
+                data = f.read(MAX_JSON_FILE_BYTES + 1)
+            too_big = len(data) > MAX_JSON_FILE_BYTES
+        if too_big:
             raise UserError(f"{path} is larger than {MAX_JSON_FILE_BYTES:,} bytes (the bound of "
                             "a JSON file read whole, mlsm.limits.MAX_JSON_FILE_BYTES); an "
                             "official SQuAD file is 30-40 MB: split it, or point --data-dir at "
