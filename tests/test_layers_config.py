@@ -28,7 +28,8 @@ from mlsm.objectives import INTERNAL, OBJECTIVES
 from mlsm.run_config import config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_IMPORTS = {"mlsm", "mlsm.errors", "mlsm.inputs", "mlsm.fileio"}  # what the leaf may import
+# what the leaf may import (limits: the bounds some fields default to)
+CONFIG_IMPORTS = {"mlsm", "mlsm.errors", "mlsm.inputs", "mlsm.fileio", "mlsm.limits"}
 
 
 def _imports(relative: str) -> set[str]:

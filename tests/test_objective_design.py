@@ -122,10 +122,10 @@ def test_resume_accepts_a_run_saved_with_a_partial_objective(tmp_path: Path) -> 
     options given; --resume compares resolved configs, so it is the same run."""
     from mlsm.artifacts.rundir import RunDir
     from mlsm.errors import UserError
-    from mlsm.train.loop import _plain, _resolved
+    from mlsm.train.loop import _plain, resolved_config
 
     def _check_same_run(run_dir: Path, cfg: object, picked: None) -> None:  # as the loop's resume
-        RunDir(run_dir).check_same_run(_plain(cfg), picked, _resolved)
+        RunDir(run_dir).check_same_run(_plain(cfg), picked, resolved_config)
 
     cfg = config_from_dict({"objective": {"name": "mtl", "kappa": 0.25}})
     old = {**dataclasses.asdict(cfg), "objective": {"name": "mtl", "kappa": 0.25}}
