@@ -17,7 +17,7 @@ It reads a study folder written by `mlsm study` (its token store and dictionarie
 dictionary's teacher as the dictionary records it, and prints one row per target. Nothing is
 written. An exploratory figure of one sample, not a test of a hypothesis fixed in advance.
 
-    PYTHONPATH=src HF_HUB_OFFLINE=1 python scripts/code_token_identity.py \\
+    PYTHONPATH=src HF_HUB_OFFLINE=1 python benchmarks/code_token_identity.py \\
         [--study runs/studies/cpu_replication_v3] [--sequences 48] [--max-len 128]
 """
 
