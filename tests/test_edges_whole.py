@@ -176,3 +176,22 @@ def test_rank_cuts_a_long_sentence_at_the_models_positions(teacher_dir: Path,
                                      mask_rate=0.0)
     assert table.meta["max_length"] == 40 and table.counts["unmasked"] == 38
 
+
+
+def test_a_score_row_that_is_not_json_is_one_line_even_when_the_digest_agrees(
+        tmp_path: Path) -> None:
+    """Rows edited together with the summary's digest (so the unit check passes) and holding a
+    line that is not a JSON object raised a JSONDecodeError traceback; it is one line naming the
+    file and line now."""
+    import hashlib
+
+    from mlsm.evaluate.zeroshot import score
+
+    out = tmp_path / "scores.jsonl"
+    score.write_scores(_scored(2), out)
+    out.write_bytes(out.read_bytes() + b'{"line": 9, "pll"\n')
+    summary = json.loads(score.summary_path(out).read_text())
+    summary["rows_sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
+    score.summary_path(out).write_text(json.dumps(summary))
+    with pytest.raises(UserError, match=r"scores\.jsonl:3 is not a row of scores"):
+        score.read_scores(out)

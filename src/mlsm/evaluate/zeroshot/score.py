@@ -291,8 +291,16 @@ def read_scores(out: str | Path) -> ScoreResult:
     if not isinstance(summary, dict) or summary.get("rows_sha256") != digest:
         raise UserError(f"{out} and {summary_path(out).name} are of different runs (the rows' "
                         f"digest is not the summary's rows_sha256); {fix}")
-    rows = [loads(line.decode("utf-8")) for _, line in bounded_byte_lines(
-        out, "a row of scores", MAX_ROW_BYTES, "mlsm.limits.MAX_ROW_BYTES") if line]
+    rows = []
+    for number, line in bounded_byte_lines(out, "a row of scores", MAX_ROW_BYTES,
+                                           "mlsm.limits.MAX_ROW_BYTES"):
+        try:
+            row = loads(line.decode("utf-8")) if line else None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            row = "not JSON"
+        if line and not isinstance(row, dict):  # edited together with the summary's digest
+            raise UserError(f"{out}:{number} is not a row of scores; {fix}")
+        rows += [row] if line else []
     return ScoreResult(rows, summary)
 
 
