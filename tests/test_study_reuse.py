@@ -230,3 +230,21 @@ def test_signal_exit_zero_is_no_input_of_a_run(corpus_dir, tokenizer_dir, tmp_pa
     plain.run_dir("mlm").mkdir(parents=True)
     save_config(plain.arm_config("mlm"), plain.run_dir("mlm") / "config.yaml")
     check_same_config(zero, "mlm", zero.arm_config("mlm"))  # no "restore it" refusal
+
+
+def test_a_torn_store_meta_is_one_line_not_a_changed_store(tmp_path: Path) -> None:
+    """The study keyed its dictionary, target and pre-training stages on the store's fingerprint
+    read from meta.json by hand, and took a torn meta.json for "no store": every stage on it
+    then looked stale (a dictionary of 48 minutes moved aside and learned again). The store's
+    own reader answers now: one line naming the rebuild."""
+    from mlsm.errors import UserError
+    from mlsm.study.reuse import store_fingerprint
+
+    spec = study_from_dict({"out": str(tmp_path / "s"), "corpus": {"sources": ["x.txt"]},
+                            "arms": {"a": {"objective": {"name": "mlm"}}}})
+    study = Study(spec, **QUIET)
+    assert store_fingerprint(study) is None  # no store yet
+    study.store.mkdir(parents=True)
+    (study.store / "meta.json").write_text('{"format": "mlsm-token-store", "fingerp')
+    with pytest.raises(UserError, match=r"token store .* is damaged .*mlsm prepare"):
+        store_fingerprint(study)

@@ -187,6 +187,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def recorded_fingerprint(path: str | Path) -> str | None:
+    """The fingerprint a token store's meta.json records (what the stages built on it key on),
+    or None where no store is yet; a meta.json that cannot be read is one line naming the
+    rebuild (`_read_meta`), never taken for "no store"."""
+    path = Path(path)
+    if not (path / "meta.json").exists():
+        return None
+    fp = _read_meta(path).get("fingerprint")
+    return fp if isinstance(fp, str) else None
+
+
 def _check_files(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
     """(n_tokens, n_docs) after checking meta's fields and the sizes of tokens.bin/offsets.bin."""
     wrong = field_problem(meta, {"n_tokens": "int", "n_docs": "int", "tokenizer_hash": "text"})

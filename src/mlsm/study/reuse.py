@@ -16,7 +16,6 @@ rows whose fingerprint equals the current one (`is_current`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +58,9 @@ def checkpoint_fingerprint(folder: Path) -> str | None:
 
 def store_fingerprint(study: Study) -> str | None:
     """The token store's own fingerprint (its meta.json; None before the store exists)."""
-    meta = study.store / "meta.json"
-    if not meta.is_file():
-        return None
-    try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("fingerprint")
-    except (json.JSONDecodeError, AttributeError):
-        return None
+    from mlsm.data.corpus import recorded_fingerprint  # the tokenizers stack: on first use
+
+    return recorded_fingerprint(study.store)
 
 
 def dictionary_fingerprint(study: Study, arm: str) -> str | None:
