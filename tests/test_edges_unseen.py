@@ -276,3 +276,44 @@ def test_a_full_disk_while_writing_a_report_names_the_report_file(blimp_dir, tok
     assert "free" in path_fix(info.value)  # the CLI's one line names the fix by errno
     monkeypatch.undo()
     assert _files(out) == before
+
+
+def test_a_disk_filling_midway_through_a_cells_rows_leaves_none_of_them(tmp_path,
+                                                                          monkeypatch) -> None:
+    """A nearly full disk takes part of an append and says so only in the count: the first rows
+    of a fine-tuning cell were kept (read back as a whole cell, a mean over fewer seeds or
+    metrics), the rest lost, exit 0. Now the append is all or none, the error names the file and
+    appending again (the rerun) repairs."""
+    import errno
+    import os
+
+    from mlsm.artifacts import jsonl
+    from mlsm.artifacts.results_file import append_results, read_results
+
+    def row(seed: int, metric: str) -> dict:
+        return {"model": "m", "task": "sst2", "seed": seed, "metric": metric, "value": 0.5,
+                "lr": 1e-4, "n_train": 8, "epochs": 1, "batch_size": 8, "max_len": 16}
+
+    path = tmp_path / "results.jsonl"
+    append_results(path, [row(0, "accuracy")])
+    before = path.read_bytes()
+    cell = [row(1, m) for m in ("accuracy", "f1", "mcc", "loss")]
+    real, taken = os.write, []
+
+    def nearly_full(fd: int, data) -> int:  # noqa: ANN001
+        if os.path.realpath(f"/proc/self/fd/{fd}") != str(path.resolve()):
+            return real(fd, data)
+        if taken:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        taken.append(real(fd, bytes(data[: len(data) // 2])))  # what fitted
+        return taken[0]
+
+    monkeypatch.setattr(jsonl.os, "write", nearly_full)
+    with pytest.raises(OSError) as info:
+        append_results(path, cell)
+    monkeypatch.undo()
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == before  # none of the cell's rows: its cell is redone
+    append_results(path, cell)
+    assert [r["metric"] for r in read_results(path)] == ["accuracy", "accuracy", "f1", "mcc",
+                                                         "loss"]
