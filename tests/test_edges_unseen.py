@@ -317,3 +317,30 @@ def test_a_disk_filling_midway_through_a_cells_rows_leaves_none_of_them(tmp_path
     append_results(path, cell)
     assert [r["metric"] for r in read_results(path)] == ["accuracy", "accuracy", "f1", "mcc",
                                                          "loss"]
+
+
+def test_a_probe_fit_killed_over_an_earlier_one_leaves_no_record_of_other_weights(
+    mlsm_ckpt, tmp_path, monkeypatch
+) -> None:
+    """A probe run fitted again (another lr) saves its step-N over the earlier fit's own, then
+    writes probe.json: a kill between them left the earlier record (its held-out loss, its
+    better-than-unigram verdict) naming the new weights. Now the record is dropped first and
+    written last; a rerun fits again and its record names what it measured."""
+    from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
+    from mlsm.evaluate.probe import probe_fit
+
+    out = tmp_path / "probe"
+    fit = {"inputs": ("logprobs",), "max_steps": 40, "eval_every": 20, "select_steps": 40,
+           "patience": 5, "heldout_batches": 2, "batch_size": 8, "min_delta": 0.0}
+    first = probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=0.2, **fit)
+    weights = Path(first["checkpoint"]) / "heads.safetensors"
+    before = weights.read_bytes()
+    monkeypatch.setattr(probe_fit, "write_probe_record",
+                        _killed_after(0, probe_fit.write_probe_record))
+    with pytest.raises(KeyboardInterrupt):
+        probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=1.0, **fit)
+    monkeypatch.undo()
+    assert weights.read_bytes() != before  # the new fit's step-N is where the old one was
+    assert not has_probe_record(out)  # so no record may describe it
+    again = probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=1.0, **fit)
+    assert read_probe_record(out)["heldout_loss"] == again["heldout_loss"] != first["heldout_loss"]
