@@ -344,3 +344,31 @@ def test_a_probe_fit_killed_over_an_earlier_one_leaves_no_record_of_other_weight
     assert not has_probe_record(out)  # so no record may describe it
     again = probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=1.0, **fit)
     assert read_probe_record(out)["heldout_loss"] == again["heldout_loss"] != first["heldout_loss"]
+
+
+def test_readout_figures_killed_between_them_stay_one_set(tmp_path, monkeypatch) -> None:
+    """`mlsm readout` redraws readouts_steps.png and readouts_flops.png from every row: a kill
+    after the first left it drawn from the new rows beside the second drawn from the old. Now
+    both land together (or neither), and a rerun redraws both."""
+    from mlsm.evaluate import readout_plots
+    from mlsm.evaluate.readouts import plot_rows, write_rows
+
+    def row(step: int, value: float) -> dict:
+        return {"kind": "masked", "task": "heldout", "metric": "loss", "value": value,
+                "step": step, "train_flops": step * 1e9, "model": "run@step-" + str(step),
+                "checkpoint": f"run/checkpoints/step-{step}"}
+
+    path = tmp_path / "readouts.jsonl"
+    write_rows([row(10, 3.0), row(20, 2.5)], path)
+    plot_rows(path)
+    figures = {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+    assert sorted(figures) == ["readouts_flops.png", "readouts_steps.png"]
+    write_rows([row(30, 1.0)], path)
+    monkeypatch.setattr(readout_plots, "atomic_write",
+                        _killed_after(1, readout_plots.atomic_write))
+    with pytest.raises(KeyboardInterrupt):
+        plot_rows(path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == {**figures, "readouts.jsonl": path.read_bytes()}
+    plot_rows(path)
+    assert all((tmp_path / n).read_bytes() != figures[n] for n in figures)
