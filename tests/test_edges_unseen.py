@@ -372,3 +372,34 @@ def test_readout_figures_killed_between_them_stay_one_set(tmp_path, monkeypatch)
     assert _files(tmp_path) == {**figures, "readouts.jsonl": path.read_bytes()}
     plot_rows(path)
     assert all((tmp_path / n).read_bytes() != figures[n] for n in figures)
+
+
+def test_export_ships_the_probe_its_record_names_after_a_fit_killed_before_pruning(
+    mlsm_run, tmp_path, monkeypatch
+) -> None:
+    """A probe fitted again to an earlier step is killed after writing probe.json, before the
+    earlier fit's later step-N is pruned: scoring resolves the probe run to the checkpoint the
+    record names, `mlsm export` shipped the newest folder (the earlier fit's probe) instead."""
+    import shutil
+
+    from mlsm.artifacts.probe_record import read_probe_record
+    from mlsm.evaluate.probe import probe_fit
+    from mlsm.export import export_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(mlsm_run, run)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    probes = ckpt.parent.parent / f"probe-{ckpt.name}"
+    fit = {"inputs": ("logprobs",), "eval_every": 20, "patience": 5, "heldout_batches": 2,
+           "batch_size": 8, "min_delta": 0.0, "lr": 0.2}
+    probe_fit.train_probe_to_plateau(ckpt, probes, max_steps=40, select_steps=40, **fit)
+    monkeypatch.setattr(probe_fit, "_drop_other_checkpoints",
+                        _killed_after(0, probe_fit._drop_other_checkpoints))
+    with pytest.raises(KeyboardInterrupt):
+        probe_fit.train_probe_to_plateau(ckpt, probes, max_steps=20, select_steps=20, **fit)
+    monkeypatch.undo()
+    named = Path(read_probe_record(probes)["checkpoint"])
+    newest = probes / "checkpoints" / "step-0000040"  # the earlier fit's, not yet pruned
+    assert named.name < newest.name and newest.is_dir()
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    assert (out / "heads.safetensors").read_bytes() == (named / "heads.safetensors").read_bytes()
