@@ -276,3 +276,130 @@ def test_a_full_disk_while_writing_a_report_names_the_report_file(blimp_dir, tok
     assert "free" in path_fix(info.value)  # the CLI's one line names the fix by errno
     monkeypatch.undo()
     assert _files(out) == before
+
+
+def test_a_disk_filling_midway_through_a_cells_rows_leaves_none_of_them(tmp_path,
+                                                                          monkeypatch) -> None:
+    """A nearly full disk takes part of an append and says so only in the count: the first rows
+    of a fine-tuning cell were kept (read back as a whole cell, a mean over fewer seeds or
+    metrics), the rest lost, exit 0. Now the append is all or none, the error names the file and
+    appending again (the rerun) repairs."""
+    import errno
+    import os
+
+    from mlsm.artifacts import jsonl
+    from mlsm.artifacts.results_file import append_results, read_results
+
+    def row(seed: int, metric: str) -> dict:
+        return {"model": "m", "task": "sst2", "seed": seed, "metric": metric, "value": 0.5,
+                "lr": 1e-4, "n_train": 8, "epochs": 1, "batch_size": 8, "max_len": 16}
+
+    path = tmp_path / "results.jsonl"
+    append_results(path, [row(0, "accuracy")])
+    before = path.read_bytes()
+    cell = [row(1, m) for m in ("accuracy", "f1", "mcc", "loss")]
+    real, taken = os.write, []
+
+    def nearly_full(fd: int, data) -> int:  # noqa: ANN001
+        if os.path.realpath(f"/proc/self/fd/{fd}") != str(path.resolve()):
+            return real(fd, data)
+        if taken:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        taken.append(real(fd, bytes(data[: len(data) // 2])))  # what fitted
+        return taken[0]
+
+    monkeypatch.setattr(jsonl.os, "write", nearly_full)
+    with pytest.raises(OSError) as info:
+        append_results(path, cell)
+    monkeypatch.undo()
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == before  # none of the cell's rows: its cell is redone
+    append_results(path, cell)
+    assert [r["metric"] for r in read_results(path)] == ["accuracy", "accuracy", "f1", "mcc",
+                                                         "loss"]
+
+
+def test_a_probe_fit_killed_over_an_earlier_one_leaves_no_record_of_other_weights(
+    mlsm_ckpt, tmp_path, monkeypatch
+) -> None:
+    """A probe run fitted again (another lr) saves its step-N over the earlier fit's own, then
+    writes probe.json: a kill between them left the earlier record (its held-out loss, its
+    better-than-unigram verdict) naming the new weights. Now the record is dropped first and
+    written last; a rerun fits again and its record names what it measured."""
+    from mlsm.artifacts.probe_record import has_probe_record, read_probe_record
+    from mlsm.evaluate.probe import probe_fit
+
+    out = tmp_path / "probe"
+    fit = {"inputs": ("logprobs",), "max_steps": 40, "eval_every": 20, "select_steps": 40,
+           "patience": 5, "heldout_batches": 2, "batch_size": 8, "min_delta": 0.0}
+    first = probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=0.2, **fit)
+    weights = Path(first["checkpoint"]) / "heads.safetensors"
+    before = weights.read_bytes()
+    monkeypatch.setattr(probe_fit, "write_probe_record",
+                        _killed_after(0, probe_fit.write_probe_record))
+    with pytest.raises(KeyboardInterrupt):
+        probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=1.0, **fit)
+    monkeypatch.undo()
+    assert weights.read_bytes() != before  # the new fit's step-N is where the old one was
+    assert not has_probe_record(out)  # so no record may describe it
+    again = probe_fit.train_probe_to_plateau(mlsm_ckpt, out, lr=1.0, **fit)
+    assert read_probe_record(out)["heldout_loss"] == again["heldout_loss"] != first["heldout_loss"]
+
+
+def test_readout_figures_killed_between_them_stay_one_set(tmp_path, monkeypatch) -> None:
+    """`mlsm readout` redraws readouts_steps.png and readouts_flops.png from every row: a kill
+    after the first left it drawn from the new rows beside the second drawn from the old. Now
+    both land together (or neither), and a rerun redraws both."""
+    from mlsm.evaluate import readout_plots
+    from mlsm.evaluate.readouts import plot_rows, write_rows
+
+    def row(step: int, value: float) -> dict:
+        return {"kind": "masked", "task": "heldout", "metric": "loss", "value": value,
+                "step": step, "train_flops": step * 1e9, "model": "run@step-" + str(step),
+                "checkpoint": f"run/checkpoints/step-{step}"}
+
+    path = tmp_path / "readouts.jsonl"
+    write_rows([row(10, 3.0), row(20, 2.5)], path)
+    plot_rows(path)
+    figures = {p.name: p.read_bytes() for p in tmp_path.glob("*.png")}
+    assert sorted(figures) == ["readouts_flops.png", "readouts_steps.png"]
+    write_rows([row(30, 1.0)], path)
+    monkeypatch.setattr(readout_plots, "atomic_write",
+                        _killed_after(1, readout_plots.atomic_write))
+    with pytest.raises(KeyboardInterrupt):
+        plot_rows(path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == {**figures, "readouts.jsonl": path.read_bytes()}
+    plot_rows(path)
+    assert all((tmp_path / n).read_bytes() != figures[n] for n in figures)
+
+
+def test_export_ships_the_probe_its_record_names_after_a_fit_killed_before_pruning(
+    mlsm_run, tmp_path, monkeypatch
+) -> None:
+    """A probe fitted again to an earlier step is killed after writing probe.json, before the
+    earlier fit's later step-N is pruned: scoring resolves the probe run to the checkpoint the
+    record names, `mlsm export` shipped the newest folder (the earlier fit's probe) instead."""
+    import shutil
+
+    from mlsm.artifacts.probe_record import read_probe_record
+    from mlsm.evaluate.probe import probe_fit
+    from mlsm.export import export_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(mlsm_run, run)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    probes = ckpt.parent.parent / f"probe-{ckpt.name}"
+    fit = {"inputs": ("logprobs",), "eval_every": 20, "patience": 5, "heldout_batches": 2,
+           "batch_size": 8, "min_delta": 0.0, "lr": 0.2}
+    probe_fit.train_probe_to_plateau(ckpt, probes, max_steps=40, select_steps=40, **fit)
+    monkeypatch.setattr(probe_fit, "_drop_other_checkpoints",
+                        _killed_after(0, probe_fit._drop_other_checkpoints))
+    with pytest.raises(KeyboardInterrupt):
+        probe_fit.train_probe_to_plateau(ckpt, probes, max_steps=20, select_steps=20, **fit)
+    monkeypatch.undo()
+    named = Path(read_probe_record(probes)["checkpoint"])
+    newest = probes / "checkpoints" / "step-0000040"  # the earlier fit's, not yet pruned
+    assert named.name < newest.name and newest.is_dir()
+    out = export_checkpoint(ckpt, tmp_path / "export")
+    assert (out / "heads.safetensors").read_bytes() == (named / "heads.safetensors").read_bytes()

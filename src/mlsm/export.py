@@ -42,6 +42,7 @@ from mlsm.artifacts.checkpoint import (
     write_marker,
 )
 from mlsm.artifacts.outputs import guard_output, writing
+from mlsm.artifacts.probe_record import recorded_checkpoint_name
 from mlsm.artifacts.rundir import RunDir
 from mlsm.errors import UserError
 from mlsm.fileio import building_dir
@@ -254,9 +255,11 @@ def _find_probe(ck: Checkpoint, probe: str | Path | None) -> Path | None:
         return None
     if "probe" in names:
         return None  # the checkpoint is a probe checkpoint: its heads already hold the probe
-    if probe is None:
-        done = list_checkpoints(ck.probe_run)
-        return done[-1][1] if done else None
+    if probe is None:  # the one its probe.json names, as scoring resolves it (a fit killed
+        # before pruning an earlier fit's later step-N leaves both), else the newest
+        done = [f for _, f in list_checkpoints(ck.probe_run)]
+        named = recorded_checkpoint_name(ck.probe_run)
+        return next((f for f in done if f.name == named), done[-1] if done else None)
     candidate = open_checkpoint(probe)
     if not (candidate.folder / "heads.safetensors").is_file():
         raise UserError(f"{candidate.folder} has no heads.safetensors; pass the checkpoint of an "

@@ -104,9 +104,24 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[Any],
             return
         if size and os.pread(fd, 1, size - 1) != b"\n":
             text = "\n" + text
-        os.write(fd, text.encode("utf-8"))
-        os.fsync(fd)
+        _write_all_or_none(fd, text.encode("utf-8"), size)
     except OSError as exc:  # disk full: earlier rows stay, these are redone by a re-run
         raise name_the_file(exc, path) from exc
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _write_all_or_none(fd: int, data: bytes, size: int) -> None:
+    """Write `data` at the end of `fd` and fsync it, or leave the file at `size`: a nearly full
+    disk takes part of a write and says so only in the count (the rest of the cell's rows were
+    silently lost, the first kept as a whole cell), and a kill between two writes of one batch
+    would leave part of it."""
+    view = memoryview(data)
+    try:
+        while view:  # a short count is not an error: the next write raises ENOSPC
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, size)
+        raise
+

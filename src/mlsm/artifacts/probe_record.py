@@ -42,6 +42,13 @@ def write_probe_record(folder: str | os.PathLike, info: dict[str, Any]) -> Path:
     return path
 
 
+def drop_probe_record(folder: str | os.PathLike) -> None:
+    """Remove the record of the probe run `folder`, before a new fit replaces its checkpoint: the
+    record is the manifest of the run, so a kill while the new step-N is written over the one it
+    names leaves no record (the run is fitted again) rather than old figures over new weights."""
+    record_path(folder).unlink(missing_ok=True)
+
+
 def read_probe_record(folder: str | os.PathLike,
                       fix: str = "delete it and train the probe again") -> dict[str, Any]:
     """The record of the probe run `folder`, its fields checked; a missing, torn or misshapen one

@@ -16,6 +16,7 @@ from mlsm.fileio import atomic_write
 
 Key = tuple[str, str, str]  # (kind, task, metric)
 AXES = {"step": "step", "train_flops": "training FLOPs (step x FLOPs per batch)"}
+PLOT_NAMES = {"step": "readouts_steps.png", "train_flops": "readouts_flops.png"}  # by x axis
 
 
 def finite(x: Any) -> bool:
@@ -82,7 +83,7 @@ def write_plots(rows: list[dict[str, Any]], folder: Path,
                 line_of: Callable[[dict[str, Any]], str] = run_of) -> list[str]:
     """readouts_steps.png and readouts_flops.png in `folder` (those that have points)."""
     names = []
-    for x, name in (("step", "readouts_steps.png"), ("train_flops", "readouts_flops.png")):
+    for x, name in PLOT_NAMES.items():
         png = plot_readouts(rows, x, folder / name, line_of)
         if png:
             names.append(png)

@@ -279,13 +279,17 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
 def plot_rows(path: str | Path) -> list[str]:
     """Redraw readouts_steps.png / readouts_flops.png beside a readouts.jsonl from all its rows
-    (one line per run); a line torn by a killed writer is left out (`read_jsonl`)."""
+    (one line per run); a line torn by a killed writer is left out (`read_jsonl`). The figures
+    land as one set (`files_as_one`): a kill between them left one drawn from other rows."""
     from mlsm.artifacts.jsonl import read_jsonl
-    from mlsm.evaluate.readout_plots import write_plots
+    from mlsm.evaluate.readout_plots import PLOT_NAMES, write_plots
+    from mlsm.fileio import files_as_one
 
     path = Path(path)
     found = read_jsonl(path, "readouts file", "remove or fix that line (readouts files are JSON "
                        "lines written by mlsm readout)")
     rows = [row for _, row in found.rows if isinstance(row, dict) and isinstance(row.get("kind"),
                                                                                 str)]
-    return [str(path.parent / name) for name in write_plots(rows, path.parent)]
+    with files_as_one(path.parent, lambda name: name in PLOT_NAMES.values()) as stage:
+        names = write_plots(rows, stage)
+    return [str(path.parent / name) for name in names]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint, list_checkpoints, remove_checkpoint
 from mlsm.artifacts.fingerprint import folder_fingerprint
-from mlsm.artifacts.probe_record import write_probe_record
+from mlsm.artifacts.probe_record import drop_probe_record, write_probe_record
 from mlsm.config import merge, parse_overrides
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore
@@ -286,6 +286,7 @@ def train_probe_to_plateau(checkpoint: str | Path, out: str | Path,
     if not math.isfinite(best.best):
         raise UserError(f"every probe of {checkpoint} diverged (non-finite held-out loss); lower "
                         f"probe.lr (now {lr:g})")
+    drop_probe_record(out)  # an earlier fit's record, written again last (the manifest)
     saved = _save_probe(out, module, tokenizer, best)
     info = {"checkpoint": str(saved), "source": str(checkpoint), "head": fit.head,
             "width": int(probe.in_features), "input": best.kind, "lr": lr,
