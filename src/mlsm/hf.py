@@ -267,9 +267,12 @@ def check_parts_agree(folder: Path) -> None:
     estimate = estimate_params(config)
     weights, layers = _safetensors_params(folder / "model.safetensors")
     claimed = config.get("num_hidden_layers")
-    if layers and isinstance(claimed, int) and not isinstance(claimed, bool) and claimed != layers:
+    # fewer layers than the weights hold: the rest were dropped without a word (more are caught
+    # below, or by the load's check of weights it would have to leave random)
+    if layers and isinstance(claimed, int) and not isinstance(claimed, bool) and claimed < layers:
         raise UserError(f"{folder}: its config.json says num_hidden_layers = {claimed} but "
-                        f"model.safetensors holds {layers} encoder layers; restore the "
+                        f"model.safetensors holds {layers} encoder layers (the rest would be "
+                        "dropped without a word); restore the "
                         "config.json the weights were saved with")
     if estimate is not None and weights is not None and estimate > 2 * weights + 1_000_000:
         raise UserError(f"{folder}: its config.json describes a model of about {estimate:,} "
