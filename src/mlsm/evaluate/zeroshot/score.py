@@ -294,13 +294,15 @@ def read_scores(out: str | Path) -> ScoreResult:
     rows = []
     for number, line in bounded_byte_lines(out, "a row of scores", MAX_ROW_BYTES,
                                            "mlsm.limits.MAX_ROW_BYTES"):
+        if not line:
+            continue
         try:
-            row = loads(line.decode("utf-8")) if line else None
+            row = loads(line.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
-            row = "not JSON"
-        if line and not isinstance(row, dict):  # edited together with the summary's digest
+            row = None
+        if not isinstance(row, dict):  # edited together with the summary's digest
             raise UserError(f"{out}:{number} is not a row of scores; {fix}")
-        rows += [row] if line else []
+        rows.append(row)
     return ScoreResult(rows, summary)
 
 
