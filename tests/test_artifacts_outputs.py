@@ -107,7 +107,7 @@ def _verbs(capsys: pytest.CaptureFixture) -> dict[str, tuple]:
         "report": ("mlsm report", _heading("report.md", "# Fine-tuning report"),
                    cli("report", "{tmp}/no.jsonl", "--out", "{out}"), True, Rule.SAME_KIND),
         "export": ("mlsm export", _heading("mlsm.json", '{"format": "mlsm-export"}'),
-                   _kind_guard("mlsm.export", "EXPORT_KIND"), False, Rule.SAME_KIND),
+                   _kind_guard("mlsm.integrations.export", "EXPORT_KIND"), False, Rule.SAME_KIND),
         "probe": ("mlsm probe run", _heading("probe.json", "{}"),
                   _kind_guard("mlsm.evaluate.probe.probe", "PROBE_KIND"), False, Rule.SAME_KIND),
         "pretrain": ("mlsm run", _heading("run.json", '{"started": "now"}'), _pretrain, False,
@@ -174,7 +174,7 @@ def test_the_replacing_verb_really_replaces(tmp_path, capsys):
 
 
 def test_a_name_with_a_line_break_stays_on_the_one_line(tmp_path):
-    from mlsm.export import EXPORT_KIND
+    from mlsm.integrations.export import EXPORT_KIND
 
     _write(tmp_path / "out" / "a\nb.txt", "mine\n")
     message = _lib(guard_output, tmp_path / "out", EXPORT_KIND)

@@ -29,7 +29,7 @@ CALLS = {  # verb -> the library function its handler calls
     "score": "mlsm.evaluate.zeroshot.score:score_corpus",
     "readout": "mlsm.evaluate.readouts:readout",
     "rank": "mlsm.evaluate.zeroshot.rank:layerwise_effective_rank",
-    "export": "mlsm.export:export_checkpoint", "migrate": "mlsm.migrate:migrate",
+    "export": "mlsm.integrations.export:export_checkpoint", "migrate": "mlsm.migrate:migrate",
 }
 NO_KEYWORDS = {  # verb -> why no flag of it names a keyword with a default
     "pretrain": "its settings are the run config (`pretrain(config)`), flags are overrides",

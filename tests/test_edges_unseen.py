@@ -384,7 +384,7 @@ def test_export_ships_the_probe_its_record_names_after_a_fit_killed_before_pruni
 
     from mlsm.artifacts.probe_record import read_probe_record
     from mlsm.evaluate.probe import probe_fit
-    from mlsm.export import export_checkpoint
+    from mlsm.integrations.export import export_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(mlsm_run, run)

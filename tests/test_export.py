@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoModelForMaskedLM
 from mlsm.cli import main
 from mlsm.errors import UserError
 from mlsm.evaluate.probe.probe import ProbeScorer, run_probe
-from mlsm.export import export_checkpoint, push_to_hub
+from mlsm.integrations.export import export_checkpoint, push_to_hub
 from mlsm.integrations.model_card import model_card
 from mlsm.run_config import load_config
 from mlsm.teacher.dictionary import load_dictionary

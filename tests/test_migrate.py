@@ -209,7 +209,7 @@ def test_an_export_of_mlsm_0_1_0_is_refused_then_migrated(
         runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An export's mlsm.json carries the facts too; one written without them is refused naming
     the export, and migrated to what `mlsm export` writes today."""
-    from mlsm.export import export_checkpoint
+    from mlsm.integrations.export import export_checkpoint
 
     out = export_checkpoint(runs["mae_lm"], tmp_path / "export")
     written = (out / "mlsm.json").read_bytes()

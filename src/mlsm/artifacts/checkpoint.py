@@ -40,7 +40,7 @@ COMPLETE = "checkpoint.json"
 SAVING = ".mlsm-saving"
 """Present while a save writes into an existing folder file by file (`MLSMTrainer.save_model`):
 removed after its checkpoint.json, so a folder a kill left half old, half new is refused."""
-EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (mlsm.export writes it)
+EXPORT_MARKER = "mlsm.json"  # an `mlsm export` folder's provenance (integrations/export.py)
 EXPORT_FORMAT = "mlsm-export"  # the `format` field of an export's mlsm.json
 
 

@@ -335,7 +335,7 @@ def _export(a: argparse.Namespace) -> None:
     check_apart(a.out, "--out", {"checkpoint": ck.folder, "--probe": a.probe,
                                  "--results": a.results}, contains=True)
     guard_output(a.out, EXPORT_KIND)  # before torch imports (export_checkpoint checks again)
-    from mlsm.export import export_checkpoint, push_to_hub
+    from mlsm.integrations.export import export_checkpoint, push_to_hub
 
     out = export_checkpoint(a.checkpoint, a.out, results=a.results, probe=a.probe,
                             license=a.license, format=a.format, normalize=a.normalize)

@@ -1,8 +1,8 @@
 """The model card (README.md) of an `mlsm export` folder: the Hub's YAML metadata header
 (library, licence, tags, pipeline, datasets, base model: the weights training started from, never
 the teacher), then what the model is, its provenance, training hyperparameters, results, how to
-use it and its files. Written from the provenance record `mlsm.export` builds (mlsm.json), so the
-card says what the records say and nothing else.
+use it and its files. Written from the provenance record `mlsm.integrations.export` builds
+(mlsm.json), so the card says what the records say and nothing else.
 """
 
 from __future__ import annotations
