@@ -23,6 +23,7 @@ import torch
 
 from mlsm.artifacts.checkpoint import COMPLETE, Checkpoint
 from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.artifacts.legacy import FORMS
 from mlsm.errors import UserError
 
 from .helpers import make_text, train_tiny
@@ -118,7 +119,8 @@ def _store(corpus: Path, tokenizer_dir: Path, out: Path, seed: int,
 
 
 def test_resume_refuses_a_store_rebuilt_in_place(tokenizer_dir: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     store = _store(tmp_path / "corpus", tokenizer_dir, tmp_path / "store", seed=11)
     short = {"train.steps": 2, "train.readiness": "[1.0]"}
     run = train_tiny(store, tmp_path / "run", **short)
@@ -134,6 +136,13 @@ def test_resume_refuses_a_store_rebuilt_in_place(tokenizer_dir: Path, tmp_path: 
     capsys.readouterr()
     train_tiny(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
     assert "records no fingerprints of its inputs" in capsys.readouterr().err
+    for path in (run / "run.json", Checkpoint.open(run).folder / COMPLETE):
+        data = json.loads(path.read_text())
+        data.pop("inputs", None)
+        path.write_text(json.dumps(data))
+    monkeypatch.delitem(FORMS, "run-inputs-unrecorded")  # struck: not resumed
+    with pytest.raises(UserError, match="no longer resumes such a run"):
+        train_tiny(store, run, resume="auto", **{"train.steps": 2, "train.readiness": "[1.0]"})
 
 
 def test_resume_refuses_a_dictionary_relearned_in_place(mlm_run: Path, store_dir: Path,

@@ -12,6 +12,7 @@ import torch
 from sklearn.decomposition import MiniBatchDictionaryLearning
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
+from mlsm.artifacts.legacy import FORMS
 from mlsm.data.corpus import TokenStore
 from mlsm.errors import UserError
 from mlsm.teacher.dictionary import (
@@ -370,7 +371,7 @@ def test_mlsm_dictionary_says_its_cost_before_collecting_a_state(
 
 
 def test_a_dictionary_without_its_teachers_fingerprint(store_dir, teacher_dir, dictionary_path,
-                                                       tmp_path, capsys):
+                                                       tmp_path, capsys, monkeypatch):
     """mlsm 0.1.0 wrote the teacher's name but no fingerprint of its weights: such a dictionary is
     used, with one warning naming the command that learns it again (`targets` exits 0). One whose
     meta names no teacher at all is refused (the bad-input table's
@@ -395,6 +396,9 @@ def test_a_dictionary_without_its_teachers_fingerprint(store_dir, teacher_dir, d
     with pytest.raises(UserError, match="names no teacher"):
         Dictionary(new.atoms, {k: v for k, v in old_meta.items() if k != "teacher"}
                    ).check_teacher(teacher)
+    monkeypatch.delitem(FORMS, "dictionary-teacher-unrecorded")  # struck: refused
+    with pytest.raises(UserError, match=r"names its teacher \(.*\) but no fingerprint"):
+        load_dictionary(old).check_teacher(teacher)
 
 
 def test_a_dictionary_is_reused_by_its_inputs_record_only_when_it_matches(dictionary_path,

@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlsm.artifacts import fingerprint
+from mlsm.artifacts.legacy import FORMS
 from mlsm.cli import main
 from mlsm.data import shards, sources
 from mlsm.data.corpus import TokenStore, prepare_corpus
@@ -217,10 +218,11 @@ def test_source_order_matters(tokenizer_dir: Path, tmp_path: Path) -> None:
         prepare_corpus([b, a], str(tokenizer_dir), tmp_path / "s", num_proc=1)
 
 
-def test_legacy_store_is_reused_and_upgraded(tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_legacy_store_is_reused_and_upgraded(tokenizer_dir: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A store written with the (path, size, mtime) fingerprint is reused when that still
     matches, and from then on survives a new mtime; its `fingerprint` (which target stores
-    reference) is kept."""
+    reference) is kept. Once its form leaves `legacy.FORMS`, such a store is one of other inputs."""
     corpus = _small_corpus(tmp_path / "corpus")
     out = tmp_path / "store"
     store = prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
@@ -235,6 +237,12 @@ def test_legacy_store_is_reused_and_upgraded(tokenizer_dir: Path, tmp_path: Path
     prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
     assert (out / "tokens.bin").stat().st_mtime_ns == tokens  # never rebuilt
     assert TokenStore.open(out).meta["fingerprint"] == legacy
+
+    now = sources.legacy_fingerprint([str(corpus)], store.tokenizer_hash, "text")  # new mtime
+    (out / "meta.json").write_text(json.dumps({**meta, "fingerprint": now}, indent=2))
+    monkeypatch.delitem(FORMS, "store-path-fingerprint")
+    with pytest.raises(UserError, match="other inputs"):
+        prepare_corpus(str(corpus), str(tokenizer_dir), out, num_proc=1)
 
 
 def test_large_files_are_read_whole(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import scipy.stats
 import torch
 import yaml
 
+from mlsm.artifacts.legacy import FORMS
 from mlsm.errors import Incomplete, UserError
 from mlsm.study.runner import OUTPUTS, Study, run_study
 from mlsm.study.spec import load_study, study_from_dict
@@ -606,7 +607,7 @@ def test_target_store_is_built_once_and_shared_by_seeds(
 
 
 def test_a_target_build_begun_before_fingerprints_resumes_and_another_is_moved_aside(
-    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path, monkeypatch
 ) -> None:
     """A study folder from an mlsm that kept no stage fingerprints, whose target store was
     interrupted half-way (build.json and progress.json, no meta.json): the newer mlsm resumes
@@ -650,6 +651,11 @@ def test_a_target_build_begun_before_fingerprints_resumes_and_another_is_moved_a
     (moved,) = (out / "superseded").glob("*/targets/*")
     assert json.loads((moved / "build.json").read_text())["dictionary_hash"] == "0" * 16
     assert {f.name: f.read_bytes() for f in folder.iterdir() if f.suffix == ".bin"} == whole
+
+    monkeypatch.delitem(FORMS, "study-shared-unrecorded")  # struck: never adopted
+    interrupt(meta["dictionary_hash"])
+    run_study(spec, stages=["dictionary"], log=lambda s: None)
+    assert len(list((out / "superseded").glob("*/targets/*"))) == 2
 
 
 def test_study_rows_name_a_torn_blimp_result_in_one_line(tmp_path: Path) -> None:

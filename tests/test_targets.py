@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mlsm.artifacts.legacy import FORMS
 from mlsm.config import DataConfig
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, prepare_corpus
@@ -101,10 +102,11 @@ def test_build_resumes_after_a_kill(
 
 
 def test_a_build_begun_before_teacher_weights_were_recorded_continues_and_records_them(
-    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path, capsys
+    store_dir, teacher_dir, dictionary_path, target_dir, tmp_path, capsys, monkeypatch
 ) -> None:
     """An interrupted build of an older mlsm (build.json without `teacher_weights`) resumes, as
-    an older run does, with a note; its teacher is checked from then on."""
+    an older run does, with a note; its teacher is checked from then on. Once its form leaves
+    `legacy.FORMS`, it is a build of other settings."""
     out = tmp_path / "t"
     shutil.copytree(target_dir, out)
     (out / "meta.json").unlink()
@@ -118,6 +120,12 @@ def test_a_build_begun_before_teacher_weights_were_recorded_continues_and_record
     assert json.loads((out / "build.json").read_text())["teacher_weights"] == recorded
     assert sum(seen) == TargetStore.open(out).meta["n_chunks"] - 16
     _assert_same_store(out, target_dir)
+
+    (out / "meta.json").unlink()
+    (out / "build.json").write_text(json.dumps(build))
+    monkeypatch.delitem(FORMS, "targets-teacher-unrecorded")
+    with pytest.raises(UserError, match=r"other settings or inputs \(teacher_weights\)"):
+        build_target_store(store_dir, dictionary_path, teacher, 32, out, batch_size=16)
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])

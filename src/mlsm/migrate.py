@@ -34,6 +34,7 @@ from mlsm.artifacts.checkpoint import (
     recorded_facts,
     write_marker,
 )
+from mlsm.artifacts.legacy import tolerated
 from mlsm.errors import UserError
 from mlsm.locking import hold
 from mlsm.objectives import (
@@ -72,6 +73,9 @@ def migrate(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Migr
     `mlsm export` folder, or a run directory (each of its checkpoints, then those of the probe runs
     inside it). Every path is checked before anything is written; probe checkpoints go last, since
     a probe's refusal is read from the checkpoint it probed. One record per folder, in order."""
+    if not tolerated("checkpoint-facts-unrecorded"):
+        raise UserError("this version no longer migrates checkpoints of mlsm 0.1; run `mlsm "
+                        "migrate` with mlsm 0.2, or train the model again")
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not items:
         raise UserError(f"nothing to migrate; {_PASS}")

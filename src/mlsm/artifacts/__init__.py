@@ -12,4 +12,5 @@ run folder never needs to import an objective to understand it.
   check and the input fingerprints a resume compares.
 - `probe_record`: a probe run's probe.json (which checkpoint holds the probe, how good it is).
 - `outputs`, `jsonl`: the one output-folder guard and lock; the one JSON-lines reader and appender.
+- `legacy`: which older forms of mlsm 0.1.0's folders are still read, where, and until when.
 """

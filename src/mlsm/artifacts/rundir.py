@@ -32,6 +32,7 @@ import yaml
 from mlsm.artifacts import checkpoint as ckpt
 from mlsm.artifacts.fingerprint import require_same
 from mlsm.artifacts.jsonl import read_jsonl
+from mlsm.artifacts.legacy import tolerated
 from mlsm.artifacts.outputs import OutputKind, Rule, guard_output
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
@@ -159,6 +160,10 @@ class RunDir:
         if not isinstance(recorded, dict):
             recorded = (self.marker() or {}).get("inputs")
         if not isinstance(recorded, dict):
+            if picked is not None and not tolerated("run-inputs-unrecorded"):
+                raise UserError(f"{self.path} records no fingerprints of its inputs (mlsm 0.1 "
+                                "wrote none), and this version no longer resumes such a run; "
+                                "start a new run with another train.out")
             if announce and picked is not None:
                 _note(f"{self.path} records no fingerprints of its inputs (written by an older "
                       "mlsm), so they cannot be checked; resuming as before")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from mlsm.artifacts.legacy import tolerated
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.data.shards import Unit, default_num_proc, tokenise_units
 from mlsm.data.sources import (
@@ -319,7 +320,8 @@ def _same_inputs(store: TokenStore, fp: str, legacy: Callable[[], str]) -> bool:
     meta = store.meta
     if fp in (meta.get("input_fingerprint"), meta.get("fingerprint")):
         return True
-    if "input_fingerprint" in meta or meta.get("fingerprint") != legacy():
+    if not tolerated("store-path-fingerprint") or "input_fingerprint" in meta \
+            or meta.get("fingerprint") != legacy():
         return False
     meta["input_fingerprint"] = fp
     with contextlib.suppress(OSError):  # a read-only store is still right, just not upgraded

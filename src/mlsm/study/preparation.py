@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mlsm.artifacts.fingerprint import differences
+from mlsm.artifacts.legacy import tolerated
 from mlsm.defaults import default_k
 from mlsm.errors import UserError
 from mlsm.run_config import config_from_dict
@@ -145,7 +146,7 @@ def _shared_done(study: Study, key: str, inputs: dict[str, Any], outputs: list[P
     inputs is moved aside and made again, unless a run already trained with it:
     then the study refuses in one line (the runs would no longer match their dictionary)."""
     record = study.status().get(key, {})
-    if "fingerprint" not in record and legacy():
+    if "fingerprint" not in record and tolerated("study-shared-unrecorded") and legacy():
         if all(p.exists() for p in outputs):
             study.note_inputs(inputs)  # adopted: its fingerprint is recorded from now on
             return True

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from mlsm import locking
+from mlsm.artifacts.legacy import tolerated
 from mlsm.artifacts.outputs import guard_output_file
 from mlsm.defaults import LAM, TEACHER_LAYER, default_k
 from mlsm.errors import UserError
@@ -103,9 +104,11 @@ class Dictionary:
         against any: refused."""
         rebuild = (f"`mlsm dictionary --store STORE --teacher {shlex.quote(teacher.name)} --out "
                    "NEW_DICT`")
-        if self.meta.get("teacher") is None:
+        named = self.meta.get("teacher")
+        if named is None or not tolerated("dictionary-teacher-unrecorded"):
             which = f"dictionary {self.path}" if self.path else "the dictionary"
-            raise UserError(f"{which} names no teacher and no fingerprint of its teacher's "
+            what = "no teacher and no" if named is None else f"its teacher ({named}) but no"
+            raise UserError(f"{which} names {what} fingerprint of its teacher's "
                             "weights in its meta, so nothing shows it was learned on this teacher "
                             f"({teacher.name}); learn one on it with {rebuild} (the token store "
                             "prepared with its tokenizer)")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mlsm.artifacts.legacy import tolerated
 from mlsm.artifacts.outputs import OutputKind, guard_output, writing
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_json
@@ -259,7 +260,8 @@ def _start(out: Path, spec: dict[str, Any]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     build, expected = out / "build.json", json.loads(json.dumps(spec))
     old = _read_json_or_none(build)
-    if old is not None and "teacher_weights" not in old:  # a build begun before weights were
+    if old is not None and "teacher_weights" not in old \
+            and tolerated("targets-teacher-unrecorded"):  # a build begun before weights were
         # recorded: its teacher cannot be checked; it continues (as an older run resumes), and
         # the weights are recorded from now on
         print(f"mlsm: note: {out} was begun before target stores recorded their teacher's "
