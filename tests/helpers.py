@@ -6,11 +6,15 @@ module imports (`from .helpers import tiny_overrides`)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from mlsm.locking import lock_path
 
 if TYPE_CHECKING:
     from transformers import BertForMaskedLM
@@ -340,3 +344,40 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 RIGHT, WRONG, TIE = ("the cat", "the dog"), ("the dog", "the cat"), ("the cat", "the cat")
+
+
+def lock_held(folder: str | os.PathLike) -> bool:
+    """Whether some process holds the lock of `folder` (`mlsm.locking`), read from /proc/locks so
+    that looking never takes the lock (which could make the run being watched refuse to start);
+    elsewhere a brief try-lock."""
+    path = lock_path(folder)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    try:
+        table = Path("/proc/locks").read_text().split("\n")
+    except OSError:
+        return _try_lock(path)
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in table:
+        fields = line.split()
+        if "FLOCK" in fields and len(fields) > 5 and fields[5].count(":") == 2:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                return True
+    return False
+
+
+def _try_lock(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -34,7 +34,7 @@ from mlsm.teacher.targets import TargetStore
 from mlsm.train import checkpoint as ckpt
 
 from .fix_hints import check_hint_is_tried
-from .helpers import MLM_RUN, make_text, tiny_overrides
+from .helpers import MLM_RUN, lock_held, make_text, tiny_overrides
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -474,9 +474,9 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     first = subprocess.Popen([sys.executable, "-m", "mlsm", "pretrain", *args], env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = time.time()
-    while not locking.is_locked(run) and first.poll() is None and time.time() - start < 120:
-        time.sleep(0.02)  # is_locked reads /proc/locks: looking never takes the lock
-    assert locking.is_locked(run), "the first run holds its lock from its start"
+    while not lock_held(run) and first.poll() is None and time.time() - start < 120:
+        time.sleep(0.02)  # lock_held reads /proc/locks: looking never takes the lock
+    assert lock_held(run), "the first run holds its lock from its start"
     capsys.readouterr()
     # a second one
     line = _one_line_error(main(["pretrain", "--resume", "auto", *args]), capsys.readouterr().err)
@@ -487,7 +487,7 @@ def test_second_pretrain_on_a_locked_run_refuses(store_dir: Path, tmp_path: Path
     first.send_signal(signal.SIGTERM)  # the first one was undisturbed and ends cleanly
     out, err = first.communicate(timeout=300)
     assert first.returncode == 128 + signal.SIGTERM, err  # stopped with a checkpoint
-    assert list_checkpoints(run) and not locking.is_locked(run)
+    assert list_checkpoints(run) and not lock_held(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1))
 
@@ -517,7 +517,7 @@ def test_ctrl_c_stops_pretraining_with_a_checkpoint_like_sigterm(store_dir: Path
     assert "Traceback" not in err and "stopped by signal" in out
     saved = list_checkpoints(run)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert saved and saved[-1][0] == steps[-1] < 2000 and not locking.is_locked(run)
+    assert saved and saved[-1][0] == steps[-1] < 2000 and not lock_held(run)
 
 
 def test_second_ctrl_c_aborts_at_once() -> None:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from mlsm import locking
 from mlsm.cli import build_parser, main
 from mlsm.errors import UserError
 
+from .helpers import lock_held
 from .test_bad_inputs_classes import (
     GOOD_PAIR,
     ROW,
@@ -356,9 +356,9 @@ def _tiny_study(tmp: Path, fix: dict, steps: int, arms: str) -> Path:
 
 def _wait_for_lock(proc: subprocess.Popen, path: Path) -> None:
     start = time.time()
-    while not locking.is_locked(path) and proc.poll() is None and time.time() - start < 180:
-        time.sleep(0.02)  # is_locked reads /proc/locks: looking never takes the lock
-    assert locking.is_locked(path), f"the first command holds the lock of {path} from its start"
+    while not lock_held(path) and proc.poll() is None and time.time() - start < 180:
+        time.sleep(0.02)  # lock_held reads /proc/locks: looking never takes the lock
+    assert lock_held(path), f"the first command holds the lock of {path} from its start"
 
 
 def test_second_study_on_one_folder_refuses_naming_the_first(fx: dict, tmp_path: Path,  # noqa: F811
