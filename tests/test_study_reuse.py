@@ -248,3 +248,22 @@ def test_a_torn_store_meta_is_one_line_not_a_changed_store(tmp_path: Path) -> No
     (study.store / "meta.json").write_text('{"format": "mlsm-token-store", "fingerp')
     with pytest.raises(UserError, match=r"token store .* is damaged .*mlsm prepare"):
         store_fingerprint(study)
+
+
+def test_a_path_superseded_twice_in_one_second_keeps_both(corpus_dir, tokenizer_dir,
+                                                          tmp_path) -> None:
+    """`Study.supersede` names its folder by the second; a second move of the same path within
+    it replaced the first file kept (or failed on a folder: 'Directory not empty', seen when two
+    target builds were set aside back to back). Both are kept now, in <time> and <time>-2."""
+    study = Study(_spec(_raw(corpus_dir, tokenizer_dir, tmp_path)), **QUIET)
+    made = []
+    for text in ("first", "second", "third"):
+        (study.root / "blimp").mkdir(parents=True, exist_ok=True)
+        (study.root / "blimp" / "x.json").write_text(text)
+        (study.root / "targets" / "t").mkdir(parents=True, exist_ok=True)
+        (study.root / "targets" / "t" / "meta.json").write_text(text)
+        made.append(study.supersede([study.root / "blimp" / "x.json",
+                                     study.root / "targets" / "t"]))
+    kept = sorted((f / "blimp" / "x.json").read_text() for f in made)
+    assert kept == ["first", "second", "third"] and len(set(made)) == 3
+    assert sorted((f / "targets" / "t" / "meta.json").read_text() for f in made) == kept

@@ -333,10 +333,16 @@ class Study:
     def supersede(self, paths: list[Path]) -> Path | None:
         """Move `paths` (inside the study folder) to STUDY/superseded/<UTC time>/<same path>: they
         were made from other inputs or settings, so the report must not read them, and what took
-        time to make is kept rather than deleted. Returns that folder (None: nothing moved)."""
+        time to make is kept rather than deleted. Returns that folder (None: nothing moved). A
+        path superseded again within the same second goes to <UTC time>-2 (-3, ...): what an
+        earlier move kept is never replaced."""
         if not paths:
             return None
-        folder = self.root / "superseded" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        stamp, n = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), 1
+        folder = self.root / "superseded" / stamp
+        while any((folder / p.relative_to(self.root)).exists() for p in paths):
+            n += 1
+            folder = self.root / "superseded" / f"{stamp}-{n}"
         for path in paths:
             target = folder / path.relative_to(self.root)
             target.parent.mkdir(parents=True, exist_ok=True)
