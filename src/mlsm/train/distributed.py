@@ -14,6 +14,7 @@ class DistInfo:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    owns_group: bool = False  # this run started the process group, so it ends it
 
     @property
     def is_main(self) -> bool:
@@ -27,11 +28,20 @@ def init_distributed(device_pref: str) -> DistInfo:
         return DistInfo()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and device_pref != "cpu"
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     if use_cuda:
         torch.cuda.set_device(local)
-    return DistInfo(rank=rank, world=world, local_rank=local)
+    return DistInfo(rank=rank, world=world, local_rank=local, owns_group=owns)
+
+
+def end_distributed(info: DistInfo) -> None:
+    """End the process group this run started. Gloo's worker threads outlive a process that exits
+    without it and can abort it at interpreter exit (SIGABRT, "terminate called without an active
+    exception": pytorch/pytorch#190489), which failed a finished two-process run under load."""
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

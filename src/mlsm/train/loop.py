@@ -37,7 +37,13 @@ from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.train import checkpoint as ckpt
 from mlsm.train import device as dev
 from mlsm.train import tracking
-from mlsm.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from mlsm.train.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    end_distributed,
+    init_distributed,
+)
 from mlsm.train.schedule import lr_factor
 from mlsm.train.signals import StopOnSignal
 from mlsm.train.throughput import FlopMeter, flop_meter
@@ -67,11 +73,14 @@ def pretrain_run(cfg: RunConfig, resume: str | None = None) -> tuple[Path, int |
     dist_info = init_distributed(cfg.train.device)
     run_dir = Path(cfg.train.out)
     # One process per run directory; under DDP rank 0 holds the lock for the whole group.
-    with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
-        RunDir(run_dir).check_folder(resume)  # before minutes of loading
-        if resume and cfg.train.report_to:  # every rank stops alike, as for check_folder
-            tracking.read_state(run_dir)  # a torn tracking.json: one line, before any work
-        return _pretrain(cfg, resume, dist_info, run_dir)
+    try:
+        with locking.hold(run_dir, "run directory", enabled=dist_info.is_main):
+            RunDir(run_dir).check_folder(resume)  # before minutes of loading
+            if resume and cfg.train.report_to:  # every rank stops alike, as for check_folder
+                tracking.read_state(run_dir)  # a torn tracking.json: one line, before any work
+            return _pretrain(cfg, resume, dist_info, run_dir)
+    finally:
+        end_distributed(dist_info)
 
 
 def _inputs(cfg: RunConfig) -> dict[str, str]:
