@@ -56,11 +56,11 @@ def _release(version: str) -> tuple[int, ...]:
     """'0.2.1' -> (0, 2, 1); a suffix such as '.dev0' or 'rc1' ends the number."""
     parts = []
     for piece in version.split("."):
-        digits = re.match(r"\d*", piece).group()  # type: ignore[union-attr]
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
-        if digits != piece:
+        parts.append(int(digits.group()))
+        if digits.group() != piece:
             break
     return tuple(parts)
 
