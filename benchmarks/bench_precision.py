@@ -14,8 +14,11 @@ fp32, yet the whole mlsm MLM step only 1.32x. This script measures, in one run o
 4. the machine's fp32 and bf16 GEMM peaks (common.measured_peaks), so each step's MFU is printed
    against the peak of its own precision.
 
+With --compile the student's encoder is compiled as `train.compile=true` does (round 0, the
+warm-up, pays the compilation of each precision); run it beside a run without to compare.
+
 Usage: python benchmarks/bench_precision.py [--rounds 3] [--batch 32] [--seq 128] [--threads 2]
-       [--layers 6 --width 384]
+       [--layers 6 --width 384] [--compile]
 Skips (exit 0) when the corpus or the packaged teacher (its tokenizer) is absent.
 """
 
@@ -67,10 +70,12 @@ def _setup(tmp: Path, args: argparse.Namespace):
 
 
 def _runner(store, args: argparse.Namespace):
-    """(TrainModule, AdamW) of an MLM student, as `mlsm pretrain` builds them (seed 0)."""
+    """(TrainModule, AdamW) of an MLM student, as `mlsm pretrain` builds them (seed 0; AdamW's
+    kernel as `mlsm pretrain` picks it on a CPU)."""
     from mlsm.config import ModelConfig
     from mlsm.models.backbone import build_student
     from mlsm.objectives import Context, TrainModule, build_objective
+    from mlsm.train import device as dev
 
     tok = store.load_tokenizer()
     ctx = Context(tok, torch.device("cpu"), 100, str(store.path), args.seq)
@@ -80,7 +85,10 @@ def _runner(store, args: argparse.Namespace):
     student = build_student(ModelConfig(arch="bert", overrides=shape), tok, args.seq, seed=0)
     objective.attach(student)
     module = TrainModule(student, objective).train()
-    return module, torch.optim.AdamW(module.parameters(), lr=1e-4)
+    if args.compile:
+        dev.compile_student(module)  # as train.compile=true: the encoder, in place
+    return module, torch.optim.AdamW(module.parameters(), lr=1e-4,
+                                     **dev.adamw_options(torch.device("cpu")))
 
 
 def _autocast(precision: str):
@@ -158,6 +166,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the encoder, as train.compile=true (round 0 compiles)")
     args = ap.parse_args()
     reason = skip_reason()
     if reason:
@@ -207,7 +217,8 @@ def _paired(a: list[float], b: list[float]) -> float:
 def _report(whole, enc, profiles, peaks, flops, args) -> None:
     load = os.getloadavg()
     print(f"\nMLM, BERT {args.layers} x {args.width}, batch {args.batch} x {args.seq}, "
-          f"{args.threads} threads, {os.cpu_count()} CPUs, load average {load[0]:.2f}")
+          f"{args.threads} threads, {os.cpu_count()} CPUs, load average {load[0]:.2f}, "
+          f"{'compiled' if args.compile else 'eager'} encoder")
     print(f"measured GEMM peaks: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     for p in ("fp32", "bf16"):
