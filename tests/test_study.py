@@ -686,3 +686,36 @@ def test_a_failed_stage_whose_traceback_cannot_be_written_is_still_recorded(tmp_
     assert study.stage("pretrain", broken, arm="a") is False
     assert study.status()["pretrain:a"]["state"] == "failed"
     assert any("not written to errors.log" in line for line in lines)
+
+
+def test_evaluation_chains_per_point_score_what_the_driver_scores(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """The same pre-trained arms evaluated twice: in this process, one stage after another
+    (jobs = 1), and as chains of subprocesses, one per arm and readiness point (jobs = 2,
+    eval_jobs = 2: the probe, then BLiMP through that point's probe). Every score is the same,
+    and the chains ran each point of each arm as subprocesses of its own."""
+    import shutil
+
+    _, blimp = _tiny_tasks(tmp_path)
+    here, chained = tmp_path / "here", tmp_path / "chained"
+    raw = _raw(
+        corpus_dir, tokenizer_dir, teacher_dir, here,
+        blimp={"data": [str(blimp)], "readiness": [0.5, 1.0]},
+        probe={"max_steps": 10, "eval_every": 5, "select_steps": 5, "heldout_batches": 1,
+               "batch_size": 8, "min_delta": 1e-4},
+    )
+    run_study(load_study(_write(tmp_path, raw)), stages=["store", "dictionary", "pretrain"],
+              log=lambda s: None)
+    shutil.copytree(here, chained)
+    evaluation = ["probe", "blimp"]
+    run_study(load_study(_write(tmp_path, raw)), stages=evaluation, log=lambda s: None)
+    raw = {**raw, "out": str(chained),
+           "executor": {"kind": "local", "jobs": 2, "eval_jobs": 2, "threads": 1}}
+    run_study(load_study(_write(tmp_path, raw)), stages=evaluation, log=lambda s: None)
+    for model in ("mlm@50pct", "mlm@100pct", "mlsm@50pct", "mlsm@100pct"):
+        a, b = (json.loads((o / "blimp" / f"{model}.json").read_text()) for o in (here, chained))
+        assert (a["sets"], a["heldout"], a["probe"]) == (b["sets"], b["heldout"], b["probe"])
+    jobs = {(r["stage"], r["arm"]) for r in _stages(chained) if r["stage"].endswith("-job")}
+    assert jobs == {(f"{s}-job", f"{a}@{p}%") for s in evaluation for a in ("mlm", "mlsm")
+                    for p in (50, 100)} - {("probe-job", "mlm@50%"), ("probe-job", "mlm@100%")}

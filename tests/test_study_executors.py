@@ -182,16 +182,16 @@ def test_eval_jobs_one_runs_evaluation_here_with_all_threads(two_jobs, tmp_path)
     run_study(study_from_dict(raw), stages=["blimp"], log=lambda s: None)
     for arm in ("a", "b"):
         assert json.loads((copy / "blimp" / f"{arm}@100pct.json").read_text())["threads"] == 2
-        assert not (copy / "logs" / f"blimp-{arm}.log").exists()
+        assert not list((copy / "logs").glob(f"blimp-{arm}*.log"))
     stages = [r["stage"] for r in map(json.loads, (copy / "stages.jsonl").read_text().splitlines())]
     assert "blimp" in stages and "blimp-job" not in stages
 
 
 def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp_path) -> None:
-    """jobs = 2: each arm's BLiMP stage is a `mlsm study --stages blimp --arms ARM` subprocess
-    with executor.threads torch threads (the scorer records its threads; in the driver it would
-    have had jobs x threads), both at once (their job rows overlap in time), and an arm whose
-    stage fails is recorded as failed while the other arm's score is written."""
+    """jobs = 2: each arm's BLiMP stage is a `python -m mlsm.study.job FILE blimp ARM 100%`
+    subprocess with executor.threads torch threads (the scorer records its threads; in the driver
+    it would have had jobs x threads), both at once (their job rows overlap in time), and an arm
+    whose stage fails is recorded as failed while the other arm's score is written."""
     import shutil
 
     raw, shared = two_jobs
@@ -207,15 +207,15 @@ def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp
     status = Study(spec).status()
     assert status["blimp:a@100%"]["state"] == "done", status
     assert status["blimp:b@100%"]["state"] == "failed", status
-    assert status["blimp-job:b"]["state"] == "failed" and "blimp:b@100%" in \
-        status["blimp-job:b"]["error"]
+    assert status["blimp-job:b@100%"]["state"] == "failed" and "blimp:b@100%" in \
+        status["blimp-job:b@100%"]["error"]
     row = json.loads((out / "blimp" / "a@100pct.json").read_text())
     assert row["threads"] == 1 and row["n_pairs"] == 4
-    assert "[study] blimp:a@100%: start" in (out / "logs" / "blimp-a.log").read_text()
-    assert "blimp:b@100%: FAILED" in (out / "logs" / "blimp-b.log").read_text()
+    assert "[study] blimp:a@100%: start" in (out / "logs" / "blimp-a@100pct.log").read_text()
+    assert "blimp:b@100%: FAILED" in (out / "logs" / "blimp-b@100pct.log").read_text()
     jobs = [r for r in map(json.loads, (out / "stages.jsonl").read_text().splitlines())
             if r["stage"] == "blimp-job"]
-    assert sorted(r["arm"] for r in jobs) == ["a", "b"]
+    assert sorted(r["arm"] for r in jobs) == ["a@100%", "b@100%"]
     ends = [time.mktime(time.strptime(r["finished"], "%Y-%m-%dT%H:%M:%SZ")) for r in jobs]
     (s0, e0), (s1, e1) = [(e - r["seconds"] - 1, e + 1) for r, e in zip(jobs, ends, strict=True)]
     assert s0 < e1 and s1 < e0, "the two arms' stages ran one after the other"
@@ -258,7 +258,108 @@ def test_an_arm_is_evaluated_while_a_slower_arm_still_pre_trains(two_jobs, tmp_p
                     "a evaluating while b pre-trains": True}
     for arm in ("a", "b"):  # both chains went on to their (real) BLiMP subprocesses
         assert json.loads((copy / "blimp" / f"{arm}@100pct.json").read_text())["n_pairs"] == 4
-        assert (copy / "logs" / f"blimp-{arm}.log").is_file()
+        assert (copy / "logs" / f"blimp-{arm}@100pct.log").is_file()
+
+
+def test_an_arms_readiness_points_are_evaluated_side_by_side(two_jobs, tmp_path,
+                                                             monkeypatch) -> None:
+    """Each readiness point of an arm is an evaluation chain of its own (issue #50: one chain
+    per arm left a core idle for half of v2's seed pair). jobs = 2, eval_jobs = 3: arm b's
+    pre-training is held until arm a's two BLiMP points have both started (or 10 s), so they
+    overlap only as two chains; and never more than max(jobs, eval_jobs) subprocesses at once."""
+    import shutil
+
+    from mlsm.study import executors
+
+    raw, out = two_jobs
+    copy = tmp_path / "study"
+    shutil.copytree(out, copy)
+    raw = {**raw, "out": str(copy), "readiness": [0.5, 1.0],
+           "blimp": {"data": [str(_pairs(tmp_path))], "readiness": [0.5, 1.0]},
+           "executor": {"kind": "local", "jobs": 2, "eval_jobs": 3, "threads": 1}}
+    lock, running, peak, a_points = threading.Lock(), [0], [0], threading.Semaphore(0)
+    seen: dict[str, bool] = {}
+    intervals: dict[str, tuple[float, float]] = {}
+
+    def counted(fn):  # every stand-in subprocess counts who is inside
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            return fn()
+        finally:
+            with lock:
+                running[0] -= 1
+
+    def held_pretrain(study, arm):  # both runs are trained already: only b's wait is real
+        if arm == "b":
+            seen["a's two points overlapped"] = all(a_points.acquire(timeout=10) for _ in "ab")
+        return "skipped"
+
+    def stage_subprocess(study, spec_file, stage, arm):
+        name = f"{arm}@{study.points[0]}"
+        start = time.time()
+        if arm == "a":
+            a_points.release()
+        counted(lambda: time.sleep(0.5))
+        intervals[name] = (start, time.time())
+        return None
+
+    monkeypatch.setattr(executors, "_subprocess_arm", lambda s, a: counted(
+        lambda: held_pretrain(s, a)))
+    monkeypatch.setattr(executors, "_stage_subprocess", stage_subprocess)
+    # an arm-wide job record of an older mlsm: its per-point records replace it
+    Study(study_from_dict(raw)).set_status("blimp-job:a", {"state": "failed", "error": "old"})
+    run_study(study_from_dict(raw), stages=["pretrain", "blimp"], log=lambda s: None)
+    assert "blimp-job:a" not in Study(study_from_dict(raw)).status()
+    assert seen == {"a's two points overlapped": True}
+    (s50, e50), (s100, e100) = intervals["a@0.5"], intervals["a@1.0"]
+    assert s50 < e100 and s100 < e50, intervals
+    assert sorted(intervals) == ["a@0.5", "a@1.0", "b@0.5", "b@1.0"]
+    assert peak[0] <= 3
+    rows = [json.loads(x) for x in (copy / "stages.jsonl").read_text().splitlines()]
+    assert sorted(r["arm"] for r in rows if r["stage"] == "blimp-job") == [
+        "a@100%", "a@50%", "b@100%", "b@50%"]
+
+
+def test_fair_gate_lets_waiters_through_in_arrival_order() -> None:
+    """A holder that leaves and asks again at once queues behind those already waiting (a
+    `threading.Semaphore` hands it straight back), and never more than n hold it at once."""
+    from mlsm.study.executors import FairGate
+
+    gate, order, inside, peak = FairGate(1), [], [0], [0]
+    lock = threading.Lock()
+
+    def hold(who: str) -> None:
+        with gate:
+            with lock:
+                inside[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            order.append(who)
+            time.sleep(0.05)
+            with lock:
+                inside[0] -= 1
+
+    def first() -> None:
+        with gate:
+            order.append("first")
+            while len(gate._queue) < 2:  # b and c are waiting
+                time.sleep(0.01)
+        hold("first again")  # at once, as a chain asks for its next stage
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    while not order:
+        time.sleep(0.01)
+    for who in ("b", "c"):
+        threads.append(threading.Thread(target=hold, args=(who,)))
+        threads[-1].start()
+        while who == "b" and len(gate._queue) < 1:  # b arrives before c
+            time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert order == ["first", "b", "c", "first again"]
+    assert peak[0] == 1
 
 
 @pytest.mark.parametrize("jobs, most", [(1, 1), (2, 2)])
@@ -488,7 +589,8 @@ def test_a_seeded_study_evaluates_each_run_in_its_own_subprocess(corpus_dir, tok
         row = json.loads((tmp_path / "out" / "blimp" / f"{run}@100pct.json").read_text())
         assert row["threads"] == 1 and row["n_pairs"] == 4
         assert reuse.is_current(study, "blimp", row)
-        assert "[study] blimp:" in (tmp_path / "out" / "logs" / f"blimp-{run}.log").read_text()
+        log = tmp_path / "out" / "logs" / f"blimp-{run}@100pct.log"
+        assert "[study] blimp:" in log.read_text()
 
 
 def test_lines_logged_from_threads_at_once_stay_whole(tmp_path) -> None:

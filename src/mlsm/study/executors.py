@@ -4,10 +4,11 @@
 by stage: the pre-training runs in this process (jobs = 1, or one arm left to train) or as `jobs`
 `python -m mlsm pretrain --resume auto` subprocesses at once, each with `executor.threads` torch
 threads; every evaluation stage then runs here, one model at a time. With `eval_jobs` above 1
-(0 = jobs) and several arms, each arm runs its stages as a chain of its own (`run_chains`): its
-pre-training a subprocess (`jobs` at once), then each evaluation stage (probe, finetune, blimp,
-readout) a `python -m mlsm.study.job` subprocess (`eval_jobs` at once), so its evaluation starts
-when its own pre-training ends, not when the slowest arm's does.
+(0 = jobs) and several arms, each arm runs its stages as chains of its own (`run_chains`): its
+pre-training a subprocess (`jobs` at once), then per readiness point each evaluation stage
+(probe, blimp, readout; the fine-tuning grid a chain of its own) a `python -m mlsm.study.job`
+subprocess (`eval_jobs` at once, max(jobs, eval_jobs) subprocesses in all), so its evaluation
+starts when its own pre-training ends, not when the slowest arm's does.
 `slurm` submits one job per arm through submitit (Rapin & Jun 2019's launcher), with partition /
 GPUs / time from `executor.slurm`; the driver waits for the jobs (the later stages depend on
 them) and records each arm's outcome. A pre-training job that reaches its time limit is requeued
@@ -18,6 +19,7 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,8 +42,14 @@ from mlsm.run_config import config_from_dict
 from mlsm.study.folder import Study, pretrain_done
 from mlsm.study.preparation import pretrain_arm, pretrain_todo
 from mlsm.study.reuse import pretrain_inputs
-from mlsm.study.spec import StudySpec, spec_record
-from mlsm.study.stages import EVALUATIONS, driver_threads, has_work, run_arm_stage
+from mlsm.study.spec import StudySpec, readiness_label, spec_record
+from mlsm.study.stages import (
+    EVALUATIONS,
+    driver_threads,
+    has_work,
+    model_name,
+    run_arm_stage,
+)
 from mlsm.train.signals import STOP_SIGNALS, exit_status
 
 
@@ -372,17 +380,56 @@ def chained(study: Study, arms: list[str]) -> bool:
             and not study.in_job)
 
 
+class FairGate:
+    """At most `n` holders at once, let through in the order they came. A `threading.Semaphore`
+    is not fair: a chain that releases it and asks again at once takes it back from the threads
+    already waiting, so one arm's chains would run to their end before another's began; on v2's
+    seed pair (its measured stage times, issue #50, scheduled on two slots) that order ends
+    1.46 h after pre-training starts, arrival order 1.33 h."""
+
+    def __init__(self, n: int):
+        self._free, self._queue = n, collections.deque()
+        self._cond = threading.Condition()
+
+    def __enter__(self) -> FairGate:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            self._cond.wait_for(lambda: self._free > 0 and self._queue[0] is me)
+            self._queue.popleft()
+            self._free -= 1
+            self._cond.notify_all()  # the next in line may fit too
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._free += 1
+            self._cond.notify_all()
+
+
+@contextlib.contextmanager
+def through(*gates: contextlib.AbstractContextManager) -> Iterator[None]:
+    """Hold every gate, taken in the order given (every caller takes them in one order, so no
+    two wait on each other)."""
+    with contextlib.ExitStack() as stack:
+        for gate in gates:
+            stack.enter_context(gate)
+        yield
+
+
 def run_chains(study: Study, arms: list[str], chain: Callable[[str], None]) -> None:
-    """chain(arm) for every arm, max(jobs, eval_jobs) at once: each arm's stages in order, the
-    arms side by side (the chains' gates keep `jobs` pre-training and `eval_jobs` evaluating).
-    Under the stage-by-stage order every arm waited for the slowest arm's pre-training before any
-    evaluation began (v2's MLSM arms finished 20-26 min before MLM's, a core idle)."""
-    workers = max(study.spec.executor.jobs, eval_jobs(study))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    """chain(arm) for every arm, all started at once: each arm's stages in order, the arms side
+    by side; the chains' gates, not a bound on arms in progress, keep `jobs` pre-training,
+    `eval_jobs` evaluating and max(jobs, eval_jobs) in all. Under the stage-by-stage order every
+    arm waited for the slowest arm's pre-training before any evaluation began (v2's MLSM arms
+    finished 20-26 min before MLM's, a core idle); with at most max(jobs, eval_jobs) arms in
+    progress, an arm's pre-training waited for a whole earlier arm's evaluation
+    (benchmarks/schedule_projection.py replays a study's stage times both ways)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(arms))) as pool:
         list(pool.map(chain, arms))  # re-raises what a chain raised
 
 
-def pretrain_subprocess(study: Study, arm: str, gate: threading.Semaphore) -> bool:
+def pretrain_subprocess(study: Study, arm: str, gate: contextlib.AbstractContextManager) -> bool:
     """One arm's pre-training as a `mlsm pretrain` subprocess, at most as many at once as `gate`
     lets through (`jobs`), recorded; False if it failed. A finished run starts no subprocess."""
     # the wait for the gate stays outside the stage: its wall time is the run's, not the queue's
@@ -391,41 +438,53 @@ def pretrain_subprocess(study: Study, arm: str, gate: threading.Semaphore) -> bo
 
 
 def evaluation_subprocess(study: Study, stage: str, arm: str, spec_file: Path,
-                          gate: threading.Semaphore) -> set[str]:
-    """One arm's evaluation stage as a subprocess (spec_file: `job_spec_file`), at most as many
-    at once as `gate` lets through; returns {arm} if it failed. An arm with nothing to do for
-    the stage gets no subprocess: the stage records its skips here."""
+                          gate: contextlib.AbstractContextManager) -> set[str]:
+    """One arm's evaluation stage as a subprocess (spec_file: `job_spec_file`), at the readiness
+    point `study` is restricted to (`Study.at`) or at all, at most as many at once as `gate`
+    lets through; returns {arm} if it failed. An arm with nothing to do for the stage gets no
+    subprocess: the stage records its skips here."""
     if not has_work(study, stage, arm):
         return EVALUATIONS[stage](study, [arm])
+    name = model_name(arm, study.points[0]) if study.points else arm
     with gate:
-        ok = study.stage(f"{stage}-job",
-                         lambda: _stage_subprocess(study, spec_file, stage, arm), arm)
+        ok = study.stage(f"{stage}-job", lambda: _stage_subprocess(study, spec_file, stage, arm),
+                         name)
+    if study.points:  # the per-point records replace an arm-wide one of an older mlsm
+        study.drop_status(f"{stage}-job:{arm}")
     return set() if ok else {arm}
 
 
 def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> str | None:
-    log = study.root / "logs" / f"{stage}-{arm}.log"
+    point = [readiness_label(study.points[0])] if study.points else []
+    name = "@".join([arm, *point])
+    log = study.root / "logs" / f"{stage}-{name.replace('%', 'pct')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    study.log(f"[study] {stage}:{arm}: running as a subprocess, log {log}")
+    study.log(f"[study] {stage}:{name}: running as a subprocess, log {log}")
     env = dict(os.environ)  # the job writes inside this command's lock on the study folder
     if study.spec.executor.threads:  # OpenMP's pool too, or N jobs x all cores oversubscribe
         env["OMP_NUM_THREADS"] = str(study.spec.executor.threads)
-    command = [sys.executable, "-m", "mlsm.study.job", str(spec_file), stage, arm]
+    command = [sys.executable, "-m", "mlsm.study.job", str(spec_file), stage, arm, *point]
     with log.open("a") as fh:
         code, cpu = _call_measured(command, fh, env)
     study.add_child_cpu(cpu)
     outcome = _outcome(study, stage, arm)  # raises with the records of a failed stage
     if code != 0:  # it stopped before its stage could record anything
-        raise RuntimeError(f"the {stage} subprocess of arm {arm} (python -m mlsm.study.job) "
+        raise RuntimeError(f"the {stage} subprocess of {name} (python -m mlsm.study.job) "
                            f"exited with {code}; see {log}")
     return outcome
 
 
 def _outcome(study: Study, stage: str, arm: str) -> str | None:
-    """What `stage` recorded for `arm` in status.json (keys STAGE:ARM and STAGE:ARM@READINESS):
-    raises with every failure; "skipped" if it found all its work done, else None."""
-    mine = {k: v for k, v in study.status().items()
-            if k == f"{stage}:{arm}" or k.startswith(f"{stage}:{arm}@")}
+    """What `stage` recorded for `arm` in status.json (keys STAGE:ARM and STAGE:ARM@READINESS,
+    only the readiness point of a `Study.at` view): raises with every failure; "skipped" if it
+    found all its work done, else None."""
+    points = {f"{stage}:{model_name(arm, f)}" for f in study.points or []}
+
+    def ours(key: str) -> bool:
+        return key in points if points else \
+            key == f"{stage}:{arm}" or key.startswith(f"{stage}:{arm}@")
+
+    mine = {k: v for k, v in study.status().items() if ours(k)}
     failed = [f"{k}: {v.get('error', '')}" for k, v in mine.items() if v.get("state") == "failed"]
     if failed:
         raise RuntimeError("; ".join(failed))

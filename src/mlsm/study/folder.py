@@ -7,6 +7,7 @@ wall and CPU time). Every stage reads and writes the folder through `Study`; wha
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fcntl
 import json
@@ -56,6 +57,19 @@ class Study:
             self.root.mkdir(parents=True, exist_ok=True)
         self._child_cpu = threading.local()
         self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
+        self.points: tuple[float, ...] | None = None  # readiness points evaluated here; None: all
+
+    def at(self, point: float | None) -> Study:
+        """This study with its evaluation stages restricted to one readiness point (what one
+        evaluation chain of an arm runs, `runner._chains`); None: every point. The view shares
+        the folder, the log and the failures of this command."""
+        view = copy.copy(self)
+        view.points = None if point is None else (point,)
+        return view
+
+    def evaluated(self, fracs: list[float]) -> list[float]:
+        """The readiness points of `fracs` that this study's evaluation stages run (`at`)."""
+        return [f for f in fracs if self.points is None or f in self.points]
 
     def log(self, line: str) -> None:
         """One line to the study's log. The arms' stages log from threads at once, and `print`
@@ -211,6 +225,14 @@ class Study:
             status = self.status()
             status[key] = value
             atomic_write_text(path, json.dumps(status, indent=2) + "\n")
+
+    def drop_status(self, key: str) -> None:
+        """Forget one stage's record (under the lock of `set_status`), e.g. one that newer
+        records of the same work replace."""
+        with locking.exclusive(self.root / ".status.json.lock"):
+            status = self.status()
+            if status.pop(key, None) is not None:
+                atomic_write_text(self.root / "status.json", json.dumps(status, indent=2) + "\n")
 
     def add_child_cpu(self, seconds: float) -> None:
         """CPU seconds of a subprocess the current stage ran and reaped itself (`os.wait4`): its

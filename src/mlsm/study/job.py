@@ -1,8 +1,11 @@
 """One evaluation stage of one arm in a process of its own: what a local study with
-`executor.eval_jobs` above 1 starts for each arm (`executors.evaluation_subprocess`), as a Slurm
-job runs `run_arm_stage`.
+`executor.eval_jobs` above 1 starts for each arm and readiness point
+(`executors.evaluation_subprocess`), as a Slurm job runs `run_arm_stage`.
 
-    python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM
+    python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM [POINT]
+
+POINT (a readiness point as the study names it, e.g. 25%) restricts the stage to that
+checkpoint; without it, every point. Fine-tuning takes no POINT: its grid is one stage.
 
 The JSON file is the driver's study exactly (`spec.spec_record`, with `jobs: 1`), so this process
 computes the same paths and fingerprints as the driver. Re-reading the study file would not: a
@@ -18,7 +21,7 @@ import sys
 
 from mlsm.errors import UserError
 from mlsm.inputs import read_json
-from mlsm.study.spec import StudySpec, spec_from_record
+from mlsm.study.spec import StudySpec, readiness_label, spec_from_record
 from mlsm.study.stages import EVALUATIONS, run_arm_stage
 
 PROG = "mlsm study job"
@@ -30,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     arguments, else 0."""
     args = sys.argv[1:] if argv is None else argv
     try:
-        if len(args) != 3:
-            raise UserError(f"usage: python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM "
-                            f"(got {len(args)} arguments); {_FIX}")
-        path, stage, arm = args
+        if len(args) not in (3, 4):
+            raise UserError("usage: python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM "
+                            f"[POINT] (got {len(args)} arguments); {_FIX}")
+        path, stage, arm = args[:3]
         if stage not in EVALUATIONS:
             raise UserError(f"unknown stage {stage!r}; one of {', '.join(EVALUATIONS)}")
         raw = read_json(path, "study job file", _FIX)
@@ -42,10 +45,22 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"study job file {path} is not a study record (no {missing[0]}); "
                             f"{_FIX}")
         spec = spec_from_record(raw)
-        return 1 if run_arm_stage(spec, stage, arm) else 0
+        point = _point(spec, stage, args[3]) if len(args) == 4 else None
+        return 1 if run_arm_stage(spec, stage, arm, point) else 0
     except UserError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _point(spec: StudySpec, stage: str, label: str) -> float:
+    """The readiness point named `label` (as `readiness_label` writes it)."""
+    if stage == "finetune":
+        raise UserError(f"fine-tuning runs every readiness point in one grid; drop {label!r}")
+    points = {readiness_label(f): f for f in spec.readiness}
+    if label not in points:
+        raise UserError(f"readiness point {label!r} is not one of the study's "
+                        f"({', '.join(points)}); {_FIX}")
+    return points[label]
 
 
 if __name__ == "__main__":

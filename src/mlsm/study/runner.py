@@ -5,10 +5,11 @@ stages (`preparation`, `stages`), their executors and the report; the study fold
 store -> dictionaries (one per (teacher, layer, k, lam), shared by arms) -> pre-training per arm ->
 probes (latent arms, at the BLiMP readiness points) -> fine-tuning of readiness checkpoints ->
 BLiMP -> readouts -> report (a local study whose evaluation runs in subprocesses runs each arm's
-pre-training and evaluation as one chain, the arms side by side: `_chains`). A failing arm is
-recorded in STUDY_OUT/status.json and the other arms go on; every stage's wall time and CPU time
-(user + sys of this process and of the subprocesses it ran) is appended to STUDY_OUT/stages.jsonl,
-so the report can state what each cost, also on a loaded machine where wall time says little.
+pre-training, then its evaluation as one chain per readiness point, side by side: `_chains`).
+A failing arm is recorded in STUDY_OUT/status.json and the other arms go on; every stage's wall
+time and CPU time (user + sys of this process and of the subprocesses it ran) is appended to
+STUDY_OUT/stages.jsonl, so the report can state what each cost, also on a loaded machine where
+wall time says little.
 Re-running the same command resumes: finished stages are skipped, an interrupted run continues
 from its last checkpoint (batches depend only on (data.seed, step)).
 """
@@ -16,8 +17,8 @@ from its last checkpoint (batches depend only on (data.seed, step)).
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mlsm import locking
@@ -25,6 +26,7 @@ from mlsm.config import git_revision
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.study.executors import (
+    FairGate,
     chained,
     check_slurm,
     eval_jobs,
@@ -34,6 +36,7 @@ from mlsm.study.executors import (
     run_chains,
     run_evaluation,
     run_pretraining,
+    through,
 )
 from mlsm.study.folder import (
     OUTPUTS,
@@ -180,22 +183,34 @@ def _evaluations(study: Study, wanted: list[str], ok: list[str],
 
 
 def _chains(study: Study, wanted: list[str], arms: list[str]) -> None:
-    """Each arm's pre-training, then its evaluation stages, as one chain; the chains side by side
-    (`run_chains`), at most `jobs` pre-training and `eval_jobs` evaluation subprocesses at once."""
-    train_gate = threading.BoundedSemaphore(study.spec.executor.jobs)
-    eval_gate = threading.BoundedSemaphore(eval_jobs(study))
+    """Each arm's pre-training, then its evaluations as chains of their own, side by side: one
+    per readiness point (probe, BLiMP and readout of that checkpoint: the later stages read its
+    probe) and one for the fine-tuning grid. At most `jobs` pre-training and `eval_jobs`
+    evaluation subprocesses run at once, and max(jobs, eval_jobs) of both together, each let
+    through in the order it asked (`FairGate`). One chain per arm left a core idle for the last
+    49 % of v2's seed pair while the MLSM arm's probes, BLiMP and readouts ran in a row."""
+    train, evaluate = FairGate(study.spec.executor.jobs), FairGate(eval_jobs(study))
+    slots = FairGate(max(study.spec.executor.jobs, eval_jobs(study)))  # the cores' share
     spec_file = job_spec_file(study) if set(wanted) & set(EVALUATIONS) else None
 
     def one(s: Study, stage: str, arms: list[str]) -> set[str]:
         assert spec_file is not None  # only stages in `wanted` run
-        return set().union(*(evaluation_subprocess(s, stage, a, spec_file, eval_gate)
-                             for a in arms))
+        return set().union(*(evaluation_subprocess(s, stage, a, spec_file,
+                                                   through(evaluate, slots)) for a in arms))
 
     def chain(arm: str) -> None:
-        if "pretrain" in wanted and not pretrain_subprocess(study, arm, train_gate):
+        if "pretrain" in wanted and not pretrain_subprocess(study, arm, through(train, slots)):
             return
-        if pretrain_done(study, arm):
-            _evaluations(study, wanted, [arm], one)
+        if not pretrain_done(study, arm):
+            return
+        at_points = [w for w in wanted if w != "finetune"]
+        # the latest point first: its probe trains longest, so its chain is the longest
+        branches = [lambda p=p: _evaluations(study.at(p), at_points, [arm], one)
+                    for p in sorted(study.spec.readiness, reverse=True)]
+        if "finetune" in wanted:
+            branches.append(lambda: _evaluations(study, ["finetune"], [arm], one))
+        with ThreadPoolExecutor(max_workers=len(branches)) as pool:
+            list(pool.map(lambda branch: branch(), branches))  # re-raises what one raised
 
     run_chains(study, arms, chain)
 

@@ -180,13 +180,13 @@ class ExecutorSpec:
     """`local` (in this process, or `jobs` subprocesses) or `slurm` (submitit)."""
     jobs: int = ranged(1, POSITIVE)
     """local: arms pre-trained at once, each a subprocess with `threads` threads (with evaluation
-    in subprocesses too, eval_jobs > 1, each arm's stages one chain: its evaluation starts when its
-    own pre-training ends); keep jobs x threads at or below the cores."""
+    in subprocesses too, eval_jobs > 1, an arm's evaluation starts when its own pre-training ends,
+    one chain per readiness point); keep max(jobs, eval_jobs) x threads at or below the cores."""
     eval_jobs: int = ranged(0, NON_NEGATIVE)
-    """local: arms whose evaluation stage (probe, finetune, blimp, readout) runs at once, each a
-    subprocess with `threads` threads; 0 = jobs. 1 runs them in the driver one after the other
-    with jobs x threads threads, which is faster on a few cores (no subprocess start-up; the demo
-    does it)."""
+    """local: evaluation subprocesses (one stage of one arm at one readiness point: probe, blimp,
+    readout; or an arm's fine-tuning grid) run at once, each with `threads` threads; 0 = jobs.
+    1 runs them in the driver one after the other with jobs x threads threads, which is faster
+    on a few cores (no subprocess start-up; the demo does it)."""
     threads: int = ranged(0, NON_NEGATIVE)
     """torch threads per job (0 = torch's default; on slurm, the job's cpus_per_task); overrides
     base train.threads. A local evaluation stage with work for one arm only runs in the driver

@@ -49,11 +49,12 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
         return bool(study.spec.finetune.tasks)
     b = study.spec.blimp
     # readiness points PLL cannot score are recorded as skipped by run_probe / run_blimp, no job
-    scored = [f for f in b.readiness if not study.unscored_reason(arm, f)]
+    scored = [f for f in study.evaluated(b.readiness) if not study.unscored_reason(arm, f)]
     if stage == "readout":
         return study.spec.readout is not None and not all(
             study.is_done(f"readout:{model_name(arm, f)}", reuse.readout_inputs(study, arm, f),
-                          [readout_path(study, arm, f)]) for f in study.spec.readiness)
+                          [readout_path(study, arm, f)])
+            for f in study.evaluated(study.spec.readiness))
     if stage == "probe":
         heads = (["latent"] if study.is_latent(arm) else []) + study.spec.probe.controls
         return bool(b.data) and not all(
@@ -96,10 +97,10 @@ def _each_checkpoint(study: Study, stage: str, arms: list[str], fracs: list[floa
                      ) -> set[str]:
     """Run `stage` (`score`) on each readiness checkpoint `fracs` of each arm, one stage record
     per checkpoint (ARM@P%); a checkpoint with an `unscored` reason is recorded as skipped.
-    Returns the arms with a failed checkpoint."""
+    Returns the arms with a failed checkpoint. Only the points `study` evaluates (`Study.at`)."""
     failed = set()
     for arm in arms:
-        for frac in fracs:
+        for frac in study.evaluated(fracs):
             reason = unscored(arm, frac)
             if reason:
                 study.skip(stage, model_name(arm, frac), reason)
@@ -341,9 +342,9 @@ EVALUATIONS = {"probe": run_probe, "finetune": run_finetune, "blimp": run_blimp,
 """Each evaluation stage's function: (study, arms whose pre-training is complete) -> failed arms."""
 
 
-def run_arm_stage(spec: StudySpec, stage: str, arm: str) -> set[str]:
-    """One evaluation stage of one arm (all of its seeds' runs in a seeded study) in this process:
-    what a slurm job of the study runs. Outcomes go to the study's records as the driver's do;
-    returns the runs that failed."""
-    study = Study(only_arms(spec, [arm]), log=print, in_job=True)
+def run_arm_stage(spec: StudySpec, stage: str, arm: str, point: float | None = None) -> set[str]:
+    """One evaluation stage of one arm (all of its seeds' runs in a seeded study) in this process,
+    at one readiness point or (None) at all: what a slurm job or a local subprocess of the study
+    runs. Outcomes go to the study's records as the driver's do; returns the runs that failed."""
+    study = Study(only_arms(spec, [arm]), log=print, in_job=True).at(point)
     return EVALUATIONS[stage](study, [a for a in study.spec.arms if pretrain_done(study, a)])
