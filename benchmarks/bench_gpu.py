@@ -156,7 +156,9 @@ def count_step(cfg, fused: bool = True) -> dict[str, int]:
     student = build_student(cfg.model, tok, cfg.data.max_len, cfg.train.seed)
     objective.attach(student)
     module = TrainModule(student, objective).train()
-    opt = loop._optimizer(module, cfg, torch.device("cuda" if fused else "cpu"))
+    opt = loop._optimizer(module, cfg, torch.device("cuda"))
+    for group in opt.param_groups if not fused else []:  # the for-each kernel, as before
+        group.update(fused=False, foreach=True)
     scaler = dev.grad_scaler(cfg.train.precision, device)
     info = DistInfo(rank=0, world=1, local_rank=0)
     autocast = dev.autocast_for(cfg.train.precision, device)

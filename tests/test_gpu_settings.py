@@ -1,6 +1,7 @@
 """GPU settings tested on this CPU: bf16 autocast and torch.compile agree with fp32/eager within
 stated tolerances and resume exactly; the teacher runs in the run's precision while the codes
-are solved in fp32; fp16 gets a loss scaler (CUDA) or is refused (CPU); fused AdamW on CUDA."""
+are solved in fp32; fp16 gets a loss scaler (CUDA) or is refused (CPU); fused AdamW on CUDA and
+CPU."""
 
 from __future__ import annotations
 
@@ -91,11 +92,18 @@ def test_loss_scaling_is_undone_before_gradients_are_averaged(store_dir: Path, t
     assert state["scaler"]["scale"] == 2.0**10
 
 
-def test_fused_adamw_on_cuda_only(store_dir: Path, tmp_path: Path) -> None:
+def test_fused_adamw_on_cuda_and_cpu(store_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "x"))
     module = torch.nn.Linear(4, 4)
-    assert loop._optimizer(module, cfg, torch.device("cuda")).defaults["fused"] is True
-    assert not loop._optimizer(module, cfg, torch.device("cpu")).defaults.get("fused")
+    for device in ("cuda", "cpu"):
+        assert loop._optimizer(module, cfg, torch.device(device)).defaults["fused"] is True
+    assert not loop._optimizer(module, cfg, torch.device("meta")).defaults.get("fused")
+    # and it is what the CPU steps with: the fused op runs, the per-tensor loop does not
+    module.weight.grad = torch.ones_like(module.weight)
+    opt = loop._optimizer(module, cfg, torch.device("cpu"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert any(e.name == "aten::_fused_adamw_" for e in prof.events())
 
 
 def test_batches_reach_cuda_from_pinned_memory(store_dir: Path) -> None:

@@ -79,6 +79,8 @@ def compile_student(module: Any) -> None:
 
 
 def adamw_options(device: torch.device) -> dict[str, Any]:
-    """AdamW options that depend on the device: the fused CUDA kernel (one launch for all
-    parameters instead of several per tensor) on CUDA; the default for-each kernel elsewhere."""
-    return {"fused": True} if device.type == "cuda" else {}
+    """AdamW options that depend on the device: torch's fused kernel on CUDA (one launch for
+    all parameters instead of several per tensor) and on CPU, where torch's default is a loop
+    over the tensors: 0.031 s a step against the fused kernel's 0.004 s at BERT 4 x 256, 5 % of
+    a bf16 step (benchmarks/bench_precision.py). The default elsewhere."""
+    return {"fused": True} if device.type in ("cuda", "cpu") else {}
