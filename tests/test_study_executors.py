@@ -325,7 +325,7 @@ def test_an_arms_readiness_points_are_evaluated_side_by_side(two_jobs, tmp_path,
 def test_fair_gate_lets_waiters_through_in_arrival_order() -> None:
     """A holder that leaves and asks again at once queues behind those already waiting (a
     `threading.Semaphore` hands it straight back), and never more than n hold it at once."""
-    from mlsm.study.executors import FairGate
+    from mlsm.study.gates import FairGate
 
     gate, order, inside, peak = FairGate(1), [], [0], [0]
     lock = threading.Lock()

@@ -19,7 +19,6 @@ environment), which is what `torchrun` would do by hand.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -27,9 +26,8 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -378,43 +376,6 @@ def chained(study: Study, arms: list[str]) -> bool:
     (eval_jobs > 1) and more than one arm (a lone arm trains in the driver with every thread)."""
     return (study.spec.executor.kind == "local" and eval_jobs(study) > 1 and len(arms) > 1
             and not study.in_job)
-
-
-class FairGate:
-    """At most `n` holders at once, let through in the order they came. A `threading.Semaphore`
-    is not fair: a chain that releases it and asks again at once takes it back from the threads
-    already waiting, so one arm's chains would run to their end before another's began; on v2's
-    seed pair (its measured stage times, issue #50, scheduled on two slots) that order ends
-    1.46 h after pre-training starts, arrival order 1.33 h."""
-
-    def __init__(self, n: int):
-        self._free, self._queue = n, collections.deque()
-        self._cond = threading.Condition()
-
-    def __enter__(self) -> FairGate:
-        me = object()
-        with self._cond:
-            self._queue.append(me)
-            self._cond.wait_for(lambda: self._free > 0 and self._queue[0] is me)
-            self._queue.popleft()
-            self._free -= 1
-            self._cond.notify_all()  # the next in line may fit too
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._free += 1
-            self._cond.notify_all()
-
-
-@contextlib.contextmanager
-def through(*gates: contextlib.AbstractContextManager) -> Iterator[None]:
-    """Hold every gate, taken in the order given (every caller takes them in one order, so no
-    two wait on each other)."""
-    with contextlib.ExitStack() as stack:
-        for gate in gates:
-            stack.enter_context(gate)
-        yield
 
 
 def run_chains(study: Study, arms: list[str], chain: Callable[[str], None]) -> None:

@@ -26,7 +26,6 @@ from mlsm.config import git_revision
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.study.executors import (
-    FairGate,
     chained,
     check_slurm,
     eval_jobs,
@@ -36,7 +35,6 @@ from mlsm.study.executors import (
     run_chains,
     run_evaluation,
     run_pretraining,
-    through,
 )
 from mlsm.study.folder import (
     OUTPUTS,
@@ -46,6 +44,7 @@ from mlsm.study.folder import (
     only_arms,
     pretrain_done,
 )
+from mlsm.study.gates import FairGate, through
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
 from mlsm.study.spec import StudySpec, arm_base, spec_record
