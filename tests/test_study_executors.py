@@ -322,6 +322,40 @@ def test_an_arms_readiness_points_are_evaluated_side_by_side(two_jobs, tmp_path,
         "a@100%", "a@50%", "b@100%", "b@50%"]
 
 
+def test_a_stopped_study_starts_no_chain_that_was_waiting() -> None:
+    """SIGTERM (here a timer's signal) reaches the driver while one chain holds the only slot and
+    two wait: the driver stops as soon as the running stage ends, and the waiting chains never
+    start theirs (they used to run every stage left, one after another, after the stop)."""
+    import signal
+
+    from mlsm.study.executors import run_chains
+    from mlsm.study.gates import FairGate
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Stop
+
+    gate, started = FairGate(1), []
+
+    def chain(arm: str) -> None:
+        with gate:
+            started.append(arm)
+            time.sleep(1.0)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.time()
+        with pytest.raises(Stop):
+            run_chains(["a", "b", "c"], chain, stop=gate.close)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert started == ["a"] and time.time() - t0 < 2.5, (started, time.time() - t0)
+
+
 def test_fair_gate_lets_waiters_through_in_arrival_order() -> None:
     """A holder that leaves and asks again at once queues behind those already waiting (a
     `threading.Semaphore` hands it straight back), and never more than n hold it at once."""

@@ -378,16 +378,25 @@ def chained(study: Study, arms: list[str]) -> bool:
             and not study.in_job)
 
 
-def run_chains(study: Study, arms: list[str], chain: Callable[[str], None]) -> None:
+def run_chains(arms: list[str], chain: Callable[[str], None],
+               stop: Callable[[], None] = lambda: None) -> None:
     """chain(arm) for every arm, all started at once: each arm's stages in order, the arms side
     by side; the chains' gates, not a bound on arms in progress, keep `jobs` pre-training,
     `eval_jobs` evaluating and max(jobs, eval_jobs) in all. Under the stage-by-stage order every
     arm waited for the slowest arm's pre-training before any evaluation began (v2's MLSM arms
     finished 20-26 min before MLM's, a core idle); with at most max(jobs, eval_jobs) arms in
     progress, an arm's pre-training waited for a whole earlier arm's evaluation
-    (benchmarks/schedule_projection.py replays a study's stage times both ways)."""
+    (benchmarks/schedule_projection.py replays a study's stage times both ways).
+
+    stop: called when this thread is interrupted (SIGTERM, Ctrl-C) or a chain raises, before
+    waiting for the chains to end: it closes their gates, so no chain starts another
+    subprocess (they would otherwise run every stage left, one after another, after the stop)."""
     with ThreadPoolExecutor(max_workers=max(1, len(arms))) as pool:
-        list(pool.map(chain, arms))  # re-raises what a chain raised
+        try:
+            list(pool.map(chain, arms))  # re-raises what a chain raised
+        except BaseException:
+            stop()
+            raise
 
 
 def pretrain_subprocess(study: Study, arm: str, gate: contextlib.AbstractContextManager) -> bool:

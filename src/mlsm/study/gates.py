@@ -13,6 +13,10 @@ import threading
 from collections.abc import Iterator
 
 
+class GateClosed(RuntimeError):
+    """A gate was closed while a caller waited for it, or before it came."""
+
+
 class FairGate:
     """At most `n` holders at once, let through in the order they came. A `threading.Semaphore`
     is not fair: a chain that releases it and asks again at once takes it back from the threads
@@ -21,18 +25,28 @@ class FairGate:
     costs) that order ends about 1.46 h after pre-training starts, arrival order 1.33 h."""
 
     def __init__(self, n: int):
-        self._free, self._queue = n, collections.deque()
+        self._free, self._queue, self._closed = n, collections.deque(), False
         self._cond = threading.Condition()
 
     def __enter__(self) -> FairGate:
         me = object()
         with self._cond:
             self._queue.append(me)
-            self._cond.wait_for(lambda: self._free > 0 and self._queue[0] is me)
+            self._cond.wait_for(lambda: self._closed or self._free > 0 and self._queue[0] is me)
+            if self._closed:
+                self._queue.remove(me)
+                raise GateClosed("the study is stopping: no stage starts after the stop")
             self._queue.popleft()
             self._free -= 1
             self._cond.notify_all()  # the next in line may fit too
         return self
+
+    def close(self) -> None:
+        """Let no one through any more: every waiter, and every later caller, raises
+        `GateClosed` (a stopping study starts no subprocess; the running ones end)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def __exit__(self, *exc: object) -> None:
         with self._cond:

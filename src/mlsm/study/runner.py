@@ -211,7 +211,11 @@ def _chains(study: Study, wanted: list[str], arms: list[str]) -> None:
         with ThreadPoolExecutor(max_workers=len(branches)) as pool:
             list(pool.map(lambda branch: branch(), branches))  # re-raises what one raised
 
-    run_chains(study, arms, chain)
+    def stop() -> None:  # a stopping study starts no further subprocess
+        for gate in (train, evaluate, slots):
+            gate.close()
+
+    run_chains(arms, chain, stop)
 
 
 def _report(study: Study) -> Path:
