@@ -20,9 +20,9 @@ class GateClosed(RuntimeError):
 class FairGate:
     """At most `n` holders at once, let through in the order they came. A `threading.Semaphore`
     is not fair: a chain that releases it and asks again at once takes it back from the threads
-    already waiting, so one arm's chains would run to their end before another's began; on v2's
-    seed pair (its measured stage times, issue #50, replayed on two slots without start-up
-    costs) that order ends about 1.46 h after pre-training starts, arrival order 1.33 h."""
+    already waiting, so whichever chain got a slot first would keep it to its end while the
+    others, the longest among them, waited. Arrival order is what
+    benchmarks/schedule_projection.py replays (issue #50: v2's seed pair in 1.34 h)."""
 
     def __init__(self, n: int):
         self._free, self._queue, self._closed = n, collections.deque(), False
