@@ -356,6 +356,28 @@ def test_a_stopped_study_starts_no_chain_that_was_waiting() -> None:
     assert started == ["a"] and time.time() - t0 < 2.5, (started, time.time() - t0)
 
 
+def test_a_probe_job_answers_for_its_readout_controls(tmp_path) -> None:
+    """The probe stage of an arm fits its readout controls too (records probe-vocab:ARM@P): a
+    failed control fails the job with its own error, and an arm whose only probes are controls
+    (MLM) is not taken for complete when they ran (its job's time was left out of stages.jsonl)."""
+    from mlsm.study.executors import _outcome
+
+    spec = study_from_dict({"name": "c", "out": str(tmp_path / "s"),
+                            "arms": {"m": {"objective": {"name": "mlm"}}},
+                            "probe": {"controls": ["vocab"]}})
+    study = Study(spec, log=lambda s: None)
+    study.set_status("probe-vocab:m@100%", {"state": "done", "seconds": 3.0})
+    study.set_status("probe-job:m@100%", {"state": "failed", "error": "an older job"})
+    assert _outcome(study, "probe", "m") is None
+    assert _outcome(study.at(1.0), "probe", "m") is None
+    study.set_status("probe-vocab:m@100%", {"state": "done"})
+    assert _outcome(study, "probe", "m") == "skipped"
+    study.set_status("probe-vocab:m@50%", {"state": "failed", "error": "no memory"})
+    with pytest.raises(RuntimeError, match="probe-vocab:m@50%: no memory"):
+        _outcome(study, "probe", "m")
+    assert _outcome(study.at(1.0), "probe", "m") == "skipped"  # the 50 % point is not its
+
+
 def test_fair_gate_lets_waiters_through_in_arrival_order() -> None:
     """A holder that leaves and asks again at once queues behind those already waiting (a
     `threading.Semaphore` hands it straight back), and never more than n hold it at once."""

@@ -446,13 +446,17 @@ def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> st
 
 def _outcome(study: Study, stage: str, arm: str) -> str | None:
     """What `stage` recorded for `arm` in status.json (keys STAGE:ARM and STAGE:ARM@READINESS,
-    only the readiness point of a `Study.at` view): raises with every failure; "skipped" if it
-    found all its work done, else None."""
-    points = {f"{stage}:{model_name(arm, f)}" for f in study.points or []}
+    the probe stage's readout controls (probe-HEAD:...) with it, only the readiness point of a
+    `Study.at` view): raises with every failure; "skipped" if it found all its work done, else
+    None."""
+    names = {stage} | ({f"probe-{h}" for h in study.spec.probe.controls}
+                       if stage == "probe" else set())
+    points = {model_name(arm, f) for f in study.points or []}
 
     def ours(key: str) -> bool:
-        return key in points if points else \
-            key == f"{stage}:{arm}" or key.startswith(f"{stage}:{arm}@")
+        name, _, model = key.partition(":")
+        return name in names and (model in points if points else
+                                  model == arm or model.startswith(f"{arm}@"))
 
     mine = {k: v for k, v in study.status().items() if ours(k)}
     failed = [f"{k}: {v.get('error', '')}" for k, v in mine.items() if v.get("state") == "failed"]
