@@ -381,6 +381,11 @@ def add_study(sub: argparse._SubParsersAction) -> Callable:
                    help="with `report`: write the report of what is done now, and the rows it "
                         "reads, into DIR instead of the study folder, which is only read (works "
                         "while the study runs; to publish or commit a finished piece)")
+    p.add_argument("--from", nargs="+", metavar="DIR", dest="pieces",
+                   help="with `report --to`: the report over the study's published pieces "
+                        "(folders earlier `--to` runs wrote, e.g. one per seed or session), "
+                        "its hypotheses paired across every seed they hold; no study folder "
+                        "is read")
     p.add_argument("--stages", nargs="+", choices=["store", "dictionary", "pretrain", "probe",
                                                    "finetune", "blimp", "readout", "report"],
                    help="run only these stages (default: all that are not complete)")
@@ -408,12 +413,19 @@ def _study(a: argparse.Namespace) -> None:
                             "--report-only and --to (mlsm study STUDY.yaml --print)")
         _print_plan(spec, a)
         return
+    if a.pieces and not (report_only and a.to):
+        raise UserError("--from reports published pieces into a folder of its own: mlsm study "
+                        "report STUDY.yaml --from DIR [DIR ...] --to DEST")
     if a.to:
         if not report_only:
             raise UserError("--to writes a report only: mlsm study report STUDY.yaml --to DIR")
-        from mlsm.study.publish import publish_report
+        from mlsm.study.publish import publish_report, report_pieces
 
-        print(f"report: {publish_report(spec, a.to)} (study folder {spec.root}, only read)")
+        if a.pieces:
+            print(f"report: {report_pieces(spec, a.pieces, a.to)} (from {len(a.pieces)} "
+                  "published pieces, only read)")
+        else:
+            print(f"report: {publish_report(spec, a.to)} (study folder {spec.root}, only read)")
         return
     report = run_study(spec, stages=["report"] if report_only else a.stages or None,
                        arms=a.arms)

@@ -58,6 +58,9 @@ class Study:
         self._child_cpu = threading.local()
         self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
         self.points: tuple[float, ...] | None = None  # readiness points evaluated here; None: all
+        self.pieces: tuple[str, ...] = ()
+        """The published pieces this folder was assembled from (`publish.report_pieces`): no
+        checkpoint is here, and every row was current when its piece was published."""
 
     def at(self, point: float | None) -> Study:
         """This study with its evaluation stages restricted to one readiness point (what one
@@ -496,8 +499,13 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] 
 
 
 def pretrain_done(study: Study, arm: str) -> bool:
+    """The arm's last checkpoint is there (in a folder of published pieces, which holds none:
+    its metrics reached the last step)."""
     from mlsm.artifacts.checkpoint import list_checkpoints
 
+    if study.pieces:
+        rows = RunDir(study.run_dir(arm)).metric_rows(warn=lambda m: None)
+        return bool(rows) and rows[-1].get("step") == study.steps(arm)
     return study.steps(arm) in {s for s, _ in list_checkpoints(study.run_dir(arm))}
 
 

@@ -1,0 +1,113 @@
+"""`mlsm study report STUDY.yaml --from DIR [DIR ...] --to DEST`: a study run a piece at a time on
+machines that keep nothing between sessions, each piece published (`--to`), reported as one. The
+report over the pieces must say what the whole study's own report says, and a publication holds
+only the rows that report counted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import scipy.stats
+
+from mlsm import cli
+from mlsm.errors import UserError
+from mlsm.study.publish import publish_report, report_pieces
+from mlsm.study.spec import load_study
+from tests.test_study_publish import seeded  # noqa: F401  (the two-arm, two-seed study)
+
+_quiet = dict(log=lambda s: None)
+
+
+def _piece(study_file: Path, tmp: Path, seed: int) -> Path:
+    """The study as a machine that ran only pre-training seed `seed` left it, published: a copy
+    of the folder without the other seed's runs and rows."""
+    spec = load_study(study_file)
+    folder = tmp / f"machine-s{seed}"
+    shutil.copytree(spec.root, folder)
+    for other in folder.glob("runs/*"):
+        if not other.name.endswith(f"-s{seed}"):
+            shutil.rmtree(other)
+    for rows in folder.glob("readouts/*.jsonl"):
+        if f"-s{seed}@" not in rows.name:
+            rows.unlink()
+    stages = folder / "stages.jsonl"  # its own stages; the store once, on the first machine
+    lines = stages.read_text().splitlines(keepends=True)
+    run_of = lambda line: (json.loads(line).get("arm") or "-s0").partition("@")[0]  # noqa: E731
+    stages.write_text("".join(line for line in lines if run_of(line).endswith(f"-s{seed}")))
+    dest = tmp / f"seed{seed}"
+    publish_report(load_study(study_file, out=str(folder)), dest, **_quiet)
+    return dest
+
+
+def test_the_report_over_published_pieces_tests_what_the_whole_study_tests(
+        seeded, tmp_path, capsys) -> None:  # noqa: F811
+    pieces = [_piece(seeded, tmp_path, 0), _piece(seeded, tmp_path, 1)]
+    for piece in pieces:  # each piece alone has one seed: no test
+        assert json.loads((piece / "summary.json").read_text())["hypotheses"][0]["n"] == 1
+    whole = tmp_path / "whole"
+    publish_report(load_study(seeded), whole, **_quiet)
+    dest = tmp_path / "combined"
+    assert cli.main(["study", "report", str(seeded), "--from", *map(str, pieces),
+                     "--to", str(dest)]) == 0
+    assert "from 2 published pieces" in capsys.readouterr().out
+    got = json.loads((dest / "summary.json").read_text())
+    want = json.loads((whole / "summary.json").read_text())
+    assert got["hypotheses"] == want["hypotheses"]
+    assert got["hypotheses"][0]["p"] == pytest.approx(scipy.stats.ttest_rel(
+        [0.23, 0.25], [0.20, 0.21], alternative="greater").pvalue)
+    for key in ("compute", "readouts", "stage_seconds"):
+        assert got[key] == want[key], key
+    text = (dest / "report.md").read_text()
+    assert "from the published pieces `seed0`, `seed1`" in text and str(tmp_path) not in text
+    assert "All 2 arms pre-trained" not in text and "4 arms pre-trained" in text
+
+
+def test_a_file_two_pieces_hold_differently_is_refused_in_one_line(seeded, tmp_path) -> None:  # noqa: F811
+    pieces = [_piece(seeded, tmp_path, 0), _piece(seeded, tmp_path, 1)]
+    lost = pieces[0] / "metrics" / "mlm-s1.jsonl"  # an earlier, lost run of seed 1's arm
+    lost.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    with pytest.raises(UserError, match=r"metrics/mlm-s1\.jsonl differs between the published "
+                                         r"pieces seed0 and seed1"):
+        report_pieces(load_study(seeded), pieces, tmp_path / "combined", **_quiet)
+    lost.write_bytes((pieces[1] / "metrics" / "mlm-s1.jsonl").read_bytes())  # the same bytes
+    report_pieces(load_study(seeded), pieces, tmp_path / "combined", **_quiet)
+
+
+def test_a_publication_holds_only_the_rows_the_report_counted(seeded, tmp_path) -> None:  # noqa: F811
+    spec = load_study(seeded)
+    rows = spec.root / "readouts" / "mlm-s0@100pct.jsonl"
+    kept = rows.read_bytes()
+    stale = {**json.loads(kept), "value": 0.99, "fingerprint": "0000000000000000"}
+    rows.write_bytes(kept + (json.dumps(stale) + "\n").encode())
+    try:
+        publish_report(spec, tmp_path / "published", **_quiet)
+    finally:
+        rows.write_bytes(kept)
+    assert (tmp_path / "published" / "readouts" / rows.name).read_bytes() == kept
+
+
+@pytest.mark.parametrize("case", ["not-a-report", "other-study", "into-a-piece", "no-to"])
+def test_bad_pieces_are_one_line_naming_the_fix(case, seeded, tmp_path, capsys) -> None:  # noqa: F811
+    piece = _piece(seeded, tmp_path, 0)
+    dest, args = tmp_path / "combined", []
+    if case == "not-a-report":
+        args = [str(tmp_path)]
+    elif case == "other-study":
+        other = tmp_path / "other"
+        shutil.copytree(piece, other)
+        text = (other / "report.md").read_text()
+        (other / "report.md").write_text(text.replace("# Study `", "# Study `another_", 1))
+        args = [str(other)]
+    elif case == "into-a-piece":
+        args, dest = [str(piece)], piece
+    before = sorted(p.name for p in piece.rglob("*"))
+    to = [] if case == "no-to" else ["--to", str(dest)]
+    assert cli.main(["study", "report", str(seeded), "--from", *(args or [str(piece)]), *to]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert {"not-a-report": "is not a published study report", "other-study": "another study",
+            "into-a-piece": "would overwrite the piece", "no-to": "--to DEST"}[case] in err
+    assert sorted(p.name for p in piece.rglob("*")) == before  # nothing read was touched
