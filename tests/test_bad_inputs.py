@@ -401,8 +401,8 @@ def test_bad_argument_is_one_line(case, capsys, tmp_path):
     assert (tmp_path / "afile").read_text() == "precious\n"
 
 
-# The study's own evaluation subprocess (`python -m mlsm.study.job FILE STAGE ARM [POINT]`): a
-# user who copies its command line from a log gets the same one line as from any verb.
+# The study's own evaluation subprocess (`python -m mlsm.study.job FILE STAGE ARM [POINT [HEAD]]`):
+# a user who copies its command line from a log gets the same one line as from any verb.
 JOB_CASES = {
     "no arguments": ([], "usage: python -m mlsm.study.job"),
     "unknown stage": (["{record}", "pretrain", "m"], "unknown stage 'pretrain'"),
@@ -413,7 +413,10 @@ JOB_CASES = {
     "unknown arm": (["{record}", "blimp", "zz"], "unknown arm 'zz'"),
     "unknown point": (["{record}", "blimp", "m", "30%"], "readiness point '30%' is not one"),
     "a point for fine-tuning": (["{record}", "finetune", "m", "100%"], "drop '100%'"),
-    "five arguments": (["{record}", "blimp", "m", "100%", "x"], "[POINT] (got 5 arguments)"),
+    "six arguments": (["{record}", "probe", "m", "100%", "vocab", "x"],
+                      "[POINT [HEAD]] (got 6 arguments)"),
+    "a head for BLiMP": (["{record}", "blimp", "m", "100%", "latent"], "(stage 'blimp')"),
+    "unknown head": (["{record}", "probe", "m", "100%", "x"], "HEAD 'x' names one probe"),
 }
 
 

@@ -693,8 +693,9 @@ def test_evaluation_chains_per_point_score_what_the_driver_scores(
 ) -> None:
     """The same pre-trained arms evaluated twice: in this process, one stage after another
     (jobs = 1), and as chains of subprocesses, one per arm and readiness point (jobs = 2,
-    eval_jobs = 2: the probe, then BLiMP through that point's probe). Every score is the same,
-    and the chains ran each point of each arm as subprocesses of its own."""
+    eval_jobs = 2: the probes, then BLiMP through that point's probe). Every score is the same,
+    readout control included, and the chains ran each point of each arm, and each probe head of
+    a point, as subprocesses of their own."""
     import shutil
 
     _, blimp = _tiny_tasks(tmp_path)
@@ -703,7 +704,7 @@ def test_evaluation_chains_per_point_score_what_the_driver_scores(
         corpus_dir, tokenizer_dir, teacher_dir, here,
         blimp={"data": [str(blimp)], "readiness": [0.5, 1.0]},
         probe={"max_steps": 10, "eval_every": 5, "select_steps": 5, "heldout_batches": 1,
-               "batch_size": 8, "min_delta": 1e-4},
+               "batch_size": 8, "min_delta": 1e-4, "controls": ["vocab"]},
     )
     run_study(load_study(_write(tmp_path, raw)), stages=["store", "dictionary", "pretrain"],
               log=lambda s: None)
@@ -715,7 +716,11 @@ def test_evaluation_chains_per_point_score_what_the_driver_scores(
     run_study(load_study(_write(tmp_path, raw)), stages=evaluation, log=lambda s: None)
     for model in ("mlm@50pct", "mlm@100pct", "mlsm@50pct", "mlsm@100pct"):
         a, b = (json.loads((o / "blimp" / f"{model}.json").read_text()) for o in (here, chained))
-        assert (a["sets"], a["heldout"], a["probe"]) == (b["sets"], b["heldout"], b["probe"])
+        assert (a["sets"], a["heldout"], a["probe"], a["controls"]) == \
+            (b["sets"], b["heldout"], b["probe"], b["controls"])
+        assert set(a["controls"]) == {"vocab"}
     jobs = {(r["stage"], r["arm"]) for r in _stages(chained) if r["stage"].endswith("-job")}
-    assert jobs == {(f"{s}-job", f"{a}@{p}%") for s in evaluation for a in ("mlm", "mlsm")
-                    for p in (50, 100)} - {("probe-job", "mlm@50%"), ("probe-job", "mlm@100%")}
+    points = [f"{a}@{p}%" for a in ("mlm", "mlsm") for p in (50, 100)]
+    heads = {"mlm": ["vocab"], "mlsm": ["latent", "vocab"]}
+    assert jobs == {("blimp-job", m) for m in points} | {
+        ("probe-job", f"{m}/{h}") for m in points for h in heads[m.partition("@")[0]]}

@@ -46,6 +46,7 @@ from mlsm.study.stages import (
     driver_threads,
     has_work,
     model_name,
+    probe_stage,
     run_arm_stage,
 )
 from mlsm.train.signals import STOP_SIGNALS, exit_status
@@ -415,7 +416,7 @@ def evaluation_subprocess(study: Study, stage: str, arm: str, spec_file: Path,
     subprocess: the stage records its skips here."""
     if not has_work(study, stage, arm):
         return EVALUATIONS[stage](study, [arm])
-    name = model_name(arm, study.points[0]) if study.points else arm
+    name = _job_name(study, arm)
     with gate:
         ok = study.stage(f"{stage}-job", lambda: _stage_subprocess(study, spec_file, stage, arm),
                          name)
@@ -424,10 +425,18 @@ def evaluation_subprocess(study: Study, stage: str, arm: str, spec_file: Path,
     return set() if ok else {arm}
 
 
+def _job_name(study: Study, arm: str) -> str:
+    """The record's name of a stage subprocess: ARM, ARM@P% (one point: `Study.at`) or
+    ARM@P%/HEAD (one probe head)."""
+    name = model_name(arm, study.points[0]) if study.points else arm
+    return f"{name}/{study.heads[0]}" if study.points and study.heads else name
+
+
 def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> str | None:
     point = [readiness_label(study.points[0])] if study.points else []
-    name = "@".join([arm, *point])
-    log = study.root / "logs" / f"{stage}-{name.replace('%', 'pct')}.log"
+    point += list(study.heads or []) if point else []
+    name = _job_name(study, arm)
+    log = study.root / "logs" / f"{stage}-{name.replace('%', 'pct').replace('/', '-')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     study.log(f"[study] {stage}:{name}: running as a subprocess, log {log}")
     env = dict(os.environ)  # the job writes inside this command's lock on the study folder
@@ -451,6 +460,8 @@ def _outcome(study: Study, stage: str, arm: str) -> str | None:
     None."""
     names = {stage} | ({f"probe-{h}" for h in study.spec.probe.controls}
                        if stage == "probe" else set())
+    if stage == "probe" and study.heads is not None:  # one head's subprocess: its records only
+        names = {probe_stage(h) for h in study.heads}
     points = {model_name(arm, f) for f in study.points or []}
 
     def ours(key: str) -> bool:

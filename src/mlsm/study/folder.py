@@ -58,16 +58,19 @@ class Study:
         self._child_cpu = threading.local()
         self.failures: list[tuple[str, str]] = []  # (stage key, error) failed in this command
         self.points: tuple[float, ...] | None = None  # readiness points evaluated here; None: all
+        self.heads: tuple[str, ...] | None = None  # probe heads fitted here (`at`); None: all
         self.pieces: tuple[str, ...] = ()
         """The published pieces this folder was assembled from (`publish.report_pieces`): no
         checkpoint is here, and every row was current when its piece was published."""
 
-    def at(self, point: float | None) -> Study:
+    def at(self, point: float | None, head: str | None = None) -> Study:
         """This study with its evaluation stages restricted to one readiness point (what one
-        evaluation chain of an arm runs, `runner._chains`); None: every point. The view shares
-        the folder, the log and the failures of this command."""
+        evaluation chain of an arm runs, `runner._chains`); None: every point. `head`: the probe
+        stage fits that probe head only (latent, or a readout control; None: every head). The
+        view shares the folder, the log and the failures of this command."""
         view = copy.copy(self)
         view.points = None if point is None else (point,)
+        view.heads = None if head is None else (head,)
         return view
 
     def evaluated(self, fracs: list[float]) -> list[float]:

@@ -2,10 +2,12 @@
 `executor.eval_jobs` above 1 starts for each arm and readiness point
 (`executors.evaluation_subprocess`), as a Slurm job runs `run_arm_stage`.
 
-    python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM [POINT]
+    python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM [POINT [HEAD]]
 
 POINT (a readiness point as the study names it, e.g. 25%) restricts the stage to that
-checkpoint; without it, every point. Fine-tuning takes no POINT: its grid is one stage.
+checkpoint; without it, every point. Fine-tuning takes no POINT: its grid is one stage. HEAD
+restricts the probe stage to one probe: `latent` (a latent arm's own) or a readout control of
+`probe.controls`; a local study fits each head in a subprocess of its own, side by side.
 
 The JSON file is the driver's study exactly (`spec.spec_record`, with `jobs: 1`), so this process
 computes the same paths and fingerprints as the driver. Re-reading the study file would not: a
@@ -33,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     arguments, else 0."""
     args = sys.argv[1:] if argv is None else argv
     try:
-        if len(args) not in (3, 4):
+        if len(args) not in (3, 4, 5):
             raise UserError("usage: python -m mlsm.study.job OUT/configs/study-job.json STAGE ARM "
-                            f"[POINT] (got {len(args)} arguments); {_FIX}")
+                            f"[POINT [HEAD]] (got {len(args)} arguments); {_FIX}")
         path, stage, arm = args[:3]
         if stage not in EVALUATIONS:
             raise UserError(f"unknown stage {stage!r}; one of {', '.join(EVALUATIONS)}")
@@ -45,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"study job file {path} is not a study record (no {missing[0]}); "
                             f"{_FIX}")
         spec = spec_from_record(raw)
-        point = _point(spec, stage, args[3]) if len(args) == 4 else None
-        return 1 if run_arm_stage(spec, stage, arm, point) else 0
+        point = _point(spec, stage, args[3]) if len(args) >= 4 else None
+        head = _head(spec, stage, args[4]) if len(args) == 5 else None
+        return 1 if run_arm_stage(spec, stage, arm, point, head) else 0
     except UserError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -61,6 +64,15 @@ def _point(spec: StudySpec, stage: str, label: str) -> float:
         raise UserError(f"readiness point {label!r} is not one of the study's "
                         f"({', '.join(points)}); {_FIX}")
     return points[label]
+
+
+def _head(spec: StudySpec, stage: str, head: str) -> str:
+    """The probe head named `head`: latent or one of the study's readout controls."""
+    heads = ["latent", *spec.probe.controls]
+    if stage != "probe" or head not in heads:
+        raise UserError(f"HEAD {head!r} names one probe of the probe stage: one of "
+                        f"{', '.join(heads)} (stage {stage!r}); {_FIX}")
+    return head
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from mlsm.study.gates import FairGate, through
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
 from mlsm.study.spec import StudySpec, arm_base, spec_record
-from mlsm.study.stages import EVALUATIONS
+from mlsm.study.stages import EVALUATIONS, probe_heads
 from mlsm.train import tracking
 
 __all__ = ["OUTPUTS", "STAGES", "Study", "check_same_config", "check_study_inputs",
@@ -187,15 +187,23 @@ def _chains(study: Study, wanted: list[str], arms: list[str]) -> None:
     probe) and one for the fine-tuning grid. At most `jobs` pre-training and `eval_jobs`
     evaluation subprocesses run at once, and max(jobs, eval_jobs) of both together, each let
     through in the order it asked (`FairGate`). One chain per arm left a core idle for the last
-    49 % of v2's seed pair while the MLSM arm's probes, BLiMP and readouts ran in a row."""
+    49 % of v2's seed pair while the MLSM arm's probes, BLiMP and readouts ran in a row. A point's
+    probe heads (a latent arm's own and each readout control) are subprocesses of their own,
+    side by side, and its BLiMP waits for all of them: in a row, v3's three probes of a latent
+    arm were its longest stretch on one core."""
     train, evaluate = FairGate(study.spec.executor.jobs), FairGate(eval_jobs(study))
     slots = FairGate(max(study.spec.executor.jobs, eval_jobs(study)))  # the cores' share
     spec_file = job_spec_file(study) if set(wanted) & set(EVALUATIONS) else None
 
     def one(s: Study, stage: str, arms: list[str]) -> set[str]:
         assert spec_file is not None  # only stages in `wanted` run
-        return set().union(*(evaluation_subprocess(s, stage, a, spec_file,
-                                                   through(evaluate, slots)) for a in arms))
+        if stage == "probe" and s.points:  # each probe head in a subprocess of its own, at once
+            views = [(s.at(s.points[0], h), a) for a in arms for h in probe_heads(s, a)]
+        else:
+            views = [(s, a) for a in arms]
+        with ThreadPoolExecutor(max_workers=max(1, len(views))) as pool:
+            return set().union(*pool.map(lambda v: evaluation_subprocess(
+                v[0], stage, v[1], spec_file, through(evaluate, slots)), views))
 
     def chain(arm: str) -> None:
         if "pretrain" in wanted and not pretrain_subprocess(study, arm, through(train, slots)):

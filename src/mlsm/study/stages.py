@@ -56,9 +56,9 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
                           [readout_path(study, arm, f)])
             for f in study.evaluated(study.spec.readiness))
     if stage == "probe":
-        heads = (["latent"] if study.is_latent(arm) else []) + study.spec.probe.controls
+        heads = probe_heads(study, arm)
         return bool(b.data) and not all(
-            study.is_done(f"{_probe_stage(h)}:{model_name(arm, f)}",
+            study.is_done(f"{probe_stage(h)}:{model_name(arm, f)}",
                           reuse.probe_inputs(study, arm, f, h), [record_path(_probe_dir(
                               study, arm, f, h))]) for f in scored for h in heads)
     return stage != "blimp" or (bool(b.data) and not all(
@@ -66,21 +66,31 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
                       [blimp_path(study, arm, f)]) for f in scored))
 
 
+def probe_heads(study: Study, arm: str) -> list[str]:
+    """The probes the probe stage fits on `arm`'s checkpoints: its own (head latent) if it
+    predicts latent properties, and each readout control; only `study.heads` of those in a
+    view restricted to heads (`Study.at`)."""
+    heads = (["latent"] if study.is_latent(arm) else []) + list(study.spec.probe.controls)
+    return [h for h in heads if study.heads is None or h in study.heads]
+
+
 def run_probe(study: Study, arms: list[str]) -> set[str]:
     """Train the k -> |V| probe of every latent arm, and the readout controls (`probe.controls`)
     of every arm, at each BLiMP readiness point (an arm not scored by PLL is skipped with its
-    reason)."""
+    reason); in a view restricted to heads (`Study.at`), those probes only."""
     fracs = study.spec.blimp.readiness if study.spec.blimp.data else []
-    failed = _each_checkpoint(study, "probe", [a for a in arms if study.is_latent(a)], fracs,
-                              _probe, study.unscored_reason)
+    latent = [a for a in arms if "latent" in probe_heads(study, a)]
+    failed = _each_checkpoint(study, "probe", latent, fracs, _probe, study.unscored_reason)
     for head in study.spec.probe.controls:
-        failed |= _each_checkpoint(study, _probe_stage(head), arms, fracs,
+        if study.heads is not None and head not in study.heads:
+            continue
+        failed |= _each_checkpoint(study, probe_stage(head), arms, fracs,
                                    lambda s, a, f, h=head: _probe(s, a, f, h),
                                    study.unscored_reason)
     return failed
 
 
-def _probe_stage(head: str) -> str:
+def probe_stage(head: str) -> str:
     """The stage record's name of a probe: `probe` for a latent arm's own, probe-HEAD for a
     readout control."""
     return "probe" if head == "latent" else f"probe-{head}"
@@ -116,7 +126,7 @@ def _probe(study: Study, arm: str, frac: float, head: str = "latent") -> str | N
     from mlsm.evaluate.probe.probe_fit import train_probe_to_plateau
 
     out = _probe_dir(study, arm, frac, head)
-    if study.reusable(f"{_probe_stage(head)}:{model_name(arm, frac)}",
+    if study.reusable(f"{probe_stage(head)}:{model_name(arm, frac)}",
                       reuse.probe_inputs(study, arm, frac, head), [record_path(out)],
                       moved=[out]):
         return "skipped"
@@ -342,9 +352,11 @@ EVALUATIONS = {"probe": run_probe, "finetune": run_finetune, "blimp": run_blimp,
 """Each evaluation stage's function: (study, arms whose pre-training is complete) -> failed arms."""
 
 
-def run_arm_stage(spec: StudySpec, stage: str, arm: str, point: float | None = None) -> set[str]:
+def run_arm_stage(spec: StudySpec, stage: str, arm: str, point: float | None = None,
+                  head: str | None = None) -> set[str]:
     """One evaluation stage of one arm (all of its seeds' runs in a seeded study) in this process,
-    at one readiness point or (None) at all: what a slurm job or a local subprocess of the study
-    runs. Outcomes go to the study's records as the driver's do; returns the runs that failed."""
-    study = Study(only_arms(spec, [arm]), log=print, in_job=True).at(point)
+    at one readiness point or (None) at all, and for the probe stage one head or (None) all:
+    what a slurm job or a local subprocess of the study runs. Outcomes go to the study's records
+    as the driver's do; returns the runs that failed."""
+    study = Study(only_arms(spec, [arm]), log=print, in_job=True).at(point, head)
     return EVALUATIONS[stage](study, [a for a in study.spec.arms if pretrain_done(study, a)])
