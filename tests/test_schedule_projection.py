@@ -46,16 +46,32 @@ def test_bounds_every_schedule_obeys(seed: int) -> None:
     sp = _module()
     pretrain, evaluation = _study(4, seed)
     work = sum(pretrain.values()) + sum(s for v in evaluation.values() for _, _, s in v)
-    for per_point in (False, True):
-        assert sp.project(pretrain, evaluation, 1, per_point) == pytest.approx(work)
-        two = sp.project(pretrain, evaluation, 2, per_point)
+    for schedule in sp.SCHEDULES:
+        assert sp.project(pretrain, evaluation, 1, schedule) == pytest.approx(work)
+        two = sp.project(pretrain, evaluation, 2, schedule)
         assert work / 2 - 1e-6 <= two <= work + 1e-6
-    many = sp.project(pretrain, evaluation, 100, True)
-    longest = max(pretrain[a] + max(sum(c) for c in sp.chains_of(evaluation[a], True))
-                  for a in pretrain)
-    assert many == pytest.approx(longest)
+    for schedule in ("point", "head"):  # slots for all: a chain's steps, each its longest member
+        many = sp.project(pretrain, evaluation, 100, schedule)
+        longest = max(pretrain[a] + max(sum(max(step) for step in c) for c in
+                                        sp.chains_of(evaluation[a], schedule)) for a in pretrain)
+        assert many == pytest.approx(longest)
     serial = max(pretrain[a] + sum(s for _, _, s in evaluation[a]) for a in pretrain)
-    assert sp.project(pretrain, evaluation, 100, False) == pytest.approx(serial)
+    assert sp.project(pretrain, evaluation, 100, "arm") == pytest.approx(serial)
+
+
+def test_probe_heads_side_by_side_join_before_blimp() -> None:
+    """A point's three probes (own, vocab, factored) then BLiMP: per point they run in a row in
+    one subprocess; per head side by side, BLiMP after the longest; on one slot both are the
+    whole work plus each subprocess's start-up."""
+    sp = _module()
+    pretrain = {"a": 10.0}
+    evaluation = {"a": [("probe", 1.0, 5.0), ("probe-vocab", 1.0, 2.0),
+                        ("probe-factored", 1.0, 7.0), ("blimp", 1.0, 3.0)]}
+    assert sp.project(pretrain, evaluation, 3, "point", startup=1.0) == pytest.approx(10 + 15 + 4)
+    assert sp.project(pretrain, evaluation, 3, "head", startup=1.0) == pytest.approx(10 + 8 + 4)
+    # two slots: factored, asked last, waits for vocab's slot (3 s), then runs its 8 s
+    assert sp.project(pretrain, evaluation, 2, "head", startup=1.0) == pytest.approx(10 + 11 + 4)
+    assert sp.project(pretrain, evaluation, 1, "head", startup=1.0) == pytest.approx(10 + 17 + 4)
 
 
 def test_start_up_is_paid_per_subprocess() -> None:
@@ -65,8 +81,9 @@ def test_start_up_is_paid_per_subprocess() -> None:
     pretrain = {"a": 10.0}
     evaluation = {"a": [(s, p, 1.0) for p in (0.25, 0.5, 1.0) for s in ("probe", "blimp",
                                                                          "readout")]}
-    assert sp.project(pretrain, evaluation, 1, True, startup=1.0) == pytest.approx(10 + 9 + 9)
-    assert sp.project(pretrain, evaluation, 1, False, startup=1.0) == pytest.approx(10 + 9 + 3)
+    assert sp.project(pretrain, evaluation, 1, "point", startup=1.0) == pytest.approx(10 + 9 + 9)
+    assert sp.project(pretrain, evaluation, 1, "head", startup=1.0) == pytest.approx(10 + 9 + 9)
+    assert sp.project(pretrain, evaluation, 1, "arm", startup=1.0) == pytest.approx(10 + 9 + 3)
 
 
 def test_replay_of_the_published_seed_pair_matches_its_measured_wall() -> None:
@@ -77,10 +94,10 @@ def test_replay_of_the_published_seed_pair_matches_its_measured_wall() -> None:
     pretrain, evaluation, startup = sp.read_stages(SEED_PAIR)
     assert set(pretrain) == {"mlm-s0", "mlsm_l5-s0"}
     assert sum(len(v) for v in evaluation.values()) == 15
-    replay = sp.project(pretrain, evaluation, 2, False, startup)
+    replay = sp.project(pretrain, evaluation, 2, "arm", startup)
     assert replay == pytest.approx(measured, rel=0.01)
     out = subprocess.run([sys.executable, str(SCRIPT), str(SEED_PAIR), "--goal-h", "1.35"],
                          capture_output=True, text=True, check=True).stdout
-    assert "one chain per arm" in out and "one chain per point" in out and "goal 1.35 h" in out
+    assert all(name in out for name in sp.SCHEDULES.values()) and "goal 1.35 h" in out
     rows = [json.loads(x) for x in SEED_PAIR.read_text().splitlines()]
     assert any(r["stage"] == "probe-job" for r in rows)  # the start-up is read from job rows
