@@ -67,23 +67,30 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     arms: only these arms (what one slurm job or local subprocess of an evaluation stage runs);
     in_job: this is that job, so the stages run in this process whatever the executor.
     """
-    spec = only_arms(spec, arms)
+    whole, spec = spec, only_arms(spec, arms)
     check_study_inputs(spec, in_job)  # before anything is written
     # one writer per study folder: a second `mlsm study` on it refuses; the stages' own
     # subprocesses and jobs (in_job, `mlsm.study.job`) run inside the holder's command
     with locking.hold(spec.root, "study folder", enabled=not in_job):
-        return _run_study(spec, stages, log, arms, in_job)
+        if not in_job:  # a job leaves the study's own record alone
+            _record_study(whole)
+        return _run_study(spec, stages, log, in_job)
+
+
+def _record_study(spec: StudySpec) -> None:
+    """STUDY_OUT/study.json (the whole study as loaded, also when `--arms` runs some of it: a
+    piece run alone on a fresh machine is still that study's) and the hypotheses' hash, before
+    any stage can write an evaluation row (once: a later change of the hypotheses is then
+    visible to the report)."""
+    spec.root.mkdir(parents=True, exist_ok=True)
+    record = {"spec": spec_record(spec), "git_revision": git_revision()}
+    atomic_write_text(spec.root / "study.json", json.dumps(record, indent=2) + "\n")
+    record_preregistration(spec.root, spec.hypotheses, git_revision())
 
 
 def _run_study(spec: StudySpec, stages: list[str] | None, log: Callable[[str], None],
-               arms: list[str] | None, in_job: bool) -> Path | None:
+               in_job: bool) -> Path | None:
     study = Study(spec, log, in_job)
-    if not arms:  # a job restricted to some arms leaves the study's own record alone
-        record = {"spec": spec_record(spec), "git_revision": git_revision()}
-        atomic_write_text(study.root / "study.json", json.dumps(record, indent=2) + "\n")
-        # the hypotheses' hash, before any stage can write an evaluation row (once: a later
-        # change of the hypotheses is then visible to the report)
-        record_preregistration(study.root, spec.hypotheses, git_revision())
     wanted = stages or list(STAGES)
     if "store" in wanted and not study.stage("store", lambda: prepare_store(study)):
         raise UserError(f"the token store could not be built: {_error_of(study, 'store')}")
