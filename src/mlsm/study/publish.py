@@ -44,7 +44,7 @@ from mlsm.artifacts.probe_record import has_probe_record, record_path
 from mlsm.artifacts.rundir import RUN_MARKER
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write, fsync_path
-from mlsm.inputs import real_path
+from mlsm.inputs import read_json, real_path
 from mlsm.study.folder import REPORT_OUTPUTS, Study
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.reuse import is_current, stale_finetuning
@@ -94,8 +94,6 @@ def _current_copy(study: Study, source: Path, name: str) -> Callable[[str], None
     a publication holds exactly the rows the report counted."""
     whole = lambda tmp: shutil.copyfile(source, tmp)  # noqa: E731
     if name.startswith("blimp/"):
-        from mlsm.inputs import read_json
-
         row = read_json(source, "BLiMP result", "delete it and run the study with --stages blimp")
         return whole if is_current(study, "blimp", row) else None
     if not name.startswith("readouts/"):
