@@ -699,3 +699,24 @@ def test_an_arm_training_in_a_subprocess_shows_its_progress_in_the_study_log(tmp
     steps = [int(line.split("step ")[1].split("/")[0]) for line in said]
     assert steps == [30, 40, 50, 60, 70, 80, 90, 100], said
     assert said[-1] == "[study] pretrain:m: step 100/100, loss 9.000"
+
+
+def test_a_points_probe_heads_are_asked_for_widest_first() -> None:
+    """The runner starts a point's probe subprocesses in `probe_heads` order: the factored
+    control (d -> k -> |V|), then a latent arm's own probe (k -> |V|), then vocab (d -> |V|), so
+    on two slots the longest fit never waits behind a short one (v3 seed 0: factored 707-1,532
+    CPU s, latent 350-1,034, vocab 107-340); a view of one head holds that head only."""
+    from mlsm.study.folder import Study
+    from mlsm.study.spec import study_from_dict
+    from mlsm.study.stages import probe_heads
+
+    spec = study_from_dict({"name": "h", "out": "unused", "probe": {"controls": ["vocab",
+                                                                                 "factored"]},
+                            "arms": {"m": {"objective": {"name": "mlm"}},
+                                     "s": {"objective": {"name": "mlsm"},
+                                           "dictionary": {"layer": 5}}}})
+    study = Study(spec, create=False)
+    assert probe_heads(study, "s") == ["factored", "latent", "vocab"]
+    assert probe_heads(study, "m") == ["factored", "vocab"]
+    assert probe_heads(study.at(1.0, "latent"), "s") == ["latent"]
+    assert probe_heads(study.at(1.0, "latent"), "m") == []

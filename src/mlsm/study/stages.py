@@ -66,12 +66,21 @@ def has_work(study: Study, stage: str, arm: str) -> bool:
                       [blimp_path(study, arm, f)]) for f in scored))
 
 
+_LONGEST_FIRST = ("factored", "latent", "vocab")
+"""The probe heads by the width they map into |V| from: factored d -> k -> |V| holds a latent
+probe's k -> |V| and more, and a latent arm's k exceeds the student's d in every study here
+(v3: k = 1536, d = 256). The fit grows with it (v3 seed 0, CPU s: factored 707-1,532, latent
+350-1,034, vocab 107-340), so the runner asks for the widest first: on fewer slots than heads,
+the longest fit then never waits behind a short one."""
+
+
 def probe_heads(study: Study, arm: str) -> list[str]:
-    """The probes the probe stage fits on `arm`'s checkpoints: its own (head latent) if it
-    predicts latent properties, and each readout control; only `study.heads` of those in a
-    view restricted to heads (`Study.at`)."""
+    """The probes the probe stage fits on `arm`'s checkpoints, widest first (`_LONGEST_FIRST`):
+    its own (head latent) if it predicts latent properties, and each readout control; only
+    `study.heads` of those in a view restricted to heads (`Study.at`)."""
     heads = (["latent"] if study.is_latent(arm) else []) + list(study.spec.probe.controls)
-    return [h for h in heads if study.heads is None or h in study.heads]
+    return sorted((h for h in heads if study.heads is None or h in study.heads),
+                  key=_LONGEST_FIRST.index)
 
 
 def run_probe(study: Study, arms: list[str]) -> set[str]:
