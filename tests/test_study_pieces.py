@@ -138,3 +138,17 @@ def test_run_piece_runs_its_arms_and_publishes_them(corpus_dir, tokenizer_dir, t
     bare = subprocess.run(["bash", script, str(path), str(piece)], capture_output=True,
                           text=True, env=env, cwd=root)
     assert bare.returncode == 2 and len(bare.stderr.strip().splitlines()) == 1
+
+
+def test_a_piece_of_some_arms_publishes_their_rows_only(seeded, tmp_path) -> None:  # noqa: F811
+    """`report --to DIR --arms ...`: a piece whose other arms are unfinished (their runs would
+    be redone on the next machine) holds only the named arms' rows, metrics and stage costs."""
+    piece = tmp_path / "piece"
+    assert cli.main(["study", "report", str(seeded), "--to", str(piece), "--arms",
+                     "mlm-s0", "mlm_hi-s0"]) == 0
+    assert sorted(p.name for p in (piece / "metrics").iterdir()) == \
+        ["mlm-s0.jsonl", "mlm-s0.run.json", "mlm_hi-s0.jsonl", "mlm_hi-s0.run.json"]
+    assert sorted(p.name for p in (piece / "readouts").iterdir()) == \
+        ["mlm-s0@100pct.jsonl", "mlm_hi-s0@100pct.jsonl"]
+    arms = {json.loads(line)["arm"] for line in (piece / "stages.jsonl").read_text().splitlines()}
+    assert arms == {None, "mlm-s0", "mlm_hi-s0"}

@@ -391,7 +391,8 @@ def add_study(sub: argparse._SubParsersAction) -> Callable:
                    help="run only these stages (default: all that are not complete)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="run the stages of these arms only (default: every arm of the study); "
-                        "what each subprocess of a local study with executor.jobs > 1 runs")
+                        "what each subprocess of a local study with executor.jobs > 1 runs; "
+                        "with `report --to`: publish these arms' rows only")
     p.add_argument("--print", action="store_true", dest="dry_run",
                    help="run nothing, write nothing: print every arm's resolved run config and "
                         "the stages it would run (with --stages / --arms: those only), as YAML")
@@ -419,13 +420,15 @@ def _study(a: argparse.Namespace) -> None:
     if a.to:
         if not report_only:
             raise UserError("--to writes a report only: mlsm study report STUDY.yaml --to DIR")
+        from mlsm.study.folder import only_arms
         from mlsm.study.publish import publish_report, report_pieces
 
         if a.pieces:
             print(f"report: {report_pieces(spec, a.pieces, a.to)} (from {len(a.pieces)} "
                   "published pieces, only read)")
-        else:
-            print(f"report: {publish_report(spec, a.to)} (study folder {spec.root}, only read)")
+        else:  # with --arms: a piece of these arms only (the others unfinished)
+            print(f"report: {publish_report(only_arms(spec, a.arms), a.to)} (study folder "
+                  f"{spec.root}, only read)")
         return
     report = run_study(spec, stages=["report"] if report_only else a.stages or None,
                        arms=a.arms)

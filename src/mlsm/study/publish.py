@@ -93,6 +93,11 @@ def _current_copy(study: Study, source: Path, name: str) -> Callable[[str], None
     inputs or settings). The study's own report leaves such rows out (`reuse.current_rows`), so
     a publication holds exactly the rows the report counted."""
     whole = lambda tmp: shutil.copyfile(source, tmp)  # noqa: E731
+    if name == "stages.jsonl":  # a piece of some arms (`--arms`) counts the cost of those only
+        lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _stage_of_arms(study, line)]
+        return whole if len(kept) == len(lines) else \
+            (lambda tmp: Path(tmp).write_text("".join(kept), encoding="utf-8"))
     if name.startswith("blimp/"):
         row = read_json(source, "BLiMP result", "delete it and run the study with --stages blimp")
         return whole if is_current(study, "blimp", row) else None
@@ -105,6 +110,16 @@ def _current_copy(study: Study, source: Path, name: str) -> Callable[[str], None
         return whole
     text = "".join(json.dumps(r) + "\n" for r in kept)
     return (lambda tmp: Path(tmp).write_text(text, encoding="utf-8")) if kept else None
+
+
+def _stage_of_arms(study: Study, line: str) -> bool:
+    """Whether a stages.jsonl line is of a stage of the study's arms or of none (the store); a
+    torn line is left out, as every reader skips it."""
+    try:
+        arm = json.loads(line).get("arm")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return arm is None or str(arm).partition("@")[0] in study.spec.arms
 
 
 def publish_report(spec: StudySpec, dest: str | os.PathLike,
