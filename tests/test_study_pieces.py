@@ -152,3 +152,12 @@ def test_a_piece_of_some_arms_publishes_their_rows_only(seeded, tmp_path) -> Non
         ["mlm-s0@100pct.jsonl", "mlm_hi-s0@100pct.jsonl"]
     arms = {json.loads(line)["arm"] for line in (piece / "stages.jsonl").read_text().splitlines()}
     assert arms == {None, "mlm-s0", "mlm_hi-s0"}
+
+
+def test_a_piece_of_an_unknown_arm_is_one_line_and_writes_nothing(seeded, tmp_path,  # noqa: F811
+                                                                   capsys) -> None:
+    dest = tmp_path / "piece"
+    assert cli.main(["study", "report", str(seeded), "--to", str(dest), "--arms", "zz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown arm 'zz'" in err
+    assert not dest.exists()
