@@ -18,6 +18,7 @@ echo "[run_piece] $*: $(date -u +%FT%TZ)"
 nice -n 19 python -m mlsm study "$study" --arms "$@" \
     --stages store dictionary pretrain probe finetune blimp readout
 status=$?
-python -m mlsm study report "$study" --to "$piece" || exit $?
+# only these arms: the study folder may hold other pieces' arms (published in their own folders)
+python -m mlsm study report "$study" --to "$piece" --arms "$@" || exit $?
 echo "[run_piece] published into $piece: $(date -u +%FT%TZ)"
 exit "$status"

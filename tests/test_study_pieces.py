@@ -116,7 +116,8 @@ def test_bad_pieces_are_one_line_naming_the_fix(case, seeded, tmp_path, capsys) 
 def test_run_piece_runs_its_arms_and_publishes_them(corpus_dir, tokenizer_dir, teacher_dir,
                                                     tmp_path) -> None:
     """scripts/run_piece.sh, as docs/results/cpu_replication_v3 runs each session's piece: only
-    the arms named are pre-trained, and the piece lands published; no arm is one line, exit 2."""
+    the arms named are pre-trained, and they alone land in the piece (not an earlier piece's
+    arms, which are published in their own folder); no arm is one line, exit 2."""
     import os
     import subprocess
     import sys
@@ -127,12 +128,13 @@ def test_run_piece_runs_its_arms_and_publishes_them(corpus_dir, tokenizer_dir, t
     path = _write(tmp_path, seeded_raw(corpus_dir, tokenizer_dir, teacher_dir, tmp_path / "s"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the script's `python` is this one
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    script, piece = str(root / "scripts" / "run_piece.sh"), tmp_path / "seed0"
-    done = subprocess.run(["bash", script, str(path), str(piece), "mlm-s0", "mlm_hi-s0"],
-                          capture_output=True, text=True, env=env, cwd=root)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(p.name for p in (piece / "metrics").glob("*.jsonl")) == \
-        ["mlm-s0.jsonl", "mlm_hi-s0.jsonl"]
+    script = str(root / "scripts" / "run_piece.sh")
+    for arm, piece in (("mlm-s0", tmp_path / "seed0a"), ("mlm_hi-s0", tmp_path / "seed0b")):
+        done = subprocess.run(["bash", script, str(path), str(piece), arm],
+                              capture_output=True, text=True, env=env, cwd=root)
+        assert done.returncode == 0, done.stderr[-2000:]
+        # each piece holds its own arm only, though the study folder holds both
+        assert [p.name for p in (piece / "metrics").glob("*.jsonl")] == [f"{arm}.jsonl"]
     assert not (tmp_path / "s" / "runs" / "mlm-s1").exists()
     assert (piece / "report.md").read_text().startswith("# Study `")
     bare = subprocess.run(["bash", script, str(path), str(piece)], capture_output=True,
