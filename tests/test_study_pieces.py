@@ -163,3 +163,39 @@ def test_a_piece_of_an_unknown_arm_is_one_line_and_writes_nothing(seeded, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown arm 'zz'" in err
     assert not dest.exists()
+
+
+def test_the_report_lists_the_failures_that_still_stand(corpus_dir, tokenizer_dir, teacher_dir,
+                                                        tmp_path) -> None:
+    """A readout subprocess killed by a stop leaves `readout-job:RUN@100%` failed in
+    status.json. Once a later run (here a lone arm, which runs its stages in the driver) has
+    done that readout, the failure no longer stands and the report leaves it out; the other
+    run's, whose readout is still to do, stays; a piece of some arms shows theirs only."""
+    from mlsm.study.folder import Study
+    from mlsm.study.runner import run_study
+    from tests.test_study import _tiny_tasks, _write, seeded_raw
+
+    tasks, pairs = _tiny_tasks(tmp_path)
+    raw = seeded_raw(corpus_dir, tokenizer_dir, teacher_dir, tmp_path / "study")
+    raw.update(seeds=[0], readout={"glue": str(tasks), "tasks": ["word_order"],
+                                   "pairs": [str(pairs)], "masked_batches": 1, "batch_size": 4})
+    path = _write(tmp_path, raw)
+    run_study(load_study(path), stages=["store", "pretrain"], **_quiet)
+    study = Study(load_study(path), **_quiet)
+
+    def killed() -> None:
+        raise RuntimeError("the readout subprocess exited with -15")
+
+    for run in ("mlm-s0", "mlm_hi-s0"):  # what the driver records for a killed subprocess
+        assert not study.stage("readout-job", killed, f"{run}@100%")
+    run_study(load_study(path), stages=["readout"], arms=["mlm-s0"], **_quiet)
+
+    def failed(dest: Path, arms: list[str] | None = None) -> list[str]:
+        publish_report(load_study(path), dest, **_quiet) if arms is None else \
+            cli.main(["study", "report", str(path), "--to", str(dest), "--arms", *arms])
+        text = (dest / "report.md").read_text()
+        return [line.split("`")[1] for line in text.partition("## Failed\n")[2].splitlines()
+                if line.startswith("- `")]
+
+    assert failed(tmp_path / "all") == ["readout-job:mlm_hi-s0@100%"]
+    assert failed(tmp_path / "piece", ["mlm-s0"]) == []

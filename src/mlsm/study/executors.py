@@ -432,6 +432,40 @@ def _job_name(study: Study, arm: str) -> str:
     return f"{name}/{study.heads[0]}" if study.points and study.heads else name
 
 
+def standing_failures(study: Study) -> dict[str, dict[str, Any]]:
+    """The failures status.json records that still stand, for the report: those of the study's
+    arms (a piece published with `--arms` shows its own) or of no arm (the store), less each
+    failed subprocess (`STAGE-job:NAME`, e.g. one a stop killed) whose work was done since by
+    another run: in this process (a lone arm runs here) or in another subprocess of another
+    name. Its record is the last of its key, but the work it wrapped is recorded under the
+    stage's own keys, and `has_work` reads those (fingerprints and all)."""
+    standing = {}
+    for key, record in study.status().items():
+        name, _, model = key.partition(":")
+        arm, _, where = model.partition("@")
+        if record.get("state") != "failed" or model and arm not in study.spec.arms:
+            continue
+        if not name.endswith("-job") or _job_has_work(study, name.removesuffix("-job"), arm,
+                                                      where):
+            standing[key] = record
+    return standing
+
+
+def _job_has_work(study: Study, stage: str, arm: str, where: str) -> bool:
+    """Whether the work of the subprocess named ARM[@POINT[/HEAD]] (`_job_name`) is still to
+    do; True where that cannot be told (a point the study no longer has, an unreadable record),
+    so that no failure is hidden."""
+    label, _, head = where.partition("/")
+    points = set(study.spec.readiness) | set(study.spec.blimp.readiness)
+    point = next((f for f in points if readiness_label(f) == label), None)
+    if label and point is None:
+        return True
+    try:
+        return has_work(study.at(point, head or None), stage, arm)
+    except (UserError, OSError):
+        return True
+
+
 def _stage_subprocess(study: Study, spec_file: Path, stage: str, arm: str) -> str | None:
     point = [readiness_label(study.points[0])] if study.points else []
     point += list(study.heads or []) if point else []

@@ -26,6 +26,7 @@ from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
 from mlsm.inputs import is_number
 from mlsm.study import reuse
+from mlsm.study.executors import standing_failures
 from mlsm.study.folder import REPORT_OUTPUTS, Study, pretrain_done
 from mlsm.study.reuse import blimp_rows
 from mlsm.study.spec import readiness_label
@@ -334,7 +335,7 @@ def _cost_tables(compute: list[dict[str, Any]], times: dict, study: Study) -> li
     lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
               "|---|---|---:|"]
     lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
-    failed = {k: v for k, v in study.status().items() if v.get("state") == "failed"}
+    failed = standing_failures(study)
     if failed:
         lines += ["", "## Failed\n"] + [f"- `{k}`: {v.get('error', '')}" for k, v in failed.items()]
     return lines
