@@ -142,12 +142,22 @@ def test_run_piece_runs_its_arms_and_publishes_them(corpus_dir, tokenizer_dir, t
     assert bare.returncode == 2 and len(bare.stderr.strip().splitlines()) == 1
 
 
-def test_a_piece_of_some_arms_publishes_their_rows_only(seeded, tmp_path) -> None:  # noqa: F811
+def test_a_piece_of_some_arms_publishes_their_rows_only(seeded, tmp_path,  # noqa: F811
+                                                        capsys) -> None:
     """`report --to DIR --arms ...`: a piece whose other arms are unfinished (their runs would
-    be redone on the next machine) holds only the named arms' rows, metrics and stage costs."""
+    be redone on the next machine) holds only the named arms' rows, metrics and stage costs,
+    and its report shows theirs only: no other arm's stage times, no warning that the other
+    arms' rows are stale."""
     piece = tmp_path / "piece"
     assert cli.main(["study", "report", str(seeded), "--to", str(piece), "--arms",
                      "mlm-s0", "mlm_hi-s0"]) == 0
+    assert "warning" not in capsys.readouterr().out
+    summary = json.loads((piece / "summary.json").read_text())
+    assert {t["arm"] for t in summary["stage_seconds"]} == {None, "mlm-s0", "mlm_hi-s0"}
+    assert {k.partition(":")[2].partition("@")[0] for k in summary["status"]} == \
+        {"", "mlm-s0", "mlm_hi-s0"}
+    table = (piece / "report.md").read_text().partition("## Wall time of every stage")[2]
+    assert "| pretrain | mlm-s0 |" in table and "-s1 |" not in table
     assert sorted(p.name for p in (piece / "metrics").iterdir()) == \
         ["mlm-s0.jsonl", "mlm-s0.run.json", "mlm_hi-s0.jsonl", "mlm_hi-s0.run.json"]
     assert sorted(p.name for p in (piece / "readouts").iterdir()) == \

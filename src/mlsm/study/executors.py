@@ -440,10 +440,10 @@ def standing_failures(study: Study) -> dict[str, dict[str, Any]]:
     name. Its record is the last of its key, but the work it wrapped is recorded under the
     stage's own keys, and `has_work` reads those (fingerprints and all)."""
     standing = {}
-    for key, record in study.status().items():
+    for key, record in study.owned_status().items():
         name, _, model = key.partition(":")
         arm, _, where = model.partition("@")
-        if record.get("state") != "failed" or model and arm not in study.spec.arms:
+        if record.get("state") != "failed":
             continue
         if not name.endswith("-job") or _job_has_work(study, name.removesuffix("-job"), arm,
                                                       where):

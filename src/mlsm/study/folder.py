@@ -104,6 +104,12 @@ class Study:
     def run_dir(self, arm: str) -> Path:
         return self.root / "runs" / arm
 
+    def owns(self, label: str | None) -> bool:
+        """Whether a record named `label` (an arm as records write it: ARM, ARM@P% or
+        ARM@P%/HEAD; None for the study's own, such as the store) is of this study's arms or of
+        none: a piece restricted to some arms (`only_arms`) reads their records only."""
+        return label is None or label.partition("@")[0].partition("/")[0] in self.spec.arms
+
     def dictionary_path(self, arm: str) -> Path | None:
         d = self.spec.arms[arm].dictionary
         if d is None:
@@ -199,7 +205,8 @@ class Study:
         """Every run of a stage, oldest first, as stages.jsonl keeps them (`_append_time`):
         stage, arm (None for the study's own), state, wall `seconds`, `cpu_seconds` (None in rows
         written before it was kept), ... A line torn by a killed writer is skipped with a
-        warning; a row of another shape is one line naming the file and line."""
+        warning; a row of another shape is one line naming the file and line. Only the rows
+        of the study's arms or of none (`owns`)."""
         path = self.root / "stages.jsonl"
         found = read_jsonl(path, "study log", "remove or fix that line",
                            warn=lambda text: self.log(f"[study] warning: {text}"))
@@ -208,7 +215,7 @@ class Study:
             if wrong:
                 raise UserError(f"{path}:{number} is not a row the study wrote ({wrong}); "
                                 "remove or fix that line")
-        return [row for _, row in found.rows]
+        return [row for _, row in found.rows if self.owns(row["arm"])]
 
     def status(self) -> dict[str, Any]:
         path = self.root / "status.json"
@@ -221,6 +228,10 @@ class Study:
             raise UserError(f"study status {path}: entry {wrong!r} must be an object like "
                             f'{{"state": "done"}}; {fix}')
         return status
+
+    def owned_status(self) -> dict[str, Any]:
+        """status.json's records of this study's arms or of none (`owns`; keys STAGE:LABEL)."""
+        return {k: v for k, v in self.status().items() if self.owns(k.partition(":")[2] or None)}
 
     def set_status(self, key: str, value: dict[str, Any]) -> None:
         """Record one stage's outcome. A locked read-modify-write: local jobs (threads) and slurm

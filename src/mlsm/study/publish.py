@@ -119,7 +119,7 @@ def _stage_of_arms(study: Study, line: str) -> bool:
         arm = json.loads(line).get("arm")
     except (json.JSONDecodeError, AttributeError):
         return False
-    return arm is None or str(arm).partition("@")[0] in study.spec.arms
+    return study.owns(None if arm is None else str(arm))
 
 
 def publish_report(spec: StudySpec, dest: str | os.PathLike,

@@ -468,7 +468,7 @@ def _write_report(study: Study, dest: Path, in_place: bool) -> Path:
                "finetune": ft_summary, "readouts": readouts, "hypotheses": hyp_summary,
                "stage_seconds": [{"stage": s, "arm": a, "seconds": t}
                                  for (s, a), t in times.items()],
-               "status": study.status()}
+               "status": study.owned_status()}
     # strict JSON: a p-value or interval that does not exist (one seed) is null, not NaN
     atomic_write_text(dest / "summary.json",
                       json.dumps(_strict(summary), indent=2, default=str, allow_nan=False) + "\n")

@@ -273,10 +273,12 @@ def finetune_is_current(study: Study, arm: str) -> bool:
 
 def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows made from the current inputs and settings of their stage (`is_current`);
-    the others are left out of the report with one warning (a re-run of the stage redoes them)."""
-    kept = [r for r in rows if is_current(study, kind, r)]
-    if len(kept) < len(rows):
-        study.log(f"[study] warning: {len(rows) - len(kept)} {kind} row(s) were made from other "
+    the others of the study's arms are left out of the report with one warning (a re-run of the
+    stage redoes them), and other arms' (a piece restricted to some arms) without one."""
+    ours = [r for r in rows if not isinstance(r.get("arm"), str) or study.owns(r["arm"])]
+    kept = [r for r in ours if is_current(study, kind, r)]
+    if len(kept) < len(ours):
+        study.log(f"[study] warning: {len(ours) - len(kept)} {kind} row(s) were made from other "
                   f"inputs or settings than the study's now and are left out of the report; run "
                   f"the study with --stages {kind} to redo them")
     return kept
