@@ -441,10 +441,10 @@ def standing_failures(study: Study) -> dict[str, dict[str, Any]]:
     stage's own keys, and `has_work` reads those (fingerprints and all)."""
     standing = {}
     for key, record in study.owned_status().items():
-        name, _, model = key.partition(":")
-        arm, _, where = model.partition("@")
         if record.get("state") != "failed":
             continue
+        name, _, model = key.partition(":")
+        arm, _, where = model.partition("@")
         if not name.endswith("-job") or _job_has_work(study, name.removesuffix("-job"), arm,
                                                       where):
             standing[key] = record
