@@ -370,7 +370,7 @@ def test_slurm_executor_through_submitit_local(
 def test_training_time_sums_every_resumed_window_once() -> None:
     """An arm killed and resumed twice: its training time is the sum of every logged window
     (tokens since the previous row / that row's rate), not the last segment's wall time."""
-    from mlsm.study.report import training_seconds
+    from mlsm.study.cost_report import training_seconds
 
     rows = [{"step": 10, "tokens": 100, "tokens_per_s": 10.0},   # 10 s
             {"step": 20, "tokens": 200, "tokens_per_s": 20.0},   # 5 s, then killed, resumed at 20

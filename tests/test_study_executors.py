@@ -219,6 +219,15 @@ def test_local_jobs_run_each_arms_evaluation_as_its_own_subprocess(two_jobs, tmp
     ends = [time.mktime(time.strptime(r["finished"], "%Y-%m-%dT%H:%M:%SZ")) for r in jobs]
     (s0, e0), (s1, e1) = [(e - r["seconds"] - 1, e + 1) for r, e in zip(jobs, ends, strict=True)]
     assert s0 < e1 and s1 < e0, "the two arms' stages ran one after the other"
+    # the report's wall-time table: each subprocess beside the stage it ran, never a row of its
+    # own that a reader would add to the stage's (the seconds column sums each work once)
+    from mlsm.study.cost_report import _wall_rows, stage_times
+
+    rows = _wall_rows(stage_times(Study(spec)))
+    assert not any(r.startswith("| blimp-job ") for r in rows), rows
+    a_job = next(r["seconds"] for r in jobs if r["arm"] == "a@100%")
+    assert any(r.startswith("| blimp | a@100% |") and r.endswith(f"| {a_job:.0f} |")
+               for r in rows), rows
 
 
 def test_an_arm_is_evaluated_while_a_slower_arm_still_pre_trains(two_jobs, tmp_path,
@@ -507,7 +516,7 @@ def test_timed_out_pretrain_job_is_requeued_and_resumes_from_its_last_checkpoint
     run, stopped after step 2 of 4, must continue from its checkpoint to the last step."""
     submitit = pytest.importorskip("submitit")
     from mlsm.config import config_to_dict
-    from mlsm.study.executors import PretrainJob
+    from mlsm.study.slurm import PretrainJob
     from mlsm.train.loop import pretrain
     from tests.test_study import _stop_after
 

@@ -149,7 +149,7 @@ def test_a_job_that_leaves_the_queue_without_a_result_is_a_failure(tmp_path) -> 
     import threading
     import time
 
-    from mlsm.study.executors import await_job, make_executor
+    from mlsm.study.slurm import await_job, make_executor
 
     spec = study_from_dict({"name": "cancel", "out": str(tmp_path / "s"),
                             "arms": {"a": {"objective": {"name": "mlm"}}},

@@ -4,8 +4,8 @@ Sections, laid out as the *Hitchhikers' Guide to Masked Latent Semantic Modeling
 review) reports: pre-training loss curves; readiness curves (its Fig. 4a); the Wilcoxon matrix and
 win counts (Fig. 2b/2c); per-task mean ± std (Table 1); the first pair set's PLL accuracy vs FLOPs
 per batch (Fig. 6) with each probe's held-out loss and top-1 beside the score; each arm's compute
-(FLOPs, tokens, wall time) and the wall time of every stage; what failed. `summary.json` holds the
-same numbers.
+(FLOPs, tokens, wall time), the wall time of every stage and what failed (`cost_report`).
+`summary.json` holds the same numbers.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mlsm.artifacts.rundir import RunDir
 from mlsm.config import git_revision, invocation, machine_description
 from mlsm.evaluate.compare.paired import p_text, too_few
 from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
-from mlsm.inputs import is_number
 from mlsm.study import reuse
-from mlsm.study.executors import standing_failures
+from mlsm.study.cost_report import arm_compute, arm_metrics, cost_tables, fmt, stage_times
 from mlsm.study.folder import REPORT_OUTPUTS, Study, pretrain_done
 from mlsm.study.reuse import blimp_rows
 from mlsm.study.spec import readiness_label
@@ -38,17 +36,13 @@ def _save(fig: Figure, path: Path) -> str:
     return path.name
 
 
-def _metrics(study: Study, arm: str) -> list[dict[str, Any]]:
-    return RunDir(study.run_dir(arm)).metric_rows(warn=lambda m: study.log(f"[study] warning: {m}"))
-
-
 def plot_pretraining(study: Study, path: Path) -> str | None:
     """Training loss per arm (nats; MLM's is a cross-entropy over words, MLSM's a KL over atoms)."""
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     drawn = False
     for k, arm in enumerate(study.spec.arms):
-        rows = _metrics(study, arm)
+        rows = arm_metrics(study, arm)
         if rows:
             ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=arm, color=f"C{k}",
                     linewidth=1)
@@ -60,81 +54,6 @@ def plot_pretraining(study: Study, path: Path) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
-
-
-def training_seconds(rows: list[dict[str, Any]]) -> float:
-    """Seconds spent in training steps, summed over the logged windows of metrics.jsonl.
-
-    Each row's `tokens_per_s` is measured over the steps since the previous row of the same
-    process, so tokens / rate summed over rows stays exact across any number of resumes (the
-    stage's wall time only covers its last, uninterrupted segment) and leaves out checkpoint saves.
-    """
-    total, prev_tokens = 0.0, 0
-    for row in rows:
-        tokens, rate = row.get("tokens"), row.get("tokens_per_s")
-        if tokens is None or not rate or tokens <= prev_tokens:
-            prev_tokens = tokens or prev_tokens
-            continue
-        total += (tokens - prev_tokens) / rate
-        prev_tokens = tokens
-    return total
-
-
-def arm_compute(study: Study) -> list[dict[str, Any]]:
-    """Per arm: objective, steps done, tokens, FLOPs per batch (flops_for_run), pre-training wall
-    time of the stage's last run and training time summed over every resumed segment."""
-    from mlsm.train.flops import flops_for_run
-    from mlsm.train.throughput import flops_row_of
-
-    times = _stage_times(study)
-    out = []
-    for arm in study.spec.arms:
-        cfg = study.arm_config(arm)
-        rows = _metrics(study, arm)
-        step = rows[-1]["step"] if rows else 0
-        try:
-            table = flops_for_run(cfg)
-            row = flops_row_of(table, cfg.objective.name)
-            flops = row.total if row is not None else math.nan
-        except Exception:  # a missing dictionary/teacher config: report the rest
-            flops = math.nan
-        out.append({"arm": arm, "objective": cfg.objective.name, "steps_done": step,
-                    "steps": cfg.train.steps,
-                    "tokens": step * cfg.train.batch_size * cfg.data.max_len,
-                    "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
-                    "training_seconds": training_seconds(rows),
-                    "final_loss": rows[-1]["loss"] if rows else math.nan,
-                    **_precision(study, arm)})
-    return out
-
-
-def _precision(study: Study, arm: str) -> dict[str, Any]:
-    """The precisions the arm's run trained in, as its run.json segments recorded them
-    (`precisions`), and how the compute table shows them (`precision`; segments written before
-    the precision was recorded say "not recorded")."""
-    seen = RunDir(study.run_dir(arm)).segment_values("precision")
-    known = sorted({p for p in seen if isinstance(p, str)})
-    shown = known + (["not recorded"] if any(not isinstance(p, str) for p in seen) else [])
-    return {"precisions": known, "precision": " + ".join(shown) if seen else "—"}
-
-
-def _precision_warning(compute: list[dict[str, Any]]) -> list[str]:
-    """A line when the arms' recorded segments, together, trained in more than one precision
-    (across arms or within one resumed arm): a difference then mixes the objective with the
-    arithmetic. Segments that recorded none are not counted as a precision of their own."""
-    if len({p for c in compute for p in c.get("precisions", [])}) <= 1:
-        return []
-    listed = ", ".join(f"{c['arm']}: {c.get('precision', '—')}" for c in compute)
-    return ["", f"**Arms trained in different precisions** ({listed}): a difference between "
-                "them mixes the objective with the arithmetic.\n"]
-
-
-def _stage_times(study: Study) -> dict[tuple[str, str | None], float]:
-    times: dict[tuple[str, str | None], float] = {}
-    for row in study.stage_runs():
-        key = (row["stage"], row["arm"])
-        times[key] = times.get(key, 0.0) + float(row["seconds"])
-    return times
 
 
 def plot_blimp_flops(rows: list[dict[str, Any]], compute: list[dict[str, Any]],
@@ -263,16 +182,6 @@ def _blimp_pair_lines(pairs: list[dict[str, Any]], first: str) -> list[str]:
               f"{p_text(c['p_b_better'])} | {p_text(c['p_two_sided'])} |" for c in pairs]]
 
 
-def _number(x: Any) -> bool:
-    """A number a table can show (finite)."""
-    return is_number(x) and math.isfinite(x)
-
-
-def _fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
-    """x / scale with `digits` decimals (scale 0.01: a rate as %); '—' when x is no number."""
-    return f"{x / scale:.{digits}f}" if _number(x) else "—"
-
-
 def first_pair_set(rows: list[dict[str, Any]]) -> str:
     """The name of the pair set whose accuracy is a row's `overall` (the study's first set: the
     demo's is its held-out prose word-order pairs, not BLiMP), so no table calls it BLiMP."""
@@ -285,14 +194,14 @@ def _blimp_line(r: dict[str, Any]) -> str:
     p, h = r.get("probe") or {}, r.get("heldout") or {}
     name, first = next(iter(r["sets"].items()))
     tests = pair_set_test(name, first)
-    cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", _fmt(r["overall"], 0.01, 1),
-             str(r["n_pairs"]), _fmt(first.get("control"), 0.01, 1),
+    cells = [f"{r['arm']}@{readiness_label(r['readiness'])}", fmt(r["overall"], 0.01, 1),
+             str(r["n_pairs"]), fmt(first.get("control"), 0.01, 1),
              p_text(tests.p_vs_control), p_text(tests.p_vs_chance),
-             _fmt(h.get("top1"), 0.01, 1),
-             _fmt(h.get("unigram_top1"), 0.01, 1), p_text(h.get("p_vs_unigram")),
-             _fmt(h.get("loss"), 1, 3), _fmt(h.get("unigram_loss"), 1, 3),
-             str(p.get("input", "—")) if p else "— (MLM head)", _fmt(p.get("heldout_loss"), 1, 3),
-             _fmt(p.get("heldout_top1"), 0.01, 1), _fmt(p.get("unigram_loss"), 1, 3),
+             fmt(h.get("top1"), 0.01, 1),
+             fmt(h.get("unigram_top1"), 0.01, 1), p_text(h.get("p_vs_unigram")),
+             fmt(h.get("loss"), 1, 3), fmt(h.get("unigram_loss"), 1, 3),
+             str(p.get("input", "—")) if p else "— (MLM head)", fmt(p.get("heldout_loss"), 1, 3),
+             fmt(p.get("heldout_top1"), 0.01, 1), fmt(p.get("unigram_loss"), 1, 3),
              str(p.get("steps", "—")) if p else "—"]
     return "| " + " | ".join(cells) + " |"
 
@@ -303,7 +212,7 @@ def _set_cells(name: str, s: dict[str, Any] | None) -> str:
     if not s:
         return "— | — | — | —"
     t = pair_set_test(name, s)
-    return (f"{_fmt(s.get('overall'), 0.01, 1)} | {_fmt(s.get('control'), 0.01, 1)} | "
+    return (f"{fmt(s.get('overall'), 0.01, 1)} | {fmt(s.get('control'), 0.01, 1)} | "
             f"{p_text(t.p_vs_control)} | {p_text(t.p_vs_chance)}")
 
 
@@ -316,29 +225,6 @@ def _unscored_rows(study: Study) -> list[str]:
             + " — |" * 14
             for arm in study.spec.arms for frac in study.spec.blimp.readiness
             if study.unscored_reason(arm, frac)]
-
-
-def _cost_tables(compute: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
-    """Compute per arm, the wall time of every stage, and what failed."""
-    lines = ["## Compute per arm\n",
-             "Pre-training wall: the stage's last uninterrupted run. Training time: the logged "
-             "windows of `metrics.jsonl` summed over every resumed segment (saves left out).\n",
-             "| arm | objective | precision | steps | tokens | GFLOPs / batch | "
-             "pre-training wall (s) | training time (s) | final loss |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {c['arm']} | {c['objective']} | {c.get('precision', '—')} | "
-              f"{c['steps_done']}/{c['steps']} | "
-              f"{c['tokens']:,} | {_fmt(c['flops_per_batch'], 1e9, 0)} | "
-              f"{c['pretrain_seconds']:.0f} | {c['training_seconds']:.0f} | "
-              f"{_fmt(c['final_loss'], 1, 3)} |" for c in compute]
-    lines += _precision_warning(compute)
-    lines += ["", "## Wall time of every stage\n", "| stage | arm / model | seconds |",
-              "|---|---|---:|"]
-    lines += [f"| {s} | {a or ''} | {t:.0f} |" for (s, a), t in times.items()]
-    failed = standing_failures(study)
-    if failed:
-        lines += ["", "## Failed\n"] + [f"- `{k}`: {v.get('error', '')}" for k, v in failed.items()]
-    return lines
 
 
 def _zero_shot_tables(blimp: list[dict[str, Any]], blimp_pairs: list[dict[str, Any]],
@@ -401,7 +287,7 @@ def hypotheses_section(study: Study, compute: list[dict[str, Any]] | None = None
     if hyps and compute:
         fracs = sorted(set(study.spec.readiness) | set(study.spec.blimp.readiness))
         got = eq.equal_compute(hyps, rows, eq.arm_flops(compute, seeded), fracs, seeded)
-        store = sum(t for (stage, _), t in _stage_times(study).items() if stage == "targets")
+        store = sum(t for (stage, _), t in stage_times(study).items() if stage == "targets")
         lines += eq.equal_compute_lines(got, store or None)
         for r, g in zip(results, got, strict=True):
             r["equal_compute"] = g
@@ -428,7 +314,7 @@ def write_report(study: Study, dest: Path | None = None) -> Path:
 
 def _write_report(study: Study, dest: Path, in_place: bool) -> Path:
     root = study.root
-    compute, blimp, times = arm_compute(study), blimp_rows(study), _stage_times(study)
+    compute, blimp, times = arm_compute(study), blimp_rows(study), stage_times(study)
     blimp_pairs = blimp_comparisons(study, blimp)
     done = [a for a in study.spec.arms if pretrain_done(study, a)]
     # the folder's name, not its path: a published copy names no machine's folders
@@ -458,7 +344,7 @@ def _write_report(study: Study, dest: Path, in_place: bool) -> Path:
         parts.append(f"## Pre-training loss\n\n![pre-training]({png})\n")
     ft_parts, ft_summary = _finetune_section(study, dest)
     parts += ft_parts
-    parts.append("\n".join(_cost_tables(compute, times, study)) + "\n")
+    parts.append("\n".join(cost_tables(compute, times, study)) + "\n")
     from mlsm.study.readout_report import readout_section
 
     readout_parts, readouts = readout_section(study, dest)

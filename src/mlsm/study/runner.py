@@ -27,7 +27,6 @@ from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.study.executors import (
     chained,
-    check_slurm,
     eval_jobs,
     evaluation_subprocess,
     job_spec_file,
@@ -47,6 +46,7 @@ from mlsm.study.folder import (
 from mlsm.study.gates import FairGate, through
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
+from mlsm.study.slurm import check_slurm
 from mlsm.study.spec import StudySpec, arm_base, spec_record
 from mlsm.study.stages import EVALUATIONS, probe_heads
 from mlsm.train import tracking
