@@ -47,7 +47,7 @@ def make_model(args: argparse.Namespace, vocab: int, folder: Path) -> None:
 
 def time_mlsm(folder: Path, tok, feats: list[dict], args: argparse.Namespace) -> float:
     from mlsm.evaluate.finetune.cell import load_backbone as _load_backbone
-    from mlsm.evaluate.finetune.finetune import build_head, train_cell
+    from mlsm.evaluate.finetune.task_cell import build_head, train_cell
     from mlsm.evaluate.finetune.tasks import get_task
 
     spec = get_task("squad")

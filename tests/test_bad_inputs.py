@@ -206,7 +206,7 @@ def _loaders(good: Path) -> dict:
     from mlsm.config import ModelConfig
     from mlsm.data.corpus import load_tokenizer as corpus_tokenizer
     from mlsm.evaluate.finetune.finetune import _load_backbone
-    from mlsm.evaluate.finetune.finetune import load_tokenizer as finetune_tokenizer
+    from mlsm.evaluate.finetune.task_cell import load_tokenizer as finetune_tokenizer
     from mlsm.evaluate.finetune.tasks import get_task
     from mlsm.evaluate.probe.probe import load_scorer
     from mlsm.evaluate.zeroshot.pll import load_masked_lm

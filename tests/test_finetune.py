@@ -29,15 +29,8 @@ from transformers import (
 from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.stats import compare_runs
-from mlsm.evaluate.finetune.finetune import (
-    build_head,
-    encode,
-    finetune,
-    load_tokenizer,
-    predict,
-    resolve_model,
-    training_order,
-)
+from mlsm.evaluate.finetune.finetune import finetune, resolve_model, training_order
+from mlsm.evaluate.finetune.task_cell import build_head, encode, load_tokenizer, predict
 from mlsm.evaluate.finetune.tasks import CONLL_TAGS, Example, get_task, load_task
 
 POS = ["great", "wonderful", "superb", "lovely"]
@@ -310,7 +303,7 @@ def test_fidelity_options_fixed_order_clip_and_conll_test(
 ) -> None:
     """The Hitchhikers' Guide §4.2 / the official fine-tuning script: one data order for every seed
     (only the head differs), optional clipping, CoNLL-2003 scored on test as well as valid."""
-    import mlsm.evaluate.finetune.finetune as ft
+    import mlsm.evaluate.finetune.task_cell as ft
 
     data = _small_fixtures(tmp_path / "data")
     conll = data / "conll2003"

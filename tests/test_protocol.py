@@ -17,7 +17,7 @@ from scipy import stats as sps
 from mlsm.artifacts.results_file import append_results, read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.stats import SELECTED_LR, compare_runs
-from mlsm.evaluate.finetune.finetune import build_head, finetune, prepare, resolve_model, train_cell
+from mlsm.evaluate.finetune.finetune import finetune, prepare, resolve_model
 from mlsm.evaluate.finetune.protocol import (
     PRESETS,
     carve_validation,
@@ -27,6 +27,7 @@ from mlsm.evaluate.finetune.protocol import (
     split_validation,
     validation_scores,
 )
+from mlsm.evaluate.finetune.task_cell import build_head, train_cell
 from mlsm.evaluate.finetune.tasks import get_task, load_task
 from tests.test_finetune import _bert, _keyword_sst2
 

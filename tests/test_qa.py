@@ -29,7 +29,7 @@ from mlsm.artifacts.results_file import read_results
 from mlsm.errors import UserError
 from mlsm.evaluate.compare.stats import compare_runs
 from mlsm.evaluate.finetune import qa
-from mlsm.evaluate.finetune.finetune import finetune, predict
+from mlsm.evaluate.finetune.finetune import finetune
 from mlsm.evaluate.finetune.qa_data import (
     QAExample,
     from_hf_row,
@@ -45,6 +45,7 @@ from mlsm.evaluate.finetune.qa_metrics import (
     squad_v2_metrics,
     token_f1,
 )
+from mlsm.evaluate.finetune.task_cell import predict
 from mlsm.evaluate.finetune.tasks import get_task, load_task
 
 SHARED_SQUAD = Path(__file__).resolve().parents[2] / "shared/data/squad_v1.1/dev-v1.1.json.gz"

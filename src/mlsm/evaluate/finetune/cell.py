@@ -1,7 +1,8 @@
 """What every fine-tuning cell shares, whatever its task kind (classification, token, QA,
 retrieval): the model it starts from, its seeds, its optimizer and schedule, and the backbone
-loader. `finetune.py` (the grid), `qa.py` and `retrieval_cell.py` build on it; it imports none of
-them, so the grid can hand a retrieval cell to `retrieval_cell` without an import circle.
+loader. `finetune.py` (the grid), `task_cell.py`, `qa.py` and `retrieval_cell.py` build on it; it
+imports none of them, so the grid can hand a retrieval cell to `retrieval_cell` without an import
+circle.
 """
 
 from __future__ import annotations
