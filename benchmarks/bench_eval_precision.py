@@ -116,7 +116,7 @@ def _verdict(delta: float) -> str:
 def report(res: dict, n_sentences: int, model_name: str, peaks: dict, threads: int) -> None:
     import numpy as np
 
-    from mlsm.config import machine_description
+    from mlsm.provenance import machine_description
 
     (a, ta), (b, tb) = res["fp32"]["pll"], res["bf16"]["pll"]
     delta = np.abs(a - b)

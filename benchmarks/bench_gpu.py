@@ -222,7 +222,7 @@ def _under(event, name: str) -> bool:
 
 
 def main() -> None:
-    from mlsm.config import machine_description
+    from mlsm.provenance import machine_description
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape (implied without CUDA)")

@@ -172,7 +172,7 @@ def launch(python: str, side: str, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def report(ours: dict, anchor: dict, n: int, args: argparse.Namespace) -> str:
-    from mlsm.config import machine_description
+    from mlsm.provenance import machine_description
 
     delta = max(abs(a - b) for a, b in zip(ours["scores"], anchor["scores"], strict=True))
     rate_ours, rate_anchor = n / ours["seconds"], n / anchor["seconds"]

@@ -101,7 +101,7 @@ def main() -> None:
         print(f"skipped: {SQUAD} is absent")
         return
     from mlsm import hf
-    from mlsm.config import machine_description
+    from mlsm.provenance import machine_description
     from mlsm.teacher.teacher import default_teacher_path
 
     torch.set_num_threads(args.threads)

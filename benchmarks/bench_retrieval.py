@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import BertConfig, BertModel, Trainer, TrainingArguments
 
-from mlsm.config import machine_description
 from mlsm.evaluate.finetune.retrieval import embed, info_nce, pad, tokenize
 from mlsm.evaluate.finetune.retrieval_cell import RetrievalPrepared, TrainQuery, train_bi_encoder
+from mlsm.provenance import machine_description
 
 SCIFACT = Path(__file__).resolve().parents[2] / "shared/data/scifact"
 

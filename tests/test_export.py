@@ -229,7 +229,7 @@ def test_mlsm_export_ships_heads_probe_and_fingerprints(
 def test_card_names_the_revision_that_trained_up_to_the_checkpoint(store_dir, tmp_path) -> None:
     """A run started by older code and resumed by this one: the step-2 checkpoint was trained by
     the start's revision, the final one by the resumed segment's (run.json `resumed`)."""
-    from mlsm.config import git_revision
+    from mlsm.provenance import git_revision
 
     cfg = load_config(None, tiny_overrides(store_dir, tmp_path / "run",
                                            **{"train.steps": 4, "train.readiness": "[0.5, 1.0]"}))

@@ -86,7 +86,7 @@ def test_study_on_real_slurm_matches_the_local_executor(
     pytest.importorskip("submitit")
     from safetensors.torch import load_file
 
-    from mlsm.config import git_revision
+    from mlsm.provenance import git_revision
 
     local_out, slurm_out = tmp_path / "local", tmp_path / "slurm"
     local = study_from_dict(_spec(corpus_dir, tokenizer_dir, tmp_path, "local",

@@ -130,8 +130,8 @@ def readout(model: str | Path, spec: ReadoutSpec, *, name: str = "",
     """Every readout of `spec.kinds` for one model (a checkpoint, RUN@50%, or an HF folder);
     `scorer_path` reads words through that folder (an MLSM checkpoint's probe)."""
     from mlsm.artifacts.checkpoint import resolve_checkpoint
-    from mlsm.config import git_revision
     from mlsm.errors import UserError
+    from mlsm.provenance import git_revision
 
     check_fields(spec, "readout")  # a spec built in Python has not met its ranges yet
     if spec.glue and "probe" in spec.kinds and not Path(spec.glue).is_dir():

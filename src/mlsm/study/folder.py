@@ -25,11 +25,12 @@ from mlsm.artifacts.checkpoint import readiness_step
 from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl, read_jsonl
 from mlsm.artifacts.rundir import RunDir
-from mlsm.config import config_to_dict, git_revision, merge
+from mlsm.config import config_to_dict, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
 from mlsm.inputs import field_problem, loads, read_json, read_yaml
 from mlsm.progress import owned_by
+from mlsm.provenance import git_revision
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.study.hypotheses import RECORD
 from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label

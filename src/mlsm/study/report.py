@@ -19,10 +19,10 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mlsm.config import git_revision, invocation, machine_description
 from mlsm.evaluate.compare.paired import p_text, too_few
 from mlsm.evaluate.zeroshot.blimp import pair_set_test, tests_note
 from mlsm.fileio import atomic_write, atomic_write_text, files_as_one
+from mlsm.provenance import git_revision, invocation, machine_description
 from mlsm.study import reuse
 from mlsm.study.cost_report import arm_compute, arm_metrics, cost_tables, fmt, stage_times
 from mlsm.study.folder import REPORT_OUTPUTS, Study, pretrain_done

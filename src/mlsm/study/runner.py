@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mlsm import locking
-from mlsm.config import git_revision
 from mlsm.errors import Incomplete, UserError
 from mlsm.fileio import atomic_write_text
+from mlsm.provenance import git_revision
 from mlsm.study.executors import (
     chained,
     eval_jobs,

@@ -24,7 +24,7 @@ from mlsm import locking
 from mlsm.artifacts.checkpoint import readiness_steps, resume_command
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.rundir import RunDir
-from mlsm.config import config_to_dict, git_revision
+from mlsm.config import config_to_dict
 from mlsm.data.batches import BatchSource
 from mlsm.data.corpus import TokenStore, check_token_ids, require_mask_token
 from mlsm.errors import UserError
@@ -33,6 +33,7 @@ from mlsm.inputs import check_apart
 from mlsm.models.backbone import build_student
 from mlsm.objectives import Context, TrainModule, build_objective
 from mlsm.progress import Progress
+from mlsm.provenance import git_revision
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.train import checkpoint as ckpt
 from mlsm.train import device as dev

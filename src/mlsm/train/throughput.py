@@ -95,7 +95,7 @@ def _peak_cache() -> Any:
 
 def peak_key(precision: str) -> str:
     """What a measured CPU peak holds for: CPU model, torch version, threads, precision."""
-    from mlsm.config import machine_description
+    from mlsm.provenance import machine_description
 
     cpu = machine_description().split(", ")[0]
     return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads | {precision}"

@@ -336,7 +336,7 @@ def open_tracker(names: list[str], folder: str | Path, config: dict[str, Any], n
     require(names, where)
     if not names:
         return Tracker()
-    from mlsm.config import git_revision
+    from mlsm.provenance import git_revision
 
     revision = git_revision()
     folder = Path(folder)
