@@ -272,8 +272,8 @@ def test_checkpoint_folders_are_named_as_the_loop_names_them(page: Path) -> None
 
 
 # A measured number carries where, when and on what code it was measured (docs/CONVENTIONS.md):
-# the machine as `mlsm.provenance.machine_description()` prints it (arch, CPU, "N CPUs", memory, GPU),
-# a date and a commit, in its section (under one heading) or in the page's footer (after the
+# the machine as `mlsm.provenance.machine_description()` prints it (arch, CPU, "N CPUs", memory,
+# GPU), a date and a commit, in its section (under one heading) or in the page's footer (after the
 # last `---`).
 MEASURED = re.compile(r"\b(?:[Mm]easured\b(?! (?:exactly|per|against|by|as|ratios|SD))|took \S*\d)")
 WITH_UNIT = re.compile(r"\d[\d,.]*\s?(?:s|ms|min|h|GiB|MiB|GB|MB|tokens/s|it/s)(?![\w/])")

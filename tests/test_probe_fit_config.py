@@ -189,6 +189,25 @@ def test_plateau_flags_with_the_training_loop_are_one_line(mlsm_ckpt: Path, tmp_
     assert not out.exists() and not ran
 
 
+@pytest.mark.parametrize("head", [[], ["--head", "latent"], ["--head", "vocab"]])
+def test_a_rank_for_a_head_without_one_is_one_line(mlsm_ckpt: Path, tmp_path: Path, head: list,
+                                                    capsys, monkeypatch) -> None:
+    """--rank sets a factored head's width only: with a latent or vocab head it would be dropped
+    without a word, so it is refused before anything is fitted or written."""
+    import mlsm.evaluate.probe.probe_fit as fit
+    from mlsm.cli import main
+
+    fitted: list = []
+    monkeypatch.setattr(fit, "train_probe_to_plateau", lambda *a, **kw: fitted.append(kw))
+    out = tmp_path / "p"
+    assert main(["probe", str(mlsm_ckpt), "--out", str(out), "--rank", "64", *head]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--rank 64" in err and "--head factored" in err, err
+    assert not out.exists() and not fitted
+    main(["probe", str(mlsm_ckpt), "--out", str(out), "--rank", "64", "--head", "factored"])
+    assert fitted and fitted[-1]["rank"] == 64 and fitted[-1]["head"] == "factored"
+
+
 def test_every_setting_changes_the_fit(mlsm_ckpt: Path, tmp_path: Path) -> None:
     """Two real fits of a few steps, each setting visible in what probe.json records: the lr and
     batch size; a candidate per input kind; curves at multiples of eval_every up to max_steps;

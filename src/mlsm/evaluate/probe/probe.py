@@ -70,6 +70,9 @@ def probe_run(checkpoint: str | Path, *, resume: str | None = None,
         raise UserError(f"{given}: settings of the plateau probe, which --steps, --recipe paper, "
                         "--store, --resume and overrides replace by the training loop; drop "
                         f"{given}, or set the loop's own keys as overrides (e.g. optim.lr=1e-3)")
+    if settings.get("rank") and fit.head != "factored":  # else silently the latent k or d
+        raise UserError(f"--rank {fit.rank}: the width of a factored head; a {fit.head} head has "
+                        "no width to set; drop --rank, or pass --head factored")
     folder = resolve_checkpoint(checkpoint)
     if fit.head != "latent" and not kw.get("out"):  # beside the latent probe, not over it
         kw["out"] = f"{Checkpoint.at(folder).probe_run}-{fit.head}"
