@@ -134,8 +134,7 @@ def _wall_rows(times: dict[tuple[str, str | None], float]) -> list[str]:
     """One row per stage record, with the subprocess that ran it beside it (`job_inner`) rather
     than as a second row a reader would add twice."""
     jobs = {job_inner(s, a): t for (s, a), t in times.items() if s.endswith("-job") and a}
-    folded = {(s, a) for (s, a) in times if s.endswith("-job") and a
-              and job_inner(s, a) in times}
-    return [f"| {s} | {a or ''} | {t:.0f} | "
-            f"{'' if (s, a) not in jobs else f'{jobs[(s, a)]:.0f}'} |"
-            for (s, a), t in times.items() if (s, a) not in folded]
+    beside = {key: f"{t:.0f}" for key, t in jobs.items() if key in times}
+    return [f"| {s} | {a or ''} | {t:.0f} | {beside.get((s, a), '')} |"
+            for (s, a), t in times.items()
+            if not (s.endswith("-job") and a and job_inner(s, a) in beside)]
