@@ -93,14 +93,14 @@ def stage_times(study: Study) -> dict[tuple[str, str | None], float]:
     return times
 
 
-def number(x: Any) -> bool:
+def _number(x: Any) -> bool:
     """A number a report table can show (finite)."""
     return is_number(x) and math.isfinite(x)
 
 
 def fmt(x: Any, scale: float = 1.0, digits: int = 2) -> str:
     """x / scale with `digits` decimals (scale 0.01: a rate as %); '—' when x is no number."""
-    return f"{x / scale:.{digits}f}" if number(x) else "—"
+    return f"{x / scale:.{digits}f}" if _number(x) else "—"
 
 
 def cost_tables(compute: list[dict[str, Any]], times: dict, study: Study) -> list[str]:
