@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mlsm.artifacts.checkpoint import list_checkpoints, resume_command
+from mlsm.artifacts.checkpoint import list_checkpoints
+from mlsm.artifacts.run_spec import resume_command
 from mlsm.errors import UserError
 from mlsm.run_config import load_config
 from mlsm.train import checkpoint as ckpt

@@ -8,6 +8,7 @@ run folder never needs to import an objective to understand it.
 - `fingerprint`: content fingerprints and the one rule of reuse (`require_same`).
 - `checkpoint`: a checkpoint folder (`Checkpoint.open(SPEC)`: FOLDER, RUN, RUN@50%, RUN@step-N or
   any HF folder), its atomic write, verification, listing and removal.
+- `run_spec`: what RUN, RUN@50% and RUN@step-N name among a run's checkpoints (no file read).
 - `rundir`: a run directory (`RunDir`): run.json, config.yaml, metrics.jsonl, pruning, the same-run
   check and the input fingerprints a resume compares.
 - `probe_record`: a probe run's probe.json (which checkpoint holds the probe, how good it is).

@@ -1,5 +1,6 @@
 """Checkpoints: the one module that writes, verifies and reads a checkpoint folder, and resolves the
-names users give one (``FOLDER``, ``RUN``, ``RUN@50%``, ``RUN@step-N``).
+names users give one (``FOLDER``, ``RUN``, ``RUN@50%``, ``RUN@step-N``) by reading the run's
+markers (the grammar and the choice among them: `mlsm.artifacts.run_spec`).
 
 Layout of <run>/checkpoints/step-NNNNNNN/:
   config.json, model.safetensors     HF weights (what `from_pretrained` loads)
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from typing import Any
 from mlsm.artifacts.fingerprint import folder_fingerprint
 from mlsm.artifacts.outputs import OutputKind
 from mlsm.artifacts.probe_record import recorded_checkpoint_name
+from mlsm.artifacts.run_spec import SYNTAX, RunCheckpoints, Saved, split_spec
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text, building_dir
 from mlsm.inputs import field_problem, read_json
@@ -387,52 +387,6 @@ def probe_run_of(checkpoint: str | os.PathLike) -> Path:
 
 # ----------------------------------------------------------------------------- run specs
 
-_SUFFIX = re.compile(r"(?:(?P<pct>\d+(?:\.\d+)?)%|step-(?P<step>\d+))")
-SYNTAX = "RUN, RUN@<percent>% (e.g. @50%) or RUN@step-<N> (e.g. @step-100)"
-
-
-def readiness_step(fraction: float, total_steps: int) -> int:
-    """The step at which a run of `total_steps` keeps its readiness-`fraction` checkpoint (the one
-    rounding the training loop, `RUN@50%`, `--readiness all` and studies share)."""
-    return max(1, round(fraction * total_steps))
-
-
-def readiness_steps(fractions: list[float] | tuple[float, ...], total_steps: int) -> set[int]:
-    """The steps of every readiness checkpoint of a run."""
-    return {readiness_step(f, total_steps) for f in fractions}
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """One complete checkpoint of a run."""
-
-    step: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class _RunCheckpoints:
-    """What a run spec is resolved against: a run folder's complete checkpoints (oldest first),
-    planned steps and readiness list. Not a second type of run folder (that is
-    `mlsm.artifacts.rundir.RunDir`): a snapshot read from its checkpoint.json files."""
-
-    path: Path
-    checkpoints: tuple[_Saved, ...]
-    total_steps: int
-    readiness: tuple[float, ...]
-
-    def at_step(self, step: int) -> _Saved | None:
-        return next((c for c in self.checkpoints if c.step == step), None)
-
-    def readiness_step(self, fraction: float) -> int:
-        """The step the training loop saves for readiness ``fraction``."""
-        return readiness_step(fraction, self.total_steps)
-
-    def describe(self) -> str:
-        """``step-20 (10%), step-200 (100%)``: what exists, for error messages."""
-        return ", ".join(f"step-{c.step} ({100 * c.step / self.total_steps:g}%)"
-                         for c in self.checkpoints) or "none"
-
 
 def is_run_dir(path: str | os.PathLike) -> bool:
     """True for a directory with a ``checkpoints/`` folder (what `pretrain` writes)."""
@@ -445,7 +399,7 @@ _MARKER_FIELDS = {"step": "int", "readiness": "number?", "config.train.steps": "
 _FIX_MARKER = "restore it from a copy, or delete that checkpoint folder to use the others"
 
 
-def _complete_checkpoints(path: str | os.PathLike) -> _RunCheckpoints:
+def _complete_checkpoints(path: str | os.PathLike) -> RunCheckpoints:
     """Read a run directory's complete checkpoints; UserError when it has none."""
     root = Path(path)
     found, total, readiness = [], 0, (1.0,)
@@ -454,7 +408,7 @@ def _complete_checkpoints(path: str | os.PathLike) -> _RunCheckpoints:
         if not marker.is_file():
             continue  # being written, or killed while writing: not a checkpoint
         info = read_json(marker, "checkpoint file", _FIX_MARKER, fields=_MARKER_FIELDS)
-        found.append(_Saved(info["step"], folder))
+        found.append(Saved(info["step"], folder))
         train = (info.get("config") or {}).get("train") or {}
         if not train.get("steps") and not info.get("readiness"):
             raise UserError(f"checkpoint file {marker} names neither config.train.steps nor "
@@ -464,16 +418,7 @@ def _complete_checkpoints(path: str | os.PathLike) -> _RunCheckpoints:
     if not found:
         raise UserError(f"{root}: the run has no complete checkpoint in {root / 'checkpoints'} "
                         "yet; train it (mlsm pretrain) or pass a checkpoint folder")
-    return _RunCheckpoints(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
-
-
-def split_spec(spec: str | os.PathLike) -> tuple[Path, str]:
-    """``"runs/x@50%"`` -> (Path("runs/x"), "50%"); a spec that exists as a path has no suffix."""
-    text = str(spec)
-    if "@" not in text or Path(text).exists():
-        return Path(text), ""
-    base, _, suffix = text.rpartition("@")
-    return Path(base), suffix
+    return RunCheckpoints(root, tuple(sorted(found, key=lambda c: c.step)), total, readiness)
 
 
 def _run_checkpoint(base: Path) -> Path:
@@ -483,49 +428,19 @@ def _run_checkpoint(base: Path) -> Path:
     run = _complete_checkpoints(base)
     named = recorded_checkpoint_name(base)
     found = next((c for c in run.checkpoints if c.path.name == named), None)
-    return found.path if found is not None else _final(run).path
-
-
-def _final(run: _RunCheckpoints) -> _Saved:
-    last = run.checkpoints[-1]
-    if last.step < run.total_steps:
-        raise UserError(f"{run.path}: the run is not finished (newest checkpoint "
-                        f"step-{last.step} of {run.total_steps} steps); pass "
-                        f"{run.path}@step-{last.step} to use it, or finish "
-                        f"it with {resume_command(run.path)}")
-    return last
-
-
-def resume_command(run: Path) -> str:
-    """The command that finishes the run in `run` as printed: its own resolved config (a probe
-    run's too: it is a run of the probe objective) and its folder wherever it is now (config.yaml
-    names the train.out it was started in); a bare `--resume auto` would start from the defaults,
-    which name no token store."""
-    return (f"mlsm pretrain --config {shlex.quote(str(run / 'config.yaml'))} --resume auto "
-            f"{shlex.quote(f'train.out={run}')}")
+    return found.path if found is not None else run.final().path
 
 
 def resolve_checkpoint(spec: str | os.PathLike) -> Path:
-    """The checkpoint folder a spec names (see the module doc); other paths come back unchanged."""
+    """The checkpoint folder a spec names (`mlsm.artifacts.run_spec`); other paths come back
+    unchanged."""
     base, suffix = split_spec(spec)
     if not suffix:
         return _run_checkpoint(base) if is_run_dir(base) else base
     if not is_run_dir(base):
         raise UserError(f"{spec}: {base} is not a run directory (no checkpoints/ folder); "
                         f"the @ suffix selects a checkpoint of a run: {SYNTAX}")
-    match = _SUFFIX.fullmatch(suffix)
-    if match is None:
-        raise UserError(f"{spec}: unknown suffix @{suffix}; use {SYNTAX}")
-    run = _complete_checkpoints(base)
-    if match["step"] is not None:
-        step, what = int(match["step"]), f"step {int(match['step'])}"
-    else:
-        step = run.readiness_step(float(match["pct"]) / 100)
-        what = f"{match['pct']}% readiness (step {step})"
-    found = run.at_step(step)
-    if found is None:
-        raise UserError(f"{spec}: the run has no checkpoint at {what}; it has {run.describe()}")
-    return found.path
+    return _complete_checkpoints(base).pick(spec, suffix)
 
 
 def readiness_checkpoints(spec: str | Path) -> list[Path]:
@@ -534,14 +449,7 @@ def readiness_checkpoints(spec: str | Path) -> list[Path]:
     if suffix or not is_run_dir(base):
         raise UserError(f"{spec}: --readiness all needs a run directory without @ suffix (a folder "
                         "with checkpoints/), not a checkpoint")
-    run = _complete_checkpoints(base)
-    steps = sorted(readiness_steps(run.readiness, run.total_steps))
-    missing = [s for s in steps if run.at_step(s) is None]
-    if missing:
-        raise UserError(f"{base}: readiness checkpoints "
-                        f"{', '.join(f'step-{s}' for s in missing)} are "
-                        f"missing (unfinished run?); it has {run.describe()}")
-    return [run.at_step(s).path for s in steps]  # type: ignore[union-attr]
+    return _complete_checkpoints(base).readiness_folders()
 
 
 def expand_models(specs: list[str | Path] | tuple[str | Path, ...],

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from mlsm import locking
-from mlsm.artifacts.checkpoint import readiness_step
 from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl, read_jsonl
+from mlsm.artifacts.run_spec import readiness_step
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, merge
 from mlsm.errors import UserError

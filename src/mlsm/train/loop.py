@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mlsm import locking
-from mlsm.artifacts.checkpoint import readiness_steps, resume_command
 from mlsm.artifacts.fingerprint import folder_fingerprint
+from mlsm.artifacts.run_spec import readiness_steps, resume_command
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict
 from mlsm.data.batches import BatchSource
