@@ -1171,10 +1171,10 @@ def test_study_pretrain_stage_leaves_a_run_config_yaml_of_the_wrong_shape_to_pre
     spec = _study(tmp_path, {"corpus_dir": corpus_dir}, "arms: {a: {objective: {name: mlm}}}\n")
     study = Study(load_study(spec), log=lambda s: None)
     _write(study.run_dir("a") / "config.yaml", saved)
-    check_same_config(study, "a", study.arm_config("a"))
+    check_same_config(study.run_dir("a"), "a", study.arm_config("a"))
     _write(study.run_dir("a") / "config.yaml", "train: {steps: 7}\n")
     with pytest.raises(UserError, match="train.steps is 1 in the study file but 7"):
-        check_same_config(study, "a", study.arm_config("a"))
+        check_same_config(study.run_dir("a"), "a", study.arm_config("a"))
 
 
 def test_rank_looks_for_its_text_before_loading_the_model(teacher_dir: Path,

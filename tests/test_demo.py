@@ -93,8 +93,8 @@ def _blimp_row(arm: str, overall: float, top1: float) -> dict:
 def test_summary_skips_nan_rows_with_one_warning(tmp_path) -> None:
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / "p", tmp_path / "h", "", None,
                       8, 4, 2, 3)
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.reuse import blimp_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     study = Study(spec, log=lambda s: None)
     (study.root / "blimp").mkdir()
@@ -211,9 +211,9 @@ def test_the_report_names_the_prose_pairs_for_what_they_are(tmp_path) -> None:
     """The demo's first pair set is word-order pairs of held-out prose: the report's table and
     figure heading name it by its set, and nothing calls its accuracy BLiMP."""
     from mlsm.demo import PAIR_SET
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
     from mlsm.study.reuse import blimp_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
                       "blimp-folder", 8, 4, 2, 3)
@@ -243,9 +243,9 @@ def test_word_order_pairs_get_one_binomial_p_in_console_and_report(tmp_path) -> 
 
     from mlsm.demo import PAIR_SET
     from mlsm.evaluate.compare.paired import p_text
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
     from mlsm.study.reuse import blimp_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     recorded = Path(__file__).resolve().parents[1] / "docs" / "results" / "demo" / "blimp"
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h", None,
@@ -284,9 +284,9 @@ def test_one_seed_report_reads_first_zero_shot_and_never_nan(tmp_path, monkeypat
     import sys
 
     from mlsm.demo import PAIR_SET
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.report import write_report
     from mlsm.study.reuse import blimp_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     recorded = Path(__file__).resolve().parents[1] / "docs" / "results" / "demo"
     spec = demo_study(tmp_path / "out", "corpus.txt", tmp_path / PAIR_SET, tmp_path / "h",

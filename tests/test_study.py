@@ -515,8 +515,8 @@ def write_readout_rows(study_file: Path, values: dict[str, float]) -> None:
     """Held-out top-1 readout rows (`values`: run -> top-1) as the readout stage writes them: one
     file per model, each row stamped with the fingerprint of its inputs (the report leaves out
     rows of other inputs)."""
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.reuse import readout_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     study = Study(load_study(study_file), log=lambda s: None)
     (study.root / "readouts").mkdir(exist_ok=True)

@@ -584,8 +584,8 @@ def test_clm_arms_are_scored_only_at_readiness_points_past_their_causal_phase(tm
     stages.blimp_path(study, "cm", 1.0).parent.mkdir(parents=True)
     stages.blimp_path(study, "cm", 1.0).write_text("{}")
     assert stages.has_work(study, "blimp", "cm")  # a file without its stage record is not done
-    from mlsm.study.folder import fingerprint_of
     from mlsm.study.reuse import blimp_inputs
+    from mlsm.study.sameness import fingerprint_of
 
     current = fingerprint_of(blimp_inputs(study, "cm", 1.0))  # the one scored point is done
     study.set_status("blimp:cm@100%", {"state": "done", "fingerprint": current})

@@ -217,8 +217,8 @@ def test_signal_exit_zero_is_no_input_of_a_run(corpus_dir, tokenizer_dir, tmp_pa
     setting it changes no pre-training fingerprint (those recorded before the key existed stay
     current) and a run started without it resumes with it."""
     from mlsm.config import save_config
-    from mlsm.study.folder import check_same_config
     from mlsm.study.reuse import pretrain_inputs
+    from mlsm.study.sameness import check_same_config
 
     raw = _raw(corpus_dir, tokenizer_dir, tmp_path)
     plain = Study(_spec(copy.deepcopy(raw)), **QUIET)
@@ -229,7 +229,7 @@ def test_signal_exit_zero_is_no_input_of_a_run(corpus_dir, tokenizer_dir, tmp_pa
     assert pretrain_inputs(zero, "mlm")["settings"] == pretrain_inputs(plain, "mlm")["settings"]
     plain.run_dir("mlm").mkdir(parents=True)
     save_config(plain.arm_config("mlm"), plain.run_dir("mlm") / "config.yaml")
-    check_same_config(zero, "mlm", zero.arm_config("mlm"))  # no "restore it" refusal
+    check_same_config(zero.run_dir("mlm"), "mlm", zero.arm_config("mlm"))  # no "restore it" refusal
 
 
 def test_a_torn_store_meta_is_one_line_not_a_changed_store(tmp_path: Path) -> None:

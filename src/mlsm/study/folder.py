@@ -21,27 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from mlsm import locking
-from mlsm.artifacts.fingerprint import settings_fingerprint
 from mlsm.artifacts.jsonl import append_jsonl, read_jsonl
 from mlsm.artifacts.run_spec import readiness_step
 from mlsm.artifacts.rundir import RunDir
 from mlsm.config import config_to_dict, merge
 from mlsm.errors import UserError
 from mlsm.fileio import atomic_write_text
-from mlsm.inputs import field_problem, loads, read_json, read_yaml
+from mlsm.inputs import field_problem, loads, read_json
 from mlsm.progress import owned_by
 from mlsm.provenance import git_revision
 from mlsm.run_config import RunConfig, config_from_dict
 from mlsm.study.hypotheses import RECORD
+from mlsm.study.sameness import fingerprint_of, record_matches
 from mlsm.study.spec import StudySpec, arm_base, arm_dictionary, readiness_label
 
 _STAGE_RUN = {"stage": "text", "arm": "text?", "seconds": "number", "cpu_seconds": "number?"}
 """The fields of a stages.jsonl row that readers use."""
-
-_VOLATILE = (("train", "threads"), ("train", "device"), ("train", "signal_exit_zero"),
-             ("train", "eval_every"), ("train", "eval_batches"))  # none changes a weight
-"""Config keys that may change between a run and its resumption (they do not change the result)."""
-
 
 class Study:
     """Paths and bookkeeping of one study folder."""
@@ -324,9 +319,7 @@ class Study:
         if self.is_done(key, inputs, outputs):
             return True
         record = self.status().get(key, {})
-        same = record.get("fingerprint") == fingerprint_of(inputs) and \
-            same_data(record.get("inputs"), inputs)
-        if not same:
+        if not record_matches(record, inputs):
             self.supersede([p for p in (outputs if moved is None else moved) if p.exists()])
             if supersede is not None:
                 supersede()
@@ -335,11 +328,10 @@ class Study:
 
     def is_done(self, key: str, inputs: dict[str, Any], outputs: list[Path]) -> bool:
         """Whether stage `key`'s record says done with the fingerprint of `inputs` and their
-        data (`same_data`), and every one of its `outputs` exists."""
+        data (`sameness.same_data`), and every one of its `outputs` exists."""
         record = self.status().get(key, {})
         return record.get("state") == "done" and all(p.exists() for p in outputs) and \
-            record.get("fingerprint") == fingerprint_of(inputs) and \
-            same_data(record.get("inputs"), inputs)
+            record_matches(record, inputs)
 
     def supersede_rows(self, arm: str) -> int:
         """Move the fine-tuning rows of the arm's models (ARM@READINESS) from results.jsonl to
@@ -443,29 +435,6 @@ def _model_arm(line: str) -> str | None:
     return model.rpartition("@")[0] if isinstance(model, str) and "@" in model else None
 
 
-DATA = "data"
-"""The inputs key of the content of the data paths a stage reads: recorded with the inputs and
-compared by `same_data`, but not hashed into the fingerprint, so the fingerprints of studies
-recorded before it stay the same (a running study resumes by them)."""
-
-
-def fingerprint_of(inputs: dict[str, Any]) -> str:
-    """The fingerprint a stage record keeps of its inputs (each itself a fingerprint, or a plain
-    setting; `DATA` aside)."""
-    return settings_fingerprint({k: v for k, v in inputs.items() if k != DATA})
-
-
-def same_data(recorded: Any, inputs: dict[str, Any]) -> bool:
-    """Whether a stage record's (or row's) `DATA` equals that of `inputs`: a data path whose
-    content changed in place is another input. A record from before `DATA` was kept cannot tell
-    (it is recorded with it at the stage's next run); a path not found now (None) is not
-    judged."""
-    old, now = (recorded or {}).get(DATA), inputs.get(DATA)
-    if not isinstance(old, dict) or not isinstance(now, dict):
-        return True
-    return all(old.get(k) == v for k, v in now.items() if v is not None)
-
-
 def _reads_states(objective: Any) -> bool:
     """The objective reads the study teacher's hidden states (it declares `uses_teacher` and
     `predicts_latent`: MLSM's family and feature_kd; not logit KD, whose teacher is a masked LM
@@ -474,43 +443,6 @@ def _reads_states(objective: Any) -> bool:
 
     cls = objective_class(objective)
     return bool(cls and cls.uses_teacher and cls.predicts_latent)
-
-
-def check_same_config(study: Study, arm: str, cfg: RunConfig) -> None:
-    """A run folder written with a different resolved config is an error naming the arm and key.
-    A config.yaml that is torn or of the wrong shape (hand-edited) is not compared: `pretrain`
-    rewrites it on resume and checks the config of the checkpoint it resumes from instead."""
-    saved_path = study.run_dir(arm) / "config.yaml"
-    if not saved_path.is_file():
-        return
-    try:
-        saved = read_yaml(saved_path, "run config", "")
-    except UserError:
-        return
-    if not isinstance(saved, dict):
-        return
-    saved = {group: keys for group, keys in saved.items() if isinstance(keys, dict)}
-    now = config_to_dict(cfg)
-    for group, key in _VOLATILE:
-        for config in (saved, now):
-            config.get(group, {}).pop(key, None)
-    diff = _first_difference(saved, now)
-    if diff:
-        key, old, new = diff
-        raise UserError(f"arm {arm}: {key} is {new!r} in the study file but {old!r} in "
-                        f"the run already in {study.run_dir(arm)}; restore it, or rename the arm / "
-                        "delete that run to train anew")
-
-
-def _first_difference(a: Any, b: Any, prefix: str = "") -> tuple[str, Any, Any] | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        # a key only in `b` is a config field added to mlsm since the run: its default applies
-        for key in sorted(a):
-            diff = _first_difference(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
-            if diff:
-                return diff
-        return None
-    return None if a == b else (prefix, a, b)
 
 
 def pretrain_done(study: Study, arm: str) -> bool:

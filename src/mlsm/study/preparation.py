@@ -15,7 +15,8 @@ from mlsm.defaults import default_k
 from mlsm.errors import UserError
 from mlsm.run_config import config_from_dict
 from mlsm.study import reuse
-from mlsm.study.folder import Study, check_same_config, fingerprint_of, pretrain_done
+from mlsm.study.folder import Study, pretrain_done
+from mlsm.study.sameness import check_same_config, fingerprint_of
 from mlsm.study.spec import arm_base, arm_dictionary, check_arm_dictionary
 
 
@@ -35,7 +36,7 @@ def pretrain_todo(study: Study, arm: str, cfg: Any = None) -> bool:
     status.json) is adopted when its config.yaml matches: its fingerprint is recorded from then
     on. A run that is not finished gets a `started` record, so a resume after its store or
     dictionary was rebuilt in place is refused too."""
-    check_same_config(study, arm, cfg or study.arm_config(arm))
+    check_same_config(study.run_dir(arm), arm, cfg or study.arm_config(arm))
     inputs, key = reuse.pretrain_inputs(study, arm), f"pretrain:{arm}"
     study.note_inputs(inputs)
     record = study.status().get(key, {})

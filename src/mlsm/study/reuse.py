@@ -7,7 +7,7 @@ stage, `settings_fingerprint`), `checkpoint` (`folder_fingerprint` of the model 
 atom hash, `mlsm.teacher.targets.dictionary_hash`) and, for BLiMP and readouts of a latent arm,
 `probe` (the content digest of the probe's record), and `data`: the content of the data paths
 the stage reads (`path_fingerprint`: BLiMP pairs, task folders, GLUE, held-out stores), kept
-beside the fingerprint rather than in it (`folder.same_data`). A difference names the input that
+beside the fingerprint rather than in it (`sameness.same_data`). A difference names the input that
 changed.
 Rows a stage writes (BLiMP files, readout rows) carry their fingerprint, so the report keeps only
 rows whose fingerprint equals the current one (`is_current`).
@@ -31,7 +31,8 @@ from mlsm.config import config_to_dict
 from mlsm.defaults import UNIGRAM_ESTIMATE
 from mlsm.errors import UserError
 from mlsm.inputs import field_problem, is_number, read_json
-from mlsm.study.folder import _VOLATILE, DATA, Study, fingerprint_of, same_data
+from mlsm.study.folder import Study
+from mlsm.study.sameness import DATA, fingerprint_of, record_matches, same_data, without_volatile
 from mlsm.study.spec import ArmDictionary, arm_dictionary, readiness_label
 
 _MEMO: dict[tuple, str | None] = {}
@@ -163,9 +164,7 @@ def targets_inputs(study: Study, arm: str) -> dict[str, Any]:
 
 def pretrain_inputs(study: Study, arm: str) -> dict[str, Any]:
     """The arm's resolved run config (less what may change on a resume), store and dictionary."""
-    config = config_to_dict(study.arm_config(arm))
-    for group, key in _VOLATILE:
-        config.get(group, {}).pop(key, None)
+    config = without_volatile(config_to_dict(study.arm_config(arm)))
     return {"settings": settings_fingerprint(config), "store": store_fingerprint(study),
             "dictionary": dictionary_fingerprint(study, arm)}
 
@@ -267,8 +266,7 @@ def is_current(study: Study, kind: str, row: dict[str, Any]) -> bool:
 def finetune_is_current(study: Study, arm: str) -> bool:
     """Whether the arm's fine-tuning record was made from the current settings and checkpoints."""
     record, inputs = study.status().get(f"finetune:{arm}", {}), finetune_inputs(study, arm)
-    return record.get("fingerprint") == fingerprint_of(inputs) and \
-        same_data(record.get("inputs"), inputs)
+    return record_matches(record, inputs)
 
 
 def current_rows(study: Study, kind: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

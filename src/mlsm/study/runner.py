@@ -39,13 +39,13 @@ from mlsm.study.folder import (
     OUTPUTS,
     REPORT_OUTPUTS,
     Study,
-    check_same_config,
     only_arms,
     pretrain_done,
 )
 from mlsm.study.gates import FairGate, through
 from mlsm.study.hypotheses import record_preregistration
 from mlsm.study.preparation import build_targets_for, learn_dictionary_for, prepare_store
+from mlsm.study.sameness import check_same_config
 from mlsm.study.slurm import check_slurm
 from mlsm.study.spec import StudySpec, arm_base, spec_record
 from mlsm.study.stages import EVALUATIONS, probe_heads

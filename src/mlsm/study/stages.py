@@ -21,7 +21,8 @@ from mlsm.errors import UserError
 from mlsm.evaluate.zeroshot.heldout import binomial_p, heldout_masked_tokens
 from mlsm.fileio import atomic_write_text
 from mlsm.study import reuse
-from mlsm.study.folder import Study, fingerprint_of, only_arms, pretrain_done
+from mlsm.study.folder import Study, only_arms, pretrain_done
+from mlsm.study.sameness import fingerprint_of
 from mlsm.study.spec import StudySpec, readiness_label
 
 PROBE_KEYS = ("input", "heldout_loss", "heldout_top1", "unigram_loss", "steps")
