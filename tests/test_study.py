@@ -318,6 +318,9 @@ def _check_precision_column(spec, out: Path, text: str) -> None:
     marker.write_text(json.dumps({**record, "resumed": [{**old_segment, "precision": "bf16"}]}))
     text = write_report(Study(spec, log=lambda s: None)).read_text()  # within one arm
     assert "(mlm: fp32, mlsm: bf16 + fp32)" in text
+    marker.unlink()  # trained, but no run.json to read (a piece published before pieces kept it)
+    text = write_report(Study(spec, log=lambda s: None)).read_text()
+    assert "| mlsm | mlsm | not recorded |" in text
 
 
 def _check_readouts(out: Path, text: str) -> None:

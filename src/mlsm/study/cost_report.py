@@ -60,18 +60,20 @@ def arm_compute(study: Study) -> list[dict[str, Any]]:
                     "flops_per_batch": flops, "pretrain_seconds": times.get(("pretrain", arm), 0.0),
                     "training_seconds": training_seconds(rows),
                     "final_loss": rows[-1]["loss"] if rows else math.nan,
-                    **_precision(study, arm)})
+                    **_precision(study, arm, trained=bool(rows))})
     return out
 
 
-def _precision(study: Study, arm: str) -> dict[str, Any]:
+def _precision(study: Study, arm: str, trained: bool) -> dict[str, Any]:
     """The precisions the arm's run trained in, as its run.json segments recorded them
     (`precisions`), and how the compute table shows them (`precision`; segments written before
-    the precision was recorded say "not recorded")."""
+    the precision was recorded, or a run that trained without a run.json to read, as in a piece
+    published before pieces carried it, say "not recorded"; "—" is an arm with no training)."""
     seen = RunDir(study.run_dir(arm)).segment_values("precision")
     known = sorted({p for p in seen if isinstance(p, str)})
-    shown = known + (["not recorded"] if any(not isinstance(p, str) for p in seen) else [])
-    return {"precisions": known, "precision": " + ".join(shown) if seen else "—"}
+    unknown = any(not isinstance(p, str) for p in seen) or (trained and not seen)
+    shown = known + (["not recorded"] if unknown else [])
+    return {"precisions": known, "precision": " + ".join(shown) or "—"}
 
 
 def _precision_warning(compute: list[dict[str, Any]]) -> list[str]:
