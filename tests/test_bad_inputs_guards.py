@@ -374,6 +374,7 @@ def test_second_study_on_one_folder_refuses_naming_the_first(fx: dict, tmp_path:
         capsys.readouterr()
         line = _one_line_error(main(["study", str(study)]), capsys.readouterr().err)
         assert f"study folder {tmp_path / 'study'} is being written by pid {first.pid}" in line
+        assert "run the arms of both in one command (--arms" in line  # the fix for a piece
         assert first.poll() is None, "the first study was disturbed"
         # undisturbed: it goes on to pre-train
         metrics = tmp_path / "study" / "runs" / "a" / "metrics.jsonl"

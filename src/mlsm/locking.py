@@ -52,10 +52,12 @@ _HELD: dict[Path, int] = {}  # locks this process holds -> nesting depth (re-ent
 
 
 @contextmanager
-def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator[None]:
+def hold(folder: str | os.PathLike, what: str, enabled: bool = True,
+         fix: str = "wait for it to finish or choose another output") -> Iterator[None]:
     """Hold the lock of `folder` for the body; `what` names the output in the error
-    (e.g. "run directory", "token store"). enabled=False (DDP ranks > 0) does nothing.
-    Re-entrant within a process, so the CLI may lock before a library call that locks too."""
+    (e.g. "run directory", "token store") and `fix` what to do instead. enabled=False (DDP ranks
+    > 0) does nothing. Re-entrant within a process, so the CLI may lock before a library call
+    that locks too."""
     path = lock_path(folder)
     if not enabled:
         yield
@@ -75,8 +77,7 @@ def hold(folder: str | os.PathLike, what: str, enabled: bool = True) -> Iterator
                         "parent folder is writable") from None
     if fd is None:
         holder = _holder(path)
-        raise UserError(f"{what} {folder} is being written by {holder} (lock {path}); wait for "
-                        "it to finish or choose another output")
+        raise UserError(f"{what} {folder} is being written by {holder} (lock {path}); {fix}")
     try:  # who holds it, for the refusal a second process prints (a hint: not the lock itself)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -71,10 +71,15 @@ def run_study(spec: StudySpec, stages: list[str] | None = None, log: Callable[[s
     check_study_inputs(spec, in_job)  # before anything is written
     # one writer per study folder: a second `mlsm study` on it refuses; the stages' own
     # subprocesses and jobs (in_job, `mlsm.study.job`) run inside the holder's command
-    with locking.hold(spec.root, "study folder", enabled=not in_job):
+    with locking.hold(spec.root, "study folder", enabled=not in_job, fix=_ONE_DRIVER):
         if not in_job:  # a job leaves the study's own record alone
             _record_study(whole)
         return _run_study(spec, stages, log, in_job)
+
+
+_ONE_DRIVER = ("wait for it to finish, or stop it (Ctrl-C or SIGTERM: every stage resumes) and "
+               "run the arms of both in one command (--arms A B ...), which runs them side by "
+               "side up to the study's jobs")
 
 
 def _record_study(spec: StudySpec) -> None:
