@@ -65,3 +65,51 @@ def test_a_checkpoint_far_below_the_budget_is_not_called_equal_compute() -> None
     (got,) = equal_compute([h], [], {"x": 1.2, "y": 1.0}, [0.69, 1.0], seeded=True)
     assert "equal" not in got  # 0.69 x 1.2 = 0.83 of the other's FLOPs: too far below
     assert "no checkpoint within 5 %" in equal_compute_lines([got])[-2]
+
+
+def test_a_study_scoring_at_the_equal_flops_point_tests_held_out_rows_there(
+    corpus_dir, tokenizer_dir, teacher_dir, tmp_path
+) -> None:
+    """End to end: a study whose `blimp.readiness` lists the point where the costlier arm's
+    training FLOPs reach the other's scores held-out masked tokens there (through MLSM's probe,
+    fitted at each of those points, or MLM's head), and its report reads the held-out hypothesis
+    again between that checkpoint and the other arm's final one (what v3 did by hand: its file
+    lists 1.0 only). Here the tiny MLM, whose |V|-wide head dominates, is the costlier arm."""
+    import json
+
+    from mlsm.study.cost_report import arm_compute
+    from mlsm.study.folder import Study
+    from mlsm.study.runner import run_study
+    from mlsm.study.spec import load_study, readiness_label
+    from tests.test_study import _raw, _tiny_tasks, _write
+
+    _, blimp = _tiny_tasks(tmp_path)
+    raw = _raw(corpus_dir, tokenizer_dir, teacher_dir, tmp_path / "study")
+    raw["base"]["train"]["steps"] = 20
+    per_batch = {c["arm"]: c["flops_per_batch"]
+                 for c in arm_compute(Study(load_study(_write(tmp_path, raw)), log=print))}
+    dear, cheap = sorted(per_batch, key=per_batch.get, reverse=True)
+    ratio = per_batch[dear] / per_batch[cheap]
+    point = math.floor(100 / ratio) / 100  # the last percent within the cheaper arm's budget
+    assert ratio > 1.05 and 0.1 <= point < 0.95
+    raw.update(readiness=[point, 1.0],
+               blimp={"data": [str(blimp)], "readiness": [point, 1.0]},
+               probe={"max_steps": 20, "eval_every": 10, "select_steps": 10,
+                      "heldout_batches": 1, "batch_size": 8, "min_delta": 1e-4},
+               hypotheses=[{"id": "H", "statement": "one reads held-out tokens better",
+                            "a": "mlsm@100%", "b": "mlm@100%", "kind": "masked",
+                            "task": "heldout", "metric": "top1"}])
+    spec = load_study(_write(tmp_path, raw))
+    run_study(spec, stages=["store", "dictionary", "pretrain", "probe", "blimp", "report"],
+              log=lambda s: None)
+    moved = {dear: f"{dear}@{readiness_label(point)}", cheap: f"{cheap}@100%"}
+    (got,) = json.loads((spec.root / "summary.json").read_text())["hypotheses"]
+    equal = got["equal_compute"]["equal"]
+    assert (equal["a"], equal["b"], equal["n"]) == (moved["mlsm"], moved["mlm"], 1)
+
+    def top1(model: str) -> float:
+        name = model.replace("%", "pct")
+        return json.loads((spec.root / "blimp" / f"{name}.json").read_text())["heldout"]["top1"]
+
+    assert equal["mean_diff"] == pytest.approx(top1(moved["mlsm"]) - top1(moved["mlm"]))
+    assert f"{moved['mlsm']} vs {moved['mlm']}" in (spec.root / "report.md").read_text()
