@@ -12,16 +12,16 @@ seed=${1:?usage: scripts/equal_compute_probes.sh SEED}
 study=studies/cpu_replication_v3.yaml
 run="runs/studies/cpu_replication_v3/runs/mlsm_l5-s${seed}@69%"
 records=docs/results/cpu_replication_v3/equal_compute
-# the study's probe group as `mlsm probe` flags (`controls` aside; `rank` for the factored head)
+# the study's probe group as `mlsm probe` flags (`controls` aside), its `rank` first
 read -ra recipe <<< "$(python -c '
 import sys, yaml
 probe = yaml.safe_load(open(sys.argv[1]))["probe"]
 flags = {k: ",".join(map(str, v)) if isinstance(v, list) else v
          for k, v in probe.items() if k not in ("controls", "rank")}
-print(" ".join(f"--{k.replace(chr(95), chr(45))} {v}" for k, v in flags.items()))
+print(probe["rank"], " ".join(f"--{k.replace(chr(95), chr(45))} {v}" for k, v in flags.items()))
 ' "$study")"
-rank=$(python -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["probe"]["rank"])' \
-    "$study")
+rank=${recipe[0]}
+recipe=("${recipe[@]:1}")
 mkdir -p runs/diagnostics "$records"
 for head in factored latent; do
     name="mlsm_l5-s${seed}@69pct-${head}"
